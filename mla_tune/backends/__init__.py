@@ -1,0 +1,58 @@
+"""Kernel families the tuner can measure, by name. Imports are lazy: a family's heavy or optional
+dependencies (flashinfer, vllm) load only when it is asked for."""
+
+from __future__ import annotations
+
+from importlib import import_module
+
+from mla_tune.backends.base import Availability, Backend, Candidate, CandidateInvalid, Prepared
+
+# family -> "module:Class"; test-only families register themselves through `register_family`.
+_FAMILIES = {
+    "reference": "mla_tune.backends.reference:ReferenceBackend",
+    "flashinfer": "mla_tune.backends.flashinfer:FlashInferBackend",
+    "triton": "mla_tune.backends.triton_mla:TritonMLABackend",
+}
+
+
+def register_family(name: str, target: str) -> None:
+    _FAMILIES[name] = target
+
+
+def family_names() -> list[str]:
+    return list(_FAMILIES)
+
+
+def get_backend(family: str) -> Backend:
+    """Instantiate a family by name; unknown names raise KeyError with the known ones."""
+    if family not in _FAMILIES:
+        raise KeyError(f"unknown kernel family {family!r}; known: {', '.join(_FAMILIES)}")
+    mod, _, cls = _FAMILIES[family].partition(":")
+    try:
+        return getattr(import_module(mod), cls)()
+    except ImportError as e:
+        return _Unavailable(family, f"cannot import {mod}: {e}")
+
+
+class _Unavailable:
+    """Stands in for a family whose module cannot be imported here, so the sweep can go on."""
+
+    def __init__(self, family: str, reason: str):
+        self.family = family
+        self._reason = reason
+
+    def available(self, device: str) -> Availability:
+        return Availability(False, self._reason)
+
+    def space(self, workload, page_sizes):
+        return []
+
+    def default_candidate(self, workload, page_size):
+        raise CandidateInvalid("unsupported", self._reason)
+
+    def prepare(self, workload, candidate, problem):
+        raise CandidateInvalid("unsupported", self._reason)
+
+
+__all__ = ["Availability", "Backend", "Candidate", "CandidateInvalid", "Prepared", "get_backend",
+           "family_names", "register_family"]

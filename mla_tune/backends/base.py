@@ -1,0 +1,95 @@
+"""The backend protocol: what a kernel family must tell the tuner and do for it.
+
+A family (torch reference, FlashInfer, vLLM's Triton MLA, ...) says whether it can run here, which
+candidates it offers for a workload (its search space, constraints already applied), which one is
+its untuned default, and prepares a candidate into something runnable. Failures are data: a family
+raises CandidateInvalid with one of the store's invalidity reasons, never crashes the sweep.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, runtime_checkable
+
+from mla_tune.problem import Workload
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the search space: a family's kernel with a page size and its knobs."""
+
+    family: str
+    backend: str
+    page_size: int
+    params: dict = field(default_factory=dict, hash=False, compare=False)
+
+    @property
+    def key(self) -> str:
+        knobs = ",".join(f"{k}={v}" for k, v in sorted(self.params.items()))
+        return f"{self.family}/{self.backend}/p{self.page_size}" + (f"/{knobs}" if knobs else "")
+
+    def __hash__(self):
+        return hash(self.key)
+
+    def __eq__(self, other):
+        return isinstance(other, Candidate) and self.key == other.key
+
+    @classmethod
+    def parse(cls, text: str) -> "Candidate":
+        """Inverse of `key`: 'flashinfer/fa3/p64' or 'triton/triton/p16/num_kv_splits=8'."""
+        parts = text.strip().split("/")
+        if len(parts) < 3 or not parts[2].startswith("p") or not parts[2][1:].isdigit():
+            raise ValueError(f"bad candidate {text!r}; expected family/backend/p<page_size>[/k=v,...]")
+        params = {}
+        if len(parts) > 3:
+            for kv in "/".join(parts[3:]).split(","):
+                k, _, v = kv.partition("=")
+                if not _:
+                    raise ValueError(f"bad knob {kv!r} in {text!r}; expected key=value")
+                params[k] = json.loads(v) if v.lstrip("-").isdigit() else v
+        return cls(parts[0], parts[1], int(parts[2][1:]), params)
+
+
+@dataclass(frozen=True)
+class Availability:
+    ok: bool
+    reason: str = ""
+
+
+class CandidateInvalid(Exception):
+    """A candidate that cannot be measured; `reason` is one of store.INVALID_REASONS."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+@dataclass
+class Prepared:
+    """A planned candidate over one problem instance.
+
+    `run()` launches the kernel and returns the output tensor (written in place into `out`);
+    `plan()` redoes the per-step host work (what a server runs every decode step), for timing;
+    `compile_s` is first-use JIT/compile time, measured outside every timing sample.
+    """
+
+    run: Callable[[], object]
+    plan: Callable[[], None] | None
+    out: object
+    compile_s: float = 0.0
+    graphable: bool = True
+
+
+@runtime_checkable
+class Backend(Protocol):
+    family: str
+
+    def available(self, device: str) -> Availability: ...
+
+    def space(self, workload: Workload, page_sizes: list[int]) -> list[Candidate]: ...
+
+    def default_candidate(self, workload: Workload, page_size: int) -> Candidate: ...
+
+    def prepare(self, workload: Workload, candidate: Candidate, problem) -> Prepared: ...

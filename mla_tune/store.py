@@ -1,0 +1,241 @@
+"""The results store: one SQLite file (results.db) through sqlite-utils.
+
+Every measurement references a run (the environment it was taken in) and a workload. A trial is
+one candidate on one workload, with its status and, when invalid, the reason; its raw timing
+samples go to `samples`, statistics are derived on read. WAL mode, one commit per trial, so a
+killed sweep loses at most the trial in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import sqlite_utils
+
+SCHEMA_VERSION = 1
+META_TABLE = "mla_tune_meta"
+INVALID_REASONS = ("compile", "runtime", "wrong_result", "unsupported", "timeout", "crash")
+STATUSES = ("ok", "invalid")
+
+
+class StoreError(Exception):
+    """The file cannot be used as a results DB; the message says why. The file is left untouched."""
+
+
+def _m1_initial(db: sqlite_utils.Database) -> None:
+    db["runs"].create({
+        "id": int, "started_at": str, "kind": str, "device_name": str, "sm_count": int,
+        "driver": str, "cuda": str, "torch": str, "flashinfer": str, "vllm": str, "host": str,
+        "python": str, "copy_gbps": float, "matmul_tflops": float, "command": str, "notes": str,
+    }, pk="id")
+    db["workloads"].create({
+        "id": int, "model": str, "num_heads": int, "kv_lora_rank": int, "qk_rope_head_dim": int,
+        "softmax_scale": float, "batch_size": int, "context_len": int, "q_len": int, "ragged": str,
+        "seed": int, "q_dtype": str, "kv_dtype": str, "total_kv_tokens": int, "bytes": int,
+        "flops": int,
+    }, pk="id")
+    db["workloads"].create_index(
+        ["model", "num_heads", "kv_lora_rank", "qk_rope_head_dim", "softmax_scale", "batch_size",
+         "context_len", "q_len", "ragged", "seed", "q_dtype", "kv_dtype"], unique=True)
+    db["trials"].create({
+        "id": int, "run_id": int, "workload_id": int, "sweep": str, "family": str, "backend": str,
+        "page_size": int, "params": str, "candidate": str, "status": str, "invalid_reason": str,
+        "message": str, "compile_s": float, "max_rel_error": float, "started_at": str,
+        "finished_at": str,
+    }, pk="id", foreign_keys=[("run_id", "runs", "id"), ("workload_id", "workloads", "id")])
+    db["trials"].create_index(["workload_id", "candidate"])
+    db["trials"].create_index(["sweep"])
+    db["samples"].create({"trial_id": int, "metric": str, "idx": int, "value": float},
+                         foreign_keys=[("trial_id", "trials", "id")])
+    db["samples"].create_index(["trial_id", "metric"])
+
+
+MIGRATIONS = [_m1_initial]   # index i brings the schema from version i to i + 1
+assert len(MIGRATIONS) == SCHEMA_VERSION
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+@dataclass
+class Stats:
+    n: int
+    median: float
+    mean: float
+    stdev: float
+    q1: float
+    q3: float
+    minimum: float
+
+    @property
+    def spread(self) -> float:
+        """Interquartile range relative to the median."""
+        return (self.q3 - self.q1) / self.median if self.median else 0.0
+
+
+def stats_of(values: list[float]) -> Stats | None:
+    if not values:
+        return None
+    v = sorted(values)
+    q = statistics.quantiles(v, n=4, method="inclusive") if len(v) > 1 else [v[0]] * 3
+    return Stats(len(v), statistics.median(v), statistics.fmean(v),
+                 statistics.stdev(v) if len(v) > 1 else 0.0, q[0], q[2], v[0])
+
+
+class ResultsStore:
+    """Open (or create) a results DB. Raises StoreError, never alters a foreign or newer file."""
+
+    def __init__(self, path: str | Path, create: bool = True):
+        self.path = Path(path)
+        if self.path.is_dir():
+            raise StoreError(f"{self.path} is a directory, not a results DB")
+        exists = self.path.exists() and self.path.stat().st_size > 0
+        if not exists and not create:
+            raise StoreError(f"no results DB at {self.path} (run `mla-tune sweep` first)")
+        if exists:
+            with open(self.path, "rb") as f:
+                if f.read(16) != b"SQLite format 3\x00":
+                    raise StoreError(f"{self.path} is not a SQLite file, so not a results DB; left untouched")
+        try:
+            conn = sqlite3.connect(str(self.path), timeout=30)
+            self.db = sqlite_utils.Database(conn)
+            self._check_or_migrate(exists)
+        except sqlite3.DatabaseError as e:
+            raise StoreError(f"{self.path} cannot be read as a results DB ({e}); left untouched") from None
+
+    def _check_or_migrate(self, existed: bool) -> None:
+        tables = set(self.db.table_names())
+        if existed and tables and META_TABLE not in tables:
+            raise StoreError(f"{self.path} is a SQLite file but not an mla-tune results DB "
+                             f"(tables: {', '.join(sorted(tables))}); left untouched")
+        version = 0
+        if META_TABLE in tables:
+            row = self.db.execute(f"select value from {META_TABLE} where key='schema_version'").fetchone()
+            version = int(row[0]) if row else 0
+        if version > SCHEMA_VERSION:
+            raise StoreError(f"{self.path} has schema version {version}, newer than this mla-tune "
+                             f"understands ({SCHEMA_VERSION}); upgrade mla-tune. Left untouched")
+        if version < SCHEMA_VERSION:
+            self.db.enable_wal()
+            for i in range(version, SCHEMA_VERSION):
+                with self.db.conn:   # one transaction per migration step
+                    MIGRATIONS[i](self.db)
+                    self.db[META_TABLE].upsert({"key": "schema_version", "value": str(i + 1)}, pk="key")
+        elif self.db.journal_mode != "wal":
+            self.db.enable_wal()
+
+    def close(self) -> None:
+        self.db.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def schema_version(self) -> int:
+        return int(self.db[META_TABLE].get("schema_version")["value"])
+
+    # ------------------------------------------------------------ writes
+    def add_run(self, env: dict) -> int:
+        cols = {c.name for c in self.db["runs"].columns}
+        row = {k: v for k, v in env.items() if k in cols and k != "id"}
+        extra = {k: v for k, v in env.items() if k not in cols}
+        if extra:
+            row["notes"] = json.dumps(extra, default=str)
+        row.setdefault("started_at", _now())
+        with self.db.conn:
+            return self.db["runs"].insert(row).last_pk
+
+    def workload_id(self, workload, bytes_: int, flops: int) -> int:
+        key = dict(workload.key)
+        with self.db.conn:
+            rows = list(self.db["workloads"].rows_where(
+                " and ".join(f"[{k}] = ?" for k in key), list(key.values()), limit=1))
+            if rows:
+                return rows[0]["id"]
+            return self.db["workloads"].insert(
+                {**key, "total_kv_tokens": workload.total_kv_tokens, "bytes": bytes_, "flops": flops}
+            ).last_pk
+
+    def add_trial(self, run_id: int, workload_id: int, candidate, status: str,
+                  samples: dict[str, list[float]] | None = None, invalid_reason: str | None = None,
+                  message: str = "", compile_s: float | None = None,
+                  max_rel_error: float | None = None, sweep: str = "",
+                  started_at: str | None = None) -> int:
+        """Store one finished trial and its samples in one transaction."""
+        if status not in STATUSES:
+            raise ValueError(f"status {status!r} not in {STATUSES}")
+        if status == "invalid" and invalid_reason not in INVALID_REASONS:
+            raise ValueError(f"invalid_reason {invalid_reason!r} not in {INVALID_REASONS}")
+        row = {
+            "run_id": run_id, "workload_id": workload_id, "sweep": sweep,
+            "family": candidate.family, "backend": candidate.backend,
+            "page_size": candidate.page_size, "params": json.dumps(candidate.params, sort_keys=True),
+            "candidate": candidate.key, "status": status, "invalid_reason": invalid_reason,
+            "message": (message or "")[:2000], "compile_s": compile_s, "max_rel_error": max_rel_error,
+            "started_at": started_at or _now(), "finished_at": _now(),
+        }
+        conn = self.db.conn
+        with conn:   # the trial and its samples commit together or not at all
+            cur = conn.execute(
+                f"insert into trials ({', '.join(row)}) values ({', '.join('?' * len(row))})",
+                list(row.values()))
+            tid = cur.lastrowid
+            conn.executemany(
+                "insert into samples (trial_id, metric, idx, value) values (?, ?, ?, ?)",
+                [(tid, metric, i, float(v)) for metric, values in (samples or {}).items()
+                 for i, v in enumerate(values)])
+        return tid
+
+    # ------------------------------------------------------------ reads
+    def samples(self, trial_id: int, metric: str = "kernel_us") -> list[float]:
+        return [r[0] for r in self.db.execute(
+            "select value from samples where trial_id = ? and metric = ? order by idx",
+            [trial_id, metric]).fetchall()]
+
+    def finished_candidates(self, workload_id: int, sweep: str | None = None) -> dict[str, dict]:
+        """candidate key -> latest trial row, for resume."""
+        where, args = "workload_id = ?", [workload_id]
+        if sweep is not None:
+            where += " and sweep = ?"
+            args.append(sweep)
+        out = {}
+        for r in self.db["trials"].rows_where(where, args, order_by="id"):
+            out[r["candidate"]] = r
+        return out
+
+    def trials(self, where: str = "1=1", args: Iterable = ()) -> list[dict]:
+        """Trials joined with their workload and run, with kernel-time statistics derived here."""
+        sql = f"""
+            select t.*, w.model, w.num_heads, w.kv_lora_rank, w.qk_rope_head_dim, w.softmax_scale,
+                   w.batch_size, w.context_len, w.q_len, w.ragged, w.seed, w.q_dtype, w.kv_dtype,
+                   w.total_kv_tokens, w.bytes, w.flops, r.device_name, r.kind as run_kind,
+                   r.copy_gbps, r.matmul_tflops
+            from trials t join workloads w on t.workload_id = w.id join runs r on t.run_id = r.id
+            where {where} order by t.id"""
+        rows = [dict(r) for r in self.db.query(sql, list(args))]
+        ids = [r["id"] for r in rows]
+        by_trial: dict = {}
+        for i in range(0, len(ids), 900):
+            chunk = ids[i:i + 900]
+            q = f"select trial_id, metric, value from samples where trial_id in ({','.join('?' * len(chunk))}) order by trial_id, idx"
+            for tid, metric, value in self.db.execute(q, chunk).fetchall():
+                by_trial.setdefault(tid, {}).setdefault(metric, []).append(value)
+        for r in rows:
+            r["params"] = json.loads(r["params"] or "{}")
+            r["samples"] = by_trial.get(r["id"], {})
+            r["stats"] = stats_of(r["samples"].get("kernel_us", []))
+            r["plan_stats"] = stats_of(r["samples"].get("plan_us", []))
+        return rows
+
+    def runs(self) -> list[dict]:
+        return list(self.db["runs"].rows_where(order_by="id"))
