@@ -1,0 +1,7 @@
+"""`mla-tune`: thin Typer commands over the library. Each command lives in its own module and
+registers itself on the shared app."""
+
+from mla_tune.cli.app import app, main  # noqa: F401
+
+# importing a command module registers its commands
+from mla_tune.cli import sweep_cmd, report_cmd, bench_cmd, doctor_cmd  # noqa: E402,F401

@@ -1,0 +1,64 @@
+"""The Typer app, the shared console, and how errors reach the user (one line, non-zero exit)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(
+    name="mla-tune",
+    help="Tune MLA decode attention (FlashInfer, vLLM Triton MLA) on this GPU; emit the config vllm_metax loads.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+err_console = Console(stderr=True)
+
+EXIT_USER_ERROR = 2     # bad input: flags, files, DBs
+EXIT_FAILURE = 1        # the job ran and failed
+
+
+class UserError(Exception):
+    """An error caused by the user's input; shown as one line, exit code 2."""
+
+
+def fail(message: str, code: int = EXIT_USER_ERROR):
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _known_errors() -> tuple:
+    from mla_tune.problem import ProblemError
+    from mla_tune.store import StoreError
+    from vllm_metax.tuned_config import TunedConfigError
+    return (UserError, ProblemError, StoreError, TunedConfigError)
+
+
+def main() -> None:
+    """Console-script entry: user errors become one line; tracebacks only with MLA_TUNE_DEBUG=1."""
+    try:
+        app(standalone_mode=False)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        err_console.print("interrupted; finished trials are stored")
+        sys.exit(130)
+    except Exception as e:  # noqa: BLE001 - the last line of defence against tracebacks
+        import click
+        if isinstance(e, click.exceptions.Abort):
+            sys.exit(1)
+        if isinstance(e, click.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        if os.environ.get("MLA_TUNE_DEBUG"):
+            raise
+        if isinstance(e, _known_errors()):
+            err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            sys.exit(EXIT_USER_ERROR)
+        err_console.print(f"[bold red]internal error:[/] {type(e).__name__}: {e} "
+                          "(set MLA_TUNE_DEBUG=1 for the traceback)", highlight=False, soft_wrap=True)
+        sys.exit(EXIT_FAILURE)

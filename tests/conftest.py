@@ -1,0 +1,25 @@
+import importlib.util
+
+import pytest
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+HAS_CUDA = _has_cuda()
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_vllm = pytest.mark.skip(reason="needs vllm==0.33.0 installed")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
+        if "vllm" in item.keywords and not HAS_VLLM:
+            item.add_marker(skip_vllm)
