@@ -1,0 +1,105 @@
+import sqlite3
+
+import pytest
+import sqlite_utils
+
+from mla_tune.backends.base import Candidate
+from mla_tune.problem import Workload
+from mla_tune.store import SCHEMA_VERSION, ResultsStore, StoreError, stats_of
+
+W = Workload(16, 512, 64, 0.1, batch_size=4, context_len=1024)
+
+
+def _trial(store, cand="reference/torch/p16", samples=(3.0, 1.0, 2.0), status="ok", reason=None):
+    run = store.add_run({"kind": "cpu-reference", "device_name": "cpu", "torch": "x", "unknown_key": 5})
+    wid = store.workload_id(W, 100, 200)
+    return store.add_trial(run, wid, Candidate.parse(cand), status,
+                           {"kernel_us": list(samples)} if samples else None, invalid_reason=reason)
+
+
+def test_schema_and_roundtrip(tmp_path):
+    path = tmp_path / "r.db"
+    with ResultsStore(path) as s:
+        tid = _trial(s)
+        assert s.schema_version == SCHEMA_VERSION
+        assert s.samples(tid) == [3.0, 1.0, 2.0]
+        row = s.trials()[0]
+        assert row["stats"].median == 2.0 and row["stats"].n == 3
+        assert row["batch_size"] == 4 and row["device_name"] == "cpu"
+        assert '"unknown_key": 5' in s.runs()[0]["notes"]
+    db = sqlite_utils.Database(path)
+    assert {"runs", "workloads", "trials", "samples", "mla_tune_meta"} <= set(db.table_names())
+    assert db.journal_mode == "wal"
+
+
+def test_reopen_does_not_duplicate_workloads(tmp_path):
+    path = tmp_path / "r.db"
+    with ResultsStore(path) as s:
+        a = s.workload_id(W, 1, 2)
+    with ResultsStore(path) as s:
+        assert s.workload_id(W, 1, 2) == a
+
+
+def test_invalid_trial_needs_reason(tmp_path):
+    with ResultsStore(tmp_path / "r.db") as s:
+        with pytest.raises(ValueError):
+            _trial(s, status="invalid", reason="nonsense")
+        tid = _trial(s, status="invalid", reason="unsupported", samples=None)
+        assert s.trials()[0]["invalid_reason"] == "unsupported" and s.trials()[0]["stats"] is None
+        assert tid
+
+
+def test_not_sqlite_left_untouched(tmp_path):
+    p = tmp_path / "notes.db"
+    p.write_bytes(b"hello world, not a database\n")
+    with pytest.raises(StoreError, match="not a SQLite file"):
+        ResultsStore(p)
+    assert p.read_bytes() == b"hello world, not a database\n"
+
+
+def test_foreign_sqlite_left_untouched(tmp_path):
+    p = tmp_path / "other.db"
+    c = sqlite3.connect(p)
+    c.execute("create table users (id int)")
+    c.commit()
+    c.close()
+    before = p.read_bytes()
+    with pytest.raises(StoreError, match="not an mla-tune results DB"):
+        ResultsStore(p)
+    assert p.read_bytes() == before
+
+
+def test_newer_schema_refused(tmp_path):
+    p = tmp_path / "r.db"
+    with ResultsStore(p) as s:
+        s.db["mla_tune_meta"].upsert({"key": "schema_version", "value": str(SCHEMA_VERSION + 1)}, pk="key")
+    before = p.read_bytes()
+    with pytest.raises(StoreError, match="newer"):
+        ResultsStore(p)
+    assert p.read_bytes() == before
+
+
+def test_missing_db_for_read(tmp_path):
+    with pytest.raises(StoreError, match="no results DB"):
+        ResultsStore(tmp_path / "none.db", create=False)
+    assert not (tmp_path / "none.db").exists()
+
+
+def test_directory_refused(tmp_path):
+    with pytest.raises(StoreError, match="directory"):
+        ResultsStore(tmp_path)
+
+
+def test_stats():
+    s = stats_of([1.0, 2.0, 3.0, 4.0, 100.0])
+    assert s.median == 3.0 and s.minimum == 1.0 and s.q1 == 2.0 and s.q3 == 4.0
+    assert s.spread == pytest.approx(2 / 3)
+    assert stats_of([]) is None
+
+
+def test_candidate_key_roundtrip():
+    c = Candidate("triton", "triton", 16, {"num_kv_splits": 8, "variant": "x"})
+    assert Candidate.parse(c.key) == c and Candidate.parse(c.key).params == {"num_kv_splits": 8, "variant": "x"}
+    for bad in ("flashinfer", "flashinfer/fa3/64", "a/b/p16/novalue"):
+        with pytest.raises(ValueError):
+            Candidate.parse(bad)
