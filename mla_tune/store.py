@@ -18,7 +18,7 @@ from typing import Iterable
 
 import sqlite_utils
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 META_TABLE = "mla_tune_meta"
 INVALID_REASONS = ("compile", "runtime", "wrong_result", "unsupported", "timeout", "crash")
 STATUSES = ("ok", "invalid")
@@ -56,7 +56,12 @@ def _m1_initial(db: sqlite_utils.Database) -> None:
     db["samples"].create_index(["trial_id", "metric"])
 
 
-MIGRATIONS = [_m1_initial]   # index i brings the schema from version i to i + 1
+def _m2_trial_is_default(db: sqlite_utils.Database) -> None:
+    # which candidate was the family's untuned default when measured: the baseline a winner must beat
+    db["trials"].add_column("is_default", int)
+
+
+MIGRATIONS = [_m1_initial, _m2_trial_is_default]   # index i brings the schema from version i to i + 1
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
 
@@ -170,7 +175,7 @@ class ResultsStore:
                   samples: dict[str, list[float]] | None = None, invalid_reason: str | None = None,
                   message: str = "", compile_s: float | None = None,
                   max_rel_error: float | None = None, sweep: str = "",
-                  started_at: str | None = None) -> int:
+                  started_at: str | None = None, is_default: bool | None = None) -> int:
         """Store one finished trial and its samples in one transaction."""
         if status not in STATUSES:
             raise ValueError(f"status {status!r} not in {STATUSES}")
@@ -183,6 +188,7 @@ class ResultsStore:
             "candidate": candidate.key, "status": status, "invalid_reason": invalid_reason,
             "message": (message or "")[:2000], "compile_s": compile_s, "max_rel_error": max_rel_error,
             "started_at": started_at or _now(), "finished_at": _now(),
+            "is_default": None if is_default is None else int(bool(is_default)),
         }
         conn = self.db.conn
         with conn:   # the trial and its samples commit together or not at all

@@ -23,6 +23,11 @@ def family_names() -> list[str]:
     return list(_FAMILIES)
 
 
+def family_targets() -> dict[str, str]:
+    """family -> "module:Class", so a worker process can rebuild the same registry."""
+    return dict(_FAMILIES)
+
+
 def get_backend(family: str) -> Backend:
     """Instantiate a family by name; unknown names raise KeyError with the known ones."""
     if family not in _FAMILIES:
@@ -55,4 +60,4 @@ class _Unavailable:
 
 
 __all__ = ["Availability", "Backend", "Candidate", "CandidateInvalid", "Prepared", "get_backend",
-           "family_names", "register_family"]
+           "family_names", "family_targets", "register_family"]

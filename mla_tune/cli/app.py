@@ -7,6 +7,7 @@ import sys
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 app = typer.Typer(
     name="mla-tune",
@@ -27,7 +28,7 @@ class UserError(Exception):
 
 
 def fail(message: str, code: int = EXIT_USER_ERROR):
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    err_console.print(f"[bold red]error:[/] {escape(str(message))}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -57,8 +58,8 @@ def main() -> None:
         if os.environ.get("MLA_TUNE_DEBUG"):
             raise
         if isinstance(e, _known_errors()):
-            err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             sys.exit(EXIT_USER_ERROR)
-        err_console.print(f"[bold red]internal error:[/] {type(e).__name__}: {e} "
+        err_console.print(f"[bold red]internal error:[/] {type(e).__name__}: {escape(str(e))} "
                           "(set MLA_TUNE_DEBUG=1 for the traceback)", highlight=False, soft_wrap=True)
         sys.exit(EXIT_FAILURE)

@@ -1,0 +1,305 @@
+"""GPU measurement-engine benchmark (issue 3): one process, one device call.
+
+    source .carry/device-env.sh && python3 bench/engine_bench.py --out $OUT
+
+Measures, through the tuner's own harness (mla_tune.timing.measure_interleaved over
+mla_tune.backends.flashinfer, i.e. the plugin's op), and writes <out>/engine_bench.json plus a
+text summary (<out>/engine_bench.txt, also printed):
+
+* device ceilings (copy GB/s counting read+write, bf16 8192^3 matmul TFLOP/s);
+* which FlashInfer backend values run on this device and FlashInfer's refusal for the others;
+* fa3 / fa2 / auto at DeepSeek-V3 TP8 (16 heads) and TP1 (128 heads) shapes, % of floor, plan us;
+* fa3 page sizes 1/16/64/128; the flat (0.2.x) vs keyword (0.7) API forms;
+* repeatability: two back-to-back measure() runs of one candidate;
+* the harness against independent measurements: torch profiler kernel time and
+  triton.testing.do_bench on the same captured graph;
+* the issue-3 performance bars, PASS/MISS with the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mla_tune.backends import Candidate  # noqa: E402
+from mla_tune.backends.flashinfer import FlashInferBackend  # noqa: E402
+from mla_tune.measure import MeasureSettings, measure  # noqa: E402
+from mla_tune.problem import model_preset, workload_for  # noqa: E402
+from mla_tune.problem_data import make_problem  # noqa: E402
+from mla_tune.roofline import achieved, floor_of, measure_ceilings, pct_of_floor  # noqa: E402
+from mla_tune.store import stats_of  # noqa: E402
+from mla_tune.timing import KernelTimer, _flush_buffer, default_pool_bytes, measure_interleaved  # noqa: E402
+
+V3 = model_preset("deepseek-v3")
+LOG: list[str] = []
+
+
+def say(msg: str = "") -> None:
+    print(msg, flush=True)
+    LOG.append(msg)
+
+
+def wl(tp, b, L):
+    return workload_for(V3, tp, b, L)
+
+
+def row_of(w, r, ceil, api="keyword", extra=None):
+    st = stats_of(r.samples.get("kernel_us", [])) if r.status == "ok" else None
+    pst = stats_of(r.samples.get("plan_us", [])) if r.status == "ok" else None
+    row = {"workload": w.label(), "heads": w.num_heads, "batch": w.batch_size, "context": w.context_len,
+           "candidate": r.candidate.key, "api": api, "status": r.status,
+           "invalid_reason": r.invalid_reason, "message": (r.message or "")[:500],
+           "compile_s": r.compile_s, "max_rel_error": r.max_rel_error,
+           "method": getattr(r.samples, "method", None), "note": getattr(r.samples, "note", "")}
+    if st:
+        gbps, tflops = achieved(st.median, w)
+        f = floor_of(w, ceil["copy_gbps"], ceil["matmul_tflops"])
+        row.update(median_us=st.median, q1_us=st.q1, q3_us=st.q3, min_us=st.minimum, n=st.n,
+                   spread=st.spread, gbps=gbps, tflops=tflops, pct_copy_bw=100 * gbps / ceil["copy_gbps"],
+                   pct_floor=pct_of_floor(st.median, w, ceil["copy_gbps"], ceil["matmul_tflops"]),
+                   floor_us=f.us, bound=f.bound,
+                   plan_us_median=pst.median if pst else None,
+                   kernel_us=[round(x, 3) for x in r.samples["kernel_us"]],
+                   plan_us=[round(x, 2) for x in r.samples.get("plan_us", [])])
+    row.update(extra or {})
+    return row
+
+
+def fmt_row(r):
+    if r["status"] != "ok":
+        return f"  {r['workload']:<18} {r['candidate']:<22} {r['api']:<7} INVALID {r['invalid_reason']}: {r['message'][:100]}"
+    return (f"  {r['workload']:<18} {r['candidate']:<22} {r['api']:<7} {r['median_us']:>9.1f} us "
+            f"IQR {100 * r['spread']:>4.1f}%  {r['gbps']:>6.0f} GB/s ({r['pct_copy_bw']:>5.1f}% copy) "
+            f"{r['tflops']:>5.0f} TFLOP/s  floor {r['pct_floor']:>5.1f}% ({r['bound'][:3]})  "
+            f"plan {r['plan_us_median'] or 0:>5.0f} us  err {r['max_rel_error']:.1e}  {r['method']}")
+
+
+def group(title, entries_by_w, settings, ceil, rows, rounds=5):
+    say(f"\n== {title}")
+    for w, entries in entries_by_w:
+        t0 = time.time()
+        res = measure_interleaved([(b, c) for b, c, _ in entries], w, settings, rounds)
+        for (b, c, api), r in zip(entries, res):
+            row = row_of(w, r, ceil, api)
+            rows.append(row)
+            say(fmt_row(row))
+        say(f"  ({time.time() - t0:.1f} s)")
+
+
+def independent_check(w, backend, cand, settings, n_prof=60):
+    """Harness samples vs torch-profiler kernel time and triton do_bench on the same graph."""
+    problem = make_problem(w, cand.page_size, "cuda", seed=1, min_pool_bytes=settings.min_pool_bytes)
+    prepared = backend.prepare(w, cand, problem)
+    timer = KernelTimer(prepared, "cuda", warmup=10, plan_samples=0)
+    harness = statistics.median(timer.sample(200))
+    out = {"workload": w.label(), "candidate": cand.key, "harness_us": harness, "method": timer.method}
+    buf = _flush_buffer(torch.device("cuda"))
+    try:
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(n_prof):
+                buf.zero_()
+                timer._launch()
+            torch.cuda.synchronize()
+        kern = [e for e in prof.events() if getattr(e, "device_type", None) == DeviceType.CUDA]
+        flush_words = ("memset", "fill", "zero")
+        kern = [e for e in kern if not any(x in e.name.lower() for x in flush_words)]
+        kern.sort(key=lambda e: e.time_range.start)
+        per = len(kern) // n_prof
+        out["profiler_kernels_per_run"] = per
+        out["profiler_kernel_names"] = sorted({e.name[:120] for e in kern})
+        if per >= 1 and len(kern) == per * n_prof:
+            sums, spans = [], []
+            for i in range(n_prof):
+                ks = kern[i * per:(i + 1) * per]
+                sums.append(sum(e.time_range.elapsed_us() for e in ks))
+                spans.append(ks[-1].time_range.end - ks[0].time_range.start)
+            out["profiler_kernel_sum_us"] = statistics.median(sums)
+            out["profiler_span_us"] = statistics.median(spans)
+            out["harness_vs_profiler"] = harness / out["profiler_kernel_sum_us"] - 1
+        else:
+            out["profiler_error"] = f"{len(kern)} kernel events for {n_prof} runs"
+    except Exception as e:  # noqa: BLE001
+        out["profiler_error"] = f"{type(e).__name__}: {e}"
+    try:
+        import triton.testing
+        db = triton.testing.do_bench(timer._launch, warmup=25, rep=200, return_mode="median")
+        out["do_bench_graph_us"] = db * 1e3
+        out["harness_vs_do_bench"] = harness / out["do_bench_graph_us"] - 1
+        out["do_bench_eager_us"] = triton.testing.do_bench(prepared.run, warmup=25, rep=200,
+                                                            return_mode="median") * 1e3
+    except Exception as e:  # noqa: BLE001
+        out["do_bench_error"] = f"{type(e).__name__}: {e}"
+    timer.close()
+    del prepared, problem
+    torch.cuda.empty_cache()
+    return out
+
+
+def section(name, fn, result, outdir):
+    """Run one part; a failure is recorded and the rest still runs; partial JSON after each."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        tb = traceback.format_exc(limit=6)
+        result.setdefault("errors", {})[name] = tb
+        say(f"!! section {name} failed: {type(e).__name__}: {e}\n{tb}")
+    (outdir / "engine_bench.json").write_text(json.dumps(result, indent=1, default=str))
+    (outdir / "engine_bench.txt").write_text("\n".join(LOG) + "\n")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--samples", type=int, default=100)
+    ap.add_argument("--quick", action="store_true", help="fewer shapes (smoke test)")
+    args = ap.parse_args()
+    outdir = Path(args.out)
+    outdir.mkdir(parents=True, exist_ok=True)
+    result: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    t_start = time.time()
+
+    from mla_tune.environment import capture_environment
+    from vllm_metax.ops import flashinfer_mla as op
+    env = capture_environment("gpu", "bench/engine_bench.py")
+    api = op.flashinfer_api()
+    env["flashinfer_api_form"] = api.form
+    env["flashinfer_version_runtime"] = api.version
+    result["environment"] = env
+    say(f"device {env['device_name']} (SM {env.get('capability')}, {env['sm_count']} SMs), driver {env['driver']}, "
+        f"torch {env['torch']} cuda {env['cuda']}, flashinfer {api.version} ({api.form} API)")
+    say(f"accepted backend values: {', '.join(api.backends)}")
+
+    ceil = measure_ceilings("cuda")
+    result["ceilings"] = ceil
+    say(f"ceilings: copy {ceil['copy_gbps']:.0f} GB/s (read+write), bf16 matmul {ceil['matmul_tflops']:.0f} TFLOP/s")
+
+    def support():
+        t0 = time.time()
+        sup = op.backend_support("cuda")
+        result["backend_support"] = sup
+        say(f"\n== backend support on this device ({time.time() - t0:.1f} s incl. JIT)")
+        for b, why in sup.items():
+            say(f"  {b:<20} {'runs' if why is None else 'refused: ' + why[:160]}")
+    section("support", support, result, outdir)
+
+    pool = default_pool_bytes("cuda")
+    settings = MeasureSettings(device="cuda", warmup=5, samples=args.samples, plan_samples=50,
+                               min_pool_bytes=pool, check=True, seed=0)
+    result["settings"] = {"samples": settings.samples, "warmup": settings.warmup,
+                          "plan_samples": settings.plan_samples, "min_pool_bytes": pool, "rounds": 5,
+                          "timing": "CUDA graph of one run, replayed; events per replay; L2 flushed "
+                                    "(2x L2 write) before each sample"}
+    say(f"timing: pool >= {pool >> 20} MiB, {settings.samples} samples/candidate in 5 interleaved rounds")
+    fi, fi_flat = FlashInferBackend(), FlashInferBackend(api="flat")
+    rows: list = []
+    result["trials"] = rows
+
+    def C(b, p=64):
+        return Candidate("flashinfer", b, p)
+
+    h16 = [(64, 4096), (128, 4096), (32, 32768), (128, 8192), (8, 1024), (1, 4096), (128, 1024)]
+    h128 = [(128, 32768), (32, 8192), (8, 4096), (1, 4096)]
+    if args.quick:
+        h16, h128 = h16[:1], h128[2:3]
+    trio = [(fi, C("fa3"), "keyword"), (fi, C("fa2"), "keyword"), (fi, C("auto"), "keyword")]
+    pages = [(fi, C("fa3", p), "keyword") for p in (1, 16, 64, 128)]
+    forms = [(fi, C("fa3"), "keyword"), (fi_flat, C("fa3"), "flat"), (fi, C("fa2"), "keyword"),
+             (fi_flat, C("fa2"), "flat")]
+    section("h16", lambda: group("DeepSeek-V3 TP8 (16 heads): fa3 vs fa2 vs auto, page 64",
+                                 [(wl(8, b, L), trio) for b, L in h16], settings, ceil, rows), result, outdir)
+    section("h128", lambda: group("DeepSeek-V3 TP1 (128 heads): fa3 vs fa2, page 64",
+                                  [(wl(1, b, L), trio[:2]) for b, L in h128], settings, ceil, rows), result, outdir)
+    section("pages", lambda: group("page size (fa3)", [(wl(8, 64, 4096), pages), (wl(1, 32, 8192), pages)],
+                                   settings, ceil, rows), result, outdir)
+    section("api", lambda: group("API forms: keyword (0.7) vs flat (0.2.x)",
+                                 [(wl(8, 64, 4096), forms), (wl(1, 8, 4096), forms)], settings, ceil, rows),
+            result, outdir)
+
+    rep: list = []
+    result["repeatability"] = rep
+
+    def repeat():
+        say("\n== repeatability: two back-to-back measure() runs (fresh problem, prepare, capture each)")
+        for w in (wl(8, 64, 4096), wl(1, 128, 32768), wl(8, 8, 1024), wl(8, 128, 8192)):
+            ms = []
+            for _ in range(2):
+                r = measure(fi, w, C("fa3"), settings)
+                ms.append(stats_of(r.samples["kernel_us"]).median if r.status == "ok" else None)
+            d = abs(ms[1] - ms[0]) / ms[0] if None not in ms else None
+            rep.append({"workload": w.label(), "candidate": "flashinfer/fa3/p64", "median1_us": ms[0],
+                        "median2_us": ms[1], "rel_diff": d})
+            say(f"  {w.label():<18} fa3/p64: {ms[0]} us vs {ms[1]} us -> "
+                + (f"{100 * d:.2f}%" if d is not None else "n/a"))
+    section("repeat", repeat, result, outdir)
+
+    ind: list = []
+    result["independent"] = ind
+
+    def independent():
+        say("\n== harness vs independent measurement (same captured graph)")
+        nan = float("nan")
+        for w, b in ((wl(8, 64, 4096), "fa3"), (wl(8, 128, 8192), "fa3"), (wl(1, 128, 32768), "fa3"),
+                     (wl(1, 32, 8192), "fa3"), (wl(8, 8, 1024), "fa3"), (wl(1, 32, 8192), "fa2")):
+            try:
+                o = independent_check(w, fi, C(b), settings)
+            except Exception as e:  # noqa: BLE001
+                o = {"workload": w.label(), "candidate": C(b).key, "error": f"{type(e).__name__}: {e}",
+                     "traceback": traceback.format_exc(limit=4)}
+            ind.append(o)
+            say(f"  {o['workload']:<18} {o['candidate']:<20} harness {o.get('harness_us', nan):9.2f} us | "
+                f"profiler kernels {o.get('profiler_kernel_sum_us', nan):9.2f} us "
+                f"({o.get('profiler_kernels_per_run', '?')}/run, span {o.get('profiler_span_us', nan):.2f}) "
+                f"d={100 * o.get('harness_vs_profiler', nan):+.2f}% | do_bench graph "
+                f"{o.get('do_bench_graph_us', nan):9.2f} us d={100 * o.get('harness_vs_do_bench', nan):+.2f}% "
+                f"| do_bench eager {o.get('do_bench_eager_us', nan):.2f} us "
+                f"{o.get('profiler_error', '')}{o.get('do_bench_error', '')}{o.get('error', '')}")
+    section("independent", independent, result, outdir)
+
+    def bars_():
+        say("\n== issue-3 performance bars")
+        bars = {}
+        okrows = [r for r in rows if r["status"] == "ok" and r["api"] == "keyword"]
+        bw = [r for r in okrows if r["candidate"] == "flashinfer/fa3/p64" and r["heads"] == 16
+              and r["batch"] * r["context"] >= 256 * 1024]
+        if bw:
+            worst = min(bw, key=lambda r: r["pct_copy_bw"])
+            bars["fa3_h16_bw"] = {"pass": worst["pct_copy_bw"] >= 83.0, "min_pct_copy_bw": worst["pct_copy_bw"],
+                                  "shapes": {r["workload"]: round(r["pct_copy_bw"], 1) for r in bw}}
+        big = {r["candidate"]: r for r in okrows
+               if r["heads"] == 128 and r["batch"] == 128 and r["context"] == 32768}
+        if "flashinfer/fa3/p64" in big and "flashinfer/fa2/p64" in big:
+            sp = big["flashinfer/fa2/p64"]["median_us"] / big["flashinfer/fa3/p64"]["median_us"]
+            bars["fa3_vs_fa2_h128_b128_l32k"] = {"pass": sp >= 1.5, "speedup": sp}
+        if rep and all(x["rel_diff"] is not None for x in rep):
+            bars["repeat_within_3pct"] = {"pass": all(x["rel_diff"] <= 0.03 for x in rep),
+                                          "max_rel_diff": max(x["rel_diff"] for x in rep)}
+        agree = [o for o in ind if "harness_vs_profiler" in o]
+        if agree:
+            n_ok = sum(abs(o["harness_vs_profiler"]) <= 0.05 for o in agree)
+            bars["harness_vs_profiler_within_5pct"] = {
+                "pass": n_ok >= 4, "shapes_within": n_ok, "shapes": len(agree),
+                "diffs_pct": {f"{o['workload']} {o['candidate']}": round(100 * o["harness_vs_profiler"], 2)
+                              for o in agree}}
+        result["bars"] = bars
+        for k, v in bars.items():
+            say(f"  {'PASS' if v['pass'] else 'MISS'}  {k}: "
+                f"{json.dumps({a: b for a, b in v.items() if a != 'pass'}, default=str)}")
+    section("bars", bars_, result, outdir)
+    result["elapsed_s"] = time.time() - t_start
+    say(f"\nelapsed {result['elapsed_s']:.0f} s")
+    section("write", lambda: None, result, outdir)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""FlashInfer's BatchMLAPagedAttentionWrapper as a measurable family, through the plugin's op.
+
+Candidates are `flashinfer/<backend>/p<page_size>` and run exactly the code the vLLM plugin runs:
+build_paged_metadata (vllm_metax/ops/paged_metadata.py) -> MLADecodeKernel.plan -> .run
+(vllm_metax/ops/flashinfer_mla.py).
+
+Search space and "chunking" knobs (DESIGN.md section 3), read from flashinfer-python 0.7.2's
+wrapper code. None of the backends exposes a knob through the wrapper that changes how work is
+cut, so candidates carry no params and the space is backend x page size:
+
+* fa2 / fa3: the C++ MLAPlan picks the KV split itself (cluster size 1 or 2 from q_len*heads;
+  kv_len_limit from the average work per cluster of SMs, rounded to 32/64/128/192/k*256); the
+  query tile is fixed at 64*cluster rows. No split size or query chunk is accepted by plan().
+* cute-dsl-monolithic / cute-dsl-modular: split_kv from the implementation's own heuristic
+  (`_get_split_kv_and_workspace_size`), not a plan argument.
+* trtllm-gen / xqa: splits from the SM count inside the backend; SM100+/SM120 only.
+* cutlass / cutile: dense page-table kernels with fixed tiling; SM100-class devices.
+* auto / cute-dsl: policies/aliases that resolve to one of the above at plan time; they are not
+  separate candidates (auto is the untuned default, measured as such by the sweep).
+* page size: any positive KV block size; fa2/fa3 compile one module per dtype/head-dim, not per
+  page size, so every page size costs no extra JIT.
+
+Off SM90 (and on MetaX, whose FlashInfer build has no Hopper kernels) fa3 is left out of the space;
+everything else is tried and a refusal is stored as invalid("unsupported") with FlashInfer's
+message.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from mla_tune.backends.base import Availability, Candidate, CandidateInvalid, Prepared
+from mla_tune.problem import Workload
+from mla_tune.problem_data import torch_dtype
+
+FAMILY = "flashinfer"
+DEFAULT_BACKEND = "auto"       # what an untuned server passes (FlashInfer's own default)
+DEFAULT_PAGE_SIZE = 64
+
+
+def _op():
+    from vllm_metax.ops import flashinfer_mla
+    return flashinfer_mla
+
+
+class FlashInferBackend:
+    family = FAMILY
+
+    def __init__(self, api: str | None = None, workspace_bytes: int | None = None):
+        """`api` forces the flat or keyword FlashInfer API form (tests); default: detected."""
+        self.api = api
+        self.workspace_bytes = workspace_bytes
+
+    # ------------------------------------------------------------------ protocol
+    def available(self, device: str) -> Availability:
+        if not str(device).startswith("cuda"):
+            return Availability(False, "FlashInfer MLA needs a CUDA device")
+        if not torch.cuda.is_available():
+            return Availability(False, "torch sees no CUDA device")
+        ok, why = _op().flashinfer_available()
+        return Availability(ok, why)
+
+    def backends(self) -> tuple:
+        """Concrete backend values of the installed FlashInfer, as this device may run them."""
+        op = _op()
+        try:
+            values = op.concrete_backends()
+        except op.FlashInferUnavailable:
+            return ()
+        from vllm_metax.device import detect_device
+        dev = detect_device()
+        if dev.is_metax or (dev.capability is not None and dev.capability[0] != 9):
+            values = tuple(b for b in values if b != "fa3")
+        return values
+
+    def space(self, workload: Workload, page_sizes: list[int]) -> list[Candidate]:
+        return [Candidate(self.family, b, p) for b in self.backends() for p in page_sizes]
+
+    def default_candidate(self, workload: Workload, page_size: int = DEFAULT_PAGE_SIZE) -> Candidate:
+        return Candidate(self.family, DEFAULT_BACKEND, page_size)
+
+    def prepare(self, workload: Workload, candidate: Candidate, problem) -> Prepared:
+        """Plan the candidate over `problem` (first plan JIT-compiles: `compile_s`)."""
+        op = _op()
+        if candidate.params:
+            raise CandidateInvalid("unsupported", f"FlashInfer MLA exposes no knobs; got {candidate.params}")
+        try:
+            api = op.flashinfer_api()
+        except op.FlashInferUnavailable as e:
+            raise CandidateInvalid("unsupported", str(e)) from None
+        if candidate.backend not in api.backends:
+            raise CandidateInvalid("unsupported", f"flashinfer {api.version} does not accept backend "
+                                   f"{candidate.backend!r} (accepts {', '.join(api.backends)})")
+        device = problem.device
+        from vllm_metax.ops.paged_metadata import build_paged_metadata
+        try:
+            kernel = op.MLADecodeKernel(self._workspace(device), candidate.backend, api=self.api)
+        except ValueError as e:
+            raise CandidateInvalid("unsupported", str(e)) from None
+        q_dt, kv_dt = torch_dtype(workload.q_dtype), torch_dtype(workload.kv_dtype)
+        causal = workload.q_len > 1
+        R, P, H = workload.kv_lora_rank, workload.qk_rope_head_dim, workload.num_heads
+
+        def plan():
+            # exactly the plugin's per-step host work: block table -> CSR -> plan
+            meta = build_paged_metadata(problem.block_table, problem.seq_lens_cpu,
+                                        candidate.page_size, workload.q_len)
+            kernel.plan(meta, H, R, P, candidate.page_size, causal, workload.softmax_scale, q_dt, kv_dt)
+
+        t0 = time.perf_counter()
+        try:
+            plan()
+        except op.BackendRefused as e:
+            raise CandidateInvalid("unsupported", e.reason) from None
+        except (RuntimeError, OSError, ImportError) as e:
+            if _looks_like_compile_error(e):
+                raise CandidateInvalid("compile", f"{type(e).__name__}: {e}") from None
+            raise
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        compile_s = time.perf_counter() - t0
+        out = torch.empty_like(problem.q_nope)
+        args = (problem.q_nope, problem.q_pe, problem.ckv_cache, problem.kpe_cache)
+
+        def run():
+            return kernel.run(*args, out=out)
+
+        prepared = Prepared(run=run, plan=plan, out=out, compile_s=compile_s, graphable=True)
+        prepared.kernel = kernel          # for introspection (resolved backend) by bench/tests
+        return prepared
+
+    # ------------------------------------------------------------------ helpers
+    def _workspace(self, device) -> torch.Tensor:
+        # one workspace per candidate: interleaved candidates must not share scratch space
+        op = _op()
+        return op.make_workspace(device, self.workspace_bytes or op.WORKSPACE_BYTES)
+
+
+def _looks_like_compile_error(e: BaseException) -> bool:
+    text = f"{type(e).__name__} {e}".lower()
+    return any(w in text for w in ("ninja", "nvcc", "compil", "build failed", "jit"))

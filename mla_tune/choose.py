@@ -1,0 +1,455 @@
+"""Winners and the global choice, computed from stored trial rows (`ResultsStore.trials()`).
+
+Rules (asv's, DESIGN.md section 4: a difference under ~4% is noise without a test):
+
+* Per bucket, family and page size, the fastest valid candidate displaces the family's untuned
+  default only if a one-sided Mann-Whitney U test on the raw kernel samples gives p < `p_threshold`
+  (0.002) AND the default's median is at least `min_ratio` (1.05) times the challenger's.
+  Otherwise the default stays and the verdict's reason starts with "no significant difference".
+  A default that is invalid or was never measured gives way to the fastest valid candidate.
+* The KV page size is fixed for a server's lifetime, so it is chosen once per model entry: the
+  (family, page size) pair with the smallest weighted total over the buckets (weights from the
+  WorkloadMix, uniform by default) wins; its page size stands unless the default page size
+  (`default_page_size`, 64) is within `min_ratio` of it, in which case the default page stays.
+* The attention-backend order (FLASHINFER_MLA, TRITON_MLA) ranks the families by their weighted
+  total at the chosen page size; per bucket, each family keeps its own chosen plan parameters
+  (FlashInfer backend, Triton num_kv_splits) and `best_family` names the fastest of them.
+
+Everything is plain frozen dataclasses: `choose(rows, mix)` returns a `Choice`; its `models` are
+`ModelChoice`s (one per device x model dims x dtypes x length distribution: one tuned-config
+model entry), each with `BucketChoice`s whose `families` map family -> `Verdict`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+from mla_tune.problem import WorkloadMix
+
+P_THRESHOLD = 0.002
+MIN_RATIO = 1.05
+DEFAULT_PAGE_SIZE = 64            # what vLLM's MLA backends use unless told otherwise
+METRIC = "kernel_us"
+NO_SIGNIFICANT_DIFFERENCE = "no significant difference"
+ATTENTION_BACKEND = {"flashinfer": "FLASHINFER_MLA", "triton": "TRITON_MLA"}
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One candidate's latest trial in one bucket, reduced to what a verdict needs."""
+
+    key: str
+    family: str
+    backend: str
+    page_size: int
+    params: dict
+    status: str                     # ok | invalid
+    invalid_reason: str | None
+    median_us: float | None
+    samples: tuple = ()
+    trial_id: int | None = None
+    is_default: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok" and self.median_us is not None
+
+    @property
+    def plan_params(self) -> dict:
+        """Plan-time parameters without the page size: {"backend": ..., **knobs}."""
+        return {"backend": self.backend, **self.params}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The decision for one bucket, family and page size.
+
+    `chosen` is what a server should run (the default unless a challenger won), `best` the
+    fastest valid candidate, `significant` True only when `chosen` is a challenger that passed
+    both tests. `p_value` and `ratio` (default median / best median) are None when there was
+    nothing to compare. `reason` is one line for people.
+    """
+
+    family: str
+    page_size: int
+    chosen: Measured | None
+    default: Measured | None
+    best: Measured | None
+    significant: bool
+    reason: str
+    p_value: float | None = None
+    ratio: float | None = None
+    n_valid: int = 0
+    n_invalid: int = 0
+
+    @property
+    def time_us(self) -> float | None:
+        return self.chosen.median_us if self.chosen else None
+
+    @property
+    def default_time_us(self) -> float | None:
+        return self.default.median_us if self.default and self.default.ok else None
+
+    @property
+    def gain(self) -> float | None:
+        """default time / chosen time (1.0 when the default stayed)."""
+        if self.time_us and self.default_time_us:
+            return self.default_time_us / self.time_us
+        return None
+
+
+@dataclass(frozen=True)
+class BucketChoice:
+    """One (batch, context, q_len) bucket: per family the verdict at the chosen page size."""
+
+    batch_size: int
+    context_len: int
+    q_len: int
+    weight: float
+    families: dict                  # family -> Verdict at the model entry's page size
+    best_family: str | None         # fastest chosen candidate among `families`
+    per_page: dict = field(default_factory=dict, repr=False)   # page -> family -> Verdict
+
+    @property
+    def time_us(self) -> float | None:
+        v = self.families.get(self.best_family) if self.best_family else None
+        return v.time_us if v else None
+
+
+@dataclass(frozen=True)
+class FamilyTotal:
+    """Weighted total of a family's chosen times at one page size over the weighted buckets."""
+
+    family: str
+    page_size: int
+    total_us: float
+    covered: int                    # weighted buckets with a valid chosen candidate
+    of: int                         # weighted buckets in the model entry
+
+    @property
+    def complete(self) -> bool:
+        return self.covered == self.of
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """Everything chosen for one model entry (device, heads per rank, dims, dtypes, lengths).
+
+    `page_size` is the global KV block size; `family_order` ranks kernel families best first,
+    `backend_order` maps them to vLLM attention backends (families without one, such as the CPU
+    reference, are left out); `totals` holds every (family, page) weighted total considered.
+    """
+
+    device_name: str
+    model: str
+    tp_size: int | None
+    num_heads: int
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    q_dtype: str
+    kv_dtype: str
+    ragged: str
+    page_size: int | None
+    page_reason: str
+    family_order: tuple
+    backend_order: tuple
+    order_reason: str
+    totals: tuple                   # FamilyTotal, all (family, page) pairs
+    buckets: tuple                  # BucketChoice, sorted by (q_len, batch, context)
+
+    @property
+    def best_family(self) -> str | None:
+        return self.family_order[0] if self.family_order else None
+
+    def total(self, family: str, page_size: int | None = None) -> FamilyTotal | None:
+        page = self.page_size if page_size is None else page_size
+        return next((t for t in self.totals if t.family == family and t.page_size == page), None)
+
+    def bucket(self, batch_size: int, context_len: int, q_len: int = 1) -> BucketChoice | None:
+        return next((b for b in self.buckets if (b.batch_size, b.context_len, b.q_len)
+                     == (batch_size, context_len, q_len)), None)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The choice for one device: one ModelChoice per model entry, with the rules applied."""
+
+    device_name: str
+    kind: str                       # "gpu" or "cpu-reference" (the run kind of the trials)
+    models: tuple
+    p_threshold: float = P_THRESHOLD
+    min_ratio: float = MIN_RATIO
+    default_page_size: int = DEFAULT_PAGE_SIZE
+    metric: str = METRIC
+    n_trials: int = 0
+    notes: tuple = ()
+
+
+# ---------------------------------------------------------------- the significance rule
+
+def min_p_value(n1: int, n2: int) -> float:
+    """The smallest one-sided exact Mann-Whitney p two samples of these sizes can reach."""
+    return 1.0 / math.comb(n1 + n2, n1) if n1 and n2 else 1.0
+
+
+def compare(default_samples: Sequence[float], challenger_samples: Sequence[float],
+            p_threshold: float = P_THRESHOLD, min_ratio: float = MIN_RATIO) -> tuple[bool, float, float]:
+    """(significant, p, ratio): is the challenger faster than the default, beyond noise?
+
+    p is a one-sided Mann-Whitney U test (the default's samples greater); ratio is
+    median(default) / median(challenger). Significant only if p < p_threshold and
+    ratio >= min_ratio.
+    """
+    import statistics
+    from scipy.stats import mannwhitneyu
+    ratio = statistics.median(default_samples) / statistics.median(challenger_samples)
+    if len(default_samples) < 2 or len(challenger_samples) < 2:
+        return False, 1.0, ratio
+    p = float(mannwhitneyu(default_samples, challenger_samples, alternative="greater").pvalue)
+    return (p < p_threshold and ratio >= min_ratio), p, ratio
+
+
+def decide(measured: Sequence[Measured], default_key: str | None, family: str, page_size: int,
+           p_threshold: float = P_THRESHOLD, min_ratio: float = MIN_RATIO) -> Verdict:
+    """The verdict for one bucket, family and page size from its candidates' latest trials."""
+    ok = [m for m in measured if m.ok]
+    n_invalid = len(measured) - len(ok)
+    default = next((m for m in measured if m.key == default_key), None) if default_key else None
+    best = min(ok, key=lambda m: (m.median_us, m.key)) if ok else None
+    common = dict(family=family, page_size=page_size, default=default, best=best,
+                  n_valid=len(ok), n_invalid=n_invalid)
+    if best is None:
+        return Verdict(chosen=None, significant=False, reason="no valid candidate", **common)
+    if default is None:
+        return Verdict(chosen=best, significant=False,
+                       reason=f"no default measured; fastest valid: {best.key}", **common)
+    if not default.ok:
+        return Verdict(chosen=best, significant=False,
+                       reason=f"default {default.key} invalid ({default.invalid_reason}); "
+                              f"fastest valid: {best.key}", **common)
+    if best.key == default.key:
+        return Verdict(chosen=default, significant=False, reason="the default is the fastest", **common)
+    significant, p, ratio = compare(default.samples, best.samples, p_threshold, min_ratio)
+    if significant:
+        return Verdict(chosen=best, significant=True, p_value=p, ratio=ratio,
+                       reason=f"{ratio:.2f}x faster than the default (Mann-Whitney p={p:.1e})", **common)
+    why = []
+    if p >= p_threshold:
+        floor = min_p_value(len(default.samples), len(best.samples))
+        why.append(f"p={p:.2g} >= {p_threshold:g}" + (
+            f"; {len(default.samples)}/{len(best.samples)} samples cannot reach it" if floor >= p_threshold else ""))
+    if ratio < min_ratio:
+        why.append(f"{ratio:.3f}x < {min_ratio:g}x")
+    return Verdict(chosen=default, significant=False, p_value=p, ratio=ratio,
+                   reason=f"{NO_SIGNIFICANT_DIFFERENCE}: {best.key} vs default ({', '.join(why)})",
+                   **common)
+
+
+# ---------------------------------------------------------------- rows -> measured candidates
+
+def latest_trials(rows: Iterable[dict]) -> list[dict]:
+    """The latest trial per (device, workload, candidate): a re-measurement replaces the old one."""
+    latest: dict = {}
+    for r in rows:
+        k = (r.get("device_name"), r["workload_id"], r["candidate"])
+        if k not in latest or r["id"] > latest[k]["id"]:
+            latest[k] = r
+    return sorted(latest.values(), key=lambda r: r["id"])
+
+
+def _measured(row: dict, metric: str) -> Measured:
+    samples = tuple((row.get("samples") or {}).get(metric) or ())
+    median = None
+    if row["status"] == "ok" and samples:
+        import statistics
+        median = float(statistics.median(samples))
+    return Measured(row["candidate"], row["family"], row["backend"], int(row["page_size"]),
+                    dict(row.get("params") or {}), row["status"], row.get("invalid_reason"), median,
+                    samples, row.get("id"), bool(row.get("is_default")))
+
+
+def backend_default(family: str, workload, page_size: int) -> str | None:
+    """The family's default candidate key as its backend declares it (None if it cannot say)."""
+    try:
+        from mla_tune.backends import get_backend
+        return get_backend(family).default_candidate(workload, page_size).key
+    except Exception:   # an unavailable or unknown family cannot name its default
+        return None
+
+
+def _workload_of(row: dict):
+    from mla_tune.problem import Workload
+    try:
+        return Workload(row["num_heads"], row["kv_lora_rank"], row["qk_rope_head_dim"],
+                        row["softmax_scale"], row["batch_size"], row["context_len"], row["q_len"],
+                        row["ragged"], row["seed"], row["q_dtype"], row["kv_dtype"], row["model"])
+    except Exception:
+        return None
+
+
+def _tp_size(model: str, heads_per_rank: int) -> int | None:
+    from mla_tune.problem import ProblemError, model_preset
+    try:
+        total = model_preset(model).num_heads
+    except ProblemError:
+        return None
+    return total // heads_per_rank if heads_per_rank and total % heads_per_rank == 0 else None
+
+
+def _log2_nearest(values: Sequence[int], v: int) -> int:
+    return min(values, key=lambda x: (abs(math.log2(max(x, 1)) - math.log2(max(v, 1))), x))
+
+
+def bucket_weights(mix: WorkloadMix | None, keys: Iterable[tuple[int, int, int]]) -> dict:
+    """(batch, context, q_len) -> weight. Uniform without a mix; otherwise every mix row adds its
+    weight to the nearest bucket on a log2 scale (batch first, then context), as the plugin's
+    lookup snaps, for every q_len of that (batch, context)."""
+    keys = list(keys)
+    if mix is None or not mix.weights:
+        return {k: 1.0 for k in keys}
+    out = {k: 0.0 for k in keys}
+    if not keys:
+        return out
+    batches = sorted({k[0] for k in keys})
+    for (b, c), w in mix.weights.items():
+        nb = _log2_nearest(batches, b)
+        nc = _log2_nearest(sorted({k[1] for k in keys if k[0] == nb}), c)
+        for k in keys:
+            if k[0] == nb and k[1] == nc:
+                out[k] += w
+    return out
+
+
+# ---------------------------------------------------------------- the choice
+
+DefaultOf = Callable[[str, object, int], "str | None"]   # (family, Workload, page) -> key
+
+
+def choose(rows: Iterable[dict], mix: WorkloadMix | None = None, *, device_name: str | None = None,
+           p_threshold: float = P_THRESHOLD, min_ratio: float = MIN_RATIO,
+           default_page_size: int = DEFAULT_PAGE_SIZE, metric: str = METRIC,
+           default_of: DefaultOf | None = backend_default) -> Choice:
+    """Winners per bucket and the global choice for one device, from `ResultsStore.trials()` rows.
+
+    `rows` may hold several runs; the latest trial per (workload, candidate) counts. With trials
+    of several devices, `device_name` picks one (ValueError if it is missing). A family's default
+    in a bucket is the trial stored with is_default = 1; for rows without that mark (older DBs,
+    hand-built fixtures) `default_of(family, workload, page_size)` names it (default: ask the
+    family's backend; pass None to treat such buckets as having no default).
+    """
+    rows = latest_trials(rows)
+    devices = sorted({r.get("device_name") for r in rows})
+    if device_name is None:
+        if len(devices) > 1:
+            raise ValueError(f"trials of several devices ({', '.join(map(str, devices))}); name one")
+        device_name = devices[0] if devices else ""
+    rows = [r for r in rows if r.get("device_name") == device_name]
+    kinds = sorted({r.get("run_kind") or "" for r in rows})
+    notes: list[str] = []
+    groups: dict = {}
+    for r in rows:
+        g = (r["model"], r["num_heads"], r["kv_lora_rank"], r["qk_rope_head_dim"], r["q_dtype"],
+             r["kv_dtype"], r["ragged"])
+        groups.setdefault(g, []).append(r)
+    models = []
+    for g, grows in sorted(groups.items(), key=lambda kv: (kv[0][0], -kv[0][1], kv[0][2:])):
+        models.append(_choose_model(device_name, g, grows, mix, p_threshold, min_ratio,
+                                    default_page_size, metric, default_of, notes))
+    return Choice(device_name, kinds[-1] if kinds else "", tuple(models), p_threshold, min_ratio,
+                  default_page_size, metric, len(rows), tuple(dict.fromkeys(notes)))
+
+
+def choose_from_store(store, mix: WorkloadMix | None = None, where: str = "1=1", args=(), **kw) -> Choice:
+    """`choose` over `store.trials(where, args)` (a ResultsStore)."""
+    return choose(store.trials(where, args), mix, **kw)
+
+
+def _choose_model(device_name, g, rows, mix, p_threshold, min_ratio, default_page_size, metric,
+                  default_of, notes) -> ModelChoice:
+    model, heads, rank, rope, q_dt, kv_dt, ragged = g
+    per_bucket: dict = {}
+    for r in rows:
+        per_bucket.setdefault((r["batch_size"], r["context_len"], r["q_len"]), []).append(r)
+    weights = bucket_weights(mix, per_bucket)
+    families = sorted({r["family"] for r in rows})
+    pages = sorted({int(r["page_size"]) for r in rows})
+    verdicts: dict = {}          # (bucket, family, page) -> Verdict
+    for bk, brows in per_bucket.items():
+        for fam in families:
+            for page in pages:
+                cand_rows = [r for r in brows if r["family"] == fam and int(r["page_size"]) == page]
+                if not cand_rows:
+                    continue
+                measured = [_measured(r, metric) for r in cand_rows]
+                default_key = next((m.key for m in measured if m.is_default), None)
+                if default_key is None and default_of is not None:
+                    wl = _workload_of(cand_rows[0])
+                    default_key = default_of(fam, wl, page) if wl is not None else None
+                v = decide(measured, default_key, fam, page, p_threshold, min_ratio)
+                if v.best and v.default and v.default.ok and v.best.key != v.default.key and \
+                        min_p_value(len(v.default.samples), len(v.best.samples)) >= p_threshold:
+                    notes.append(f"{len(v.default.samples)} samples per candidate cannot reach "
+                                 f"p < {p_threshold:g}: measure more samples")
+                verdicts[(bk, fam, page)] = v
+    weighted = [bk for bk in per_bucket if weights.get(bk, 0) > 0]
+    totals = []
+    for fam in families:
+        for page in pages:
+            covered, total = 0, 0.0
+            for bk in weighted:
+                v = verdicts.get((bk, fam, page))
+                if v is not None and v.time_us is not None:
+                    covered += 1
+                    total += weights[bk] * v.time_us
+            if covered:
+                totals.append(FamilyTotal(fam, page, total, covered, len(weighted)))
+
+    def rank(t: FamilyTotal):
+        return (-t.covered, t.total_us, t.family, t.page_size)
+
+    page, page_reason = None, "no valid candidate in any weighted bucket"
+    if totals:
+        best = min(totals, key=rank)
+        page = best.page_size
+        page_reason = (f"page {page}: smallest weighted total ({best.family}, "
+                       f"{best.total_us:.4g} us over {best.covered}/{best.of} buckets)")
+        at_default = next((t for t in totals if t.family == best.family
+                           and t.page_size == default_page_size), None)
+        if page == default_page_size:
+            page_reason = f"page {page} (the default) has the smallest weighted total ({best.family})"
+        elif at_default is not None and at_default.covered == best.covered:
+            gain = at_default.total_us / best.total_us
+            if gain < min_ratio:
+                page = default_page_size
+                page_reason = (f"page {default_page_size} (the default) kept: page {best.page_size} "
+                               f"is only {gain:.3f}x faster over the mix ({best.family}; needs "
+                               f">= {min_ratio:g}x)")
+            else:
+                page_reason += f"; {gain:.2f}x faster than the default page {default_page_size}"
+        if not best.complete:
+            page_reason += f" (only {best.covered} of {best.of} buckets have a valid candidate)"
+    at_page = [t for t in totals if t.page_size == page]
+    ranked = [t.family for t in sorted(at_page, key=rank)]
+    rest = sorted((f for f in families if f not in ranked),
+                  key=lambda f: min((rank(t) for t in totals if t.family == f), default=(0, math.inf)))
+    family_order = tuple(ranked + rest)
+    order_reason = "; ".join(f"{t.family} {t.total_us:.4g} us ({t.covered}/{t.of})"
+                             for t in sorted(at_page, key=rank)) or "no family measured"
+    if page is not None:
+        order_reason = f"weighted total at page {page}: {order_reason}"
+    buckets = []
+    for bk in sorted(per_bucket, key=lambda k: (k[2], k[0], k[1])):
+        fams = {f: verdicts[(bk, f, page)] for f in families if (bk, f, page) in verdicts}
+        timed = [(v.time_us, f) for f, v in fams.items() if v.time_us is not None]
+        per_page: dict = {}
+        for (k, f, p), v in verdicts.items():
+            if k == bk:
+                per_page.setdefault(p, {})[f] = v
+        buckets.append(BucketChoice(bk[0], bk[1], bk[2], weights.get(bk, 0.0), fams,
+                                    min(timed)[1] if timed else None, per_page))
+    return ModelChoice(device_name, model, _tp_size(model, heads), heads, rank, rope, q_dt, kv_dt,
+                       ragged, page, page_reason, family_order,
+                       tuple(ATTENTION_BACKEND[f] for f in family_order if f in ATTENTION_BACKEND),
+                       order_reason, tuple(totals), tuple(buckets))

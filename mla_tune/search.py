@@ -1,0 +1,395 @@
+"""How one bucket's candidates are searched, with optuna: every point when the space is small
+(grid), TPE when it is large; by the space's size ("auto") or by flag.
+
+The space is what the kernel families declare for the workload (their constraints applied), less
+what further constraints drop, before anything runs. Optuna sees it structured, not as a flat
+list: a "kernel" (family/backend) choice, then per kernel its page size and knobs, ordered values
+as integer indices so TPE can learn that neighbours behave alike (`SearchSpace.suggest`). A
+combination that the families never declared is pruned without being measured.
+
+The family defaults are always evaluated first: every winner is judged against them. Candidates
+are evaluated in batches through a callback (the sweep measures a batch interleaved in one worker;
+the replay runner looks them up), and the search stops at the first of: space exhausted, trial
+budget, wall-time deadline, TPE patience (no improvement for N new trials), or TPE converged (it
+only proposes points it has already seen).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from mla_tune.backends.base import Candidate
+
+MODES = ("auto", "grid", "tpe")
+GRID_MAX = 64            # auto: a space of at most this many points is searched exhaustively
+TPE_BATCH = 4            # TPE proposals measured together (interleaved) per round
+PATIENCE = 24            # TPE: stop after this many new trials without a 1% improvement
+IMPROVEMENT = 0.01
+STOP_REASONS = ("complete", "trial budget", "time budget", "patience", "converged")
+
+
+def tpe_trial_budget(space_size: int, grid_max: int = GRID_MAX) -> int:
+    """The default number of trials TPE may spend on a space: a quarter of it, at least grid_max/2."""
+    return min(space_size, max(grid_max // 2, math.ceil(space_size / 4)))
+
+
+Constraint = Callable[[Candidate], "str | None"]   # a reason to drop the candidate, or None
+
+
+@dataclass(frozen=True)
+class _Axis:
+    name: str              # optuna parameter name, "<kernel>:<knob>"
+    values: tuple          # sorted
+    ordinal: bool          # integer index (ordered numeric values) vs categorical
+
+
+@dataclass
+class SearchSpace:
+    """A bucket's candidates after constraints, with the family defaults and the optuna structure."""
+
+    candidates: list[Candidate]
+    defaults: list[Candidate]
+    dropped: list[tuple[Candidate, str]] = field(default_factory=list)
+    _axes: dict = field(default_factory=dict, repr=False)
+    _by_point: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def build(cls, candidates: Sequence[Candidate], defaults: Sequence[Candidate] = (),
+              constraints: Sequence[Constraint] = ()) -> "SearchSpace":
+        """Deduplicate, apply `constraints` (each returns a reason to drop, or None), index."""
+        seen: dict[str, Candidate] = {}
+        for c in list(defaults) + list(candidates):
+            seen.setdefault(c.key, c)
+        kept, dropped = [], []
+        for c in seen.values():
+            why = next((r for r in (f(c) for f in constraints) if r), None)
+            (dropped.append((c, why)) if why else kept.append(c))
+        keys = {c.key for c in kept}
+        space = cls(kept, [d for d in dict.fromkeys(defaults) if d.key in keys], dropped)
+        space._index()
+        return space
+
+    def __len__(self) -> int:
+        return len(self.candidates)
+
+    @staticmethod
+    def kernel_of(c: Candidate) -> str:
+        return f"{c.family}/{c.backend}"
+
+    def _index(self) -> None:
+        per_kernel: dict[str, list[Candidate]] = {}
+        for c in self.candidates:
+            per_kernel.setdefault(self.kernel_of(c), []).append(c)
+        self._axes = {}
+        for k, cs in sorted(per_kernel.items()):
+            axes = []
+            knobs = sorted({n for c in cs for n in c.params})
+            for knob in ["page_size"] + knobs:
+                vals = {(c.page_size if knob == "page_size" else c.params.get(knob)) for c in cs}
+                numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals)
+                ordered = tuple(sorted(vals)) if numeric else tuple(sorted(vals, key=repr))
+                if len(ordered) > 1:
+                    axes.append(_Axis(f"{k}:{knob}", ordered, numeric))
+            self._axes[k] = self._independent(k, axes, cs)
+        self._by_point = {self._point(c): c for c in self.candidates}
+
+    @staticmethod
+    def _independent(kernel: str, axes: list, cs: list[Candidate]) -> list:
+        """Leave out axes the others determine (a label such as Triton's rule=vllm marker): they
+        add no freedom, only combinations that do not exist. Categorical axes go first."""
+        def value(c, ax):
+            knob = ax.name.split(":", 1)[1]
+            return c.page_size if knob == "page_size" else c.params.get(knob)
+
+        keep = list(axes)
+        for ax in sorted(axes, key=lambda a: (a.ordinal, a.name)):
+            rest = [a for a in keep if a is not ax]
+            if len({tuple(value(c, a) for a in rest) for c in cs}) == len(cs):
+                keep = rest
+        return keep
+
+    def _point(self, c: Candidate) -> tuple:
+        k = self.kernel_of(c)
+        vals = []
+        for ax in self._axes.get(k, []):
+            knob = ax.name.split(":", 1)[1]
+            vals.append(c.page_size if knob == "page_size" else c.params.get(knob))
+        return (k, tuple(vals))
+
+    @property
+    def kernels(self) -> list[str]:
+        return sorted(self._axes)
+
+    def params_of(self, c: Candidate) -> dict:
+        """The optuna parameters that stand for `c` (for enqueueing it)."""
+        k, vals = self._point(c)
+        out = {"kernel": k} if len(self._axes) > 1 else {}
+        for ax, v in zip(self._axes[k], vals):
+            out[ax.name] = ax.values.index(v) if ax.ordinal else v
+        return out
+
+    def suggest(self, trial) -> Candidate | None:
+        """Ask `trial` for a point; the declared candidate there, or None (a dropped combination)."""
+        kernels = self.kernels
+        k = trial.suggest_categorical("kernel", kernels) if len(kernels) > 1 else kernels[0]
+        vals = []
+        for ax in self._axes[k]:
+            if ax.ordinal:
+                vals.append(ax.values[trial.suggest_int(ax.name, 0, len(ax.values) - 1)])
+            else:
+                vals.append(trial.suggest_categorical(ax.name, list(ax.values)))
+        return self._by_point.get((k, tuple(vals)))
+
+    def grid_order(self, by_page: bool = True) -> list[Candidate]:
+        """Every candidate, each family default first: grouped by page size (defaults leading
+        their group, so one interleaved batch compares a default with its rivals on one KV
+        layout), or, with `by_page=False`, all defaults before everything else."""
+        defaults = [d for d in self.defaults]
+        rest = sorted((c for c in self.candidates if c not in defaults),
+                      key=lambda c: (c.page_size, c.key))
+        if not by_page:
+            return defaults + rest
+        pages = sorted({c.page_size for c in self.candidates})
+        return [c for p in pages for c in [d for d in defaults if d.page_size == p]
+                + [c for c in rest if c.page_size == p]]
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """One evaluated candidate: its median time (None when invalid) and where it came from."""
+
+    candidate: Candidate
+    value: float | None
+    cached: bool = False           # answered from earlier measurements, not measured now
+    reason: str | None = None      # invalid_reason when value is None
+    trial_id: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.value is not None
+
+
+@dataclass
+class SearchPolicy:
+    """How to search: mode, budgets and the sampler seed.
+
+    `max_trials` caps the candidates evaluated per bucket (None: the whole space for the grid,
+    `tpe_trial_budget` for TPE); `deadline` is a time.monotonic() value; `patience` applies to
+    TPE only; `batch` is the largest set measured together (grid batches also never mix page
+    sizes: each batch is one interleaved comparison on one KV layout).
+    """
+
+    mode: str = "auto"
+    grid_max: int = GRID_MAX
+    max_trials: int | None = None
+    deadline: float | None = None
+    patience: int | None = PATIENCE
+    batch: int = 16
+    tpe_batch: int = TPE_BATCH
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"search mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+
+    def resolve_mode(self, space_size: int) -> str:
+        if self.mode != "auto":
+            return self.mode
+        return "grid" if space_size <= self.grid_max else "tpe"
+
+    def budget(self, space_size: int, mode: str) -> int:
+        if self.max_trials:
+            return min(self.max_trials, space_size)
+        return space_size if mode == "grid" else tpe_trial_budget(space_size, self.grid_max)
+
+
+@dataclass
+class SearchOutcome:
+    """What one bucket's search did, in evaluation order."""
+
+    mode: str
+    space_size: int
+    budget: int
+    evaluations: list[Evaluation] = field(default_factory=list)
+    stopped: str = "complete"
+    proposals: int = 0             # optuna trials asked (repeats and pruned combinations included)
+
+    @property
+    def best(self) -> Evaluation | None:
+        ok = [e for e in self.evaluations if e.ok]
+        return min(ok, key=lambda e: e.value) if ok else None
+
+    @property
+    def measured(self) -> int:
+        return sum(not e.cached for e in self.evaluations)
+
+    def trials_to_reach(self, key: str) -> int | None:
+        """How many evaluations it took until candidate `key` was evaluated (1-based), or None."""
+        for i, e in enumerate(self.evaluations, 1):
+            if e.candidate.key == key:
+                return i
+        return None
+
+
+def open_study(name: str, storage=None, sampler=None, fresh: bool = True):
+    """An optuna study for one bucket (minimise microseconds); `fresh` replaces an older one."""
+    import optuna
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if fresh and storage is not None:
+        try:
+            optuna.delete_study(study_name=name, storage=storage)
+        except KeyError:
+            pass
+    return optuna.create_study(study_name=name, storage=storage, sampler=sampler,
+                               direction="minimize", load_if_exists=not fresh)
+
+
+def journal_storage(path):
+    """Optuna's JournalStorage on a file: readable by `optuna-dashboard <path>`, safe to share
+    between processes (optuna's SQLite storage locks under parallel use)."""
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+    return JournalStorage(JournalFileBackend(str(path)))
+
+
+def _tpe_sampler(seed: int, n: int):
+    import optuna
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.samplers.TPESampler(
+            seed=seed, multivariate=True, group=True, constant_liar=True,
+            n_startup_trials=max(4, min(10, n // 8)), warn_independent_sampling=False)
+
+
+EvaluateBatch = Callable[[list[Candidate]], list[Evaluation]]
+
+
+def search(space: SearchSpace, evaluate: EvaluateBatch, policy: SearchPolicy,
+           study_name: str = "bucket", storage=None) -> SearchOutcome:
+    """Search one bucket; `evaluate(candidates)` returns one Evaluation per candidate, in order."""
+    import optuna
+    from optuna.trial import TrialState
+
+    mode = policy.resolve_mode(len(space))
+    budget = policy.budget(len(space), mode)
+    out = SearchOutcome(mode, len(space), budget)
+    if not space.candidates:
+        return out
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        study = open_study(study_name, storage,
+                           _tpe_sampler(policy.seed, len(space)) if mode == "tpe"
+                           else optuna.samplers.RandomSampler(seed=policy.seed))
+        study.set_user_attr("mode", mode)
+        study.set_user_attr("space_size", len(space))
+        seen: dict[str, Evaluation] = {}
+
+        def tell(trial, ev: Evaluation):
+            trial.set_user_attr("candidate", ev.candidate.key)
+            trial.set_user_attr("cached", ev.cached)
+            if ev.ok:
+                study.tell(trial, ev.value)
+            else:
+                trial.set_user_attr("invalid_reason", ev.reason)
+                study.tell(trial, state=TrialState.PRUNED)   # TPE ranks it below every valid point
+
+        def run(pairs: list[tuple[object, Candidate]]) -> None:
+            fresh = [c for _, c in pairs if c.key not in seen]
+            fresh = list({c.key: c for c in fresh}.values())
+            if fresh:
+                evs = evaluate(fresh)
+                if len(evs) != len(fresh):
+                    raise RuntimeError("evaluate() must return one Evaluation per candidate")
+                for ev in evs:
+                    seen[ev.candidate.key] = ev
+                    out.evaluations.append(ev)
+            for trial, c in pairs:
+                tell(trial, seen[c.key])
+
+        def time_left() -> bool:
+            return policy.deadline is None or time.monotonic() < policy.deadline
+
+        if mode == "grid":
+            # a cut grid keeps the defaults (the baseline) before anything else
+            order = space.grid_order(by_page=budget >= len(space))[:budget]
+            i = 0
+            while i < len(order):
+                if not time_left():
+                    out.stopped = "time budget"
+                    break
+                page = order[i].page_size
+                batch = []
+                while i < len(order) and len(batch) < policy.batch and order[i].page_size == page:
+                    batch.append(order[i])
+                    i += 1
+                pairs = []
+                for c in batch:
+                    study.enqueue_trial(space.params_of(c), skip_if_exists=False)
+                    t = study.ask()
+                    out.proposals += 1
+                    got = space.suggest(t)
+                    pairs.append((t, got if got is not None else c))
+                run(pairs)
+            else:
+                out.stopped = "complete" if budget >= len(space) else "trial budget"
+            return out
+
+        # TPE: the defaults first (the baseline every winner is judged against), then proposals
+        for d in space.defaults[:budget]:
+            study.enqueue_trial(space.params_of(d), skip_if_exists=False)
+        best = math.inf
+        since_best = 0
+        repeats = 0
+        max_repeats = max(64, 3 * len(space))
+        while True:
+            if len(seen) >= len(space):
+                out.stopped = "complete"
+                break
+            if len(seen) >= budget:
+                out.stopped = "trial budget"
+                break
+            if not time_left():
+                out.stopped = "time budget"
+                break
+            if policy.patience and since_best >= policy.patience:
+                out.stopped = "patience"
+                break
+            if repeats >= max_repeats:
+                out.stopped = "converged"
+                break
+            want = min(policy.tpe_batch, budget - len(seen))
+            if len(seen) < len(space.defaults):
+                want = max(want, len(space.defaults) - len(seen))
+            pairs, new_keys = [], set()
+            asks = 0
+            while len(new_keys) < want and asks < 8 * want and repeats < max_repeats:
+                asks += 1
+                t = study.ask()
+                out.proposals += 1
+                c = space.suggest(t)
+                if c is None:
+                    t.set_user_attr("constraint", "combination not declared by the family")
+                    study.tell(t, state=TrialState.PRUNED)
+                    repeats += 1
+                    continue
+                if c.key in seen:
+                    tell(t, seen[c.key])
+                    repeats += 1
+                    continue
+                pairs.append((t, c))
+                new_keys.add(c.key)
+            if not pairs:
+                continue
+            before = len(out.evaluations)
+            run(pairs)
+            for ev in out.evaluations[before:]:
+                if ev.ok and ev.value < best * (1 - IMPROVEMENT):
+                    best = ev.value
+                    since_best = 0
+                else:
+                    since_best += 1
+        return out

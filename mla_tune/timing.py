@@ -1,0 +1,281 @@
+"""GPU timing of prepared candidates: what a sample is, and how candidates share the GPU fairly.
+
+One kernel sample = one replay of a CUDA graph that holds one `Prepared.run()`, timed with CUDA
+events, after the L2 cache was flushed by writing a buffer twice its size (outside the events).
+A decode step runs after other layers have streamed GBs of weights through the cache, so a cold
+L2 is the realistic state; the KV pool itself is larger than L2 (`default_pool_bytes()`, used as
+`MeasureSettings.min_pool_bytes`) with each request's pages scattered through it.
+
+Order per candidate: warm-up runs (JIT and first-launch costs stay out of every sample; the
+compile time is `Prepared.compile_s`), then `plan()` timed on the host (a server plans every
+decode step; samples in "plan_us"), then a final plan, then graph capture. Nothing replans after
+capture. The graph's output is checked against the eager output; if capture fails or the replay
+differs, samples fall back to events around eager launches, and `TimedSamples.method` /
+`.note` say so (measure.py stores the note in the trial message).
+
+`measure_interleaved` measures several candidates of one workload round-robin: every candidate is
+prepared, checked and captured first, then each round takes a slice of every candidate's samples,
+in an order that rotates per round, so clock or thermal drift spreads over all of them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from mla_tune.backends.base import Candidate, CandidateInvalid, Prepared
+from mla_tune.problem import Workload
+
+METHOD_GRAPH = "cuda_graph"
+METHOD_EVENTS = "events"
+METHOD_WALL = "wall_clock"
+_FALLBACK_L2 = 64 << 20
+
+
+class TimedSamples(dict):
+    """metric -> list of microseconds ("kernel_us", "plan_us"), plus how they were taken."""
+
+    def __init__(self, samples: dict, method: str, note: str = ""):
+        super().__init__(samples)
+        self.method = method
+        self.note = note
+
+
+def l2_bytes(device="cuda") -> int:
+    """The device's L2 size (falls back to 64 MiB where torch does not report it)."""
+    try:
+        return int(getattr(torch.cuda.get_device_properties(torch.device(device)), "L2_cache_size", 0)
+                   ) or _FALLBACK_L2
+    except Exception:
+        return _FALLBACK_L2
+
+
+def default_pool_bytes(device="cuda") -> int:
+    """KV pool size for timing: 4x L2 and at least 256 MiB, so the pool never fits in cache."""
+    return max(4 * l2_bytes(device), 256 << 20)
+
+
+_FLUSH: dict = {}
+
+
+def _flush_buffer(device: torch.device) -> torch.Tensor:
+    key = str(device)
+    if key not in _FLUSH:
+        _FLUSH[key] = torch.empty(max(2 * l2_bytes(device), 128 << 20), dtype=torch.uint8, device=device)
+    return _FLUSH[key]
+
+
+class KernelTimer:
+    """One prepared candidate made ready for sampling: warmed, plan-timed, graph-captured.
+
+    `sample(n)` returns n kernel times in microseconds and may be called repeatedly (that is
+    how interleaving works); `plan_us` holds the host plan() times.
+    """
+
+    def __init__(self, prepared: Prepared, device="cuda", warmup: int = 3, plan_samples: int = 20,
+                 use_graph: bool = True, flush: bool = True):
+        self.prepared = prepared
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.flush = flush and self.cuda
+        self.method = METHOD_GRAPH if self.cuda else METHOD_WALL
+        self.note = ""
+        self.graph = None
+        for _ in range(max(warmup, 1)):
+            prepared.run()
+        self._sync()
+        self.plan_us = self._time_plan(plan_samples)
+        if self.cuda:
+            if use_graph and prepared.graphable:
+                self._capture()
+            else:
+                self.method = METHOD_EVENTS
+                self.note = "events around eager launches (candidate not graphable)"
+
+    def _sync(self):
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def _time_plan(self, n: int) -> list[float]:
+        plan = self.prepared.plan
+        if plan is None or n <= 0:
+            return []
+        plan()
+        plan()
+        self._sync()
+        out = []
+        for _ in range(n):
+            t = time.perf_counter()
+            plan()
+            out.append((time.perf_counter() - t) * 1e6)
+        plan()          # the state the graph captures is a fresh plan of the same metadata
+        self._sync()
+        return out
+
+    def _capture(self) -> None:
+        out = self.prepared.out
+        try:
+            self.prepared.run()
+            self._sync()
+            eager = out.clone() if isinstance(out, torch.Tensor) else None
+            graph = torch.cuda.CUDAGraph()
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):     # one more run on the capture stream, as torch advises
+                self.prepared.run()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            self._sync()
+            with torch.cuda.graph(graph):
+                self.prepared.run()
+            if eager is not None:
+                out.fill_(float("nan"))
+                graph.replay()
+                self._sync()
+                if not torch.isfinite(out).all() or not torch.allclose(out.float(), eager.float(),
+                                                                       rtol=1e-2, atol=1e-2):
+                    raise RuntimeError("graph replay output differs from the eager output")
+            self.graph = graph
+        except Exception as e:  # capture is an optimisation: fall back, and say so
+            self.graph = None
+            self.method = METHOD_EVENTS
+            self.note = f"CUDA graph capture failed, events around eager launches: {type(e).__name__}: {e}"
+            try:
+                torch.cuda.synchronize(self.device)
+            except Exception:
+                pass
+
+    def _launch(self):
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.prepared.run()
+
+    def sample(self, n: int) -> list[float]:
+        if n <= 0:
+            return []
+        if not self.cuda:
+            out = []
+            for _ in range(n):
+                t = time.perf_counter()
+                self.prepared.run()
+                out.append((time.perf_counter() - t) * 1e6)
+            return out
+        buf = _flush_buffer(self.device) if self.flush else None
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(n)]
+        for start, end in events:
+            if buf is not None:
+                buf.zero_()
+            start.record()
+            self._launch()
+            end.record()
+        self._sync()
+        return [s.elapsed_time(e) * 1e3 for s, e in events]
+
+    def close(self) -> None:
+        self.graph = None
+
+
+def time_prepared(prepared: Prepared, settings) -> TimedSamples:
+    """All samples of one candidate (used by measure.measure on CUDA): kernel_us and plan_us."""
+    timer = KernelTimer(prepared, settings.device, settings.warmup, settings.plan_samples)
+    try:
+        kernel = timer.sample(settings.samples)
+    finally:
+        timer.close()
+    samples = {"kernel_us": kernel}
+    if timer.plan_us:
+        samples["plan_us"] = timer.plan_us
+    return TimedSamples(samples, timer.method, timer.note)
+
+
+@dataclass
+class _Entry:
+    backend: object
+    candidate: Candidate
+    timer: KernelTimer | None = None
+    compile_s: float | None = None
+    max_rel_error: float | None = None
+    kernel_us: list = field(default_factory=list)
+    result: object = None      # a finished (invalid) TrialResult
+
+
+def measure_interleaved(entries: Sequence[tuple[object, Candidate]], workload: Workload, settings,
+                        rounds: int = 5, on_prepared: Callable | None = None) -> list:
+    """Measure several candidates of one workload round-robin; one TrialResult per entry, in order.
+
+    `entries` are (backend, candidate) pairs (families may differ); `settings` a
+    measure.MeasureSettings (`samples` is the total per candidate, split over `rounds`). Each
+    candidate is first prepared on a problem shared by all candidates of its page size,
+    correctness-checked on fresh data (measure.check_correctness) and captured; failures become
+    invalid TrialResults with their reason, exactly as measure.measure makes them. Then `rounds`
+    rounds each take ceil(samples / rounds) samples from every live candidate, the order rotated
+    by one per round. `on_prepared(candidate, ok)` is called after each preparation (progress).
+    """
+    from mla_tune.measure import TrialResult, check_correctness
+    from mla_tune.problem_data import make_problem
+
+    problems: dict[int, object] = {}
+    todo: list[_Entry] = [_Entry(b, c) for b, c in entries]
+    for e in todo:
+        try:
+            t0 = time.perf_counter()
+            if e.candidate.page_size not in problems:
+                problems[e.candidate.page_size] = make_problem(
+                    workload, e.candidate.page_size, settings.device, seed=settings.seed,
+                    min_pool_bytes=settings.min_pool_bytes)
+            prepared = e.backend.prepare(workload, e.candidate, problems[e.candidate.page_size])
+            e.compile_s = prepared.compile_s or (time.perf_counter() - t0)
+            if settings.check:
+                e.max_rel_error = check_correctness(e.backend, workload, e.candidate, settings,
+                                                    seed=settings.seed + 1000)
+            e.timer = KernelTimer(prepared, settings.device, settings.warmup, settings.plan_samples)
+        except Exception as exc:  # noqa: BLE001 - every failure is data
+            e.result = invalid_result(e.candidate, exc, TrialResult)
+            e.timer = None
+        if on_prepared is not None:
+            on_prepared(e.candidate, e.result is None)
+    live = [e for e in todo if e.timer is not None]
+    per_round = max(1, math.ceil(settings.samples / max(rounds, 1)))
+    for r in range(max(rounds, 1)):
+        if not live:
+            break
+        k = r % len(live)
+        for e in live[k:] + live[:k]:
+            want = min(per_round, settings.samples - len(e.kernel_us))
+            try:
+                e.kernel_us.extend(e.timer.sample(want))
+            except Exception as exc:  # noqa: BLE001
+                e.result = invalid_result(e.candidate, exc, TrialResult)
+        live = [e for e in live if e.result is None]
+    results = []
+    for e in todo:
+        if e.result is None:
+            samples = {"kernel_us": e.kernel_us}
+            if e.timer.plan_us:
+                samples["plan_us"] = e.timer.plan_us
+            e.result = TrialResult(e.candidate, "ok", TimedSamples(samples, e.timer.method, e.timer.note),
+                                   message=e.timer.note, compile_s=e.compile_s,
+                                   max_rel_error=e.max_rel_error)
+        if e.timer is not None:
+            e.timer.close()
+        results.append(e.result)
+    return results
+
+
+def invalid_result(candidate: Candidate, exc: BaseException, result_cls=None):
+    """The invalid TrialResult an exception stands for (CandidateInvalid keeps its reason)."""
+    if result_cls is None:
+        from mla_tune.measure import TrialResult as result_cls
+    if isinstance(exc, CandidateInvalid):
+        return result_cls(candidate, "invalid", invalid_reason=exc.reason, message=exc.message)
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return result_cls(candidate, "invalid", invalid_reason="runtime", message=f"out of memory: {exc}")
+    tb = traceback.format_exc(limit=3)
+    return result_cls(candidate, "invalid", invalid_reason="runtime",
+                      message=f"{type(exc).__name__}: {exc}\n{tb}")

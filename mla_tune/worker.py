@@ -1,0 +1,446 @@
+"""Crash isolation: candidates are measured in a worker process that is replaced after a fault.
+
+A kernel can take its process down (segfault, abort), poison the CUDA context (an illegal memory
+access makes every later CUDA call in that process fail), or hang. None of these may end a sweep
+or corrupt the verdict on other candidates, so the sweep hands batches of candidates to a worker
+process and waits for its messages with a per-candidate timeout:
+
+    parent -> worker   ("measure", workload, [(family, candidate), ...])
+    worker -> parent   ("ready", pid) once, then per batch ("prepared", index, ok) after each
+                       candidate's preparation and ("result", [TrialResult, ...]) at the end,
+                       or ("fault", index | None, reason, message) before it exits.
+
+A fault is attributed to the candidate being prepared when it struck (the one after the last
+"prepared" message); a fault after every candidate was prepared (while sampling) has no known
+culprit, so the batch is re-measured one candidate per worker. The faulty candidate becomes an
+invalid TrialResult with reason "crash" or "timeout"; the others are measured again in a fresh
+worker, never reported from a poisoned one.
+
+Workers start through a fork server that has torch and the measuring code imported, so a
+replacement costs milliseconds, not an interpreter start; each worker dies with its parent.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import tempfile
+from dataclasses import replace
+from typing import Callable, Sequence
+
+from mla_tune.backends.base import Candidate
+
+FAULT_REASONS = ("crash", "timeout")
+
+# CUDA errors that are sticky: after one, every CUDA call in the process fails
+STICKY_CUDA_ERRORS = (
+    "illegal memory access", "unspecified launch failure", "device-side assert",
+    "misaligned address", "illegal instruction", "hardware stack error", "uncorrectable ecc",
+    "cudaerrorillegaladdress", "cudaerrorlaunchfailure", "context is destroyed",
+)
+_LOG_TAIL = 1500
+
+
+def is_sticky_cuda_error(text: str) -> bool:
+    """Whether an error message says the CUDA context is poisoned (the process must be replaced)."""
+    t = (text or "").lower()
+    return any(p in t for p in STICKY_CUDA_ERRORS)
+
+
+# ---------------------------------------------------------------- measuring one batch in-process
+
+def measure_batch(workload, entries: Sequence[tuple[object, Candidate]], settings,
+                  on_prepared: Callable[[Candidate, bool], None] | None = None) -> list:
+    """Measure (backend, candidate) pairs of one workload here; one TrialResult per entry.
+
+    Several candidates are measured interleaved (`timing.measure_interleaved`: round-robin, so
+    drift spreads over all of them); where that API is missing, one after another with
+    `measure.measure`. `on_prepared(candidate, ok)` follows each candidate's preparation.
+    """
+    try:
+        from mla_tune.timing import measure_interleaved
+    except ImportError:
+        measure_interleaved = None
+    if measure_interleaved is not None:
+        return measure_interleaved(list(entries), workload, settings, on_prepared=on_prepared)
+    from mla_tune.measure import measure
+    out = []
+    for backend, cand in entries:
+        r = measure(backend, workload, cand, settings)
+        out.append(r)
+        if on_prepared is not None:
+            on_prepared(cand, r.status == "ok")
+    return out
+
+
+def _plain(result):
+    """A TrialResult with plain-dict samples (what crosses the pipe and goes to the store)."""
+    return replace(result, samples={k: [float(x) for x in v] for k, v in (result.samples or {}).items()})
+
+
+class InlineRunner:
+    """Measures in this process: no isolation (tests, debugging, or families known to be safe)."""
+
+    isolated = False
+
+    def __init__(self, settings):
+        self.settings = settings
+        self._backends: dict = {}
+        self.restarts = 0
+
+    def _backend(self, family: str):
+        if family not in self._backends:
+            from mla_tune.backends import get_backend
+            self._backends[family] = get_backend(family)
+        return self._backends[family]
+
+    def measure(self, workload, candidates: Sequence[Candidate],
+                on_progress: Callable[[Candidate, bool], None] | None = None) -> list:
+        entries = [(self._backend(c.family), c) for c in candidates]
+        return [_plain(r) for r in measure_batch(workload, entries, self.settings, on_progress)]
+
+    def close(self) -> None:
+        self._backends.clear()
+
+
+# ---------------------------------------------------------------- the worker process
+
+class _ContextPoisoned(BaseException):
+    """Raised inside the worker after a sticky CUDA error; a BaseException, so that the measuring
+    code's `except Exception` does not record it as an ordinary runtime failure and go on."""
+
+    def __init__(self, candidate: Candidate, message: str):
+        super().__init__(message)
+        self.candidate = candidate
+        self.message = message
+
+
+def _context_alive(device: str) -> bool:
+    if not str(device).startswith("cuda"):
+        return True
+    try:
+        import torch
+        torch.cuda.synchronize()
+        torch.zeros(1, device=device).add_(1).item()
+        return True
+    except Exception:
+        return False
+
+
+class _Guarded:
+    """Wraps a backend so that a sticky CUDA error in prepare/run/plan escapes as _ContextPoisoned."""
+
+    def __init__(self, backend, device: str):
+        self._b = backend
+        self._device = device
+        self.family = backend.family
+
+    def __getattr__(self, name):
+        return getattr(self._b, name)
+
+    def _check(self, cand: Candidate, e: BaseException):
+        text = f"{type(e).__name__}: {e}"
+        if is_sticky_cuda_error(text) or not _context_alive(self._device):
+            raise _ContextPoisoned(cand, f"CUDA context poisoned: {text}") from None
+
+    def prepare(self, workload, cand, problem):
+        try:
+            p = self._b.prepare(workload, cand, problem)
+        except Exception as e:
+            self._check(cand, e)
+            raise
+        for attr in ("run", "plan"):
+            fn = getattr(p, attr)
+            if fn is not None:
+                setattr(p, attr, self._wrap(fn, cand))
+        return p
+
+    def _wrap(self, fn, cand):
+        def call(*a, **k):
+            try:
+                return fn(*a, **k)
+            except Exception as e:
+                self._check(cand, e)
+                raise
+        return call
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this worker when its parent goes (kill -9 of the sweep included)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def _worker_main(conn, families: dict, settings, log_path: str | None, parent_pid: int) -> None:
+    _die_with_parent()
+    if os.getppid() == 1 and parent_pid != 1:
+        os._exit(0)
+    if log_path:
+        # kernels and compilers write to fd 1/2; keep that out of the sweep's display, and keep a
+        # fatal-signal traceback (faulthandler) for the trial's message
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    import faulthandler
+    import sys
+    faulthandler.enable(file=sys.stderr, all_threads=False)
+    from mla_tune.backends import get_backend, register_family
+    for name, target in families.items():
+        register_family(name, target)
+    if str(settings.device).startswith("cuda") and not settings.min_pool_bytes:
+        from mla_tune.timing import default_pool_bytes
+        settings = replace(settings, min_pool_bytes=default_pool_bytes(settings.device))
+    backends: dict = {}
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        _, workload, pairs = msg
+        index = {c.key: i for i, (_, c) in enumerate(pairs)}
+        entries = []
+        for family, cand in pairs:
+            if family not in backends:
+                backends[family] = _Guarded(get_backend(family), settings.device)
+            entries.append((backends[family], cand))
+
+        done = [0]
+
+        def prepared(cand, ok):
+            done[0] += 1
+            conn.send(("prepared", index[cand.key], bool(ok)))
+
+        try:
+            results = measure_batch(workload, entries, settings, prepared)
+        except _ContextPoisoned as p:
+            # while preparing, each step synchronises, so the error belongs to that candidate;
+            # while sampling, an asynchronous error may surface in a neighbour's launch
+            culprit = index.get(p.candidate.key) if done[0] < len(entries) else None
+            conn.send(("fault", culprit, "crash", p.message))
+            return
+        sticky = [r for r in results if is_sticky_cuda_error(r.message)]
+        if sticky:
+            if len(results) == 1:
+                conn.send(("result", [replace(_plain(results[0]), invalid_reason="crash",
+                                              message=f"CUDA context poisoned: {results[0].message}")]))
+            else:   # the culprit cannot be told apart from its victims: re-measure one by one
+                conn.send(("fault", None, "crash", f"CUDA context poisoned: {sticky[0].message}"))
+            return
+        conn.send(("result", [_plain(r) for r in results]))
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "the worker vanished"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"worker process killed by {name}"
+    return f"worker process exited with status {code}"
+
+
+class WorkerError(RuntimeError):
+    """The worker process cannot be started at all (not a candidate's fault)."""
+
+
+class _Fault:
+    def __init__(self, reason: str, index: int | None, message: str):
+        self.reason, self.index, self.message = reason, index, message
+
+
+_CONTEXT = None
+
+
+def _context():
+    """A fork server with torch and the measuring code imported (spawn where there is none)."""
+    global _CONTEXT
+    if _CONTEXT is None:
+        try:
+            ctx = mp.get_context("forkserver")
+            ctx.set_forkserver_preload(["torch", "mla_tune.measure", "mla_tune.timing",
+                                        "mla_tune.worker"])
+        except ValueError:
+            ctx = mp.get_context("spawn")
+        _CONTEXT = ctx
+    return _CONTEXT
+
+
+class WorkerRunner:
+    """Measures in a worker process, replaced after each crash, hang or poisoned CUDA context.
+
+    `timeout_s` bounds each candidate's preparation (JIT included) and, per candidate, the
+    sampling rounds of a batch; `faults` counts the candidates recorded as crash/timeout.
+    """
+
+    isolated = True
+
+    def __init__(self, settings, timeout_s: float = 120.0, start_timeout_s: float = 300.0,
+                 families: dict | None = None):
+        from mla_tune.backends import family_targets
+        self.settings = settings
+        self.timeout_s = float(timeout_s)
+        self.start_timeout_s = float(start_timeout_s)
+        self.families = dict(families if families is not None else family_targets())
+        self.restarts = 0
+        self.faults = 0
+        self._proc = None
+        self._conn = None
+        self._log = None
+        self._started = 0
+
+    # ------------------------------------------------------------ process management
+    def _start(self) -> None:
+        ctx = _context()
+        fd, self._log = tempfile.mkstemp(prefix="mla-tune-worker-", suffix=".log")
+        os.close(fd)
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_worker_main, name="mla-tune-worker", daemon=True,
+                           args=(child, self.families, self.settings, self._log, os.getpid()))
+        proc.start()
+        child.close()
+        self._proc, self._conn = proc, parent
+        if self._started:
+            self.restarts += 1
+        self._started += 1
+        try:
+            ok = parent.poll(self.start_timeout_s)
+            msg = parent.recv() if ok else None
+        except (EOFError, OSError):
+            msg = None
+        if not msg or msg[0] != "ready":
+            tail = self._log_tail()
+            self._stop(kill=True)
+            raise WorkerError("the measuring worker process did not start"
+                              + (f": {tail}" if tail else ""))
+
+    def _log_tail(self) -> str:
+        try:
+            with open(self._log, "rb") as f:
+                f.seek(0, 2)
+                f.seek(max(0, f.tell() - _LOG_TAIL))
+                return f.read().decode(errors="replace").strip()
+        except (OSError, TypeError):
+            return ""
+
+    def _stop(self, kill: bool) -> int | None:
+        proc, conn = self._proc, self._conn
+        self._proc = self._conn = None
+        code = None
+        if proc is not None:
+            if not kill and conn is not None:
+                try:
+                    conn.send(None)
+                except (OSError, ValueError):
+                    pass
+                proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+            proc.join(10)
+            code = proc.exitcode
+        if conn is not None:
+            conn.close()
+        if self._log:
+            try:
+                os.unlink(self._log)
+            except OSError:
+                pass
+            self._log = None
+        return code
+
+    def close(self) -> None:
+        self._stop(kill=False)
+
+    # ------------------------------------------------------------ measuring
+    def measure(self, workload, candidates: Sequence[Candidate],
+                on_progress: Callable[[Candidate, bool], None] | None = None) -> list:
+        """One TrialResult per candidate, in order; faults become invalid crash/timeout results."""
+        from mla_tune.measure import TrialResult
+        results: list = [None] * len(candidates)
+        pending = list(range(len(candidates)))
+        singles = False
+        while pending:
+            batch = pending[:1] if singles else pending
+            got = self._attempt(workload, [candidates[i] for i in batch], on_progress)
+            if isinstance(got, list):
+                for i, r in zip(batch, got):
+                    results[i] = r
+                pending = [i for i in pending if results[i] is None]
+                continue
+            if got.index is None and len(batch) > 1:
+                singles = True          # unknown culprit: one candidate per worker from here on
+                continue
+            culprit = batch[got.index if got.index is not None else 0]
+            self.faults += 1
+            results[culprit] = TrialResult(candidates[culprit], "invalid", invalid_reason=got.reason,
+                                           message=got.message)
+            if on_progress is not None:
+                on_progress(candidates[culprit], False)
+            pending = [i for i in pending if results[i] is None]
+        return results
+
+    def _attempt(self, workload, cands: list[Candidate], on_progress):
+        if self._proc is None or not self._proc.is_alive():
+            if self._proc is not None:
+                self._stop(kill=True)
+            self._start()
+        conn = self._conn
+        try:
+            conn.send(("measure", workload, [(c.family, c) for c in cands]))
+        except (OSError, ValueError):
+            code = self._stop(kill=True)
+            return _Fault("crash", 0, _describe_exit(code))
+        prepared = 0
+        n = len(cands)
+        while True:
+            limit = self.timeout_s if prepared < n else self.timeout_s * n
+            try:
+                ready = conn.poll(limit)
+            except (OSError, ValueError):
+                ready = True
+            if not ready:
+                where = cands[prepared].key if prepared < n else f"sampling {n} candidates"
+                tail = self._log_tail()
+                self._stop(kill=True)
+                return _Fault("timeout", prepared if prepared < n else None,
+                              f"no answer from the worker within {limit:.0f} s ({where}); killed"
+                              + (f"\n{tail}" if tail else ""))
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                tail = self._log_tail()
+                code = self._stop(kill=True)
+                return _Fault("crash", prepared if prepared < n else None,
+                              _describe_exit(code) + (f"\n{tail}" if tail else ""))
+            kind = msg[0]
+            if kind == "prepared":
+                prepared = max(prepared, msg[1] + 1)
+                if on_progress is not None:
+                    on_progress(cands[msg[1]], msg[2])
+            elif kind == "result":
+                crashed = sum(r.invalid_reason == "crash" for r in msg[1])
+                if crashed:
+                    self.faults += crashed
+                    self._stop(kill=True)     # the worker exits after a poisoned context
+                return msg[1]
+            elif kind == "fault":
+                self._stop(kill=True)
+                return _Fault(msg[2], msg[1], msg[3])
+
+
+def make_runner(settings, isolation: str = "process", timeout_s: float = 120.0):
+    """The runner for an isolation mode: 'process' (WorkerRunner) or 'inline' (InlineRunner)."""
+    if isolation == "process":
+        return WorkerRunner(settings, timeout_s=timeout_s)
+    if isolation == "inline":
+        return InlineRunner(settings)
+    raise ValueError(f"isolation must be 'process' or 'inline', got {isolation!r}")

@@ -1,0 +1,125 @@
+"""The flashinfer family on the CPU, over a torch stand-in for the wrapper: space, defaults,
+refusals as data, and the correctness gate through the real block-table -> metadata path."""
+
+import pytest
+import torch
+
+from mla_tune.backends import Candidate, get_backend
+from mla_tune.backends.flashinfer import FlashInferBackend
+from mla_tune.measure import MeasureSettings, measure
+from mla_tune.problem import custom_model, workload_for
+from mla_tune.problem_data import make_problem
+from tests import flashinfer_fakes as fakes
+from vllm_metax import device as device_mod
+from vllm_metax.ops import flashinfer_mla as op
+
+
+def _wl(q_len=1, ragged="lognormal", heads=4):
+    return workload_for(custom_model(heads), 1, 3, 24, q_len=q_len, ragged=ragged, seed=3)
+
+
+def _device(monkeypatch, name="NVIDIA H200", metax=False, cap=(9, 0)):
+    monkeypatch.setattr(device_mod, "detect_device",
+                        lambda: device_mod.DeviceInfo(name, "torch", metax, 132, cap))
+
+
+def test_registry_gives_the_flashinfer_family():
+    assert get_backend("flashinfer").family == "flashinfer"
+
+
+def test_space_is_every_concrete_backend_times_page_size(monkeypatch):
+    fakes.install(monkeypatch, fakes.keyword_module(("auto", "fa2", "fa3", "cute-dsl", "xqa")))
+    _device(monkeypatch)
+    keys = [c.key for c in FlashInferBackend().space(_wl(), [1, 64])]
+    assert keys == ["flashinfer/fa2/p1", "flashinfer/fa2/p64", "flashinfer/fa3/p1", "flashinfer/fa3/p64",
+                    "flashinfer/xqa/p1", "flashinfer/xqa/p64"]
+    assert all(not c.params for c in FlashInferBackend().space(_wl(), [16]))
+
+
+def test_metax_space_has_no_fa3(monkeypatch):
+    fakes.install(monkeypatch, fakes.flat_module())
+    _device(monkeypatch, "MetaX C500", metax=True, cap=(8, 0))
+    backends = {c.backend for c in FlashInferBackend().space(_wl(), [16])}
+    assert "fa3" not in backends and "fa2" in backends
+
+
+def test_space_empty_without_flashinfer(monkeypatch):
+    def boom():
+        raise op.FlashInferUnavailable("no flashinfer here")
+    monkeypatch.setattr(op, "_cached_api", boom)
+    assert FlashInferBackend().space(_wl(), [16]) == []
+
+
+def test_default_candidate_is_auto_page_64():
+    assert FlashInferBackend().default_candidate(_wl()).key == "flashinfer/auto/p64"
+    assert FlashInferBackend().default_candidate(_wl(), 16).key == "flashinfer/auto/p16"
+
+
+def test_unavailable_off_cuda():
+    av = FlashInferBackend().available("cpu")
+    assert not av.ok and "CUDA" in av.reason
+
+
+@pytest.mark.parametrize("make", [fakes.keyword_module, fakes.flat_module])
+@pytest.mark.parametrize("q_len", [1, 2])
+@pytest.mark.parametrize("page", [1, 16])
+def test_measure_passes_the_correctness_gate(monkeypatch, make, q_len, page):
+    fakes.install(monkeypatch, make())
+    w = _wl(q_len)
+    r = measure(FlashInferBackend(), w, Candidate("flashinfer", "fa2", page),
+                MeasureSettings(samples=3, plan_samples=3))
+    assert r.status == "ok", r.message
+    assert r.max_rel_error < 1e-2
+    assert len(r.samples["kernel_us"]) == 3 and len(r.samples["plan_us"]) == 3
+
+
+def test_wrong_metadata_fails_the_gate(monkeypatch):
+    """A kernel path that mangles kv_indices must be stored invalid(wrong_result)."""
+    fakes.install(monkeypatch, fakes.keyword_module())
+    real = op.MLADecodeKernel.plan
+
+    def bad_plan(self, meta, *a, **k):
+        meta.kv_indices = meta.kv_indices.flip(0)
+        return real(self, meta, *a, **k)
+
+    monkeypatch.setattr(op.MLADecodeKernel, "plan", bad_plan)
+    r = measure(FlashInferBackend(), _wl(ragged="uniform"), Candidate("flashinfer", "fa2", 4),
+                MeasureSettings(samples=2))
+    assert r.status == "invalid" and r.invalid_reason == "wrong_result"
+
+
+def test_refusal_is_stored_unsupported_with_flashinfers_reason(monkeypatch):
+    fakes.install(monkeypatch, fakes.keyword_module())
+    monkeypatch.setattr(fakes.TorchCSRWrapper, "refuse", {"trtllm-gen": "trtllm-gen MLA requires SM100/SM103"})
+    r = measure(FlashInferBackend(), _wl(), Candidate("flashinfer", "trtllm-gen", 64), MeasureSettings())
+    assert (r.status, r.invalid_reason) == ("invalid", "unsupported")
+    assert "SM100" in r.message
+
+
+def test_backend_value_flashinfer_does_not_accept(monkeypatch):
+    fakes.install(monkeypatch, fakes.keyword_module(("auto", "fa2")))
+    r = measure(FlashInferBackend(), _wl(), Candidate("flashinfer", "cutile", 64), MeasureSettings())
+    assert (r.status, r.invalid_reason) == ("invalid", "unsupported")
+    assert "cutile" in r.message
+
+
+def test_knobs_are_rejected(monkeypatch):
+    fakes.install(monkeypatch, fakes.keyword_module())
+    r = measure(FlashInferBackend(), _wl(), Candidate("flashinfer", "fa2", 16, {"num_kv_splits": 4}),
+                MeasureSettings())
+    assert r.invalid_reason == "unsupported"
+
+
+def test_prepared_plan_replans_through_the_plugin_op(monkeypatch):
+    """Timing plan() means timing the plugin's per-step host work: metadata build + plan."""
+    fakes.install(monkeypatch, fakes.keyword_module())
+    w = _wl()
+    problem = make_problem(w, 16, "cpu", seed=1)
+    prepared = FlashInferBackend().prepare(w, Candidate("flashinfer", "fa3", 16), problem)
+    assert isinstance(prepared.kernel, op.MLADecodeKernel)
+    n = sum(1 for c in prepared.kernel.wrapper.calls if c[0] == "plan")
+    prepared.plan()
+    assert sum(1 for c in prepared.kernel.wrapper.calls if c[0] == "plan") == n + 1
+    assert prepared.kernel.wrapper.plan_args["sm_scale"] == w.softmax_scale
+    out = prepared.run()
+    assert out is prepared.out and out.shape == problem.q_nope.shape

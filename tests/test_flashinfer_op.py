@@ -1,0 +1,196 @@
+"""The plugin's FlashInfer MLA op on the CPU: API detection, and exactly what reaches FlashInfer."""
+
+import pytest
+import torch
+
+from tests import flashinfer_fakes as fakes
+from vllm_metax.ops import flashinfer_mla as op
+from vllm_metax.ops.paged_metadata import build_paged_metadata
+
+
+def _meta(page_size=16, lens=(40, 7, 16), q_len=1):
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    max_pages = max((n + page_size - 1) // page_size for n in lens)
+    bt = torch.arange(len(lens) * max_pages, dtype=torch.int32).flip(0).reshape(len(lens), max_pages)
+    return build_paged_metadata(bt, lens_t, page_size, q_len)
+
+
+def test_detects_keyword_api_and_reads_backend_table():
+    api = op.detect_api(fakes.keyword_module(("auto", "fa2", "fa3", "xqa", "new-one")))
+    assert api.form == op.API_KEYWORD
+    assert api.plan_metadata_cls is fakes.FakeMLAPlanMetadata
+    assert api.backends == ("auto", "fa2", "fa3", "xqa", "new-one")
+
+
+def test_detects_flat_api_and_documented_backends():
+    api = op.detect_api(fakes.flat_module())
+    assert api.form == op.API_FLAT
+    assert api.plan_metadata_cls is None
+    assert set(api.backends) == {"auto", "fa2", "fa3", "cutlass"}
+
+
+def test_module_without_wrapper_is_unavailable():
+    import types
+    with pytest.raises(op.FlashInferUnavailable):
+        op.detect_api(types.SimpleNamespace())
+
+
+def test_concrete_backends_drop_aliases():
+    assert op.concrete_backends(("auto", "fa2", "cute-dsl", "cute-dsl-modular")) == ("fa2", "cute-dsl-modular")
+
+
+def test_keyword_plan_hands_metadata_and_dims_through(monkeypatch):
+    api = fakes.install(monkeypatch, fakes.keyword_module())
+    meta = _meta()
+    k = op.MLADecodeKernel(torch.empty(8, dtype=torch.uint8), "fa3")
+    k.plan(meta, 16, 512, 64, 16, False, 0.0721, torch.bfloat16, torch.bfloat16)
+    name, args, kw = k.wrapper.calls[-1]
+    assert name == "plan" and args == ()
+    m = kw["metadata"]
+    assert isinstance(m, api.plan_metadata_cls)
+    assert m.qo_indptr is meta.qo_indptr and m.kv_indptr is meta.kv_indptr
+    assert m.kv_indices is meta.kv_indices and m.kv_len_arr is meta.kv_len
+    pa = k.wrapper.plan_args
+    # head_dim_ckv is kv_lora_rank (not num_kv_heads), sm_scale the layer's scale (not 1.0)
+    assert (pa["num_heads"], pa["head_dim_ckv"], pa["head_dim_kpe"], pa["page_size"]) == (16, 512, 64, 16)
+    assert pa["sm_scale"] == 0.0721 and pa["causal"] is False
+    assert (kw["query_layout"], kw["kv_cache_layout"], kw["lse_mode"]) == ("split", "split", "none")
+
+
+def test_keyword_layout_packed_for_packed_only_backends(monkeypatch):
+    fakes.install(monkeypatch, fakes.keyword_module())
+    k = op.MLADecodeKernel(torch.empty(8, dtype=torch.uint8), "cutlass")
+    k.plan(_meta(), 16, 512, 64, 16, False, 0.1, torch.bfloat16, torch.bfloat16, return_lse=True)
+    kw = k.wrapper.calls[-1][2]
+    assert (kw["query_layout"], kw["kv_cache_layout"], kw["lse_mode"]) == ("packed", "packed", "base2")
+
+
+def test_flat_plan_is_positional_in_documented_order(monkeypatch):
+    fakes.install(monkeypatch, fakes.flat_module())
+    meta = _meta()
+    k = op.MLADecodeKernel(torch.empty(8, dtype=torch.uint8), "fa2")
+    assert k.api == op.API_FLAT
+    k.plan(meta, 8, 512, 64, 16, True, 0.5, torch.float16, torch.float16)
+    name, args, _ = k.wrapper.calls[-1]
+    assert name == "plan"
+    assert args[:4] == (meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_len)
+    assert args[4:] == (8, 512, 64, 16, True, 0.5, torch.float16, torch.float16)
+
+
+def test_constructor_passes_graph_buffers_and_backend(monkeypatch):
+    fakes.install(monkeypatch, fakes.keyword_module())
+    gb = op.GraphBuffers.allocate(3, 10, "cpu")
+    ws = torch.empty(8, dtype=torch.uint8)
+    k = op.MLADecodeKernel(ws, "fa2", use_cuda_graph=True, graph_buffers=gb)
+    _, args, kw = k.wrapper.calls[0]
+    assert args == (ws, True, gb.qo_indptr, gb.kv_indptr, gb.kv_indices, gb.kv_len)
+    assert kw == {"backend": "fa2"}
+    assert gb.qo_indptr.shape == (4,) and gb.kv_len.shape == (3,) and gb.kv_indices.dtype == torch.int32
+
+
+def test_graph_mode_needs_buffers(monkeypatch):
+    fakes.install(monkeypatch, fakes.keyword_module())
+    with pytest.raises(ValueError, match="graph_buffers"):
+        op.MLADecodeKernel(torch.empty(8, dtype=torch.uint8), "fa2", use_cuda_graph=True)
+
+
+def test_forcing_keyword_on_flat_install_is_an_error(monkeypatch):
+    fakes.install(monkeypatch, fakes.flat_module())
+    with pytest.raises(ValueError, match="keyword"):
+        op.MLADecodeKernel(torch.empty(8, dtype=torch.uint8), "fa2", api="keyword")
+    with pytest.raises(ValueError, match="api must be"):
+        op.MLADecodeKernel(torch.empty(8, dtype=torch.uint8), "fa2", api="positional")
+
+
+def test_keyword_install_can_be_driven_through_the_flat_form(monkeypatch):
+    fakes.install(monkeypatch, fakes.keyword_module())
+    k = op.MLADecodeKernel(torch.empty(8, dtype=torch.uint8), "fa2", api="flat")
+    assert k.api == op.API_FLAT
+
+
+def test_refusal_becomes_backend_refused_with_flashinfers_message(monkeypatch):
+    fakes.install(monkeypatch, fakes.keyword_module())
+    monkeypatch.setattr(fakes.TorchCSRWrapper, "refuse", {"trtllm-gen": "trtllm-gen requires SM100"})
+    k = op.MLADecodeKernel(torch.empty(8, dtype=torch.uint8), "trtllm-gen")
+    with pytest.raises(op.BackendRefused) as ei:
+        k.plan(_meta(), 16, 512, 64, 16, False, 0.1, torch.bfloat16, torch.bfloat16)
+    assert ei.value.reason == "trtllm-gen requires SM100" and ei.value.backend == "trtllm-gen"
+    assert not k.planned
+
+
+def test_is_refusal_separates_refusals_from_bugs():
+    assert op.is_refusal(fakes._BackendPlanUnsupportedError("anything"))
+    assert op.is_refusal(RuntimeError("fa3 MLA requires SM90 and CUDA >= 12.3 (not supported)"))
+    assert not op.is_refusal(TypeError("missing argument"))
+    assert not op.is_refusal(RuntimeError("CUDA error: illegal memory access"))
+
+
+@pytest.mark.parametrize("make", [fakes.keyword_module, fakes.flat_module])
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_op_result_matches_reference_through_real_metadata(monkeypatch, make, q_len):
+    """Block table -> build_paged_metadata -> op -> (fake) kernel equals the paged reference."""
+    from mla_tune.reference import mla_decode_reference, relative_error
+    fakes.install(monkeypatch, make())
+    torch.manual_seed(0)
+    page, lens = 4, [9, 3, 16]
+    pages_needed = sum((n + page - 1) // page for n in lens)
+    perm = torch.randperm(pages_needed + 5)[:pages_needed].to(torch.int32)
+    bt = torch.zeros(3, 4, dtype=torch.int32)
+    o = 0
+    for b, n in enumerate(lens):
+        k = (n + page - 1) // page
+        bt[b, :k] = perm[o:o + k]
+        o += k
+    kv = torch.randn(pages_needed + 5, page, 576).to(torch.bfloat16)
+    q = torch.randn(3 * q_len, 2, 576).to(torch.bfloat16)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    kern = op.MLADecodeKernel(torch.empty(8, dtype=torch.uint8), "fa2")
+    kern.plan(build_paged_metadata(bt, seq, page, q_len), 2, 512, 64, page, q_len > 1, 0.08,
+              torch.bfloat16, torch.bfloat16, return_lse=True)
+    out = torch.full_like(q[..., :512], float("nan"))
+    got, lse = kern.run(q[..., :512], q[..., 512:], kv[..., :512], kv[..., 512:], out=out, return_lse=True)
+    ref, ref_lse = mla_decode_reference(q[..., :512], q[..., 512:], kv[..., :512], kv[..., 512:], bt,
+                                        seq, 0.08, q_len, return_lse=True)
+    assert got is out
+    assert relative_error(out, ref) < 1e-2
+    assert torch.allclose(lse * torch.log(torch.tensor(2.0)), ref_lse, atol=1e-3)   # base-2 LSE
+
+
+def test_keyword_run_passes_split_tuples_and_checks_lse_contract(monkeypatch):
+    fakes.install(monkeypatch, fakes.keyword_module())
+    k = op.MLADecodeKernel(torch.empty(8, dtype=torch.uint8), "fa2")
+    k.plan(_meta(page_size=16, lens=(16,)), 1, 512, 64, 16, False, 0.1, torch.bfloat16, torch.bfloat16)
+    qn, qp = torch.zeros(1, 1, 512, dtype=torch.bfloat16), torch.zeros(1, 1, 64, dtype=torch.bfloat16)
+    ckv = torch.zeros(48, 16, 512, dtype=torch.bfloat16)
+    kpe = torch.zeros(48, 16, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="return_lse"):
+        k.run(qn, qp, ckv, kpe, return_lse=True)
+    k.run(qn, qp, ckv, kpe)
+    kw = k.wrapper.calls[-1][2]
+    assert kw["query"][0] is qn and kw["query"][1] is qp
+    assert kw["kv_cache"][0] is ckv and kw["kv_cache"][1] is kpe
+
+
+def test_resolved_backend_after_plan(monkeypatch):
+    fakes.install(monkeypatch, fakes.keyword_module())
+    k = op.MLADecodeKernel(torch.empty(8, dtype=torch.uint8), "auto")
+    assert k.resolved_backend is None
+    k.plan(_meta(), 16, 512, 64, 16, False, 0.1, torch.bfloat16, torch.bfloat16)
+    assert k.resolved_backend == "fa2"
+
+
+def test_without_flashinfer_available_says_why(monkeypatch):
+    def boom():
+        raise op.FlashInferUnavailable("cannot import flashinfer.mla: ImportError: nope")
+    monkeypatch.setattr(op, "_cached_api", boom)
+    ok, why = op.flashinfer_available()
+    assert not ok and "nope" in why
+
+
+def test_import_is_cheap():
+    import subprocess
+    import sys
+    code = ("import sys, vllm_metax.ops.flashinfer_mla; "
+            "print(any(m == 'flashinfer' or m.startswith('flashinfer.') for m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

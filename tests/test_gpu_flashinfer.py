@@ -1,0 +1,185 @@
+"""FlashInfer MLA on a real GPU against the torch reference (run on the H200: pytest -m gpu).
+
+Every backend value the installed FlashInfer accepts x page sizes 1/16/64/128 x 16 and 128 heads
+x ragged lengths, through the same op the vLLM plugin calls; both API forms; CUDA-graph replans.
+"""
+
+import math
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+PAGES = (1, 16, 64, 128)
+HEADS = (16, 128)
+
+
+def _fi():
+    from vllm_metax.ops import flashinfer_mla as op
+    ok, why = op.flashinfer_available()
+    if not ok:
+        pytest.skip(why)
+    return op
+
+
+def _backends():
+    try:
+        from vllm_metax.ops import flashinfer_mla as op
+        return op.concrete_backends() if op.flashinfer_available()[0] else ("fa2", "fa3")
+    except Exception:
+        return ("fa2", "fa3")
+
+
+def _sm90():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(0)[0] == 9
+
+
+def _workload(heads, batch=5, context=300, q_len=1, ragged="lognormal", seed=7):
+    from mla_tune.problem import custom_model, workload_for
+    return workload_for(custom_model(heads), 1, batch, context, q_len=q_len, ragged=ragged, seed=seed)
+
+
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("page", PAGES)
+@pytest.mark.parametrize("backend", _backends())
+def test_every_backend_page_heads_ragged_matches_reference(backend, page, heads):
+    _fi()
+    from mla_tune.backends import Candidate, CandidateInvalid
+    from mla_tune.backends.flashinfer import FlashInferBackend
+    from mla_tune.measure import MeasureSettings, check_correctness
+    w = _workload(heads)
+    try:
+        err = check_correctness(FlashInferBackend(), w, Candidate("flashinfer", backend, page),
+                                MeasureSettings(device="cuda"), seed=11)
+    except CandidateInvalid as e:
+        if e.reason == "unsupported" and not (_sm90() and backend in ("fa2", "fa3")):
+            assert e.message      # FlashInfer's reason is kept
+            pytest.skip(f"{backend} refused here: {e.message[:200]}")
+        raise
+    assert err < 2e-2
+
+
+@pytest.mark.parametrize("api", ["flat", "keyword"])
+@pytest.mark.parametrize("backend", ["fa2", "fa3", "auto"])
+def test_both_api_forms(api, backend):
+    _fi()
+    if backend == "fa3" and not _sm90():
+        pytest.skip("fa3 needs SM90")
+    from mla_tune.backends import Candidate
+    from mla_tune.backends.flashinfer import FlashInferBackend
+    from mla_tune.measure import MeasureSettings, check_correctness
+    for heads, page in ((16, 64), (128, 16)):
+        err = check_correctness(FlashInferBackend(api=api), _workload(heads, ragged="uniform-random"),
+                                Candidate("flashinfer", backend, page), MeasureSettings(device="cuda"), seed=3)
+        assert err < 2e-2
+
+
+@pytest.mark.parametrize("q_len", [2, 4])
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+def test_speculative_q_len_causal(backend, q_len):
+    _fi()
+    if backend == "fa3" and not _sm90():
+        pytest.skip("fa3 needs SM90")
+    from mla_tune.backends import Candidate, CandidateInvalid
+    from mla_tune.backends.flashinfer import FlashInferBackend
+    from mla_tune.measure import MeasureSettings, check_correctness
+    try:
+        err = check_correctness(FlashInferBackend(), _workload(16, batch=4, q_len=q_len),
+                                Candidate("flashinfer", backend, 16), MeasureSettings(device="cuda"), seed=5)
+    except CandidateInvalid as e:      # FlashInfer refuses some causal tile boundaries by design
+        assert e.reason == "unsupported", e.message
+        pytest.skip(e.message[:200])
+    assert err < 2e-2
+
+
+def _packed_problem(heads, page, lens, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    pages = sum(math.ceil(n / page) for n in lens)
+    num_blocks = pages + 17
+    kv = torch.randn(num_blocks, page, 576, device="cuda", generator=g).to(torch.bfloat16)  # vLLM layout
+    perm = torch.randperm(num_blocks, device="cuda", generator=g)[:pages].to(torch.int32)
+    width = max(math.ceil(n / page) for n in lens) + 3
+    bt = torch.zeros(len(lens), width, dtype=torch.int32, device="cuda")
+    o = 0
+    for b, n in enumerate(lens):
+        k = math.ceil(n / page)
+        bt[b, :k] = perm[o:o + k]
+        o += k
+    q = torch.randn(len(lens), heads, 576, device="cuda", generator=g).to(torch.bfloat16)
+    return kv, bt, q
+
+
+def test_plugin_path_packed_cache_lse_and_cuda_graph_replan():
+    """What the plugin does: packed vLLM cache views, plan every step into graph buffers, replay."""
+    op = _fi()
+    from mla_tune.reference import mla_decode_reference, relative_error
+    from vllm_metax.ops.paged_metadata import build_paged_metadata
+    backend = "fa3" if _sm90() else "fa2"
+    heads, page, scale = 16, 64, 192 ** -0.5
+    kv, bt, q = _packed_problem(heads, page, [700, 64, 1, 3000])
+    ckv, kpe = kv[..., :512], kv[..., 512:]
+    gb = op.GraphBuffers.allocate(4, bt.shape[1] * 4, "cuda")
+    kern = op.MLADecodeKernel(op.make_workspace("cuda"), backend, use_cuda_graph=True, graph_buffers=gb)
+    out = torch.empty(4, heads, 512, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(4, heads, dtype=torch.float32, device="cuda")
+    qn, qp = q[..., :512].contiguous(), q[..., 512:].contiguous()   # independent split tensors
+
+    def plan(lens):
+        seq = torch.tensor(lens, dtype=torch.int32)
+        meta = build_paged_metadata(bt, seq, page, out_kv_indices=gb.kv_indices)
+        kern.plan(meta, heads, 512, 64, page, False, scale, torch.bfloat16, torch.bfloat16, return_lse=True)
+        return seq
+
+    seq = plan([700, 64, 1, 3000])
+    kern.run(qn, qp, ckv, kpe, out=out, lse=lse, return_lse=True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kern.run(qn, qp, ckv, kpe, out=out, lse=lse, return_lse=True)
+    for lens in ([700, 64, 1, 3000], [701, 65, 2, 2999], [1, 1, 1, 1]):
+        seq = plan(lens)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, ref_lse = mla_decode_reference(qn, qp, ckv, kpe, bt, seq, scale, return_lse=True)
+        assert relative_error(out, ref) < 2e-2, lens
+        assert torch.allclose(lse * math.log(2.0), ref_lse, atol=2e-2, rtol=1e-3), lens
+
+
+def test_tuner_and_plugin_share_the_op():
+    _fi()
+    from mla_tune.backends import Candidate
+    from mla_tune.backends.flashinfer import FlashInferBackend
+    from mla_tune.problem_data import make_problem
+    from vllm_metax.ops.flashinfer_mla import MLADecodeKernel
+    w = _workload(16)
+    p = FlashInferBackend().prepare(w, Candidate("flashinfer", "auto", 64), make_problem(w, 64, "cuda"))
+    assert type(p.kernel) is MLADecodeKernel
+    if _sm90():
+        assert p.kernel.resolved_backend == "fa3"
+
+
+def test_refused_backends_report_flashinfers_reason():
+    op = _fi()
+    support = op.backend_support("cuda")
+    assert support["fa2"] is None
+    if _sm90():
+        assert support["fa3"] is None
+    for b, why in support.items():
+        assert why is None or (isinstance(why, str) and why), b
+
+
+def test_time_prepared_uses_graphs_and_is_positive():
+    _fi()
+    from mla_tune.backends import Candidate
+    from mla_tune.backends.flashinfer import FlashInferBackend
+    from mla_tune.measure import MeasureSettings, measure
+    from mla_tune.timing import METHOD_GRAPH, default_pool_bytes
+    w = _workload(16, batch=8, context=2048, ragged="uniform")
+    s = MeasureSettings(device="cuda", samples=20, plan_samples=10, min_pool_bytes=default_pool_bytes())
+    r = measure(FlashInferBackend(), w, Candidate("flashinfer", "fa2", 64), s)
+    assert r.status == "ok", r.message
+    assert r.samples.method == METHOD_GRAPH, r.samples.note
+    assert len(r.samples["kernel_us"]) == 20 and min(r.samples["kernel_us"]) > 0
+    assert len(r.samples["plan_us"]) == 10

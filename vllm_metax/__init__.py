@@ -1,0 +1,46 @@
+"""vLLM platform plugin for MetaX GPUs (and, forced, any CUDA-like GPU) with a tuned FlashInfer MLA
+backend. Importing this package is cheap: vllm, torch and FlashInfer are imported only by the
+functions that need them.
+
+Entry points (pyproject.toml):
+  vllm.platform_plugins  metax            -> register()
+  vllm.general_plugins   metax_attention  -> register_attention_backends()
+"""
+
+from __future__ import annotations
+
+PLATFORM_CLASS = "vllm_metax.platform.MetaxPlatform"
+FLASHINFER_MLA_CLASS = "vllm_metax.backend.flashinfer_mla.FlashInferMLABackend"
+
+
+def should_activate() -> tuple[bool, str]:
+    """Whether the platform plugin activates here, and why (also shown by `mla-tune doctor`)."""
+    from vllm_metax.device import FORCE_ENV, detect_device, forced
+
+    if forced():
+        return True, f"forced by ${FORCE_ENV}"
+    dev = detect_device()
+    if dev.is_metax:
+        return True, f"MetaX device {dev.name!r} found through {dev.source}"
+    if dev.source == "none":
+        return False, f"no accelerator found (set ${FORCE_ENV}=1 to force)"
+    return False, f"{dev.name!r} is not a MetaX device (set ${FORCE_ENV}=1 to force)"
+
+
+def register() -> str | None:
+    """vllm.platform_plugins entry point: the platform class path when active, else None."""
+    active, _ = should_activate()
+    return PLATFORM_CLASS if active else None
+
+
+def register_attention_backends() -> None:
+    """vllm.general_plugins entry point: point FLASHINFER_MLA at our backend, only when our
+    platform is the active one (elsewhere vLLM's own FLASHINFER_MLA must stay untouched).
+
+    Idempotent; the platform also calls the registration itself before it selects a backend.
+    """
+    if not should_activate()[0]:
+        return
+    from vllm_metax.platform import register_backends
+
+    register_backends()

@@ -1,0 +1,51 @@
+"""vLLM glue shared by the platform and the attention backend: which tuned-config entry applies to a
+vLLM configuration. The backend classes live in `vllm_metax.backend.flashinfer_mla` (imported only
+when vLLM resolves them)."""
+
+from __future__ import annotations
+
+import logging
+
+from vllm_metax.tuned_config import ModelDims, ModelEntry, load_tuned_config
+
+logger = logging.getLogger(__name__)
+
+
+def dtype_name(dtype) -> str:
+    """torch.bfloat16 -> "bfloat16" (the tuned-config spelling)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def kv_dtype_name(cache_dtype: str | None, model_dtype) -> str:
+    """vLLM's cache_dtype ("auto", "bfloat16", "fp8", ...) in the tuned-config spelling."""
+    if cache_dtype in (None, "auto"):
+        return dtype_name(model_dtype)
+    return str(cache_dtype)
+
+
+def model_dims(vllm_config, num_heads: int | None = None) -> ModelDims | None:
+    """The tuned-config key of an MLA model served with this config (heads per rank), or None."""
+    model_config = getattr(vllm_config, "model_config", None)
+    if model_config is None or not getattr(model_config, "use_mla", False):
+        return None
+    try:
+        from vllm.model_executor.layers.attention.mla_attention import get_mla_dims
+
+        mla = get_mla_dims(model_config)
+        if num_heads is None:
+            num_heads = model_config.get_num_attention_heads(vllm_config.parallel_config)
+        cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
+        return ModelDims(int(num_heads), int(mla.kv_lora_rank), int(mla.qk_rope_head_dim),
+                         dtype_name(model_config.dtype),
+                         kv_dtype_name(cache_dtype, model_config.dtype))
+    except Exception as e:  # an odd model config must not stop vLLM: no tuned entry then
+        logger.debug("vllm_metax MLA: cannot derive model dims: %s", e)
+        return None
+
+
+def tuned_entry(device_name: str, dims: ModelDims | None) -> ModelEntry | None:
+    """The tuned entry for these dims on this device (the file is read once per process)."""
+    if dims is None:
+        return None
+    cfg = load_tuned_config(device_name)
+    return cfg.entry_for(dims) if cfg is not None else None

@@ -1,0 +1,476 @@
+"""FLASHINFER_MLA for the vllm_metax platform: vLLM's MLA backend trio (Backend, MetadataBuilder,
+Impl) over FlashInfer's wrapper-based MLA kernels (fa2 on MetaX and Ampere, fa2/fa3 on Hopper).
+
+vLLM's own FLASHINFER_MLA runs TRT-LLM-gen kernels on compute capability 10.x only; the platform
+registers this class under the same enum member instead.
+
+Per decode step, `_build_decode` turns the block table and sequence lengths into FlashInfer's CSR
+page metadata through `vllm_metax.ops.paged_metadata.build_paged_metadata` and plans one
+`vllm_metax.ops.flashinfer_mla.MLADecodeKernel` (the op the tuner measures). Which FlashInfer
+backend value plans the step comes from this device's tuned config (per batch/context bucket),
+loaded once per process; every layer of the step then runs that plan.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vllm.config import VllmConfig, get_current_vllm_config_or_none
+from vllm.config.compilation import CUDAGraphMode
+from vllm.config.cache import CacheDType
+from vllm.model_executor.layers.attention.mla_attention import (
+    MLACommonBackend,
+    MLACommonDecodeMetadata,
+    MLACommonImpl,
+    MLACommonMetadata,
+    MLACommonMetadataBuilder,
+    QueryLenSupport,
+)
+from vllm.platforms.interface import DeviceCapability
+from vllm.v1.attention.backend import (
+    AttentionCGSupport,
+    AttentionLayer,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+
+from vllm_metax.backend import model_dims, tuned_entry
+from vllm_metax.device import detect_device
+from vllm_metax.ops.flashinfer_mla import (
+    BackendRefused,
+    GraphBuffers,
+    MLADecodeKernel,
+    flashinfer_available,
+    make_workspace,
+)
+from vllm_metax.ops.paged_metadata import PagedMetadata, build_paged_metadata
+from vllm_metax.tuned_config import ModelEntry
+
+logger = logging.getLogger(__name__)
+
+FAMILY = "flashinfer"           # the tuned-config kernel family this backend reads
+
+
+# ---------------------------------------------------------------------------- plan-time choice
+
+def device_backends() -> tuple[tuple[str, ...], str]:
+    """(FlashInfer backend values that may plan here, the default) for the visible device.
+
+    MetaX's FlashInfer build runs fa2 only (and "auto" could pick fa3 from an SM number that means
+    nothing there); Hopper runs fa2 and fa3, where fa3 measured faster at every shape.
+    """
+    dev = detect_device()
+    if dev.is_metax:
+        return ("fa2",), "fa2"
+    if dev.capability is not None and dev.capability[0] == 9:
+        return ("fa3", "fa2", "auto"), "fa3"
+    return ("fa2", "auto"), "fa2"
+
+
+class PlanChoice:
+    """Which FlashInfer backend value plans a decode step: the tuned bucket's choice when it may
+    run here, else the device default. Lookups cost a few microseconds, no I/O."""
+
+    def __init__(self, entry: ModelEntry | None, allowed: tuple[str, ...], default: str):
+        self.entry = entry
+        self.allowed = set(allowed)
+        self.default = default
+        self._graph: dict = {}
+
+    def _bucket_backend(self, bucket) -> str | None:
+        choice = bucket.families.get(FAMILY)
+        return choice.params.get("backend") if choice is not None else None
+
+    def for_step(self, batch_size: int, context_len: int, q_len: int = 1) -> str:
+        if self.entry is None:
+            return self.default
+        found = self.entry.lookup(batch_size, context_len, q_len)
+        backend = self._bucket_backend(found.bucket) if found is not None else None
+        return backend if backend in self.allowed else self.default
+
+    def for_graph(self, batch_size: int, q_len: int = 1) -> str:
+        """A captured graph fixes its kernel for every context: the choice most buckets of the
+        nearest tuned batch size make."""
+        key = (batch_size, q_len)
+        if key not in self._graph:
+            self._graph[key] = self._graph_choice(batch_size, q_len)
+        return self._graph[key]
+
+    def _graph_choice(self, batch_size: int, q_len: int) -> str:
+        if self.entry is None or not self.entry.buckets:
+            return self.default
+        found = self.entry.lookup(batch_size, 1, q_len)
+        b, q = found.bucket.batch_size, found.bucket.q_len
+        votes = collections.Counter(
+            self._bucket_backend(x) for x in self.entry.buckets if x.batch_size == b and x.q_len == q)
+        for backend, _ in votes.most_common():
+            if backend in self.allowed:
+                return backend
+        return self.default
+
+    def refuse(self, backend: str, reason: str) -> str:
+        """FlashInfer refused `backend` here: never choose it again; returns the fallback."""
+        logger.warning("vllm_metax MLA: FlashInfer backend %r cannot plan here (%s); using %r",
+                       backend, reason, "fa2")
+        self.allowed.discard(backend)
+        self._graph.clear()
+        if self.default == backend:
+            self.default = "fa2"
+        return "fa2"
+
+
+# ---------------------------------------------------------------------------- fast re-plan
+
+_FA_MAX_WORK_ITEMS = 16384       # FlashInfer 0.7 fa2/fa3 MLAPlan capacity (scheduler.cuh)
+
+
+class _FastReplan:
+    """Re-plan a wrapper that already planned fa2/fa3 once with the same static arguments by
+    calling FlashInfer's compiled MLAPlan directly, as vLLM's own `fast_plan_decode` does for the
+    decode wrapper: FlashInfer 0.7's plan() spends ~75% of its 0.4-0.7 ms in Python validation
+    that cannot change between steps of one model. Used only where that validation provably
+    passes (work-item bound, no causal tile check); anything else goes through plan().
+    """
+
+    def __init__(self, kernel: MLADecodeKernel):
+        self.kernel = kernel
+        self.static = None        # the static plan arguments of the last full plan
+        self.enabled = kernel.api == "keyword"
+
+    def usable(self, static, meta: PagedMetadata, num_heads: int, q_len: int, causal: bool) -> bool:
+        if not (self.enabled and self.static == static and self.kernel.resolved_backend in ("fa2", "fa3")):
+            return False
+        batch = meta.kv_len.shape[0]
+        tiles = batch * -(-q_len * num_heads // 64)
+        num_sm = _sm_count(self.kernel.wrapper.device)
+        if tiles + num_sm > _FA_MAX_WORK_ITEMS:
+            return False
+        return not causal or 64 % num_heads == 0
+
+    def replan(self, meta: PagedMetadata, num_heads: int, head_dim_ckv: int, causal: bool) -> None:
+        be = self.kernel.wrapper._planned_backend
+        plan_args = (be._float_workspace_buffer, be._int_workspace_buffer,
+                     be._pin_memory_int_workspace_buffer, meta.qo_indptr, meta.kv_indptr,
+                     meta.kv_len, num_heads, head_dim_ckv, causal)
+        module = be._cached_module
+        if hasattr(module, "plan_with_staged_workspace_bytes"):
+            plan_info, staged = module.plan_with_staged_workspace_bytes(*plan_args)
+            be._staged_int_workspace_bytes = staged
+        else:
+            plan_info = module.plan(*plan_args)
+        # run() reads only the plan info and kv_indices (indptr/len live in the int workspace)
+        if be._use_cuda_graph:
+            dst = be._kv_indices_buf[: meta.kv_indices.shape[0]]
+            if dst.data_ptr() != meta.kv_indices.data_ptr():
+                dst.copy_(meta.kv_indices, non_blocking=True)
+        else:
+            be._kv_indices_buf = meta.kv_indices
+        be._plan_info = plan_info
+        self.kernel.wrapper._plan_info = plan_info
+
+    def remember(self, static) -> None:
+        w = self.kernel.wrapper
+        be = getattr(w, "_planned_backend", None)
+        needed = ("_cached_module", "_float_workspace_buffer", "_int_workspace_buffer",
+                  "_pin_memory_int_workspace_buffer", "_use_cuda_graph", "_kv_indices_buf")
+        self.enabled = self.enabled and be is not None and all(hasattr(be, n) for n in needed)
+        self.static = static
+
+
+_SM_COUNT: dict = {}
+
+
+def _sm_count(device) -> int:
+    key = str(device)
+    if key not in _SM_COUNT:
+        _SM_COUNT[key] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNT[key]
+
+
+class PlannedKernel:
+    """One MLADecodeKernel plus its fast re-plan state."""
+
+    def __init__(self, kernel: MLADecodeKernel, graph_buffers: GraphBuffers | None = None):
+        self.kernel = kernel
+        self.graph_buffers = graph_buffers
+        self.fast = _FastReplan(kernel)
+        self.fast_plans = 0
+
+    def plan(self, meta: PagedMetadata, num_heads: int, head_dim_ckv: int, head_dim_kpe: int,
+             page_size: int, causal: bool, sm_scale: float, q_dtype: torch.dtype,
+             kv_dtype: torch.dtype, return_lse: bool, q_len: int) -> None:
+        static = (num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale, q_dtype,
+                  kv_dtype, return_lse)
+        if self.fast.usable(static, meta, num_heads, q_len, causal):
+            self.fast.replan(meta, num_heads, head_dim_ckv, causal)
+            self.fast_plans += 1
+            return
+        self.kernel.plan(meta, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale,
+                         q_dtype, kv_dtype, return_lse=return_lse)
+        self.fast.remember(static)
+
+
+_WORKSPACES: dict = {}
+
+
+def shared_workspace(device: torch.device) -> torch.Tensor:
+    """One float workspace per device for every wrapper (they run one after another)."""
+    key = str(device)
+    if key not in _WORKSPACES:
+        _WORKSPACES[key] = make_workspace(device)
+    return _WORKSPACES[key]
+
+
+# ---------------------------------------------------------------------------- vLLM classes
+
+@dataclass
+class FlashInferMLADecodeMetadata(MLACommonDecodeMetadata):
+    """What one decode step planned; every layer of the step runs `kernel` with it."""
+
+    kernel: MLADecodeKernel | None = None
+    backend: str = ""              # the FlashInfer backend value planned
+    paged: PagedMetadata | None = None
+    num_rows: int = 0              # decode query rows: num_decodes * q_len
+    q_len: int = 1
+    sm_scale: float = 0.0
+    page_size: int = 0
+    return_lse: bool = False
+    cuda_graph: bool = False
+
+
+@dataclass
+class FlashInferMLAMetadata(MLACommonMetadata[FlashInferMLADecodeMetadata]):
+    pass
+
+
+class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder[FlashInferMLAMetadata]):
+    # Full CUDA graphs for uniform decode batches: one wrapper per captured (batch, q_len) with
+    # persistent metadata buffers; fa2/fa3 re-plan into them before each replay.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+    query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.UNIFORM
+
+    def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config: VllmConfig,
+                 device: torch.device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device, FlashInferMLAMetadata)
+        layer = self.compilation_config.static_forward_context[layer_names[0]]
+        self.sm_scale = float(layer.scale)          # the model's scale, YaRN mscale included
+        self.head_dim_ckv = self.mla_dims.kv_lora_rank
+        self.head_dim_kpe = self.mla_dims.qk_rope_head_dim
+        self.q_dtype = self.model_config.dtype
+        self.kv_dtype = kv_cache_spec.dtype
+        # Only decode context parallelism consumes the decode LSE, and FlashInfer fixes the LSE
+        # mode at plan time.
+        self.plan_lse = self.dcp_world_size > 1
+        spec = vllm_config.speculative_config
+        self._num_spec_tokens = (spec.num_speculative_tokens or 0) if spec is not None else 0
+        mode = self.compilation_config.cudagraph_mode
+        self.full_cudagraph = mode is not None and mode.decode_mode() == CUDAGraphMode.FULL
+        max_graph = self.compilation_config.max_cudagraph_capture_size
+        self.max_graph_tokens = max_graph if max_graph is not None else 0
+
+        from vllm.platforms import current_platform
+        allowed, default = device_backends()
+        entry = tuned_entry(current_platform.get_device_name(),
+                            model_dims(vllm_config, self.num_heads))
+        self.choice = PlanChoice(entry, allowed, default)
+        self._kernels: dict[str, PlannedKernel] = {}
+        self._graph_kernels: dict[tuple, PlannedKernel] = {}
+        self._graph_buffers: dict[tuple, GraphBuffers] = {}
+        self._common: CommonAttentionMetadata | None = None
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> FlashInferMLAMetadata:
+        # _build_decode gets device seq_lens only; FlashInfer plans from host lengths.
+        self._common = common_attn_metadata
+        try:
+            return super().build(common_prefix_len, common_attn_metadata, fast_build)
+        finally:
+            self._common = None
+
+    def _host_seq_lens(self, seq_lens_device: torch.Tensor, num_decodes: int) -> torch.Tensor:
+        common = self._common
+        if (common is not None and common.seq_lens_cpu_upper_bound is not None
+                and self._num_spec_tokens == 0):
+            return common.seq_lens_cpu_upper_bound[:num_decodes]   # exact without spec tokens
+        return seq_lens_device[:num_decodes].to("cpu")               # one sync, as vLLM's FlashInfer
+
+    def _use_graph(self, num_decodes: int, num_decode_tokens: int) -> bool:
+        common = self._common
+        pure_decode = common is None or common.num_reqs == num_decodes
+        return (self.full_cudagraph and pure_decode and num_decode_tokens <= self.max_graph_tokens)
+
+    def _kernel(self, backend: str, graph: bool, num_decodes: int, q_len: int,
+                max_pages_per_req: int) -> PlannedKernel:
+        if not graph:
+            if backend not in self._kernels:
+                self._kernels[backend] = PlannedKernel(
+                    MLADecodeKernel(shared_workspace(self.device), backend))
+            return self._kernels[backend]
+        key = (num_decodes, q_len, backend)
+        if key not in self._graph_kernels:
+            bkey = (num_decodes, q_len)
+            if bkey not in self._graph_buffers:
+                self._graph_buffers[bkey] = GraphBuffers.allocate(
+                    num_decodes, num_decodes * max_pages_per_req, self.device)
+            buffers = self._graph_buffers[bkey]
+            self._graph_kernels[key] = PlannedKernel(
+                MLADecodeKernel(shared_workspace(self.device), backend, use_cuda_graph=True,
+                                graph_buffers=buffers), buffers)
+        return self._graph_kernels[key]
+
+    def _build_decode(self, block_table_tensor: torch.Tensor, seq_lens_device: torch.Tensor,
+                      max_seq_len: int, query_start_loc_cpu: torch.Tensor,
+                      query_start_loc_device: torch.Tensor, num_decode_tokens: int,
+                      max_query_len: int,
+                      dcp_tot_seq_lens_device: torch.Tensor | None) -> FlashInferMLADecodeMetadata:
+        num_decodes = int(query_start_loc_cpu.shape[0]) - 1      # a Python int, never a tensor
+        q_len, rest = divmod(int(num_decode_tokens), num_decodes)
+        if rest or q_len < 1:
+            raise ValueError(f"FLASHINFER_MLA plans uniform decode batches; got {num_decode_tokens} "
+                             f"tokens over {num_decodes} requests")
+        # CUDA-graph padding rows have length 0: give them q_len tokens of their (null) block.
+        seq_lens = self._host_seq_lens(seq_lens_device, num_decodes).to(torch.int32).clamp(min=q_len)
+        graph = self._use_graph(num_decodes, num_decode_tokens)
+        context = int(seq_lens.sum()) // num_decodes
+        backend = (self.choice.for_graph(num_decodes, q_len) if graph
+                   else self.choice.for_step(num_decodes, context, q_len))
+        block_table = block_table_tensor[:num_decodes]
+        while True:
+            planned = self._kernel(backend, graph, num_decodes, q_len, block_table.shape[1])
+            gb = planned.graph_buffers
+            meta = build_paged_metadata(block_table, seq_lens, self.page_size, q_len,
+                                        out_kv_indices=gb.kv_indices if gb is not None else None)
+            try:
+                planned.plan(meta, self.num_heads, self.head_dim_ckv, self.head_dim_kpe,
+                             self.page_size, q_len > 1, self.sm_scale, self.q_dtype, self.kv_dtype,
+                             self.plan_lse, q_len)
+                break
+            except BackendRefused as e:
+                if backend == "fa2":
+                    raise
+                backend = self.choice.refuse(backend, e.reason)
+        return FlashInferMLADecodeMetadata(
+            block_table=block_table_tensor, seq_lens=seq_lens_device,
+            dcp_tot_seq_lens=dcp_tot_seq_lens_device, kernel=planned.kernel, backend=backend,
+            paged=meta, num_rows=num_decodes * q_len, q_len=q_len, sm_scale=self.sm_scale,
+            page_size=self.page_size, return_lse=self.plan_lse, cuda_graph=graph)
+
+
+def _model_features(vllm_config) -> list[str]:
+    """Reasons the model itself rules this backend out (what vLLM's MLA selector does not pass)."""
+    model_config = getattr(vllm_config, "model_config", None)
+    if model_config is None:
+        return []
+    reasons = []
+    hf = model_config.hf_text_config
+    try:
+        if model_config.get_sliding_window():
+            reasons.append("sliding window not supported")
+    except Exception:
+        pass
+    if getattr(hf, "attn_logit_softcapping", None):
+        reasons.append("logits soft-cap not supported")
+    if getattr(hf, "alibi", False) or getattr(hf, "use_alibi", False) \
+            or getattr(hf, "position_embedding_type", None) == "alibi":
+        reasons.append("alibi not supported")
+    kv_lora = getattr(hf, "kv_lora_rank", None)
+    rope = getattr(hf, "qk_rope_head_dim", None)
+    if kv_lora is not None and rope is not None and (kv_lora % 128 or rope % 64 or rope == 0):
+        reasons.append(f"FlashInfer MLA needs kv_lora_rank % 128 == 0 and qk_rope_head_dim % 64 == 0 "
+                       f"(got {kv_lora}, {rope})")
+    return reasons
+
+
+class FlashInferMLABackend(MLACommonBackend):
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
+    # FlashInfer's fa2/fa3 MLA read fp16/bf16 caches; its fp8 path needs per-tensor scales at run
+    # time that this backend does not pass.
+    supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = ["auto", "float16", "bfloat16"]
+
+    @staticmethod
+    def get_name() -> str:
+        return "FLASHINFER_MLA"
+
+    @staticmethod
+    def get_impl_cls() -> type["FlashInferMLAImpl"]:
+        return FlashInferMLAImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[FlashInferMLAMetadataBuilder]:
+        return FlashInferMLAMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        return [MultipleOf(1)]        # the wrapper takes any page size
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return [576, 320, 192]        # kv_lora_rank + rope: 512+64, 256+64, 128+64
+
+    @classmethod
+    def supports_compute_capability(cls, capability: DeviceCapability) -> bool:
+        return capability >= DeviceCapability(8, 0)
+
+    @classmethod
+    def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink,
+                             use_sparse, use_mm_prefix, device_capability) -> str | None:
+        reasons = _model_features(get_current_vllm_config_or_none())
+        ok, why = flashinfer_available()
+        if not ok:
+            reasons.append(why)
+        return "; ".join(reasons) if reasons else None
+
+
+class FlashInferMLAImpl(MLACommonImpl[FlashInferMLAMetadata]):
+    can_return_lse_for_decode: bool = True
+    lse_base_on_e: bool = False        # FlashInfer's MLA LSE is base 2 (both API forms)
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 alibi_slopes: list[float] | None, sliding_window: int | None, kv_cache_dtype: str,
+                 logits_soft_cap: float | None, attn_type: str,
+                 kv_sharing_target_layer_name: str | None, **mla_args) -> None:
+        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
+                         kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name,
+                         **mla_args)
+        unsupported = [name for name, v in (("alibi_slopes", alibi_slopes),
+                                            ("sliding_window", sliding_window),
+                                            ("logits_soft_cap", logits_soft_cap)) if v]
+        if unsupported:
+            raise NotImplementedError(f"FLASHINFER_MLA does not support {', '.join(unsupported)}")
+        if attn_type != AttentionType.DECODER:
+            raise NotImplementedError("FLASHINFER_MLA implements decoder self-attention only")
+        if kv_cache_dtype not in FlashInferMLABackend.supported_kv_cache_dtypes:
+            raise NotImplementedError(f"FLASHINFER_MLA does not support kv_cache_dtype {kv_cache_dtype}")
+
+    def forward_mqa(self, q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+                    kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: FlashInferMLAMetadata,
+                    layer: AttentionLayer) -> tuple[torch.Tensor, torch.Tensor | None]:
+        decode = attn_metadata.decode
+        assert decode is not None and decode.kernel is not None, "decode step was not planned"
+        if isinstance(q, tuple):
+            q_nope, q_pe = q
+        else:                                   # one [T, H, ckv+kpe] tensor (fp8 / DCP paths)
+            q_nope, q_pe = q[..., : self.kv_lora_rank], q[..., self.kv_lora_rank:]
+        if q_nope.shape[0] != decode.num_rows:
+            raise ValueError(f"planned {decode.num_rows} decode rows, got {q_nope.shape[0]}")
+        if decode.sm_scale != self.scale:
+            raise ValueError(f"the step was planned with sm_scale {decode.sm_scale}, "
+                             f"this layer's scale is {self.scale}")
+        if kv_c_and_k_pe_cache.shape[1] != decode.page_size:
+            raise ValueError(f"planned page size {decode.page_size}, "
+                             f"KV cache pages hold {kv_c_and_k_pe_cache.shape[1]}")
+        ckv = kv_c_and_k_pe_cache[..., : self.kv_lora_rank]
+        kpe = kv_c_and_k_pe_cache[..., self.kv_lora_rank:]
+        out = torch.empty(q_nope.shape, dtype=q_nope.dtype, device=q_nope.device)
+        if self.need_to_return_lse_for_decode:
+            if not decode.return_lse:
+                raise ValueError("the decode LSE was asked for but the step was planned without it")
+            out, lse = decode.kernel.run(q_nope, q_pe, ckv, kpe, out=out, return_lse=True)
+            return out, lse
+        return decode.kernel.run(q_nope, q_pe, ckv, kpe, out=out), None

@@ -1,0 +1,218 @@
+"""TRITON_MLA with tuned KV chunking: vLLM's Triton MLA backend, num_kv_splits from the tuned config.
+
+vLLM's TritonMLAImpl picks num_kv_splits with a fixed rule (next_power_of_2(max_seq_len // 512),
+capped at 2 x SM count), too coarse at small batch. Here the metadata builder (once per step, the
+"plan") looks the decode batch up in the tuned config's Triton choices and records num_kv_splits
+in the decode metadata; the impl hands that to vLLM's own forward_mqa. On a miss (no config, no
+entry for these dims, no Triton choice in the bucket, a context more than 2x from the nearest
+tuned one) the metadata carries None and vLLM's rule applies unchanged.
+
+vLLM computes the split count inside forward_mqa through its module function
+`_compute_num_kv_splits`; this module wraps that function once so that, only while one of our
+forward_mqa calls runs, it answers the tuned value. Everything else in forward_mqa (workspace,
+q_len > 1 rows, DCP, batch invariance, which forces 1 split) stays vLLM's.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+from dataclasses import dataclass
+
+import torch
+
+import vllm.v1.attention.backends.mla.triton_mla as _vllm_triton_mla
+from vllm.model_executor.layers.attention.mla_attention import MLACommonDecodeMetadata
+from vllm.v1.attention.backend import max_decode_query_len
+from vllm.v1.attention.backends.mla.triton_mla import (
+    TritonMLABackend,
+    TritonMLAImpl,
+    TritonMLAMetadataBuilder,
+)
+from vllm.v1.worker.workspace import current_workspace_manager, is_workspace_manager_initialized
+
+from vllm_metax import tuned_config
+from vllm_metax.device import detect_device
+
+logger = logging.getLogger(__name__)
+
+FAMILY = "triton"
+MAX_CONTEXT_RATIO = 2.0      # a bucket tuned for context c serves [c/2, 2c]; beyond, vLLM's rule
+
+# ------------------------------------------------------------------ the split-count hook
+
+_TUNED_SPLITS: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "vllm_metax_triton_mla_num_kv_splits", default=None)
+
+
+def _install_split_hook():
+    """Wrap vLLM's `_compute_num_kv_splits` once; returns vLLM's original rule."""
+    current = _vllm_triton_mla._compute_num_kv_splits
+    original = getattr(current, "__wrapped__", current)
+
+    def _compute_num_kv_splits(max_seq_len: int, sm_count: int) -> int:
+        tuned = _TUNED_SPLITS.get()
+        return original(max_seq_len, sm_count) if tuned is None else tuned
+
+    _compute_num_kv_splits.__wrapped__ = original
+    _vllm_triton_mla._compute_num_kv_splits = _compute_num_kv_splits
+    return original
+
+
+vllm_num_kv_splits = _install_split_hook()
+
+
+# ------------------------------------------------------------------ tuned choice per step
+
+def dtype_name(dtype, model_dtype=None) -> str:
+    """'bfloat16' for torch.bfloat16 or "bfloat16"; "auto" means the model's dtype."""
+    if dtype == "auto" or dtype is None:
+        dtype = model_dtype
+    return str(dtype).removeprefix("torch.")
+
+
+class TunedSplits:
+    """num_kv_splits per decode batch from one model entry of the tuned config (None: vLLM's rule)."""
+
+    def __init__(self, entry: tuned_config.ModelEntry | None, why: str = ""):
+        self.entry = entry
+        self.why = why
+        self.max_splits = max(self._values(), default=None)
+        self._memo: tuple | None = None
+
+    def _values(self):
+        for b in (self.entry.buckets if self.entry else ()):
+            choice = b.families.get(FAMILY)
+            n = choice.params.get("num_kv_splits") if choice else None
+            if isinstance(n, int) and not isinstance(n, bool) and n >= 1:
+                yield n
+
+    @classmethod
+    def load(cls, dims: tuned_config.ModelDims, device_name: str | None = None) -> "TunedSplits":
+        """The entry for these dims in this device's tuned config (cached by the reader)."""
+        device_name = device_name or detect_device().name
+        cfg = tuned_config.load_tuned_config(device_name)
+        if cfg is None:
+            return cls(None, f"no tuned config for {device_name!r}")
+        entry = cfg.entry_for(dims)
+        if entry is None:
+            return cls(None, f"{cfg.path}: no entry for {dims}")
+        out = cls(entry, f"{cfg.path}")
+        if out.max_splits is None:
+            out.why = f"{cfg.path}: the entry for {dims} has no Triton choices"
+        return out
+
+    def choose(self, batch_size: int, max_seq_len: int, q_len: int = 1) -> int | None:
+        """The tuned num_kv_splits for this decode batch, or None to keep vLLM's rule."""
+        if self.max_splits is None or batch_size < 1:
+            return None
+        key = (batch_size, max_seq_len, q_len)
+        if self._memo is not None and self._memo[0] == key:   # every layer of a step asks the same
+            return self._memo[1]
+        n = self._lookup(batch_size, max_seq_len, q_len)
+        self._memo = (key, n)
+        return n
+
+    def _lookup(self, batch_size: int, max_seq_len: int, q_len: int) -> int | None:
+        found = self.entry.lookup(batch_size, max(max_seq_len, 1), q_len)
+        if found is None:
+            return None
+        ratio = max(max_seq_len, 1) / found.bucket.context_len
+        if not (1 / MAX_CONTEXT_RATIO <= ratio <= MAX_CONTEXT_RATIO):
+            return None          # splits tuned for a very different length would mis-chunk
+        choice = found.bucket.families.get(FAMILY)
+        n = choice.params.get("num_kv_splits") if choice else None
+        return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else None
+
+
+def reserve_tuned_workspace(max_decode_rows: int, q_num_heads: int, kv_lora_rank: int,
+                            max_splits: int | None) -> None:
+    """Grow vLLM's shared workspace so attn_logits fit the largest tuned split count.
+
+    vLLM reserves for its own rule at max_model_len and locks the workspace after warm-up; a
+    tuned count above that would otherwise fail at the first large-split step.
+    """
+    if not max_splits or not is_workspace_manager_initialized():
+        return
+    current_workspace_manager().get_simultaneous(
+        ((max_decode_rows, q_num_heads, max_splits, kv_lora_rank + 1), torch.float32),
+    )
+
+
+# ------------------------------------------------------------------ the backend trio
+
+@dataclass
+class MetaxTritonMLADecodeMetadata(MLACommonDecodeMetadata):
+    num_kv_splits: int | None = None      # None: vLLM's rule
+
+
+class MetaxTritonMLAMetadataBuilder(TritonMLAMetadataBuilder):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        heads = self.num_heads * self.dcp_world_size      # forward_mqa sees DCP-gathered heads
+        model_dtype = vllm_config.model_config.dtype
+        dims = tuned_config.ModelDims(
+            heads, self.mla_dims.kv_lora_rank, self.mla_dims.qk_rope_head_dim,
+            dtype_name(model_dtype), dtype_name(getattr(kv_cache_spec, "dtype", None), model_dtype))
+        self.tuned_splits = TunedSplits.load(dims)
+        if self.tuned_splits.max_splits is None:
+            logger.info("vllm_metax TRITON_MLA: vLLM's num_kv_splits rule (%s)", self.tuned_splits.why)
+        else:
+            logger.info("vllm_metax TRITON_MLA: tuned num_kv_splits from %s", self.tuned_splits.why)
+        reserve_tuned_workspace(vllm_config.scheduler_config.max_num_seqs * self.reorder_batch_threshold,
+                                heads, self.mla_dims.kv_lora_rank, self.tuned_splits.max_splits)
+
+    def _build_decode(
+        self,
+        block_table_tensor: torch.Tensor,
+        seq_lens_device: torch.Tensor,
+        max_seq_len: int,
+        query_start_loc_cpu: torch.Tensor,
+        query_start_loc_device: torch.Tensor,
+        num_decode_tokens: int,
+        max_query_len: int,
+        dcp_tot_seq_lens_device: torch.Tensor | None,
+    ) -> MetaxTritonMLADecodeMetadata:
+        num_decodes = block_table_tensor.shape[0]
+        q_len = max(1, num_decode_tokens // max(num_decodes, 1))
+        return MetaxTritonMLADecodeMetadata(
+            block_table=block_table_tensor,
+            seq_lens=seq_lens_device,
+            dcp_tot_seq_lens=dcp_tot_seq_lens_device,
+            num_kv_splits=self.tuned_splits.choose(num_decodes, max_seq_len, q_len),
+        )
+
+
+class MetaxTritonMLAImpl(TritonMLAImpl):
+    def reserve_workspace(self) -> None:
+        super().reserve_workspace()
+        cfg = self._vllm_config
+        model_dtype = cfg.model_config.dtype
+        heads = self.num_heads * self.dcp_world_size
+        dims = tuned_config.ModelDims(heads, self.kv_lora_rank, self.qk_rope_head_dim,
+                                      dtype_name(model_dtype),
+                                      dtype_name(self.kv_cache_dtype, model_dtype))
+        reserve_tuned_workspace(cfg.scheduler_config.max_num_seqs * max_decode_query_len(cfg),
+                                heads, self.kv_lora_rank, TunedSplits.load(dims).max_splits)
+
+    def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
+        splits = getattr(attn_metadata.decode, "num_kv_splits", None)
+        if splits is None:
+            return super().forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)
+        token = _TUNED_SPLITS.set(splits)
+        try:
+            return super().forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)
+        finally:
+            _TUNED_SPLITS.reset(token)
+
+
+class MetaxTritonMLABackend(TritonMLABackend):
+    """TRITON_MLA (same name, block sizes and capabilities) with tuned num_kv_splits."""
+
+    @staticmethod
+    def get_impl_cls() -> type[MetaxTritonMLAImpl]:
+        return MetaxTritonMLAImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[MetaxTritonMLAMetadataBuilder]:
+        return MetaxTritonMLAMetadataBuilder

@@ -1,0 +1,320 @@
+"""The vLLM platform for MetaX GPUs: a CUDA-like out-of-tree platform whose MLA backend selection
+and KV block size follow this device's tuned config.
+
+It subclasses `vllm.platforms.interface.Platform`, not `CudaPlatform`: importing
+`vllm.platforms.cuda` needs libcuda and vLLM's compiled ops, which neither a MetaX host nor a
+GPU-less test machine has. Everything device-specific goes through torch's CUDA API (MetaX's torch
+build exposes it) and `vllm_metax.device`.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from functools import cache
+from typing import TYPE_CHECKING
+
+import torch
+
+from vllm.logger import init_logger
+from vllm.platforms.interface import DeviceCapability, Platform, PlatformEnum
+from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+from vllm_metax import FLASHINFER_MLA_CLASS
+from vllm_metax.backend import model_dims, tuned_entry, dtype_name, kv_dtype_name
+from vllm_metax.device import FORCE_ENV, detect_device
+from vllm_metax.tuned_config import FOLDER_ENV, STRICT_ENV
+
+if TYPE_CHECKING:
+    from torch.distributed import PrefixStore, ProcessGroup
+
+    from vllm.config import VllmConfig
+    from vllm.v1.attention.backend import AttentionBackend
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+logger = init_logger(__name__)
+
+# Backends by priority when no tuned config decides. FLASHINFER_MLA is ours (wrapper-based fa2/fa3,
+# runs on Hopper and MetaX); FLASHMLA and TRITON_MLA are what vLLM-metax ships.
+DEFAULT_MLA_ORDER = ("FLASHINFER_MLA", "FLASHMLA", "TRITON_MLA")
+SPARSE_MLA_ORDER = ("FLASHMLA_SPARSE",)
+DEFAULT_ATTN_ORDER = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
+# Our variables start with VLLM_ (vLLM-metax convention), so vLLM's environment check must know them.
+OWN_ENV_VARS = frozenset({FORCE_ENV, FOLDER_ENV, STRICT_ENV})
+
+
+def register_backends() -> None:
+    """Point FLASHINFER_MLA at the plugin's wrapper-based backend (idempotent)."""
+    if AttentionBackendEnum.FLASHINFER_MLA.get_path() != FLASHINFER_MLA_CLASS:
+        register_backend(AttentionBackendEnum.FLASHINFER_MLA, class_path=FLASHINFER_MLA_CLASS)
+
+
+def _reasons_str(reasons: dict) -> str:
+    return "{" + ", ".join(f"{b.name}: [{', '.join(r)}]" for b, r in reasons.items()) + "}"
+
+
+class MetaxPlatform(Platform):
+    _enum = PlatformEnum.OOT
+    device_name: str = "metax"
+    device_type: str = "cuda"
+    dispatch_key: str = "CUDA"
+    ray_device_key: str = "GPU"
+    dist_backend: str = "nccl"
+    device_control_env_var: str = "CUDA_VISIBLE_DEVICES"
+    ray_noset_device_env_vars: list[str] = ["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"]
+
+    # ------------------------------------------------------------------ device
+    def is_cuda_alike(self) -> bool:
+        return True
+
+    @classmethod
+    def get_device_capability(cls, device_id: int = 0) -> DeviceCapability | None:
+        return _device_capability(device_id)
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        """The name tuned configs are filed under (pymxsml's name on MetaX hosts)."""
+        if device_id == 0:
+            return detect_device().name
+        return torch.cuda.get_device_name(device_id)
+
+    @classmethod
+    def get_device_uuid(cls, device_id: int = 0) -> str:
+        return str(torch.cuda.get_device_properties(device_id).uuid)
+
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:
+        return int(torch.cuda.get_device_properties(device_id).total_memory)
+
+    @classmethod
+    def num_compute_units(cls, device_id: int = 0) -> int:
+        return torch.cuda.get_device_properties(device_id).multi_processor_count
+
+    @classmethod
+    def device_count(cls) -> int:
+        return torch.cuda.device_count()
+
+    @classmethod
+    def set_device(cls, device: torch.device) -> None:
+        torch.cuda.set_device(device)
+        _ = torch.zeros(1, device=device)  # set the device eagerly (pytorch#155668)
+
+    @classmethod
+    def manual_seed_all(cls, seed: int) -> None:
+        torch.cuda.manual_seed_all(seed)
+
+    @classmethod
+    def get_current_memory_usage(cls, device: torch.types.Device | None = None) -> float:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.max_memory_allocated(device)
+
+    @classmethod
+    def is_fully_connected(cls, device_ids: list[int]) -> bool:
+        return False  # no link query without a management library: assume none
+
+    @classmethod
+    def check_if_supports_dtype(cls, dtype: torch.dtype):
+        if dtype == torch.bfloat16 and not cls.has_device_capability(80):
+            raise ValueError(f"bfloat16 needs compute capability 8.0 or newer; "
+                             f"{cls.get_device_name()} has {cls.get_device_capability()}. "
+                             "Use --dtype=half.")
+
+    # ------------------------------------------------------------------ engine wiring
+    @classmethod
+    def get_punica_wrapper(cls) -> str:
+        return "vllm.lora.punica_wrapper.punica_gpu.PunicaWrapperGPU"
+
+    @classmethod
+    def get_device_communicator_cls(cls) -> str:
+        return "vllm.distributed.device_communicators.cuda_communicator.CudaCommunicator"
+
+    @classmethod
+    def get_static_graph_wrapper_cls(cls) -> str:
+        return "vllm.compilation.cuda_graph.CUDAGraphWrapper"
+
+    @classmethod
+    def support_static_graph_mode(cls) -> bool:
+        return True
+
+    @classmethod
+    def support_hybrid_kv_cache(cls) -> bool:
+        return True
+
+    @classmethod
+    def opaque_attention_op(cls) -> bool:
+        return True
+
+    @classmethod
+    def use_custom_allreduce(cls) -> bool:
+        return False  # vLLM's custom all-reduce is a compiled CUDA op
+
+    @classmethod
+    def supports_fp8(cls) -> bool:
+        return False
+
+    @classmethod
+    def check_runner_kv_caches_multi_layer(cls) -> None:
+        pass  # the GPU model runner is vLLM's own CUDA one
+
+    @classmethod
+    def insert_blocks_to_device(cls, src_cache, dst_cache, src_block_indices, dst_block_indices):
+        dst_cache[dst_block_indices] = src_cache[src_block_indices].to(dst_cache.device)
+
+    @classmethod
+    def swap_out_blocks_to_host(cls, src_cache, dst_cache, src_block_indices, dst_block_indices):
+        dst_cache[dst_block_indices] = src_cache[src_block_indices].cpu()
+
+    @classmethod
+    def stateless_init_device_torch_dist_pg(cls, backend: str, prefix_store: "PrefixStore",
+                                            group_rank: int, group_size: int,
+                                            timeout: timedelta) -> "ProcessGroup":
+        from torch.distributed import ProcessGroup
+        from torch.distributed.distributed_c10d import ProcessGroupNCCL
+
+        pg = ProcessGroup(prefix_store, group_rank, group_size)
+        options = ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        nccl = ProcessGroupNCCL(prefix_store, group_rank, group_size, options)
+        pg._set_default_backend(ProcessGroup.BackendType.NCCL)
+        nccl._set_sequence_number_for_group()
+        pg._register_backend(torch.device("cuda"), ProcessGroup.BackendType.NCCL, nccl)
+        return pg
+
+    @classmethod
+    def validate_environ(cls, hard_fail: bool) -> None:
+        """vLLM's check of unknown VLLM_* variables, knowing this plugin's own."""
+        from vllm import envs
+
+        for env in os.environ:
+            if env.startswith("VLLM_") and env not in envs.environment_variables \
+                    and env not in OWN_ENV_VARS:
+                if hard_fail:
+                    raise ValueError(f"Unknown vLLM environment variable detected: {env}")
+                logger.warning("Unknown vLLM environment variable detected: %s", env)
+
+    @classmethod
+    def pre_register_and_update(cls, parser=None) -> None:
+        register_backends()
+
+    # ------------------------------------------------------------------ configuration
+    @classmethod
+    def check_and_update_config(cls, vllm_config: "VllmConfig") -> None:
+        register_backends()
+        parallel_config = vllm_config.parallel_config
+        if parallel_config.worker_cls == "auto":
+            parallel_config.worker_cls = "vllm.v1.worker.gpu_worker.Worker"
+        cls._apply_tuned_block_size(vllm_config)
+
+    @classmethod
+    def tuned_entry_for_config(cls, vllm_config: "VllmConfig"):
+        """The tuned-config entry for this device and this model (None without one)."""
+        return tuned_entry(cls.get_device_name(), model_dims(vllm_config))
+
+    @classmethod
+    def _apply_tuned_block_size(cls, vllm_config: "VllmConfig") -> None:
+        cache_config = vllm_config.cache_config
+        entry = cls.tuned_entry_for_config(vllm_config)
+        if cache_config is None or entry is None:
+            return
+        if cache_config.user_specified_block_size:
+            if cache_config.block_size != entry.page_size:
+                logger.info("vllm_metax MLA: keeping --block-size %d; the tuned config for %s "
+                            "prefers %d", cache_config.block_size, cls.get_device_name(),
+                            entry.page_size)
+            return
+        if cache_config.block_size != entry.page_size:
+            logger.info("vllm_metax MLA: KV cache block size %d from the tuned config for %s",
+                        entry.page_size, cls.get_device_name())
+        cache_config.block_size = entry.page_size
+
+    @classmethod
+    def _preferred_block_size_for_backends(cls, backend_classes: "list[type[AttentionBackend]]",
+                                           default_block_size: int,
+                                           vllm_config: "VllmConfig") -> int:
+        # vLLM re-picks the block size after model load unless the user set one; keep the tuned
+        # page size through that when every backend in use accepts it.
+        entry = cls.tuned_entry_for_config(vllm_config)
+        if entry is not None and all(b.supports_block_size(entry.page_size) for b in backend_classes):
+            return entry.page_size
+        return super()._preferred_block_size_for_backends(backend_classes, default_block_size,
+                                                          vllm_config)
+
+    # ------------------------------------------------------------------ attention selection
+    @classmethod
+    def attention_priorities(cls, attn_selector_config: "AttentionSelectorConfig",
+                             num_heads: int | None = None) -> tuple[list[AttentionBackendEnum], str]:
+        """Backends to try, best first, and why this order."""
+        if not attn_selector_config.use_mla:
+            return [AttentionBackendEnum[n] for n in DEFAULT_ATTN_ORDER], "default order"
+        order, why = list(DEFAULT_MLA_ORDER), "default MLA order"
+        entry = cls._tuned_entry_for_selection(attn_selector_config, num_heads)
+        if entry is not None:
+            order = list(dict.fromkeys(list(entry.backend_order) + order))
+            why = f"tuned config for {cls.get_device_name()}"
+        order += [b for b in SPARSE_MLA_ORDER if b not in order]
+        return [AttentionBackendEnum[n] for n in order], why
+
+    @classmethod
+    def _tuned_entry_for_selection(cls, attn_selector_config, num_heads):
+        from vllm.config import get_current_vllm_config_or_none
+
+        vllm_config = get_current_vllm_config_or_none()
+        dims = model_dims(vllm_config, num_heads) if vllm_config is not None else None
+        if dims is None:
+            return None
+        kv = kv_dtype_name(attn_selector_config.kv_cache_dtype, attn_selector_config.dtype)
+        dims = type(dims)(dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim,
+                          dtype_name(attn_selector_config.dtype), kv)
+        return tuned_entry(cls.get_device_name(), dims)
+
+    @classmethod
+    def _invalid_reasons(cls, backend: AttentionBackendEnum, capability: DeviceCapability,
+                         attn_selector_config) -> tuple[type | None, list[str]]:
+        try:
+            backend_cls = backend.get_class()
+            return backend_cls, backend_cls.validate_configuration(
+                device_capability=capability, **attn_selector_config._asdict())
+        except (ImportError, OSError, AttributeError) as e:
+            logger.debug("Attention backend %s is unavailable", backend.name, exc_info=True)
+            return None, [f"{type(e).__name__}: {e}"]
+
+    @classmethod
+    def get_attn_backend_cls(cls, selected_backend: AttentionBackendEnum | None,
+                             attn_selector_config: "AttentionSelectorConfig",
+                             num_heads: int | None = None) -> str:
+        register_backends()
+        capability = cls.get_device_capability() or DeviceCapability(0, 0)
+
+        if selected_backend is not None:
+            backend_cls, reasons = cls._invalid_reasons(selected_backend, capability,
+                                                        attn_selector_config)
+            if reasons:
+                raise ValueError(f"Selected backend {selected_backend.name} is not valid for this "
+                                 f"configuration. Reason: {reasons}")
+            logger.info("Using %s backend.", selected_backend.name)
+            return selected_backend.get_path()
+
+        order, why = cls.attention_priorities(attn_selector_config, num_heads)
+        invalid: dict = {}
+        for backend in order:
+            backend_cls, reasons = cls._invalid_reasons(backend, capability, attn_selector_config)
+            if reasons:
+                invalid[backend] = reasons
+                continue
+            if invalid:
+                logger.debug("vllm_metax: skipped %s", _reasons_str(invalid))
+            logger.info_once("Using %s attention backend (%s; tried %s).", backend.name, why,
+                             [b.name for b in order])
+            return backend.get_path()
+        raise ValueError(f"No valid attention backend found for {cls.device_name} with "
+                         f"{attn_selector_config!r}. Reasons: {_reasons_str(invalid)}.")
+
+
+@cache
+def _device_capability(device_id: int) -> DeviceCapability | None:
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability(device_id)
+        return DeviceCapability(major=major, minor=minor)
+    cap = detect_device().capability
+    return DeviceCapability(*cap) if cap else None
