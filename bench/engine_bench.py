@@ -99,38 +99,21 @@ def independent_check(w, backend, cand, settings, n_prof=60):
     """Harness samples vs torch-profiler kernel time and triton do_bench on the same graph."""
     problem = make_problem(w, cand.page_size, "cuda", seed=1, min_pool_bytes=settings.min_pool_bytes)
     prepared = backend.prepare(w, cand, problem)
+    replay_timer = KernelTimer(prepared, "cuda", warmup=10, plan_samples=0, graph_events=False)
+    harness_replay = statistics.median(replay_timer.sample(200))
+    replay_timer.close()
     timer = KernelTimer(prepared, "cuda", warmup=10, plan_samples=0)
     harness = statistics.median(timer.sample(200))
-    out = {"workload": w.label(), "candidate": cand.key, "harness_us": harness, "method": timer.method}
-    buf = _flush_buffer(torch.device("cuda"))
-    try:
-        from torch.autograd import DeviceType
-        from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(n_prof):
-                buf.zero_()
-                timer._launch()
-            torch.cuda.synchronize()
-        kern = [e for e in prof.events() if getattr(e, "device_type", None) == DeviceType.CUDA]
-        flush_words = ("memset", "fill", "zero")
-        kern = [e for e in kern if not any(x in e.name.lower() for x in flush_words)]
-        kern.sort(key=lambda e: e.time_range.start)
-        per = len(kern) // n_prof
-        out["profiler_kernels_per_run"] = per
-        out["profiler_kernel_names"] = sorted({e.name[:120] for e in kern})
-        if per >= 1 and len(kern) == per * n_prof:
-            sums, spans = [], []
-            for i in range(n_prof):
-                ks = kern[i * per:(i + 1) * per]
-                sums.append(sum(e.time_range.elapsed_us() for e in ks))
-                spans.append(ks[-1].time_range.end - ks[0].time_range.start)
-            out["profiler_kernel_sum_us"] = statistics.median(sums)
-            out["profiler_span_us"] = statistics.median(spans)
-            out["harness_vs_profiler"] = harness / out["profiler_kernel_sum_us"] - 1
-        else:
-            out["profiler_error"] = f"{len(kern)} kernel events for {n_prof} runs"
-    except Exception as e:  # noqa: BLE001
-        out["profiler_error"] = f"{type(e).__name__}: {e}"
+    out = {"workload": w.label(), "candidate": cand.key, "harness_us": harness, "method": timer.method,
+           "note": timer.note, "harness_replay_events_us": harness_replay}
+    for label, fn in (("profiler", timer._launch), ("profiler_eager", prepared.run)):
+        out.update(_profile_kernels(fn, n_prof, label))
+    if "profiler_kernel_sum_us" in out:
+        out["harness_vs_profiler"] = harness / out["profiler_kernel_sum_us"] - 1
+        out["replay_events_vs_profiler"] = harness_replay / out["profiler_kernel_sum_us"] - 1
+    elif "profiler_eager_kernel_sum_us" in out:
+        out["harness_vs_profiler"] = harness / out["profiler_eager_kernel_sum_us"] - 1
+        out["profiler_compared"] = "eager"
     try:
         import triton.testing
         db = triton.testing.do_bench(timer._launch, warmup=25, rep=200, return_mode="median")
@@ -156,6 +139,37 @@ def section(name, fn, result, outdir):
         say(f"!! section {name} failed: {type(e).__name__}: {e}\n{tb}")
     (outdir / "engine_bench.json").write_text(json.dumps(result, indent=1, default=str))
     (outdir / "engine_bench.txt").write_text("\n".join(LOG) + "\n")
+
+
+def _profile_kernels(fn, n, label):
+    """Median per-run sum of kernel durations (CUPTI via torch.profiler), L2 flushed before each run."""
+    buf = _flush_buffer(torch.device("cuda"))
+    try:
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(n):
+                buf.zero_()
+                fn()
+            torch.cuda.synchronize()
+        kern = [e for e in prof.events() if getattr(e, "device_type", None) == DeviceType.CUDA]
+        kern = [e for e in kern if not any(x in e.name.lower() for x in ("memset", "fill", "zero"))]
+        kern.sort(key=lambda e: e.time_range.start)
+        per = len(kern) // n
+        res = {f"{label}_kernels_per_run": per, f"{label}_kernel_names": sorted({e.name[:100] for e in kern})}
+        if per < 1 or len(kern) != per * n:
+            res[f"{label}_error"] = f"{len(kern)} kernel events for {n} runs"
+            return res
+        sums, spans = [], []
+        for i in range(n):
+            ks = kern[i * per:(i + 1) * per]
+            sums.append(sum(e.time_range.elapsed_us() for e in ks))
+            spans.append(ks[-1].time_range.end - ks[0].time_range.start)
+        res[f"{label}_kernel_sum_us"] = statistics.median(sums)
+        res[f"{label}_span_us"] = statistics.median(spans)
+        return res
+    except Exception as e:  # noqa: BLE001
+        return {f"{label}_error": f"{type(e).__name__}: {e}"}
 
 
 def main():
@@ -257,14 +271,81 @@ def main():
                 o = {"workload": w.label(), "candidate": C(b).key, "error": f"{type(e).__name__}: {e}",
                      "traceback": traceback.format_exc(limit=4)}
             ind.append(o)
-            say(f"  {o['workload']:<18} {o['candidate']:<20} harness {o.get('harness_us', nan):9.2f} us | "
+            say(f"  {o['workload']:<18} {o['candidate']:<20} harness {o.get('harness_us', nan):9.2f} us "
+                f"[{o.get('method')}] (events around replays {o.get('harness_replay_events_us', nan):.2f} us, "
+                f"d={100 * o.get('replay_events_vs_profiler', nan):+.2f}%) | "
                 f"profiler kernels {o.get('profiler_kernel_sum_us', nan):9.2f} us "
                 f"({o.get('profiler_kernels_per_run', '?')}/run, span {o.get('profiler_span_us', nan):.2f}) "
                 f"d={100 * o.get('harness_vs_profiler', nan):+.2f}% | do_bench graph "
                 f"{o.get('do_bench_graph_us', nan):9.2f} us d={100 * o.get('harness_vs_do_bench', nan):+.2f}% "
                 f"| do_bench eager {o.get('do_bench_eager_us', nan):.2f} us "
+                f"| eager kernels {o.get('profiler_eager_kernel_sum_us', nan):.2f} us "
                 f"{o.get('profiler_error', '')}{o.get('do_bench_error', '')}{o.get('error', '')}")
     section("independent", independent, result, outdir)
+
+    plan_rows: list = []
+    result["plan_host_time"] = plan_rows
+
+    def plan_time():
+        from vllm_metax.ops.paged_metadata import build_paged_metadata
+        say("\n== host time per decode step's plan (metadata build + plan), us, median of 200")
+        slow = FlashInferBackend(fast_replan=False)
+        for w, b, p in ((wl(8, 1, 4096), "fa3", 64), (wl(8, 32, 4096), "fa3", 64), (wl(8, 128, 4096), "fa3", 64),
+                        (wl(1, 128, 32768), "fa3", 64), (wl(8, 128, 4096), "fa2", 64), (wl(8, 64, 4096), "fa3", 1),
+                        (wl(8, 64, 4096), "fa3", 16)):
+            problem = make_problem(w, p, "cuda", seed=2)
+            row = {"workload": w.label(), "candidate": C(b, p).key}
+            for label, fam in (("fast_replan_us", fi), ("flashinfer_plan_us", slow)):
+                prepared = fam.prepare(w, C(b, p), problem)
+                for _ in range(5):
+                    prepared.plan()
+                torch.cuda.synchronize()
+                ts = []
+                for _ in range(200):
+                    t = time.perf_counter()
+                    prepared.plan()
+                    ts.append((time.perf_counter() - t) * 1e6)
+                row[label] = statistics.median(ts)
+                if label == "fast_replan_us":
+                    row["fast_replans"] = prepared.kernel.fast_replans
+                del prepared
+            ts = []
+            for _ in range(200):
+                t = time.perf_counter()
+                build_paged_metadata(problem.block_table, problem.seq_lens_cpu, p, 1)
+                ts.append((time.perf_counter() - t) * 1e6)
+            row["metadata_build_us"] = statistics.median(ts)
+            plan_rows.append(row)
+            say(f"  {row['workload']:<18} {row['candidate']:<22} fast {row['fast_replan_us']:7.0f} | "
+                f"FlashInfer plan() {row['flashinfer_plan_us']:7.0f} | of which metadata build "
+                f"{row['metadata_build_us']:6.0f}   (fast replans {row['fast_replans']})")
+            del problem
+            torch.cuda.empty_cache()
+    section("plan_time", plan_time, result, outdir)
+
+    l2_rows: list = []
+    result["l2_flush_effect"] = l2_rows
+
+    def l2_effect():
+        say("\n== L2 flush before each sample (harness default) vs none, fa3/p64, median us")
+        for w in (wl(8, 64, 4096), wl(8, 128, 4096), wl(8, 8, 1024), wl(1, 32, 8192)):
+            problem = make_problem(w, 64, "cuda", seed=1, min_pool_bytes=settings.min_pool_bytes)
+            prepared = fi.prepare(w, C("fa3"), problem)
+            row = {"workload": w.label()}
+            for label, flush in (("flushed_us", True), ("warm_l2_us", False)):
+                t = KernelTimer(prepared, "cuda", warmup=5, plan_samples=0, flush=flush)
+                row[label] = statistics.median(t.sample(200))
+                t.close()
+            gbps, _ = achieved(row["flushed_us"], w)
+            gbps_w, _ = achieved(row["warm_l2_us"], w)
+            row["pct_copy_flushed"] = 100 * gbps / ceil["copy_gbps"]
+            row["pct_copy_warm"] = 100 * gbps_w / ceil["copy_gbps"]
+            l2_rows.append(row)
+            say(f"  {w.label():<18} flushed {row['flushed_us']:8.2f} us ({row['pct_copy_flushed']:5.1f}% copy bw) | "
+                f"no flush {row['warm_l2_us']:8.2f} us ({row['pct_copy_warm']:5.1f}%)")
+            del prepared, problem
+            torch.cuda.empty_cache()
+    section("l2", l2_effect, result, outdir)
 
     def bars_():
         say("\n== issue-3 performance bars")

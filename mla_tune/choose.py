@@ -368,7 +368,7 @@ def choose_from_store(store, mix: WorkloadMix | None = None, where: str = "1=1",
 
 def _choose_model(device_name, g, rows, mix, p_threshold, min_ratio, default_page_size, metric,
                   default_of, notes) -> ModelChoice:
-    model, heads, rank, rope, q_dt, kv_dt, ragged = g
+    model, heads, lora_rank, rope, q_dt, kv_dt, ragged = g
     per_bucket: dict = {}
     for r in rows:
         per_bucket.setdefault((r["batch_size"], r["context_len"], r["q_len"]), []).append(r)
@@ -449,7 +449,7 @@ def _choose_model(device_name, g, rows, mix, p_threshold, min_ratio, default_pag
                 per_page.setdefault(p, {})[f] = v
         buckets.append(BucketChoice(bk[0], bk[1], bk[2], weights.get(bk, 0.0), fams,
                                     min(timed)[1] if timed else None, per_page))
-    return ModelChoice(device_name, model, _tp_size(model, heads), heads, rank, rope, q_dt, kv_dt,
+    return ModelChoice(device_name, model, _tp_size(model, heads), heads, lora_rank, rope, q_dt, kv_dt,
                        ragged, page, page_reason, family_order,
                        tuple(ATTENTION_BACKEND[f] for f in family_order if f in ATTENTION_BACKEND),
                        order_reason, tuple(totals), tuple(buckets))

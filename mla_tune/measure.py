@@ -83,7 +83,8 @@ def measure(backend, workload: Workload, candidate: Candidate, settings: Measure
         else:
             from mla_tune.timing import time_prepared
             samples = time_prepared(prepared, settings)
-        return TrialResult(candidate, "ok", samples, compile_s=compile_s, max_rel_error=err)
+        return TrialResult(candidate, "ok", samples, message=getattr(samples, "note", ""),
+                           compile_s=compile_s, max_rel_error=err)
     except CandidateInvalid as e:
         return TrialResult(candidate, "invalid", invalid_reason=e.reason, message=e.message)
     except torch.cuda.OutOfMemoryError as e:

@@ -1,15 +1,19 @@
 """GPU timing of prepared candidates: what a sample is, and how candidates share the GPU fairly.
 
-One kernel sample = one replay of a CUDA graph that holds one `Prepared.run()`, timed with CUDA
-events, after the L2 cache was flushed by writing a buffer twice its size (outside the events).
+One kernel sample = one `Prepared.run()` inside a captured CUDA graph, between two CUDA events
+recorded in the same graph, after the L2 cache was flushed by writing a buffer twice its size
+(outside the events); one replay of that graph holds RUNS_PER_GRAPH such (flush, event, run,
+event) groups, so the graph's own launch latency stays outside every sample. Where events cannot
+be recorded inside a graph, events around each replay of a one-run graph are used instead
+(~3 us of launch latency more per sample on an H200), then eager launches.
 A decode step runs after other layers have streamed GBs of weights through the cache, so a cold
 L2 is the realistic state; the KV pool itself is larger than L2 (`default_pool_bytes()`, used as
 `MeasureSettings.min_pool_bytes`) with each request's pages scattered through it.
 
 Order per candidate: warm-up runs (JIT and first-launch costs stay out of every sample; the
 compile time is `Prepared.compile_s`), then `plan()` timed on the host (a server plans every
-decode step; samples in "plan_us"), then a final plan, then graph capture. Nothing replans after
-capture. The graph's output is checked against the eager output; if capture fails or the replay
+decode step; samples in "plan_us"), then a final plan, then graph capture, then at least
+MIN_WARM_S of replays so the clocks have ramped up. Nothing replans after capture. The graph's output is checked against the eager output; if capture fails or the replay
 differs, samples fall back to events around eager launches, and `TimedSamples.method` /
 `.note` say so (measure.py stores the note in the trial message).
 
@@ -31,7 +35,8 @@ import torch
 from mla_tune.backends.base import Candidate, CandidateInvalid, Prepared
 from mla_tune.problem import Workload
 
-METHOD_GRAPH = "cuda_graph"
+METHOD_GRAPH_EVENTS = "cuda_graph_events"   # events recorded inside the graph, around each run
+METHOD_GRAPH = "cuda_graph"                 # events around each replay of a one-run graph
 METHOD_EVENTS = "events"
 METHOD_WALL = "wall_clock"
 _FALLBACK_L2 = 64 << 20
@@ -77,8 +82,11 @@ class KernelTimer:
     how interleaving works); `plan_us` holds the host plan() times.
     """
 
+    RUNS_PER_GRAPH = 10      # samples one replay of the timed graph yields
+    MIN_WARM_S = 0.03        # GPU busy time before the first sample, so clocks have ramped up
+
     def __init__(self, prepared: Prepared, device="cuda", warmup: int = 3, plan_samples: int = 20,
-                 use_graph: bool = True, flush: bool = True):
+                 use_graph: bool = True, flush: bool = True, graph_events: bool = True):
         self.prepared = prepared
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
@@ -86,6 +94,7 @@ class KernelTimer:
         self.method = METHOD_GRAPH if self.cuda else METHOD_WALL
         self.note = ""
         self.graph = None
+        self.timed_graph = None
         for _ in range(max(warmup, 1)):
             prepared.run()
         self._sync()
@@ -93,9 +102,21 @@ class KernelTimer:
         if self.cuda:
             if use_graph and prepared.graphable:
                 self._capture()
+                if self.graph is not None and graph_events:
+                    self._capture_timed()
             else:
                 self.method = METHOD_EVENTS
                 self.note = "events around eager launches (candidate not graphable)"
+            self._warm()
+
+    def _warm(self) -> None:
+        t0 = time.perf_counter()
+        while True:
+            for _ in range(5):
+                self._launch()
+            self._sync()
+            if time.perf_counter() - t0 >= self.MIN_WARM_S:
+                break
 
     def _sync(self):
         if self.cuda:
@@ -149,11 +170,50 @@ class KernelTimer:
             except Exception:
                 pass
 
+    def _capture_timed(self) -> None:
+        """A graph of RUNS_PER_GRAPH x (flush, event, run, event): the launch latency of a
+        replay falls outside the events, so a sample is the run alone (falls back if refused)."""
+        try:
+            buf = _flush_buffer(self.device) if self.flush else None
+            events = [(torch.cuda.Event(enable_timing=True, external=True),
+                       torch.cuda.Event(enable_timing=True, external=True))
+                      for _ in range(self.RUNS_PER_GRAPH)]
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for start, end in events:
+                    if buf is not None:
+                        buf.zero_()
+                    start.record()
+                    self.prepared.run()
+                    end.record()
+            graph.replay()
+            self._sync()
+            probe = [s.elapsed_time(e) for s, e in events]
+            if not all(math.isfinite(x) and x > 0 for x in probe):
+                raise RuntimeError(f"in-graph events gave {probe}")
+            self.timed_graph, self._timed_events = graph, events
+            self.method = METHOD_GRAPH_EVENTS
+        except Exception as e:  # noqa: BLE001 - keep the one-run graph with events around replays
+            self.timed_graph = None
+            self.note = f"in-graph events unavailable ({type(e).__name__}: {e}); events around replays"
+            try:
+                torch.cuda.synchronize(self.device)
+            except Exception:
+                pass
+
     def _launch(self):
         if self.graph is not None:
             self.graph.replay()
         else:
             self.prepared.run()
+
+    def _sample_in_graph(self, n: int) -> list[float]:
+        out: list[float] = []
+        while len(out) < n:
+            self.timed_graph.replay()
+            self._sync()
+            out.extend(s.elapsed_time(e) * 1e3 for s, e in self._timed_events)
+        return out[:n]
 
     def sample(self, n: int) -> list[float]:
         if n <= 0:
@@ -165,6 +225,8 @@ class KernelTimer:
                 self.prepared.run()
                 out.append((time.perf_counter() - t) * 1e6)
             return out
+        if self.timed_graph is not None:
+            return self._sample_in_graph(n)
         buf = _flush_buffer(self.device) if self.flush else None
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                   for _ in range(n)]
@@ -179,6 +241,7 @@ class KernelTimer:
 
     def close(self) -> None:
         self.graph = None
+        self.timed_graph = None
 
 
 def time_prepared(prepared: Prepared, settings) -> TimedSamples:

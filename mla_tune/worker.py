@@ -25,7 +25,10 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import sys
 import tempfile
+import types
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Callable, Sequence
 
@@ -261,6 +264,19 @@ class _Fault:
 _CONTEXT = None
 
 
+@contextmanager
+def _main_module_hidden():
+    """Start processes without making them re-run the caller's __main__ script: multiprocessing
+    does that to find functions defined there (the worker needs none), and a script without an
+    `if __name__ == "__main__"` guard would start a sweep inside each worker."""
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
 def _context():
     """A fork server with torch and the measuring code imported (spawn where there is none)."""
     global _CONTEXT
@@ -306,7 +322,8 @@ class WorkerRunner:
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_worker_main, name="mla-tune-worker", daemon=True,
                            args=(child, self.families, self.settings, self._log, os.getpid()))
-        proc.start()
+        with _main_module_hidden():
+            proc.start()
         child.close()
         self._proc, self._conn = proc, parent
         if self._started:
@@ -324,13 +341,16 @@ class WorkerRunner:
                               + (f": {tail}" if tail else ""))
 
     def _log_tail(self) -> str:
+        """The end of the worker's output: from its fatal-error report if there is one."""
         try:
             with open(self._log, "rb") as f:
                 f.seek(0, 2)
-                f.seek(max(0, f.tell() - _LOG_TAIL))
-                return f.read().decode(errors="replace").strip()
+                f.seek(max(0, f.tell() - 64 * _LOG_TAIL))
+                text = f.read().decode(errors="replace")
         except (OSError, TypeError):
             return ""
+        i = text.rfind("Fatal Python error")
+        return (text[i:i + _LOG_TAIL] if i >= 0 else text[-_LOG_TAIL:]).strip()
 
     def _stop(self, kill: bool) -> int | None:
         proc, conn = self._proc, self._conn

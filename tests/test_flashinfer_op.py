@@ -194,3 +194,68 @@ def test_import_is_cheap():
             "print(any(m == 'flashinfer' or m.startswith('flashinfer.') for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+class _FakeModule:
+    def __init__(self):
+        self.calls = []
+
+    def plan_with_staged_workspace_bytes(self, *args):
+        self.calls.append(args)
+        return ("plan-info", len(self.calls)), 7
+
+
+class _FakePlanned:
+    _backend = "fa3"
+
+    def __init__(self):
+        self._cached_module = _FakeModule()
+        self._float_workspace_buffer = torch.empty(1)
+        self._int_workspace_buffer = torch.empty(2)
+        self._pin_memory_int_workspace_buffer = torch.empty(3)
+        self._use_cuda_graph = False
+        self.device = torch.device("cpu")
+        self._kv_indices_buf = None
+
+
+def _fast_kernel(monkeypatch):
+    fakes.install(monkeypatch, fakes.keyword_module())
+    k = op.MLADecodeKernel(torch.empty(8, dtype=torch.uint8), "fa3")
+    k.wrapper._planned_backend = _FakePlanned()
+    return k
+
+
+def test_fast_replan_calls_native_plan_and_stages_metadata(monkeypatch):
+    k = _fast_kernel(monkeypatch)
+    args = (16, 512, 64, 16, False, 0.1, torch.bfloat16, torch.bfloat16)
+    k.plan(_meta(), *args)                      # first plan: public path
+    assert k.fast_replans == 0
+    meta = _meta(lens=(17, 1, 2))
+    k.plan(meta, *args)                         # same arguments, new metadata: fast path
+    assert k.fast_replans == 1
+    be = k.wrapper._planned_backend
+    call = be._cached_module.calls[-1]
+    assert call[:3] == (be._float_workspace_buffer, be._int_workspace_buffer, be._pin_memory_int_workspace_buffer)
+    assert call[3] is meta.qo_indptr and call[4] is meta.kv_indptr and call[5] is meta.kv_len
+    assert call[6:] == (16, 512, False)
+    assert be._kv_indices_buf is meta.kv_indices
+    assert k.wrapper._plan_info == be._plan_info == ("plan-info", 1)
+
+
+@pytest.mark.parametrize("change", ["scale", "causal", "lse", "off"])
+def test_fast_replan_only_for_identical_non_causal_plans(monkeypatch, change):
+    k = _fast_kernel(monkeypatch)
+    args = [16, 512, 64, 16, False, 0.1, torch.bfloat16, torch.bfloat16]
+    k.plan(_meta(), *args)
+    kw = {}
+    if change == "scale":
+        args[5] = 0.2
+    elif change == "causal":
+        args[4] = True
+    elif change == "lse":
+        kw["return_lse"] = True
+    else:
+        k.fast_replan = False
+    k.plan(_meta(lens=(3, 4, 5)), *args, **kw)
+    assert k.fast_replans == 0
+    assert k.wrapper.plan_args["sm_scale"] == args[5]      # the public plan ran with the new arguments

@@ -4,6 +4,8 @@ num_kv_splits; and timed through the tool's own measure path."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from mla_tune.backends import Candidate, get_backend
@@ -13,6 +15,21 @@ from mla_tune.problem import model_preset, workload_for
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
 V3 = model_preset("deepseek-v3")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _plugin_platform_where_vllm_lacks_compiled_ops():
+    """With only vLLM's Python files (the H200 machine), vLLM's CUDA platform cannot load; the
+    project's platform plugin must be the active one, as in bench/triton_vs_flashinfer.py."""
+    from mla_tune.backends.triton_mla import vllm_compiled_ops_missing
+    if not vllm_compiled_ops_missing() or os.environ.get("VLLM_METAX_FORCE"):
+        yield
+        return
+    os.environ["VLLM_METAX_FORCE"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop("VLLM_METAX_FORCE", None)
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 PLATFORM_CLASS = "vllm_metax.platform.MetaxPlatform"
 FLASHINFER_MLA_CLASS = "vllm_metax.backend.flashinfer_mla.FlashInferMLABackend"
+TRITON_MLA_CLASS = "vllm_metax.backend.triton_mla.MetaxTritonMLABackend"    # tuned num_kv_splits
 
 
 def should_activate() -> tuple[bool, str]:
@@ -34,8 +35,8 @@ def register() -> str | None:
 
 
 def register_attention_backends() -> None:
-    """vllm.general_plugins entry point: point FLASHINFER_MLA at our backend, only when our
-    platform is the active one (elsewhere vLLM's own FLASHINFER_MLA must stay untouched).
+    """vllm.general_plugins entry point: point FLASHINFER_MLA and TRITON_MLA at our backends, only
+    when our platform is the active one (elsewhere vLLM's own backends must stay untouched).
 
     Idempotent; the platform also calls the registration itself before it selects a backend.
     """

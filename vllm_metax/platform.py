@@ -20,7 +20,7 @@ from vllm.logger import init_logger
 from vllm.platforms.interface import DeviceCapability, Platform, PlatformEnum
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-from vllm_metax import FLASHINFER_MLA_CLASS
+from vllm_metax import FLASHINFER_MLA_CLASS, TRITON_MLA_CLASS
 from vllm_metax.backend import model_dims, tuned_entry, dtype_name, kv_dtype_name
 from vllm_metax.device import FORCE_ENV, detect_device
 from vllm_metax.tuned_config import FOLDER_ENV, STRICT_ENV
@@ -39,14 +39,16 @@ logger = init_logger(__name__)
 DEFAULT_MLA_ORDER = ("FLASHINFER_MLA", "FLASHMLA", "TRITON_MLA")
 SPARSE_MLA_ORDER = ("FLASHMLA_SPARSE",)
 DEFAULT_ATTN_ORDER = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
+PLUGIN_BACKENDS = {"FLASHINFER_MLA": FLASHINFER_MLA_CLASS, "TRITON_MLA": TRITON_MLA_CLASS}
 # Our variables start with VLLM_ (vLLM-metax convention), so vLLM's environment check must know them.
 OWN_ENV_VARS = frozenset({FORCE_ENV, FOLDER_ENV, STRICT_ENV})
 
 
 def register_backends() -> None:
-    """Point FLASHINFER_MLA at the plugin's wrapper-based backend (idempotent)."""
-    if AttentionBackendEnum.FLASHINFER_MLA.get_path() != FLASHINFER_MLA_CLASS:
-        register_backend(AttentionBackendEnum.FLASHINFER_MLA, class_path=FLASHINFER_MLA_CLASS)
+    """Point FLASHINFER_MLA and TRITON_MLA at the plugin's tuned backends (idempotent)."""
+    for backend, path in PLUGIN_BACKENDS.items():
+        if AttentionBackendEnum[backend].get_path() != path:
+            register_backend(AttentionBackendEnum[backend], class_path=path)
 
 
 def _reasons_str(reasons: dict) -> str:
@@ -304,8 +306,8 @@ class MetaxPlatform(Platform):
                 continue
             if invalid:
                 logger.debug("vllm_metax: skipped %s", _reasons_str(invalid))
-            logger.info_once("Using %s attention backend (%s; tried %s).", backend.name, why,
-                             [b.name for b in order])
+            logger.info_once("Using %s attention backend (%s: %s).", backend.name, why,
+                             ", ".join(b.name for b in order))
             return backend.get_path()
         raise ValueError(f"No valid attention backend found for {cls.device_name} with "
                          f"{attn_selector_config!r}. Reasons: {_reasons_str(invalid)}.")

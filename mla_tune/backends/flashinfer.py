@@ -48,10 +48,14 @@ def _op():
 class FlashInferBackend:
     family = FAMILY
 
-    def __init__(self, api: str | None = None, workspace_bytes: int | None = None):
-        """`api` forces the flat or keyword FlashInfer API form (tests); default: detected."""
+    def __init__(self, api: str | None = None, workspace_bytes: int | None = None,
+                 fast_replan: bool = True):
+        """`api` forces the flat or keyword FlashInfer API form (tests); default: detected.
+        `fast_replan` is MLADecodeKernel's (on, as the plugin runs it; off times FlashInfer's own
+        plan())."""
         self.api = api
         self.workspace_bytes = workspace_bytes
+        self.fast_replan = fast_replan
 
     # ------------------------------------------------------------------ protocol
     def available(self, device: str) -> Availability:
@@ -96,7 +100,8 @@ class FlashInferBackend:
         device = problem.device
         from vllm_metax.ops.paged_metadata import build_paged_metadata
         try:
-            kernel = op.MLADecodeKernel(self._workspace(device), candidate.backend, api=self.api)
+            kernel = op.MLADecodeKernel(self._workspace(device), candidate.backend, api=self.api,
+                                        fast_replan=self.fast_replan)
         except ValueError as e:
             raise CandidateInvalid("unsupported", str(e)) from None
         q_dt, kv_dt = torch_dtype(workload.q_dtype), torch_dtype(workload.kv_dtype)

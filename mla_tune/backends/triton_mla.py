@@ -21,10 +21,12 @@ it is a tuning knob:
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import time
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 
@@ -43,6 +45,15 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
 
 
+def vllm_compiled_ops_missing() -> bool:
+    """True where vllm's Python files are installed without its compiled CUDA ops (the module
+    vllm.platforms.cuda imports), checked without importing vllm."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    return not any(any(Path(d).glob("_C_stable_libtorch*")) for d in spec.submodule_search_locations)
+
+
 @lru_cache(maxsize=1)
 def _kernel():
     """vLLM's decode_attention_fwd, or raise ImportError saying why it cannot run in this process."""
@@ -54,7 +65,11 @@ def _kernel():
         from vllm.triton_utils import HAS_TRITON
         from vllm.v1.attention.ops.triton_decode_attention import decode_attention_fwd
     except Exception as e:
-        raise ImportError(f"vllm's Triton MLA kernel is not importable: {type(e).__name__}: {e}") from None
+        hint = ""
+        if vllm_compiled_ops_missing():
+            hint = (" (vLLM's compiled ops are missing here, so its built-in CUDA platform cannot "
+                    "load: set VLLM_METAX_FORCE=1 to make the project's platform plugin the active one)")
+        raise ImportError(f"vllm's Triton MLA kernel is not importable: {type(e).__name__}: {e}{hint}") from None
     if not HAS_TRITON:
         # vllm swapped in its Triton placeholder: it found no single active GPU driver
         raise ImportError("vllm disabled Triton in this process (no active GPU driver); on a CPU, "
@@ -154,6 +169,7 @@ class TritonMLABackend:
         R = workload.kv_lora_rank
         q = _packed_query(problem.q_nope, problem.q_pe)               # [B*q_len, H, R+P]
         kv = problem.kv_cache.unsqueeze(2)                            # [pages, page, 1, R+P] as vLLM
+        kv_c = kv[..., :R]                                            # V is the latent part of K
         block_table, seq_lens = _decode_rows(problem.block_table, problem.seq_lens_cpu.to(dev),
                                              workload.q_len)
         rows, heads = q.shape[0], q.shape[1]
@@ -166,7 +182,7 @@ class TritonMLABackend:
         page, scale = candidate.page_size, workload.softmax_scale
 
         def run():
-            decode_attention_fwd(q, kv, kv[..., :R], o, lse, block_table, seq_lens, attn_logits,
+            decode_attention_fwd(q, kv, kv_c, o, lse, block_table, seq_lens, attn_logits,
                                  splits, scale, page, k_scale=one, v_scale=one, is_mla=True)
             return o
 

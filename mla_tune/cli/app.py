@@ -42,7 +42,7 @@ def _known_errors() -> tuple:
 def main() -> None:
     """Console-script entry: user errors become one line; tracebacks only with MLA_TUNE_DEBUG=1."""
     try:
-        app(standalone_mode=False)
+        rc = app(standalone_mode=False)   # without standalone mode, typer.Exit comes back as a code
     except typer.Exit as e:
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
@@ -50,11 +50,14 @@ def main() -> None:
         sys.exit(130)
     except Exception as e:  # noqa: BLE001 - the last line of defence against tracebacks
         import click
-        if isinstance(e, click.exceptions.Abort):
+        if isinstance(e, (click.exceptions.Abort, typer.Abort)):
             sys.exit(1)
-        if isinstance(e, click.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
+        # typer >= 0.20 vendors click (typer._click): its usage errors are TyperExceptions
+        if isinstance(e, (click.ClickException, typer.TyperException)):
+            if e.format_message():     # empty when no arguments made typer print the help
+                err_console.print(f"[bold red]error:[/] {escape(e.format_message())} (see --help)",
+                                  highlight=False, soft_wrap=True)
+            sys.exit(getattr(e, "exit_code", EXIT_USER_ERROR))
         if os.environ.get("MLA_TUNE_DEBUG"):
             raise
         if isinstance(e, _known_errors()):
@@ -63,3 +66,4 @@ def main() -> None:
         err_console.print(f"[bold red]internal error:[/] {type(e).__name__}: {escape(str(e))} "
                           "(set MLA_TUNE_DEBUG=1 for the traceback)", highlight=False, soft_wrap=True)
         sys.exit(EXIT_FAILURE)
+    sys.exit(rc if isinstance(rc, int) else 0)

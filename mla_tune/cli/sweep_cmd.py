@@ -1,1 +1,277 @@
-"""Placeholder until its owner fills it in."""
+"""`mla-tune sweep`: measure the candidates of every bucket on this machine (or replay stored
+measurements), store each trial, choose winners, emit the tuned config. Thin glue over
+mla_tune.sweep; the display is a SweepObserver drawing a rich progress bar and tables."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.markup import escape
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
+                           TimeElapsedColumn, TimeRemainingColumn)
+from rich.table import Table
+
+from mla_tune.cli.app import EXIT_FAILURE, app, console, fail
+
+EPILOG = ("Exit codes: 0 done; 1 nothing could be measured (no kernel family runs here, or no "
+          "valid trial); 2 bad input (flags, files, DB); 130 interrupted (finished trials are "
+          "stored: rerun the same command to resume).")
+
+
+def _us(v) -> str:
+    if v is None:
+        return "-"
+    return f"{v:,.1f}" if v < 1000 else f"{v:,.0f}"
+
+
+class RichObserver:
+    """Progress bar (ETA, current candidate, best so far), a line per bucket, summary tables."""
+
+    def __init__(self, quiet: bool = False):
+        self.quiet = quiet
+        self.progress = None
+        self.task = None
+        self.best = {}
+
+    # -------------------------------------------------------------- events
+    def on_start(self, plan) -> None:
+        from mla_tune.sweep import estimate_note
+        if plan.note:
+            style = "bold yellow" if plan.kind == "cpu-reference" else "cyan"
+            console.print(f"[{style}]{escape(plan.note)}[/]")
+        for fam, why in plan.skipped.items():
+            console.print(f"[yellow]skipped {escape(fam)}:[/] {escape(why)}")
+        where = f"replay of {plan.db}" if plan.replay else f"device {plan.device}, DB {plan.db}"
+        console.print(f"sweep on {escape(where)}; families: {', '.join(plan.families) or '-'}")
+        console.print(escape(estimate_note(plan)))
+        if plan.journal:
+            console.print(f"optuna study: {escape(str(plan.journal))} "
+                          f"(view with `optuna-dashboard {escape(str(plan.journal))}`)")
+        self.progress = Progress(
+            SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+            TextColumn("{task.fields[current]}"), TextColumn("{task.fields[best]}"),
+            console=console, transient=True, disable=self.quiet)
+        self.progress.start()
+        self.task = self.progress.add_task("sweep", total=max(plan.planned_trials, 1), current="",
+                                           best="")
+
+    def on_bucket(self, planned) -> None:
+        self.progress.update(self.task, description=escape(planned.bucket.workload.label()),
+                             current=f"{planned.mode} {len(planned.space)} pts", best="")
+
+    def on_measuring(self, planned, candidates) -> None:
+        self.progress.update(self.task, current=escape(f"measuring {len(candidates)}: {candidates[0].key}"
+                                                       + (" ..." if len(candidates) > 1 else "")))
+
+    def on_prepared(self, planned, candidate, ok) -> None:
+        mark = "" if ok else " (invalid)"
+        self.progress.update(self.task, current=escape(f"{candidate.key}{mark}"))
+
+    def on_trial(self, planned, ev, best) -> None:
+        self.progress.advance(self.task)
+        if best is not None:
+            self.progress.update(self.task, best=escape(f"best {best.candidate.key} {_us(best.value)} us"))
+
+    def on_bucket_done(self, bo) -> None:
+        so = bo.search
+        b = so.best
+        extra = "" if so.stopped == "complete" else f" [yellow]({so.stopped})[/]"
+        inval = f", {bo.invalid} invalid" if bo.invalid else ""
+        best = f"best {escape(b.candidate.key)} {_us(b.value)} us" if b else "[red]no valid candidate[/]"
+        self.progress.console.print(
+            f"[green]done[/] {escape(bo.bucket.label)}: {so.mode} {len(so.evaluations)}/{so.space_size}"
+            f" ({so.measured} measured{inval}) {best}{extra}", highlight=False)
+
+    def on_done(self, outcome) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        print_summary(outcome)
+
+
+def _verdict_text(v) -> str:
+    from mla_tune.choose import NO_SIGNIFICANT_DIFFERENCE
+    if v is None:
+        return "-"
+    if v.significant:
+        return f"[green]{v.gain:.2f}x faster[/] (p={v.p_value:.0e})"
+    if v.reason.startswith(NO_SIGNIFICANT_DIFFERENCE):
+        return NO_SIGNIFICANT_DIFFERENCE + (f" ({v.ratio:.2f}x)" if v.ratio else "")
+    return escape(v.reason)
+
+
+def print_summary(outcome) -> None:
+    """The end-of-sweep tables: per model entry, per bucket and family the chosen candidate."""
+    ch = outcome.choice
+    if ch is None:
+        console.print("[red]no trials to choose from[/]")
+        return
+    for m in ch.models:
+        fams = list(m.family_order)
+        title = (f"{m.model} TP{m.tp_size or '?'} ({m.num_heads} heads/rank, {m.q_dtype}/{m.kv_dtype}"
+                 f"{'' if m.ragged == 'uniform' else ', ' + m.ragged}) on {ch.device_name}")
+        t = Table(title=escape(title), title_justify="left")
+        for col in ("B", "L", "q"):
+            t.add_column(col, justify="right")
+        for f in fams:
+            t.add_column(f"{f} chosen")
+            t.add_column("us", justify="right")
+            t.add_column("default us", justify="right")
+            t.add_column("verdict")
+        t.add_column("best")
+        for b in m.buckets:
+            cells = [str(b.batch_size), str(b.context_len), str(b.q_len)]
+            for f in fams:
+                v = b.families.get(f)
+                chosen = v.chosen.key.split("/", 1)[1] if v and v.chosen else "-"
+                cells += [escape(chosen), _us(v.time_us if v else None),
+                          _us(v.default_time_us if v else None), _verdict_text(v)]
+            cells.append(escape(b.best_family or "-"))
+            t.add_row(*cells)
+        console.print(t)
+        console.print(f"page size: [bold]{m.page_size}[/] ({escape(m.page_reason)})", highlight=False)
+        order = " > ".join(m.backend_order) or " > ".join(m.family_order)
+        console.print(f"backend order: [bold]{escape(order)}[/] ({escape(m.order_reason)})",
+                      highlight=False)
+    for n in ch.notes:
+        console.print(f"[yellow]note:[/] {escape(n)}")
+    o = outcome
+    if o.plan.replay:
+        console.print(f"replayed {o.measured} stored trials in {o.seconds:.1f} s; nothing measured")
+    else:
+        console.print(f"{o.measured} trials measured, {o.cached} answered from {escape(str(o.plan.db))}"
+                      f" (already measured), {o.faults} crashed or timed out"
+                      f" ({o.restarts} worker restarts), {o.seconds:.1f} s")
+    if o.stopped_early:
+        console.print(f"[yellow]time budget reached: {o.stopped_early} buckets were not searched "
+                      "to the end; rerun the same command to continue[/]")
+    if o.emitted:
+        console.print(f"tuned config: [bold]{escape(str(o.emitted))}[/]")
+    elif o.emit_note:
+        console.print(f"[yellow]{escape(o.emit_note)}[/]")
+    if ch.kind == "cpu-reference":
+        console.print("[yellow]these are CPU torch-reference numbers, not GPU kernel measurements[/]")
+
+
+_CHOICES = {
+    "mode": ("auto", "grid", "tpe"),
+    "isolation": ("process", "inline"),
+}
+
+
+def _choice(name: str, value: str) -> str:
+    if value not in _CHOICES[name]:
+        fail(f"--{name} must be one of {', '.join(_CHOICES[name])}, got {value!r}")
+    return value
+
+
+HELP = (
+    "Measure each bucket's candidates, store every trial, choose winners, emit the config.\n\n"
+    "Buckets are batch x context (log2 steps) x q_len at each --tp; each is searched with optuna "
+    "(grid when small, TPE when large) in a crash-safe worker process. A challenger displaces a "
+    "family default only with Mann-Whitney p < 0.002 and --min-ratio.\n\n"
+    "Rerun the same command to resume: nothing already in the DB is measured again (unless "
+    "--remeasure). --replay runs the search over a DB's stored measurements instead (no GPU).")
+
+
+@app.command("sweep", help=HELP, epilog=EPILOG)
+def sweep(
+    db: Path = typer.Option(Path("results.db"), "--db", help="results DB (SQLite) to store every trial in"),
+    model: str = typer.Option("deepseek-v3", "--model", "-m", help="model preset (heads, MLA dims)"),
+    tp: Optional[List[int]] = typer.Option(None, "--tp", help="tensor-parallel size; repeat for several "
+                                           "(default: GPU 1 and 8, CPU 8)"),
+    batches: Optional[str] = typer.Option(None, "--batches", help="batch sizes: '1-128' (powers of two) "
+                                          "or '1,4,16' (default: GPU 1-128, CPU 1,4)"),
+    contexts: Optional[str] = typer.Option(None, "--contexts", help="context lengths: '1K-32K' (powers "
+                                           "of two) or '1024,4096' (default: GPU 1K-32K, CPU 256,1024)"),
+    q_len: Optional[List[int]] = typer.Option(None, "--q-len", help="query tokens per request; repeat "
+                                              "(q_len > 1 = speculative decode, causal; default 1)"),
+    ragged: str = typer.Option("uniform", "--ragged", help="context lengths: uniform, uniform-random, lognormal"),
+    q_dtype: str = typer.Option("bfloat16", "--q-dtype"),
+    kv_dtype: str = typer.Option("bfloat16", "--kv-dtype"),
+    page_size: Optional[List[int]] = typer.Option(None, "--page-size", help="KV page sizes; repeat "
+                                                  "(default 1, 16, 64)"),
+    family: Optional[List[str]] = typer.Option(None, "--family", help="kernel families; repeat "
+                                               "(default: GPU flashinfer + triton, CPU reference)"),
+    mode: str = typer.Option("auto", "--mode", help="auto (grid when the space is small), grid, tpe"),
+    grid_max: int = typer.Option(64, "--grid-max", help="auto: largest space searched exhaustively"),
+    trials: Optional[int] = typer.Option(None, "--trials", help="most candidates evaluated per bucket "
+                                         "(default: grid all, TPE a quarter of the space)"),
+    patience: int = typer.Option(24, "--patience", help="TPE: stop a bucket after this many new trials "
+                                 "without improvement (0: never)"),
+    time_budget: Optional[str] = typer.Option(None, "--time-budget", help="wall-time budget: 600, 9m, "
+                                              "1h (default: GPU 9m, CPU none; 0: none)"),
+    timeout: Optional[float] = typer.Option(None, "--timeout", help="seconds one candidate may take "
+                                            "(JIT included) before it counts as hung"),
+    samples: Optional[int] = typer.Option(None, "--samples", help="kernel samples per candidate"),
+    warmup: Optional[int] = typer.Option(None, "--warmup", help="warm-up runs per candidate"),
+    isolation: str = typer.Option("process", "--isolation", help="process (crash-safe worker) or inline"),
+    remeasure: bool = typer.Option(False, "--remeasure", help="measure again what the DB already holds"),
+    replay: Optional[Path] = typer.Option(None, "--replay", help="run the search over this DB's stored "
+                                          "measurements instead of measuring (no GPU needed)"),
+    device_name: Optional[str] = typer.Option(None, "--device-name", help="replay: the device whose "
+                                              "trials to use when the DB holds several"),
+    mix: Optional[Path] = typer.Option(None, "--mix", help="CSV of batch,context,weight rows: the "
+                                       "workload mix the page size is chosen for (default uniform)"),
+    min_ratio: float = typer.Option(1.05, "--min-ratio", help="smallest speed-up that displaces a default"),
+    seed: int = typer.Option(0, "--seed", help="sampler seed"),
+    name: str = typer.Option("sweep", "--name", help="label stored with each trial and the optuna study"),
+    configs_dir: Path = typer.Option(Path("configs"), "--configs-dir", help="where the tuned config goes"),
+    no_emit: bool = typer.Option(False, "--no-emit", help="do not write the tuned config"),
+    journal: Optional[Path] = typer.Option(None, "--journal", help="optuna journal file "
+                                           "(default: next to the DB, <db>.optuna.log)"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
+):
+    """Measure each bucket's candidates, store every trial, choose winners, emit the config."""
+    from mla_tune.problem import ProblemError, WorkloadMix
+    from mla_tune.store import StoreError
+    from mla_tune.sweep import SweepError, build_config, replay_sweep, run_sweep
+
+    _choice("mode", mode)
+    _choice("isolation", isolation)
+    for label, v in (("grid-max", grid_max), ("trials", trials if trials is not None else 1),
+                     ("samples", samples if samples is not None else 2)):
+        if v < 1:
+            fail(f"--{label} must be positive, got {v}")
+    if patience < 0:
+        fail(f"--patience must be >= 0, got {patience}")
+    if min_ratio < 1.0:
+        fail(f"--min-ratio must be >= 1, got {min_ratio}")
+    if tp and any(t < 1 for t in tp):
+        fail(f"--tp must be positive, got {tp}")
+    try:
+        workload_mix = WorkloadMix.from_file(str(mix)) if mix else None
+        kw = dict(db=db, families=family, mode=mode, grid_max=grid_max, max_trials=trials,
+                  patience=patience or None, seed=seed, isolation=isolation, remeasure=remeasure,
+                  name=name, journal=journal, mix=workload_mix, min_ratio=min_ratio,
+                  emit=not no_emit, configs_dir=configs_dir,
+                  command=" ".join(shlex.quote(a) for a in ["mla-tune"] + sys.argv[1:]))
+        explicit_buckets = any(x for x in (tp, batches, contexts, q_len))
+        if replay is not None:
+            if not replay.exists():
+                fail(f"no results DB at {replay} to replay")
+            config = build_config(model=model, tp_sizes=tp, batches=batches, contexts=contexts,
+                                  q_lens=q_len or (1,), ragged=ragged, q_dtype=q_dtype,
+                                  kv_dtype=kv_dtype, page_sizes=page_size, device="cpu",
+                                  samples=samples, warmup=warmup, timeout_s=timeout,
+                                  time_budget=time_budget, **{**kw, "emit": False})
+            if not explicit_buckets:
+                config.buckets = []          # every stored workload
+            outcome = replay_sweep(replay, config, RichObserver(quiet), device_name=device_name)
+        else:
+            config = build_config(model=model, tp_sizes=tp, batches=batches, contexts=contexts,
+                                  q_lens=q_len or (1,), ragged=ragged, q_dtype=q_dtype,
+                                  kv_dtype=kv_dtype, page_sizes=page_size, samples=samples,
+                                  warmup=warmup, timeout_s=timeout, time_budget=time_budget, **kw)
+            outcome = run_sweep(config, RichObserver(quiet))
+    except (ValueError, ProblemError, StoreError) as e:
+        fail(str(e))
+    except SweepError as e:
+        fail(str(e), EXIT_FAILURE)
+    if not outcome.valid_trials and not any(r["status"] == "ok" for r in outcome.rows):
+        fail("no candidate produced a valid measurement", EXIT_FAILURE)
+

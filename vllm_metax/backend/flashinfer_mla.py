@@ -175,8 +175,7 @@ class _FastReplan:
         self.kernel.wrapper._plan_info = plan_info
 
     def remember(self, static) -> None:
-        w = self.kernel.wrapper
-        be = getattr(w, "_planned_backend", None)
+        be = getattr(getattr(self.kernel, "wrapper", None), "_planned_backend", None)
         needed = ("_cached_module", "_float_workspace_buffer", "_int_workspace_buffer",
                   "_pin_memory_int_workspace_buffer", "_use_cuda_graph", "_kv_indices_buf")
         self.enabled = self.enabled and be is not None and all(hasattr(be, n) for n in needed)

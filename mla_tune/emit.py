@@ -1,0 +1,203 @@
+"""results.db -> the tuned config the vllm_metax plugin loads (configs/device_name=<device>.json).
+
+Winners and the global choice are `mla_tune.choose`'s; this module only translates a
+`choose.Choice` into `vllm_metax.tuned_config.TunedConfig` (the one schema shared with the reader)
+with its provenance: the device name as the plugin sees it (the name `vllm_metax.device` recorded
+in the run), SM count, FlashInfer / torch / CUDA versions, the date, the rules, and the results.db
+runs the numbers came from. `mla-tune emit` and the sweep both call `emit_config`.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from pathlib import Path
+
+from mla_tune import choose as choosing
+from mla_tune.problem import WorkloadMix
+from mla_tune.report import CPU_KIND, ReportError, ReportFilter, device_key, select_trials
+from vllm_metax import tuned_config as tc
+
+CPU_NOTE = ("measured with the CPU torch reference (no GPU): the page size exercises the pipeline; "
+            "no kernel-family choices, backend order is the schema's listing, not a measurement")
+RUN_FIELDS = ("sm_count", "flashinfer", "torch", "cuda", "driver", "vllm", "capability")
+
+
+class EmitError(ValueError):
+    """Nothing (or something ambiguous) to emit; the message says what to do."""
+
+
+def devices_in(rows: list[dict]) -> list[str]:
+    return sorted({r["device_name"] for r in rows})
+
+
+def pick_device(rows: list[dict], device: str | None = None) -> str:
+    """The device to emit for: the named one, else the only one, else this machine's if measured."""
+    names = devices_in(rows)
+    if device:
+        hit = [n for n in names if device_key(n) == device_key(device)]
+        if not hit:
+            raise EmitError(f"no trials for device {device!r}; measured devices: "
+                            f"{', '.join(map(repr, names))}")
+        return hit[0]
+    if len(names) == 1:
+        return names[0]
+    from vllm_metax.device import detect_device
+    here = detect_device().name
+    hit = [n for n in names if device_key(n) == device_key(here)]
+    if hit:
+        return hit[0]
+    raise EmitError(f"trials of several devices ({', '.join(map(repr, names))}) and none is this "
+                    f"machine's ({here!r}): name one with --device, or use --all-devices")
+
+
+def _collapse(values: list):
+    vals = list(dict.fromkeys(v for v in values if v not in (None, "")))
+    return None if not vals else vals[0] if len(vals) == 1 else vals
+
+
+def provenance(device_name: str, runs: list[dict], choice: choosing.Choice, results_db: str | None,
+               mix: WorkloadMix | None, notes: list[str]) -> dict:
+    """Where a config's numbers come from: device, environment of the runs, rules, date."""
+    from mla_tune import __version__
+    p = {"device_name": device_name, "kind": choice.kind or _collapse([r.get("kind") for r in runs])}
+    for k in RUN_FIELDS:
+        p[k] = _collapse([r.get(k) for r in runs])
+    p.update({
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "results_db": results_db,
+        "runs": sorted(r["id"] for r in runs),
+        "run_started": _collapse([r.get("started_at") for r in runs]),
+        "hosts": _collapse([r.get("host") for r in runs]),
+        "trials": choice.n_trials,
+        "rules": {"metric": choice.metric, "p_threshold": choice.p_threshold,
+                  "min_ratio": choice.min_ratio, "default_page_size": choice.default_page_size,
+                  "test": "one-sided Mann-Whitney U on raw samples, plus a minimum median ratio"},
+        "mix": "uniform" if mix is None or not mix.weights else [
+            [b, c, w] for (b, c), w in sorted(mix.weights.items())],
+        "mla_tune": __version__,
+        "notes": list(dict.fromkeys(list(choice.notes) + notes)),
+    })
+    return p
+
+
+def _bucket(b: choosing.BucketChoice) -> tc.Bucket:
+    fams = {}
+    for f, v in b.families.items():
+        if f in tc.FAMILIES and v.chosen is not None:
+            fams[f] = tc.FamilyChoice(dict(v.chosen.plan_params), v.time_us, v.default_time_us,
+                                      bool(v.significant))
+    best = b.best_family if b.best_family in fams else (
+        min(fams, key=lambda f: fams[f].time_us or float("inf")) if fams else None)
+    return tc.Bucket(b.batch_size, b.context_len, b.q_len, fams, best)
+
+
+def model_entries(choice: choosing.Choice, notes: list[str]) -> list[tc.ModelEntry]:
+    """One tuned-config entry per model dims; entries that cannot be written are noted, not written.
+
+    The config keys entries by dims (heads per rank, ranks, dtypes) only, so two choices with the
+    same dims (two presets with equal dims, or uniform and ragged lengths) cannot both be written:
+    the uniform-length one with the most buckets stays.
+    """
+    by_dims: dict = {}
+    ordered = sorted(choice.models, key=lambda m: (m.ragged != "uniform", -len(m.buckets), m.model))
+    for m in ordered:
+        label = f"{m.model} H{m.num_heads} ({m.ragged})"
+        if m.page_size is None:
+            notes.append(f"{label}: no valid candidate, not written")
+            continue
+        dims = tc.ModelDims(m.num_heads, m.kv_lora_rank, m.qk_rope_head_dim, m.q_dtype, m.kv_dtype)
+        if dims in by_dims:
+            notes.append(f"{label}: same dims as {by_dims[dims].model} "
+                         f"({by_dims[dims].reason.split(';')[0]}...), not written")
+            continue
+        order = list(m.backend_order)
+        reason = f"{m.page_reason}; {m.order_reason}"
+        if m.ragged != "uniform":
+            reason += f"; measured with {m.ragged} context lengths"
+        if not order:
+            order = list(tc.ATTENTION_BACKENDS)
+            reason += "; no vLLM attention-backend family measured: backend order not tuned"
+        by_dims[dims] = tc.ModelEntry(dims, int(m.page_size), order,
+                                      [_bucket(b) for b in m.buckets], m.model, m.tp_size, reason)
+    return list(by_dims.values())
+
+
+def _trial_run_ids(store, choice: choosing.Choice) -> list[int]:
+    ids = set()
+    for m in choice.models:
+        for b in m.buckets:
+            for fams in b.per_page.values():
+                for v in fams.values():
+                    for x in (v.chosen, v.default, v.best):
+                        if x is not None and x.trial_id is not None:
+                            ids.add(x.trial_id)
+    if not ids:
+        return []
+    ids = sorted(ids)
+    out = set()
+    for i in range(0, len(ids), 900):
+        chunk = ids[i:i + 900]
+        out |= {r[0] for r in store.db.execute(
+            f"select distinct run_id from trials where id in ({','.join('?' * len(chunk))})", chunk)}
+    return sorted(out)
+
+
+def config_from_choice(choice: choosing.Choice, runs: list[dict], results_db: str | None = None,
+                       mix: WorkloadMix | None = None) -> tc.TunedConfig:
+    """A TunedConfig for `choice`'s device; `runs` are the run rows its trials came from."""
+    notes: list[str] = []
+    if choice.kind == CPU_KIND or device_key(choice.device_name) == "cpu":
+        notes.append(CPU_NOTE)
+    entries = model_entries(choice, notes)
+    if not entries:
+        raise EmitError(f"nothing to emit for {choice.device_name!r}: "
+                        + ("; ".join(notes) or "no model entry has a valid candidate"))
+    return tc.TunedConfig(choice.device_name,
+                          provenance(choice.device_name, runs, choice, results_db, mix, notes),
+                          entries)
+
+
+def build_tuned_config(store, flt: ReportFilter = ReportFilter(), mix: WorkloadMix | None = None,
+                       **choose_kw) -> tc.TunedConfig:
+    """The tuned config of one device from the trials `flt` selects (device picked by pick_device).
+
+    Every model measured on the device goes into its one file, not only the latest sweep's.
+    """
+    rows = select_trials(store, flt)
+    device = pick_device(rows, flt.device)
+    rows = [r for r in rows if r["device_name"] == device]
+    choice = choosing.choose(rows, mix, device_name=device, **choose_kw)
+    run_ids = {r["run_id"] for r in choosing.latest_trials(rows)}
+    runs = [r for r in store.runs() if r["id"] in run_ids]
+    return config_from_choice(choice, runs, Path(store.path).name, mix)
+
+
+def emit_config(source, out_dir: str | Path = "configs", *, store=None, device: str | None = None,
+                model: str | None = None, runs=(), mix: WorkloadMix | None = None,
+                **choose_kw) -> Path:
+    """Write configs/device_name=<device>.json and return its path.
+
+    `source` is a ResultsStore (the choice is made here from its trials, filtered by device, model
+    and runs) or an already made `choose.Choice` (written as is; pass `store=` so the provenance
+    can name its runs).
+    """
+    if isinstance(source, choosing.Choice):
+        run_ids = _trial_run_ids(store, source) if store is not None else []
+        run_rows = [r for r in store.runs() if r["id"] in run_ids] if store is not None else []
+        cfg = config_from_choice(source, run_rows,
+                                 Path(store.path).name if store is not None else None, mix)
+    else:
+        cfg = build_tuned_config(source, ReportFilter(device, model, tuple(runs)), mix, **choose_kw)
+    return tc.write_tuned_config(cfg, out_dir)
+
+
+def emit_all(store, out_dir: str | Path = "configs", *, model: str | None = None, runs=(),
+             mix: WorkloadMix | None = None, **choose_kw) -> list[Path]:
+    """One file per device measured in the selection."""
+    rows = select_trials(store, ReportFilter(None, model, tuple(runs)))
+    return [emit_config(store, out_dir, device=d, model=model, runs=runs, mix=mix, **choose_kw)
+            for d in devices_in(rows)]
+
+
+__all__ = ["EmitError", "ReportError", "build_tuned_config", "config_from_choice", "emit_all",
+           "emit_config", "model_entries", "pick_device", "provenance"]

@@ -1,0 +1,646 @@
+"""What was measured, for people: report views over a ResultsStore.
+
+Per device: the runs; per workload the candidates side by side (median, spread, % of the roofline
+floor, speedup over the family default, invalid ones with their reasons); per bucket the winner;
+per model entry the global choice (page size, attention-backend order) and why. Winners and the
+global choice come from `mla_tune.choose` (the same rules `mla-tune emit` writes into the tuned
+config); this module only arranges them. Works on any results.db, with no GPU.
+
+`build_report(store, ReportFilter(...))` returns a `Report`; `report_tables`, `report_csv`,
+`Report.to_json` and `render_report(report, fmt)` turn it into the read formats of
+`mla_tune.render`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from mla_tune import choose as choosing
+from mla_tune.problem import Workload, WorkloadMix
+from mla_tune.render import Column, OutputFormat, Table, to_csv, to_json_text, to_markdown
+from mla_tune.roofline import floor_of, pct_of_floor
+
+CPU_KIND = "cpu-reference"
+CPU_LABEL = "CPU torch reference: timings of the correctness oracle, not of a GPU kernel"
+
+
+class ReportError(ValueError):
+    """Nothing to report for this selection; the message says what the DB holds instead."""
+
+
+def device_key(name: str | None) -> str:
+    """Device names compare as the tuned-config file names do: case-insensitive, spaces as _."""
+    return (name or "").strip().replace(" ", "_").lower()
+
+
+@dataclass(frozen=True)
+class ReportFilter:
+    """Which trials a report (or an emitted config) covers; empty fields select everything."""
+
+    device: str | None = None        # "NVIDIA H200" or "NVIDIA_H200"
+    model: str | None = None         # model preset name as stored ("deepseek-v3")
+    runs: tuple = ()                 # run ids
+
+    def where(self) -> tuple[str, list]:
+        """A WHERE clause over ResultsStore.trials()'s aliases (t trials, w workloads, r runs)."""
+        clauses, args = [], []
+        if self.device:
+            clauses.append("replace(lower(trim(r.device_name)), ' ', '_') = ?")
+            args.append(device_key(self.device))
+        if self.model:
+            clauses.append("lower(w.model) = ?")
+            args.append(self.model.strip().lower())
+        if self.runs:
+            clauses.append(f"t.run_id in ({','.join('?' * len(self.runs))})")
+            args += [int(r) for r in self.runs]
+        return " and ".join(clauses) or "1=1", args
+
+    def describe(self) -> str:
+        parts = []
+        if self.device:
+            parts.append(f"device {self.device!r}")
+        if self.model:
+            parts.append(f"model {self.model!r}")
+        if self.runs:
+            parts.append("run" + ("s " if len(self.runs) > 1 else " ") + ", ".join(map(str, self.runs)))
+        return ", ".join(parts) or "all trials"
+
+
+def select_trials(store, flt: ReportFilter = ReportFilter()) -> list[dict]:
+    """The filter's trial rows (ResultsStore.trials() rows); ReportError when none match."""
+    rows = store.trials(*flt.where())
+    if rows:
+        return rows
+    db = store.db
+    if not db["trials"].count:
+        raise ReportError(f"{store.path} holds no trials yet (run `mla-tune sweep` first)")
+    devices = sorted({r[0] for r in db.execute("select distinct device_name from runs r "
+                                               "join trials t on t.run_id = r.id")})
+    models = sorted({r[0] for r in db.execute("select distinct model from workloads")})
+    runs = sorted({r[0] for r in db.execute("select distinct run_id from trials")})
+    raise ReportError(f"no trials in {store.path} match {flt.describe()}; it holds devices "
+                      f"{', '.join(map(repr, devices))}; models {', '.join(models)}; "
+                      f"runs {', '.join(map(str, runs))}")
+
+
+def workload_of(row: dict) -> Workload | None:
+    """The Workload a trial row was measured on (None if the stored row no longer validates)."""
+    names = [f.name for f in dataclasses.fields(Workload)]
+    try:
+        return Workload(**{n: row[n] for n in names})
+    except Exception:  # a row written by another version: report it without the roofline
+        return None
+
+
+# ---------------------------------------------------------------- the views
+
+@dataclass
+class CandidateLine:
+    """One candidate's latest trial on one workload, with what people compare it by."""
+
+    trial_id: int
+    run_id: int
+    candidate: str
+    family: str
+    backend: str
+    page_size: int
+    params: dict
+    status: str
+    invalid_reason: str | None
+    message: str
+    is_default: bool
+    n: int
+    median_us: float | None
+    spread: float | None              # interquartile range / median
+    min_us: float | None
+    plan_median_us: float | None
+    compile_s: float | None
+    max_rel_error: float | None
+    pct_roofline: float | None        # 100 * roofline floor / median
+    default_candidate: str | None     # the family's default on this workload
+    speedup_vs_default: float | None  # default median / this median
+    chosen: bool = False              # the family's choice in this bucket at the global page size
+    winner: bool = False              # the bucket's choice (best family's chosen candidate)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok" and self.median_us is not None
+
+    @property
+    def verdict(self) -> str:
+        """winner (the bucket's choice), chosen (its family's choice), default: comma-joined."""
+        tags = ["winner" if self.winner else "chosen" if self.chosen else "",
+                "default" if self.is_default else ""]
+        return ", ".join(t for t in tags if t)
+
+    def status_text(self) -> str:
+        if self.status == "ok":
+            return "ok"
+        first = (self.message or "").strip().splitlines()
+        return f"{self.invalid_reason}: {first[0]}" if first else str(self.invalid_reason)
+
+
+@dataclass
+class WorkloadView:
+    workload_id: int
+    model: str
+    num_heads: int
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    q_dtype: str
+    kv_dtype: str
+    ragged: str
+    batch_size: int
+    context_len: int
+    q_len: int
+    total_kv_tokens: int
+    bytes: int
+    flops: int
+    floor_us: float | None            # at the run's ceilings (None without them)
+    bound: str | None                 # "memory" or "compute"
+    lines: list = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        q = f" q{self.q_len}" if self.q_len != 1 else ""
+        r = f" {self.ragged}" if self.ragged != "uniform" else ""
+        return f"B{self.batch_size} L{self.context_len}{q}{r}"
+
+    @property
+    def entry_key(self) -> tuple:
+        return (self.model, self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim, self.q_dtype,
+                self.kv_dtype, self.ragged)
+
+
+@dataclass
+class DeviceReport:
+    device_name: str
+    kind: str                         # "gpu" or "cpu-reference"
+    runs: list                        # run rows (dicts) whose trials are shown
+    workloads: list                   # WorkloadView
+    choice: choosing.Choice
+    superseded: int = 0               # older trials of a re-measured candidate, not shown
+
+    @property
+    def is_reference(self) -> bool:
+        return self.kind == CPU_KIND or device_key(self.device_name) == "cpu"
+
+    def entry_of(self, wv: WorkloadView) -> choosing.ModelChoice | None:
+        for m in self.choice.models:
+            if (m.model, m.num_heads, m.kv_lora_rank, m.qk_rope_head_dim, m.q_dtype, m.kv_dtype,
+                    m.ragged) == wv.entry_key:
+                return m
+        return None
+
+
+@dataclass
+class Report:
+    db: str
+    filter: ReportFilter
+    devices: list                     # DeviceReport, GPU devices first
+    mix: dict | None = None           # (batch, context) -> weight, None = uniform
+
+    def lines(self):
+        """(device report, workload view, candidate line) for every line, in report order."""
+        for d in self.devices:
+            for w in d.workloads:
+                for c in w.lines:
+                    yield d, w, c
+
+    def to_json(self) -> dict:
+        return {
+            "db": self.db,
+            "filter": dataclasses.asdict(self.filter),
+            "mix": None if self.mix is None else [
+                {"batch_size": b, "context_len": c, "weight": x} for (b, c), x in sorted(self.mix.items())],
+            "rules": _rules(self.devices[0].choice) if self.devices else None,
+            "devices": [_device_json(d) for d in self.devices],
+        }
+
+
+def build_report(store, flt: ReportFilter = ReportFilter(), mix: WorkloadMix | None = None,
+                 **choose_kw) -> Report:
+    """The report of the trials `flt` selects; winners by `mla_tune.choose` under `mix`."""
+    rows = select_trials(store, flt)
+    latest = choosing.latest_trials(rows)
+    runs = {r["id"]: r for r in store.runs()}
+    by_device: dict = {}
+    for r in latest:
+        by_device.setdefault(r["device_name"], []).append(r)
+    n_all = {}
+    for r in rows:
+        n_all[r["device_name"]] = n_all.get(r["device_name"], 0) + 1
+    devices = []
+    for name, drows in by_device.items():
+        choice = choosing.choose(drows, mix, device_name=name, **choose_kw)
+        run_ids = sorted({r["run_id"] for r in drows})
+        kinds = {runs[i].get("kind") or "" for i in run_ids}
+        kind = "gpu" if "gpu" in kinds else CPU_KIND if CPU_KIND in kinds else choice.kind
+        dev = DeviceReport(name, kind, [runs[i] for i in run_ids], [], choice,
+                           n_all[name] - len(drows))
+        dev.workloads = _workload_views(drows, dev)
+        devices.append(dev)
+    devices.sort(key=lambda d: (d.is_reference, d.device_name))
+    return Report(str(store.path), flt, devices, dict(mix.weights) if mix and mix.weights else None)
+
+
+def _workload_views(rows: list[dict], dev: DeviceReport) -> list[WorkloadView]:
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault(r["workload_id"], []).append(r)
+    views = []
+    for wid, wrows in groups.items():
+        r0 = wrows[0]
+        wl = workload_of(r0)
+        ceil = next(((r["copy_gbps"], r["matmul_tflops"]) for r in wrows
+                     if r.get("copy_gbps") and r.get("matmul_tflops")), (None, None))
+        floor = floor_of(wl, *ceil) if wl is not None and ceil[0] else None
+        wv = WorkloadView(wid, r0["model"], r0["num_heads"], r0["kv_lora_rank"],
+                          r0["qk_rope_head_dim"], r0["q_dtype"], r0["kv_dtype"], r0["ragged"],
+                          r0["batch_size"], r0["context_len"], r0["q_len"], r0["total_kv_tokens"],
+                          r0["bytes"], r0["flops"], floor.us if floor else None,
+                          floor.bound if floor else None)
+        defaults = _family_defaults(wrows, wl)
+        for r in wrows:
+            st = r["stats"]
+            pst = r.get("plan_stats")
+            median = st.median if st and r["status"] == "ok" else None
+            d = _default_for(defaults, r)
+            d_median = d["stats"].median if d is not None and d["status"] == "ok" and d["stats"] else None
+            wv.lines.append(CandidateLine(
+                r["id"], r["run_id"], r["candidate"], r["family"], r["backend"], int(r["page_size"]),
+                dict(r.get("params") or {}), r["status"], r.get("invalid_reason"), r.get("message") or "",
+                bool(r.get("is_default")) or (d is not None and d["id"] == r["id"]),
+                st.n if st else 0, median, st.spread if st and median is not None else None,
+                st.minimum if st and median is not None else None, pst.median if pst else None,
+                r.get("compile_s"), r.get("max_rel_error"),
+                pct_of_floor(median, wl, r.get("copy_gbps"), r.get("matmul_tflops"))
+                if wl is not None and median else None,
+                d["candidate"] if d is not None else None,
+                d_median / median if d_median and median else None))
+        _mark_choices(wv, dev)
+        wv.lines.sort(key=lambda c: (not c.ok, c.median_us if c.ok else 0.0, c.family, c.candidate))
+        views.append(wv)
+    views.sort(key=lambda w: (w.model, -w.num_heads, w.kv_lora_rank, w.qk_rope_head_dim, w.q_dtype,
+                              w.kv_dtype, w.ragged, w.q_len, w.batch_size, w.context_len))
+    return views
+
+
+def _family_defaults(rows: list[dict], wl) -> dict:
+    """family -> the rows that are its untuned default on this workload (one per page size).
+
+    Trials carry is_default from the sweep; for rows without the mark (older DBs) the family's
+    backend names its default, as `mla_tune.choose` does.
+    """
+    out: dict = {}
+    for r in rows:
+        if r.get("is_default"):
+            out.setdefault(r["family"], []).append(r)
+    for fam in {r["family"] for r in rows} - set(out):
+        if any(r.get("is_default") is not None for r in rows if r["family"] == fam) or wl is None:
+            continue   # the sweep marked this family's trials and none is the default
+        keys = {choosing.backend_default(fam, wl, p) for p in {int(r["page_size"]) for r in rows}}
+        found = [r for r in rows if r["family"] == fam and r["candidate"] in keys]
+        if found:
+            out[fam] = found
+    return out
+
+
+def _default_for(defaults: dict, row: dict) -> dict | None:
+    """The default a candidate is compared with: its family's at the same page size, else the
+    family's default at the default page size, else any."""
+    cands = defaults.get(row["family"]) or []
+    for want in (int(row["page_size"]), choosing.DEFAULT_PAGE_SIZE):
+        for d in cands:
+            if int(d["page_size"]) == want:
+                return d
+    return cands[0] if cands else None
+
+
+def _mark_choices(wv: WorkloadView, dev: DeviceReport) -> None:
+    entry = dev.entry_of(wv)
+    bucket = entry.bucket(wv.batch_size, wv.context_len, wv.q_len) if entry else None
+    if bucket is None:
+        return
+    chosen = {f: v.chosen.trial_id for f, v in bucket.families.items() if v.chosen is not None}
+    for c in wv.lines:
+        if chosen.get(c.family) == c.trial_id:
+            c.chosen = True
+            c.winner = c.family == bucket.best_family
+
+
+# ---------------------------------------------------------------- JSON
+
+def _rules(choice: choosing.Choice) -> dict:
+    return {"p_threshold": choice.p_threshold, "min_ratio": choice.min_ratio,
+            "default_page_size": choice.default_page_size, "metric": choice.metric,
+            "test": "one-sided Mann-Whitney U on raw samples, plus a minimum median ratio"}
+
+
+def _verdict_json(v: choosing.Verdict) -> dict:
+    return {"family": v.family, "page_size": v.page_size,
+            "chosen": v.chosen.key if v.chosen else None, "time_us": v.time_us,
+            "default": v.default.key if v.default else None, "default_time_us": v.default_time_us,
+            "best": v.best.key if v.best else None, "gain": v.gain, "significant": v.significant,
+            "p_value": v.p_value, "ratio": v.ratio, "reason": v.reason,
+            "n_valid": v.n_valid, "n_invalid": v.n_invalid}
+
+
+def _entry_json(m: choosing.ModelChoice) -> dict:
+    return {
+        "model": m.model, "tp_size": m.tp_size, "num_heads": m.num_heads,
+        "kv_lora_rank": m.kv_lora_rank, "qk_rope_head_dim": m.qk_rope_head_dim,
+        "q_dtype": m.q_dtype, "kv_dtype": m.kv_dtype, "ragged": m.ragged,
+        "global": {"page_size": m.page_size, "page_reason": m.page_reason,
+                   "family_order": list(m.family_order), "backend_order": list(m.backend_order),
+                   "order_reason": m.order_reason,
+                   "totals": [dataclasses.asdict(t) for t in m.totals]},
+        "buckets": [{"batch_size": b.batch_size, "context_len": b.context_len, "q_len": b.q_len,
+                     "weight": b.weight, "best_family": b.best_family, "time_us": b.time_us,
+                     "families": {f: _verdict_json(v) for f, v in b.families.items()}}
+                    for b in m.buckets],
+    }
+
+
+def _line_json(c: CandidateLine) -> dict:
+    d = dataclasses.asdict(c)
+    d["verdict"] = c.verdict
+    return d
+
+
+def _device_json(d: DeviceReport) -> dict:
+    return {
+        "device_name": d.device_name, "kind": d.kind,
+        "note": CPU_LABEL if d.is_reference else None,
+        "runs": d.runs, "superseded_trials": d.superseded, "notes": list(d.choice.notes),
+        "workloads": [{**{k: v for k, v in dataclasses.asdict(w).items() if k != "lines"},
+                       "label": w.label, "candidates": [_line_json(c) for c in w.lines]}
+                      for w in d.workloads],
+        "models": [_entry_json(m) for m in d.choice.models],
+    }
+
+
+# ---------------------------------------------------------------- tables, CSV, markdown
+
+def _pct(v) -> str:
+    return f"{v * 100:.1f}%"
+
+
+def _x(v) -> str:
+    return f"{v:.2f}x"
+
+
+def _short(text: str, n: int = 90) -> str:
+    return text if len(text) <= n else text[:n - 1] + "…"
+
+
+def entry_title(m) -> str:
+    tp = f" tp{m.tp_size}" if getattr(m, "tp_size", None) else ""
+    dt = m.q_dtype if m.q_dtype == m.kv_dtype else f"{m.q_dtype}/{m.kv_dtype}"
+    r = "" if m.ragged == "uniform" else f", {m.ragged} lengths"
+    return f"{m.model}{tp} H{m.num_heads} (R{m.kv_lora_rank} P{m.qk_rope_head_dim} {dt}{r})"
+
+
+def _device_title(d: DeviceReport) -> str:
+    return d.device_name + (f" [{CPU_LABEL}]" if d.is_reference else "")
+
+
+RUN_COLUMNS = [Column("run", justify="right"), Column("kind", justify="left"),
+               Column("started", justify="left"), Column("host", justify="left"),
+               Column("torch", justify="left"), Column("flashinfer", justify="left"),
+               Column("SMs"), Column("copy GB/s", ".0f"), Column("matmul TFLOP/s", ".0f")]
+
+CANDIDATE_COLUMNS = [Column("workload", justify="left"), Column("candidate", justify="left"),
+                     Column("median us", ".2f"), Column("spread", _pct), Column("n"),
+                     Column("% roofline", ".1f"), Column("vs default", _x),
+                     Column("choice", justify="left"), Column("status", lambda s: _short(s), "left")]
+
+BUCKET_COLUMNS = [Column("batch"), Column("context"), Column("q"), Column("family", justify="left"),
+                  Column("chosen", justify="left"), Column("median us", ".2f"),
+                  Column("default us", ".2f"), Column("gain", _x), Column("% roofline", ".1f"),
+                  Column("best", justify="left"), Column("why", justify="left")]
+
+GLOBAL_COLUMNS = [Column("model entry", justify="left"), Column("page size"),
+                  Column("backend order", justify="left"), Column("why", justify="left")]
+
+
+def report_tables(report: Report) -> list[Table]:
+    """The report as titled tables: per device its runs, candidates, best per bucket, global choice."""
+    tables = []
+    for d in report.devices:
+        title = _device_title(d)
+        t = Table(f"{title}: runs", RUN_COLUMNS)
+        for r in d.runs:
+            t.add(r["id"], r.get("kind"), r.get("started_at"), r.get("host"), r.get("torch"),
+                  r.get("flashinfer"), r.get("sm_count"), r.get("copy_gbps"), r.get("matmul_tflops"))
+        if d.superseded:
+            t.caption = (f"{d.superseded} older trial(s) of re-measured candidates are not shown "
+                         "(the latest trial per workload and candidate counts)")
+        tables.append(t)
+        for m in d.choice.models:
+            views = [w for w in d.workloads if w.entry_key == (m.model, m.num_heads, m.kv_lora_rank,
+                     m.qk_rope_head_dim, m.q_dtype, m.kv_dtype, m.ragged)]
+            t = Table(f"{title} · {entry_title(m)}: candidates per workload", CANDIDATE_COLUMNS,
+                      caption="spread = interquartile range / median; % roofline = 100 x floor "
+                              "(bytes at copy speed or FLOPs at matmul speed) / median; vs default = "
+                              "family default's median / this median"
+                              + ("" if any(w.floor_us for w in views) else
+                                 "; no ceilings recorded for these runs, so no % roofline"))
+            for w in views:
+                for i, c in enumerate(w.lines):
+                    t.add(w.label if i == 0 else "", c.candidate,
+                          c.median_us, c.spread, c.n or None, c.pct_roofline, c.speedup_vs_default,
+                          c.verdict, c.status_text())
+            tables.append(t)
+            tables.append(_bucket_table(d, m, views, title))
+        t = Table(f"{title}: global choice", GLOBAL_COLUMNS,
+                  caption=f"rules: a challenger replaces a default only if Mann-Whitney p < "
+                          f"{d.choice.p_threshold:g} and it is >= {d.choice.min_ratio:g}x faster; "
+                          + ("; ".join(d.choice.notes) if d.choice.notes else "no warnings"))
+        for m in d.choice.models:
+            order = " > ".join(m.backend_order) or (
+                " > ".join(m.family_order) + " (no vLLM attention backend measured)")
+            t.add(entry_title(m), m.page_size, order, f"{m.page_reason}. {m.order_reason}")
+        tables.append(t)
+    return tables
+
+
+def _bucket_table(d: DeviceReport, m, views: list, title: str) -> Table:
+    t = Table(f"{title} · {entry_title(m)}: best per bucket (page {m.page_size})", BUCKET_COLUMNS)
+    lines = {c.trial_id: c for w in views for c in w.lines}
+    for b in m.buckets:
+        fams = sorted(b.families, key=lambda f: (f != b.best_family, f))
+        for f in fams:
+            v = b.families[f]
+            line = lines.get(v.chosen.trial_id) if v.chosen else None
+            t.add(b.batch_size, b.context_len, b.q_len, f, v.chosen.key if v.chosen else None,
+                  v.time_us, v.default_time_us, v.gain, line.pct_roofline if line else None,
+                  "best" if f == b.best_family else "", v.reason)
+    return t
+
+
+def report_csv(report: Report) -> str:
+    """Every candidate line as one CSV row with raw numbers (the stored values, unrounded)."""
+    cols = ["device_name", "kind", "model", "num_heads", "kv_lora_rank", "qk_rope_head_dim",
+            "q_dtype", "kv_dtype", "ragged", "batch_size", "context_len", "q_len", "workload_id",
+            "run_id", "trial_id", "candidate", "family", "backend", "page_size", "params",
+            "is_default", "status", "invalid_reason", "message", "n", "median_us", "spread",
+            "min_us", "plan_median_us", "compile_s", "max_rel_error", "pct_roofline", "floor_us",
+            "bound", "default_candidate", "speedup_vs_default", "chosen", "winner"]
+    t = Table("candidates", [Column(c) for c in cols])
+    for d, w, c in report.lines():
+        t.add(d.device_name, d.kind, w.model, w.num_heads, w.kv_lora_rank, w.qk_rope_head_dim,
+              w.q_dtype, w.kv_dtype, w.ragged, w.batch_size, w.context_len, w.q_len, w.workload_id,
+              c.run_id, c.trial_id, c.candidate, c.family, c.backend, c.page_size, c.params,
+              int(c.is_default), c.status, c.invalid_reason, c.message, c.n, c.median_us, c.spread,
+              c.min_us, c.plan_median_us, c.compile_s, c.max_rel_error, c.pct_roofline, w.floor_us,
+              w.bound, c.default_candidate, c.speedup_vs_default, int(c.chosen), int(c.winner))
+    return to_csv(t)
+
+
+def render_report(report: Report, fmt: str | OutputFormat) -> str | list:
+    """json, csv, markdown -> text; table -> a list of rich renderables."""
+    fmt = OutputFormat(fmt)
+    if fmt is OutputFormat.json:
+        return to_json_text(report.to_json())
+    if fmt is OutputFormat.csv:
+        return report_csv(report)
+    if fmt is OutputFormat.markdown:
+        return to_markdown(report_tables(report), heading=f"mla-tune report: {report.db} "
+                                                          f"({report.filter.describe()})")
+    from mla_tune.render import to_rich
+    return to_rich(report_tables(report))
+
+
+# ---------------------------------------------------------------- the tuned-config view (`show`)
+
+def check_config_device(cfg, path, device: str | None = None) -> None:
+    """Raise TunedConfigError if the file belongs to another device than its name, `device`, or
+    (without `device`) this machine's accelerator; a machine without one checks the name only."""
+    from pathlib import Path
+
+    from vllm_metax.tuned_config import TunedConfigError, config_filename
+    name = Path(path).name
+    if name.startswith("device_name=") and name.endswith(".json") and \
+            device_key(name[len("device_name="):-len(".json")]) != device_key(cfg.device_name):
+        raise TunedConfigError(f"{path}: the file name says {name[12:-5]!r} but it was written for "
+                               f"device {cfg.device_name!r}; the plugin would ignore it")
+    where = "--device"
+    if device is None:
+        from vllm_metax.device import detect_device
+        dev = detect_device()
+        if dev.source == "none":
+            return
+        device, where = dev.name, "this machine"
+    if device_key(device) != device_key(cfg.device_name):
+        raise TunedConfigError(f"{path}: written for device {cfg.device_name!r}, not {device!r} "
+                               f"({where}); pass --device {cfg.device_name!r} to inspect it anyway")
+
+
+def _dims_title(e) -> str:
+    d = e.dims
+    dt = d.q_dtype if d.q_dtype == d.kv_dtype else f"{d.q_dtype}/{d.kv_dtype}"
+    who = f"{e.model}{f' tp{e.tp_size}' if e.tp_size else ''} " if e.model else ""
+    return f"{who}H{d.num_heads} (R{d.kv_lora_rank} P{d.qk_rope_head_dim} {dt})"
+
+
+def _params_text(p: dict, family: str = "") -> str:
+    """{"backend": "fa3"} -> "fa3"; {"backend": "triton", "num_kv_splits": 16} -> "num_kv_splits=16"."""
+    backend = p.get("backend")
+    knobs = [f"{k}={v}" for k, v in p.items() if k not in ("backend", "rule")]
+    head = [str(backend)] if backend is not None and backend != family else []
+    return ", ".join(head + knobs) or "-"
+
+
+CONFIG_BUCKET_COLUMNS = [Column("batch"), Column("context"), Column("q"),
+                         Column("family", justify="left"), Column("params", justify="left"),
+                         Column("time us", ".2f"), Column("default us", ".2f"),
+                         Column("gain", _x), Column("significant"), Column("best", justify="left")]
+
+
+def config_tables(cfg, lookup: tuple | None = None) -> list[Table]:
+    """A tuned config as tables: provenance, the global choice per model, its buckets; with
+    `lookup` = (batch, context, q_len), the bucket each model entry would serve it from."""
+    title = f"{cfg.device_name} (schema {cfg.schema_version})"
+    t = Table(f"{title}: provenance", [Column("field", justify="left"), Column("value", justify="left")])
+    for k, v in cfg.provenance.items():
+        t.add(k, ", ".join(map(str, v)) if isinstance(v, list) and all(not isinstance(x, (list, dict)) for x in v)
+              else v)
+    tables = [t]
+    g = Table(f"{title}: global choice per model", [Column("model entry", justify="left"),
+              Column("page size"), Column("backend order", justify="left"),
+              Column("buckets"), Column("why", justify="left")])
+    for e in cfg.models:
+        g.add(_dims_title(e), e.page_size, " > ".join(e.backend_order), len(e.buckets), e.reason)
+    tables.append(g)
+    for e in cfg.models:
+        b = Table(f"{title} · {_dims_title(e)}: per-bucket plan choices", CONFIG_BUCKET_COLUMNS)
+        for bk in sorted(e.buckets, key=lambda x: (x.q_len, x.batch_size, x.context_len)):
+            fams = sorted(bk.families, key=lambda f: (f != bk.best_family, f))
+            if not fams:
+                b.add(bk.batch_size, bk.context_len, bk.q_len, None, None, None, None, None, None, "")
+            for f in fams:
+                c = bk.families[f]
+                b.add(bk.batch_size, bk.context_len, bk.q_len, f, _params_text(c.params, f), c.time_us,
+                      c.default_time_us, c.gain, c.significant, "best" if f == bk.best_family else "")
+        tables.append(b)
+    if lookup is not None:
+        batch, context, q_len = lookup
+        lt = Table(f"{title}: lookup of batch {batch}, context {context}, q_len {q_len}",
+                   [Column("model entry", justify="left"), Column("bucket", justify="left"),
+                    Column("exact"), Column("in tuned range"), Column("choices", justify="left")])
+        for e in cfg.models:
+            hit = e.lookup(batch, context, q_len)
+            if hit is None:
+                lt.add(_dims_title(e), "no buckets", False, False, "")
+                continue
+            bk = hit.bucket
+            lt.add(_dims_title(e), f"B{bk.batch_size} L{bk.context_len} q{bk.q_len}", hit.exact,
+                   hit.in_range, "; ".join(f"{f}: {_params_text(c.params, f)}" for f, c in bk.families.items()))
+        tables.append(lt)
+    return tables
+
+
+def config_csv(cfg) -> str:
+    """One CSV row per (model entry, bucket, family) with raw values."""
+    cols = ["device_name", "model", "tp_size", "num_heads", "kv_lora_rank", "qk_rope_head_dim",
+            "q_dtype", "kv_dtype", "page_size", "backend_order", "batch_size", "context_len",
+            "q_len", "family", "params", "time_us", "default_time_us", "gain", "significant",
+            "best_family"]
+    t = Table("buckets", [Column(c) for c in cols])
+    for e in cfg.models:
+        d = e.dims
+        for bk in e.buckets:
+            for f, c in bk.families.items():
+                t.add(cfg.device_name, e.model, e.tp_size, d.num_heads, d.kv_lora_rank,
+                      d.qk_rope_head_dim, d.q_dtype, d.kv_dtype, e.page_size,
+                      " > ".join(e.backend_order), bk.batch_size, bk.context_len, bk.q_len, f,
+                      c.params, c.time_us, c.default_time_us, c.gain, int(c.significant),
+                      bk.best_family)
+    return to_csv(t)
+
+
+def render_config(cfg, fmt: str | OutputFormat, lookup: tuple | None = None) -> str | list:
+    """A tuned config in a read format (table -> rich renderables, others -> text)."""
+    fmt = OutputFormat(fmt)
+    if fmt is OutputFormat.json:
+        data = cfg.to_json()
+        if lookup is not None:
+            batch, context, q_len = lookup
+            data["lookup"] = []
+            for e in cfg.models:
+                hit = e.lookup(batch, context, q_len)
+                data["lookup"].append({
+                    "dims": dataclasses.asdict(e.dims), "request": list(lookup),
+                    "bucket": None if hit is None else [hit.bucket.batch_size, hit.bucket.context_len,
+                                                        hit.bucket.q_len],
+                    "exact": bool(hit and hit.exact), "in_range": bool(hit and hit.in_range)})
+        return to_json_text(data)
+    if fmt is OutputFormat.csv:
+        return config_csv(cfg)
+    tables = config_tables(cfg, lookup)
+    if fmt is OutputFormat.markdown:
+        return to_markdown(tables, heading=f"tuned config {cfg.path or ''}".strip())
+    from mla_tune.render import to_rich
+    return to_rich(tables)

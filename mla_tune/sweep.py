@@ -1,0 +1,729 @@
+"""The sweep: plan the buckets, search each one's candidates, store every trial, resume, replay.
+
+    plan_buckets(...)            -> [Bucket]        model x TP sizes x batch x context x q_len
+    SweepConfig(...)                                what to measure and how (defaults per device)
+    run_sweep(config, observer)  -> SweepOutcome    measure (in a worker process), store, choose, emit
+    replay_sweep(db, config)     -> SweepOutcome    the same search over stored measurements
+
+Every trial is committed through ResultsStore.add_trial as soon as its batch returns, with the run
+record of environment.capture_environment. Rerunning the same sweep is a resume: a (workload,
+candidate) already measured on this device is answered from the store (not measured again unless
+`remeasure`), so the search retraces its steps for free and measures only what is missing.
+
+Without CUDA the sweep measures the torch reference on the CPU (CPU_REFERENCE_NOTE says why);
+its numbers test the pipeline, not a kernel. The library prints nothing: progress goes to a
+SweepObserver (the CLI's draws a rich progress bar).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Sequence
+
+from mla_tune.backends.base import Candidate, CandidateInvalid
+from mla_tune.measure import MeasureSettings
+from mla_tune.problem import (DTYPES, RAGGED_KINDS, ModelDims, ProblemError, Workload, WorkloadMix,
+                              log2_grid, model_preset, workload_for)
+from mla_tune.search import (GRID_MAX, PATIENCE, Evaluation, SearchOutcome, SearchPolicy,
+                             SearchSpace, journal_storage, search)
+
+CPU_REFERENCE_NOTE = (
+    "No CUDA device here (torch.cuda.is_available() is False), so this sweep measures the CPU "
+    "torch reference: the correctness oracle run with torch on the CPU, not a serving kernel. Its "
+    "numbers exercise the pipeline (store, search, winners, config); they say nothing about "
+    "FlashInfer or Triton speed. Run on a GPU for real measurements.")
+GPU_FAMILIES = ("flashinfer", "triton")
+CPU_FAMILIES = ("reference",)
+METRIC = "kernel_us"
+
+
+class SweepError(Exception):
+    """A sweep that cannot start or cannot produce anything (the message says why)."""
+
+
+# ---------------------------------------------------------------- buckets
+
+@dataclass(frozen=True)
+class Bucket:
+    """One workload the sweep tunes: a model at one TP size, batch size, context length, q_len."""
+
+    model: str
+    tp_size: int | None
+    workload: Workload
+
+    @property
+    def label(self) -> str:
+        tp = f"TP{self.tp_size} " if self.tp_size else ""
+        return f"{self.model} {tp}{self.workload.label()}"
+
+
+def plan_buckets(model: ModelDims, tp_sizes: Sequence[int], batch_sizes: Sequence[int],
+                 context_lens: Sequence[int], q_lens: Sequence[int] = (1,), ragged: str = "uniform",
+                 q_dtype: str = "bfloat16", kv_dtype: str = "bfloat16") -> list[Bucket]:
+    """Every (TP, q_len, batch, context) combination; raises ProblemError on impossible values
+    (a TP size that does not divide the heads, q_len > context, ...). q_len > 1 buckets are
+    speculative decode: the q_len queries of a request attend causally."""
+    out, seen = [], set()
+    for tp in tp_sizes:
+        for q in q_lens:
+            for b in batch_sizes:
+                for c in context_lens:
+                    if q > c:
+                        raise ProblemError(f"q_len {q} is longer than context length {c}")
+                    w = workload_for(model, tp, b, c, q_len=q, ragged=ragged, q_dtype=q_dtype,
+                                     kv_dtype=kv_dtype)
+                    if w not in seen:
+                        seen.add(w)
+                        out.append(Bucket(model.name, tp, w))
+    return out
+
+
+_SIZE = re.compile(r"^\s*(\d+)\s*([kKmM]?)\s*$")
+
+
+def _size(text: str) -> int:
+    m = _SIZE.match(text)
+    if not m:
+        raise ValueError(f"not a size: {text!r} (use e.g. 16, 4K, 1M)")
+    return int(m.group(1)) * {"": 1, "k": 1024, "m": 1024 * 1024}[m.group(2).lower()]
+
+
+def parse_sizes(text: str) -> list[int]:
+    """'1-128' (powers of two from 1 to 128), '1K-32K', '1,4,16' or '4096' -> sorted sizes."""
+    try:
+        text = text.strip()
+        if "-" in text or ":" in text:
+            lo, hi = re.split(r"[-:]", text, maxsplit=1)
+            return log2_grid(_size(lo), _size(hi))
+        values = sorted({_size(t) for t in text.split(",") if t.strip()})
+        if not values or values[0] < 1:
+            raise ValueError("sizes must be positive")
+        return values
+    except (ValueError, ProblemError) as e:
+        raise ValueError(f"bad size list {text!r}: {e}") from None
+
+
+def parse_duration(text: str) -> float:
+    """'90', '90s', '9m', '1h', '1h30m' -> seconds; '0' or 'none' -> 0 (no limit)."""
+    t = text.strip().lower()
+    if t in ("", "0", "none", "off"):
+        return 0.0
+    parts = re.findall(r"(\d+(?:\.\d+)?)\s*([hms]?)", t)
+    if not parts or "".join(n + u for n, u in parts) != t.replace(" ", ""):
+        raise ValueError(f"bad duration {text!r} (use e.g. 600, 90s, 9m, 1h30m)")
+    return sum(float(n) * {"h": 3600, "m": 60, "s": 1, "": 1}[u] for n, u in parts)
+
+
+@dataclass(frozen=True)
+class DefaultSpace:
+    """What a sweep measures when not told otherwise, per device kind."""
+
+    tp_sizes: tuple
+    batch_sizes: tuple
+    context_lens: tuple
+    page_sizes: tuple
+    samples: int
+    warmup: int
+    timeout_s: float
+    time_budget_s: float
+
+
+def default_space(device: str) -> DefaultSpace:
+    """GPU: DeepSeek-V3 at TP1 and TP8, batch 1-128 x context 1K-32K on log2 steps (96 buckets),
+    sized with the time budget to finish in under 10 minutes on an H200, JIT included. CPU: a
+    small space the torch reference covers in seconds."""
+    if str(device).startswith("cuda"):
+        return DefaultSpace((1, 8), tuple(log2_grid(1, 128)), tuple(log2_grid(1024, 32768)),
+                            (1, 16, 64), samples=20, warmup=3, timeout_s=180.0, time_budget_s=540.0)
+    return DefaultSpace((8,), (1, 4), (256, 1024), (1, 16, 64), samples=10, warmup=2,
+                        timeout_s=120.0, time_budget_s=0.0)
+
+
+def detect_device() -> str:
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def journal_path_for(db: str | Path) -> Path:
+    """Where the optuna study of a DB lives: results.db -> results.optuna.log (optuna-dashboard)."""
+    db = Path(db)
+    return db.with_name(db.stem + ".optuna.log")
+
+
+# ---------------------------------------------------------------- configuration and events
+
+@dataclass
+class SweepConfig:
+    """What to sweep and how. `families=None` picks by device (GPU: flashinfer + triton; CPU: the
+    reference); `time_budget_s=0` and `max_trials=None` mean no limit; `journal=None` puts the
+    optuna study next to the DB (False: keep it in memory)."""
+
+    buckets: list
+    db: Path = Path("results.db")
+    families: Sequence[str] | None = None
+    page_sizes: Sequence[int] = (1, 16, 64)
+    device: str | None = None
+    settings: MeasureSettings | None = None
+    mode: str = "auto"
+    grid_max: int = GRID_MAX
+    max_trials: int | None = None
+    patience: int | None = PATIENCE
+    time_budget_s: float = 0.0
+    batch: int = 16
+    seed: int = 0
+    timeout_s: float = 120.0
+    isolation: str = "process"
+    remeasure: bool = False
+    name: str = "sweep"
+    journal: Path | bool | None = None
+    mix: WorkloadMix | None = None
+    min_ratio: float = 1.05
+    p_threshold: float = 0.002
+    emit: bool = True
+    configs_dir: Path = Path("configs")
+    command: str = ""
+
+    def policy(self, deadline: float | None) -> SearchPolicy:
+        return SearchPolicy(self.mode, self.grid_max, self.max_trials, deadline, self.patience,
+                            self.batch, seed=self.seed)
+
+
+class SweepObserver:
+    """Receives the sweep's events; subclass and override what you show. All no-ops here."""
+
+    def on_start(self, plan: "SweepPlan") -> None: ...
+
+    def on_bucket(self, planned: "PlannedBucket") -> None: ...
+
+    def on_measuring(self, planned: "PlannedBucket", candidates: list[Candidate]) -> None: ...
+
+    def on_prepared(self, planned: "PlannedBucket", candidate: Candidate, ok: bool) -> None: ...
+
+    def on_trial(self, planned: "PlannedBucket", evaluation: Evaluation,
+                 best: Evaluation | None) -> None: ...
+
+    def on_bucket_done(self, outcome: "BucketOutcome") -> None: ...
+
+    def on_done(self, outcome: "SweepOutcome") -> None: ...
+
+
+@dataclass
+class PlannedBucket:
+    """A bucket with its search space (constraints applied) and search plan."""
+
+    bucket: Bucket
+    space: SearchSpace
+    mode: str
+    budget: int
+    workload_id: int | None = None
+    index: int = 0
+
+
+@dataclass
+class SweepPlan:
+    device: str
+    kind: str                      # "gpu" | "cpu-reference"
+    families: list                 # families that run here
+    skipped: dict                  # family -> why it does not run here
+    buckets: list                  # PlannedBucket
+    note: str = ""
+    db: Path | None = None
+    journal: Path | None = None
+    replay: bool = False
+
+    @property
+    def planned_trials(self) -> int:
+        return sum(p.budget for p in self.buckets)
+
+
+@dataclass
+class BucketOutcome:
+    planned: PlannedBucket
+    search: SearchOutcome
+    seconds: float = 0.0
+
+    @property
+    def bucket(self) -> Bucket:
+        return self.planned.bucket
+
+    @property
+    def invalid(self) -> int:
+        return sum(not e.ok for e in self.search.evaluations)
+
+
+@dataclass
+class SweepOutcome:
+    """What a sweep (or replay) did: per bucket the search, then the choice over the trials."""
+
+    plan: SweepPlan
+    buckets: list = field(default_factory=list)          # BucketOutcome
+    rows: list = field(default_factory=list)             # trial rows the choice was made from
+    choice: object = None                                 # choose.Choice, or None
+    run_id: int | None = None
+    measured: int = 0
+    cached: int = 0
+    faults: int = 0
+    restarts: int = 0
+    seconds: float = 0.0
+    emitted: Path | None = None
+    emit_note: str = ""
+    stopped_early: int = 0                                # buckets cut by a budget
+
+    @property
+    def valid_trials(self) -> int:
+        return sum(e.ok for b in self.buckets for e in b.search.evaluations)
+
+
+# ---------------------------------------------------------------- planning
+
+def resolve_families(requested: Sequence[str] | None, device: str) -> tuple[dict, dict]:
+    """(available family -> backend, skipped family -> reason). Unknown names raise SweepError."""
+    from mla_tune.backends import family_names, get_backend
+    names = list(requested) if requested else list(
+        GPU_FAMILIES if device.startswith("cuda") else CPU_FAMILIES)
+    unknown = [n for n in names if n not in family_names()]
+    if unknown:
+        raise SweepError(f"unknown kernel family {', '.join(map(repr, unknown))}; known: "
+                         f"{', '.join(family_names())}")
+    available, skipped = {}, {}
+    for n in dict.fromkeys(names):
+        backend = get_backend(n)
+        try:
+            a = backend.available(device)
+        except Exception as e:  # a family that cannot even say is a family that cannot run
+            a = None
+            skipped[n] = f"{type(e).__name__}: {e}"
+        if a is not None:
+            if a.ok:
+                available[n] = backend
+            else:
+                skipped[n] = a.reason
+    return available, skipped
+
+
+def _unsupported_key(c: Candidate, w: Workload) -> tuple:
+    # a refusal ("unsupported") depends on the device, the kernel, the page size and the head
+    # geometry, not on batch or context: the same candidate is not tried again in later buckets
+    return (c.family, c.backend, c.page_size, tuple(sorted(c.params.items())), w.num_heads,
+            w.kv_lora_rank, w.qk_rope_head_dim, w.q_len, w.q_dtype, w.kv_dtype)
+
+
+def _space_for(bucket: Bucket, backends: dict, page_sizes: Sequence[int], refused: dict) -> SearchSpace:
+    w = bucket.workload
+    cands, defaults = [], []
+    for fam, backend in backends.items():
+        try:
+            cands += backend.space(w, list(page_sizes))
+        except CandidateInvalid:
+            continue
+        for p in page_sizes:
+            try:
+                d = backend.default_candidate(w, p)
+            except CandidateInvalid:
+                continue
+            if d.page_size in page_sizes:
+                defaults.append(d)
+
+    def refused_before(c: Candidate):
+        hit = refused.get(_unsupported_key(c, w))
+        return f"refused in {hit[0]}: {hit[1]}" if hit else None
+
+    return SearchSpace.build(cands, defaults, [refused_before])
+
+
+def _value(row_or_result_samples: dict | None, ok: bool) -> float | None:
+    xs = (row_or_result_samples or {}).get(METRIC) or []
+    return float(statistics.median(xs)) if ok and xs else None
+
+
+def _study_name(config: SweepConfig, b: Bucket) -> str:
+    w = b.workload
+    return f"{config.name} | {b.label} | {w.q_dtype}/{w.kv_dtype} | seed {w.seed}"
+
+
+def plan_sweep(config: SweepConfig, store=None) -> tuple[SweepPlan, dict]:
+    """Resolve the device and families and build every bucket's search space (nothing runs)."""
+    device = config.device or detect_device()
+    backends, skipped = resolve_families(config.families, device)
+    kind = "gpu" if device.startswith("cuda") else "cpu-reference"
+    note = CPU_REFERENCE_NOTE if kind == "cpu-reference" and "reference" in backends else ""
+    if device.startswith("cuda") and "reference" in backends:
+        note = "Measuring the torch reference on the GPU: an oracle, not a serving kernel."
+    refused = _refusals(store, device) if store is not None and not config.remeasure else {}
+    planned = []
+    for i, b in enumerate(config.buckets):
+        space = _space_for(b, backends, config.page_sizes, refused)
+        pol = config.policy(None)
+        mode = pol.resolve_mode(len(space))
+        planned.append(PlannedBucket(b, space, mode, pol.budget(len(space), mode) if len(space) else 0,
+                                     index=i))
+    journal = None
+    if config.journal is not False:
+        journal = Path(config.journal) if config.journal else journal_path_for(config.db)
+    plan = SweepPlan(device, kind, list(backends), skipped, planned, note, Path(config.db), journal)
+    return plan, {"backends": backends, "refused": refused}
+
+
+def _device_name(device: str) -> str:
+    from vllm_metax.device import detect_device as detect
+    return detect().name if device.startswith("cuda") else "cpu"
+
+
+def _refusals(store, device: str) -> dict:
+    out = {}
+    name = _device_name(device)
+    for r in store.trials("r.device_name = ? and t.status = 'invalid' and t.invalid_reason = 'unsupported'",
+                          [name]):
+        w = Workload(r["num_heads"], r["kv_lora_rank"], r["qk_rope_head_dim"], r["softmax_scale"],
+                     r["batch_size"], r["context_len"], r["q_len"], r["ragged"], r["seed"],
+                     r["q_dtype"], r["kv_dtype"], r["model"])
+        c = Candidate(r["family"], r["backend"], r["page_size"], r["params"])
+        out.setdefault(_unsupported_key(c, w), (w.label(), (r["message"] or "").splitlines()[0][:200]))
+    return out
+
+
+# ---------------------------------------------------------------- the live sweep
+
+def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> SweepOutcome:
+    """Measure every bucket's search, storing each trial as it finishes; then choose and emit.
+
+    Raises SweepError when no kernel family can run here; StoreError for a DB it must not touch.
+    """
+    from mla_tune.environment import capture_environment
+    from mla_tune.roofline import workload_bytes, workload_flops
+    from mla_tune.store import ResultsStore
+    from mla_tune.worker import make_runner
+
+    obs = observer or SweepObserver()
+    t_start = time.monotonic()
+    store = ResultsStore(config.db)
+    try:
+        plan, ctx = plan_sweep(config, store)
+        if not plan.families:
+            why = "; ".join(f"{f}: {r}" for f, r in plan.skipped.items())
+            raise SweepError(f"no kernel family can run on {plan.device} ({why})")
+        device_name = _device_name(plan.device)
+        for p in plan.buckets:
+            w = p.bucket.workload
+            p.workload_id = store.workload_id(w, workload_bytes(w), workload_flops(w))
+        defaults = default_space(plan.device)
+        settings = config.settings or MeasureSettings(device=plan.device, warmup=defaults.warmup,
+                                                      samples=defaults.samples)
+        settings = replace(settings, device=plan.device)
+        storage = journal_storage(plan.journal) if plan.journal else None
+        outcome = SweepOutcome(plan)
+        obs.on_start(plan)
+        refused = ctx["refused"]
+        run_id = None
+        runner = make_runner(settings, config.isolation, config.timeout_s)
+        deadline_all = (time.monotonic() + config.time_budget_s) if config.time_budget_s else None
+        try:
+            for i, p in enumerate(plan.buckets):
+                left = len(plan.buckets) - i
+                deadline = None
+                if deadline_all is not None:
+                    deadline = time.monotonic() + max(0.0, deadline_all - time.monotonic()) / left
+                cache = {} if config.remeasure else _cached(store, p.workload_id, device_name)
+                obs.on_bucket(p)
+                t0 = time.monotonic()
+                best: list[Evaluation | None] = [None]
+
+                def evaluate(cands: list[Candidate], p=p, cache=cache, best=best) -> list[Evaluation]:
+                    nonlocal run_id
+                    evs: dict[str, Evaluation] = {}
+                    todo = []
+                    for c in cands:
+                        row = cache.get(c.key)
+                        if row is None:
+                            todo.append(c)
+                            continue
+                        ok = row["status"] == "ok"
+                        ev = Evaluation(c, _value(row["samples"], ok), True, row["invalid_reason"], row["id"])
+                        evs[c.key] = ev
+                        outcome.cached += 1
+                        _note_best(best, ev)
+                        obs.on_trial(p, ev, best[0])
+                    if todo:
+                        if run_id is None:
+                            run_id = store.add_run(capture_environment(plan.kind, config.command))
+                            outcome.run_id = run_id
+                        obs.on_measuring(p, todo)
+                        started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+                        results = runner.measure(p.bucket.workload, todo,
+                                                 lambda c, ok: obs.on_prepared(p, c, ok))
+                        for c, r in zip(todo, results):
+                            tid = store.add_trial(
+                                run_id, p.workload_id, c, r.status, r.samples or None,
+                                invalid_reason=r.invalid_reason, message=r.message,
+                                compile_s=r.compile_s, max_rel_error=r.max_rel_error,
+                                sweep=config.name, started_at=started,
+                                is_default=c in p.space.defaults)
+                            ok = r.status == "ok"
+                            ev = Evaluation(c, _value(r.samples, ok), False, r.invalid_reason, tid)
+                            if ok and ev.value is None:
+                                ev = replace(ev, reason="runtime")
+                            if r.invalid_reason == "unsupported":
+                                refused.setdefault(_unsupported_key(c, p.bucket.workload),
+                                                   (p.bucket.workload.label(),
+                                                    (r.message or "").splitlines()[0][:200] if r.message else ""))
+                            evs[c.key] = ev
+                            outcome.measured += 1
+                            _note_best(best, ev)
+                            obs.on_trial(p, ev, best[0])
+                    return [evs[c.key] for c in cands]
+
+                so = search(p.space, evaluate, config.policy(deadline), _study_name(config, p.bucket),
+                            storage)
+                bo = BucketOutcome(p, so, time.monotonic() - t0)
+                if so.stopped in ("time budget", "trial budget") and so.budget and len(so.evaluations) < len(p.space):
+                    outcome.stopped_early += so.stopped == "time budget"
+                outcome.buckets.append(bo)
+                obs.on_bucket_done(bo)
+        finally:
+            outcome.faults = getattr(runner, "faults", 0)
+            outcome.restarts = getattr(runner, "restarts", 0)
+            runner.close()
+        ids = [p.workload_id for p in plan.buckets]
+        outcome.rows = _rows_for(store, ids, device_name)
+        outcome.choice = _choose(outcome.rows, config, device_name)
+        if config.emit and outcome.choice is not None:
+            outcome.emitted, outcome.emit_note = emit_tuned_config(outcome, config, store)
+        outcome.seconds = time.monotonic() - t_start
+        obs.on_done(outcome)
+        return outcome
+    finally:
+        store.close()
+
+
+def _note_best(best: list, ev: Evaluation) -> None:
+    if ev.ok and (best[0] is None or ev.value < best[0].value):
+        best[0] = ev
+
+
+def _cached(store, workload_id: int, device_name: str) -> dict:
+    """candidate key -> latest trial row of this workload on this device."""
+    out = {}
+    for r in store.trials("t.workload_id = ? and r.device_name = ?", [workload_id, device_name]):
+        out[r["candidate"]] = r
+    return out
+
+
+def _rows_for(store, workload_ids: list, device_name: str) -> list:
+    rows = []
+    ids = sorted(set(i for i in workload_ids if i is not None))
+    for k in range(0, len(ids), 500):
+        chunk = ids[k:k + 500]
+        rows += store.trials(f"t.workload_id in ({','.join('?' * len(chunk))}) and r.device_name = ?",
+                             [*chunk, device_name])
+    return rows
+
+
+def _choose(rows: list, config: SweepConfig, device_name: str):
+    from mla_tune.choose import choose
+    if not rows:
+        return None
+    return choose(rows, config.mix, device_name=device_name, p_threshold=config.p_threshold,
+                  min_ratio=config.min_ratio)
+
+
+def emit_tuned_config(outcome: SweepOutcome, config: SweepConfig, store=None) -> tuple[Path | None, str]:
+    """Write the tuned config of `outcome.choice` through mla_tune.emit.emit_config (the report
+    side's writer), if that module is installed; (path, "") or (None, why not)."""
+    try:
+        from mla_tune import emit
+    except ImportError:
+        return None, "mla_tune.emit is not available: no tuned config written"
+    fn = getattr(emit, "emit_config", None)
+    if fn is None:
+        return None, "mla_tune.emit has no emit_config: no tuned config written"
+    try:
+        path = fn(outcome.choice, config.configs_dir, store=store, mix=config.mix)
+    except Exception as e:  # noqa: BLE001 - the trials are stored; the config can be emitted later
+        return None, (f"no tuned config written ({type(e).__name__}: {e}); the trials are stored: "
+                      f"`mla-tune emit --db {config.db}` writes it later")
+    return (Path(path) if path else None), ""
+
+
+# ---------------------------------------------------------------- replay
+
+def stored_buckets(rows: list) -> list[Bucket]:
+    """The buckets a set of trial rows covers, in a stable order."""
+    from mla_tune.choose import _tp_size
+    seen = {}
+    for r in rows:
+        if r["workload_id"] in seen:
+            continue
+        w = Workload(r["num_heads"], r["kv_lora_rank"], r["qk_rope_head_dim"], r["softmax_scale"],
+                     r["batch_size"], r["context_len"], r["q_len"], r["ragged"], r["seed"],
+                     r["q_dtype"], r["kv_dtype"], r["model"])
+        seen[r["workload_id"]] = Bucket(r["model"], _tp_size(r["model"], r["num_heads"]), w)
+    return sorted(seen.values(), key=lambda b: (b.model, -b.workload.num_heads, b.workload.q_len,
+                                                b.workload.batch_size, b.workload.context_len))
+
+
+def replay_sweep(source: str | Path, config: SweepConfig, observer: SweepObserver | None = None,
+                 device_name: str | None = None) -> SweepOutcome:
+    """Run the same search over measurements stored in `source`, measuring nothing.
+
+    Each bucket's space is what was stored for its workload (defaults from the is_default mark);
+    a proposal is answered with its stored trial. `config.buckets` empty means every stored
+    workload. The choice is made over the trials the search visited, so a replay shows whether a
+    search (TPE, a smaller budget) reaches the winners that the full grid found. Writes nothing.
+    """
+    from mla_tune.choose import latest_trials
+    from mla_tune.store import ResultsStore
+
+    obs = observer or SweepObserver()
+    t_start = time.monotonic()
+    with ResultsStore(source, create=False) as store:
+        rows = latest_trials(store.trials())
+    devices = sorted({r["device_name"] for r in rows})
+    if device_name is None:
+        if len(devices) > 1:
+            raise SweepError(f"{source} holds trials of several devices ({', '.join(devices)}); "
+                             "pick one with --device-name")
+        device_name = devices[0] if devices else ""
+    rows = [r for r in rows if r["device_name"] == device_name]
+    if not rows:
+        raise SweepError(f"{source} holds no trials" + (f" of device {device_name!r}" if device_name else ""))
+    by_workload: dict = {}
+    for r in rows:
+        key = _workload_key_of(r)
+        by_workload.setdefault(key, []).append(r)
+    buckets = list(config.buckets) or stored_buckets(rows)
+    planned, missing = [], []
+    for i, b in enumerate(buckets):
+        brows = by_workload.get(tuple(sorted(b.workload.key.items())))
+        if not brows:
+            missing.append(b.label)
+            continue
+        cands = {r["candidate"]: Candidate(r["family"], r["backend"], r["page_size"], r["params"]) for r in brows}
+        defaults = [cands[r["candidate"]] for r in brows if r.get("is_default")]
+        if not defaults:
+            defaults = _defaults_from_backends(b, brows, cands)
+        space = SearchSpace.build(list(cands.values()), defaults)
+        pol = config.policy(None)
+        mode = pol.resolve_mode(len(space))
+        planned.append(PlannedBucket(b, space, mode, pol.budget(len(space), mode),
+                                     brows[0]["workload_id"], i))
+    kind = rows[0].get("run_kind") or ""
+    plan = SweepPlan(device_name, kind, sorted({r["family"] for r in rows}),
+                     {f"({len(missing)} buckets)": "not in the replay DB: " + ", ".join(missing[:5])
+                      + (" ..." if len(missing) > 5 else "")} if missing else {},
+                     planned, f"replaying {source}: nothing is measured", Path(source), None, True)
+    if not planned:
+        raise SweepError(f"none of the requested buckets is stored in {source}")
+    outcome = SweepOutcome(plan)
+    obs.on_start(plan)
+    visited: list = []
+    for p in plan.buckets:
+        stored = {r["candidate"]: r for r in by_workload[tuple(sorted(p.bucket.workload.key.items()))]}
+        obs.on_bucket(p)
+        best: list = [None]
+
+        def evaluate(cands, p=p, stored=stored, best=best):
+            out = []
+            for c in cands:
+                r = stored[c.key]
+                ok = r["status"] == "ok"
+                ev = Evaluation(c, _value(r["samples"], ok), False, r["invalid_reason"], r["id"])
+                visited.append(r)
+                outcome.measured += 1
+                _note_best(best, ev)
+                obs.on_trial(p, ev, best[0])
+                out.append(ev)
+            return out
+
+        t0 = time.monotonic()
+        so = search(p.space, evaluate, config.policy(None), _study_name(config, p.bucket), None)
+        bo = BucketOutcome(p, so, time.monotonic() - t0)
+        outcome.buckets.append(bo)
+        obs.on_bucket_done(bo)
+    outcome.rows = visited
+    outcome.choice = _choose(visited, config, device_name)
+    outcome.seconds = time.monotonic() - t_start
+    obs.on_done(outcome)
+    return outcome
+
+
+def _workload_key_of(r: dict) -> tuple:
+    keys = ("num_heads", "kv_lora_rank", "qk_rope_head_dim", "softmax_scale", "batch_size",
+            "context_len", "q_len", "ragged", "seed", "q_dtype", "kv_dtype", "model")
+    return tuple(sorted((k, r[k]) for k in keys))
+
+
+def _defaults_from_backends(b: Bucket, brows: list, cands: dict) -> list:
+    from mla_tune.choose import backend_default
+    out = []
+    for fam, page in sorted({(r["family"], r["page_size"]) for r in brows}):
+        key = backend_default(fam, b.workload, page)
+        if key in cands:
+            out.append(cands[key])
+    return out
+
+
+# ---------------------------------------------------------------- configuration from flags
+
+def build_config(*, model: str = "deepseek-v3", tp_sizes: Sequence[int] | None = None,
+                 batches: str | None = None, contexts: str | None = None,
+                 q_lens: Sequence[int] = (1,), ragged: str = "uniform", q_dtype: str = "bfloat16",
+                 kv_dtype: str = "bfloat16", page_sizes: Sequence[int] | None = None,
+                 device: str | None = None, samples: int | None = None, warmup: int | None = None,
+                 timeout_s: float | None = None, time_budget: str | None = None,
+                 **kw) -> SweepConfig:
+    """A SweepConfig from command-line style values, device defaults filling the gaps.
+
+    Raises ValueError / ProblemError with a one-line message for anything invalid.
+    """
+    device = device or detect_device()
+    d = default_space(device)
+    dims = model_preset(model)
+    if ragged not in RAGGED_KINDS:
+        raise ValueError(f"unknown length distribution {ragged!r}; one of {', '.join(RAGGED_KINDS)}")
+    for dt in (q_dtype, kv_dtype):
+        if dt not in DTYPES:
+            raise ValueError(f"unsupported dtype {dt!r}; one of {', '.join(DTYPES)}")
+    if any(q < 1 for q in q_lens):
+        raise ValueError("q_len must be >= 1")
+    pages = tuple(page_sizes) if page_sizes else d.page_sizes
+    if any(p < 1 for p in pages):
+        raise ValueError(f"page sizes must be positive, got {list(pages)}")
+    buckets = plan_buckets(dims, tuple(tp_sizes) if tp_sizes else d.tp_sizes,
+                           parse_sizes(batches) if batches else d.batch_sizes,
+                           parse_sizes(contexts) if contexts else d.context_lens,
+                           tuple(sorted(set(q_lens))) or (1,), ragged, q_dtype, kv_dtype)
+    s = samples if samples is not None else d.samples
+    if s < 2:
+        raise ValueError(f"--samples must be >= 2 (the significance test needs samples), got {s}")
+    settings = MeasureSettings(device=device, warmup=warmup if warmup is not None else d.warmup,
+                               samples=s)
+    budget = parse_duration(time_budget) if time_budget is not None else d.time_budget_s
+    timeout = timeout_s if timeout_s is not None else d.timeout_s
+    if timeout <= 0:
+        raise ValueError(f"--timeout must be positive, got {timeout}")
+    return SweepConfig(buckets=buckets, page_sizes=pages, device=device, settings=settings,
+                       timeout_s=timeout, time_budget_s=budget, **kw)
+
+
+def estimate_note(plan: SweepPlan) -> str:
+    """One line: buckets, candidates, modes."""
+    n = len(plan.buckets)
+    sizes = [len(p.space) for p in plan.buckets]
+    modes = sorted({p.mode for p in plan.buckets})
+    dropped = sum(len(p.space.dropped) for p in plan.buckets)
+    return (f"{n} buckets, {min(sizes, default=0)}-{max(sizes, default=0)} candidates each, "
+            f"search {'/'.join(modes) or '-'}, up to {plan.planned_trials} trials"
+            + (f" ({dropped} dropped by constraints)" if dropped else ""))
+
+
+__all__ = ["Bucket", "BucketOutcome", "CPU_REFERENCE_NOTE", "DefaultSpace", "PlannedBucket",
+           "SweepConfig", "SweepError", "SweepObserver", "SweepOutcome", "SweepPlan",
+           "build_config", "default_space", "detect_device", "emit_tuned_config", "estimate_note",
+           "journal_path_for", "parse_duration", "parse_sizes", "plan_buckets", "plan_sweep",
+           "replay_sweep", "resolve_families", "run_sweep", "stored_buckets"]
+

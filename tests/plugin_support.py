@@ -1,0 +1,226 @@
+"""Shared set-up for the vllm_metax plugin tests: a DeepSeek-shaped model directory, a VllmConfig
+with the plugin as vLLM's current platform, the layer a metadata builder reads, vLLM's common
+attention metadata for a ragged decode batch, and a recording FlashInfer stand-in that computes
+with the torch reference from exactly the CSR metadata it was planned with.
+
+Everything here runs with the real vllm==0.33.0; no GPU and no FlashInfer are needed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from mla_tune.reference import mla_decode_reference
+
+# DeepSeek-V2-Lite's attention (16 heads, YaRN) with a toy MLP, so the config is small.
+MODEL_CONFIG = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+    "hidden_size": 1024, "intermediate_size": 2048, "moe_intermediate_size": 256,
+    "num_hidden_layers": 2, "num_attention_heads": 16, "num_key_value_heads": 16,
+    "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "vocab_size": 1024, "max_position_embeddings": 163840,
+    "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1, "torch_dtype": "bfloat16", "rope_theta": 10000.0,
+    "rope_scaling": {"type": "yarn", "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                     "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1},
+}
+NUM_HEADS, KV_LORA_RANK, ROPE_DIM, NOPE_DIM, V_DIM = 16, 512, 64, 128, 128
+
+
+def softmax_scale() -> float:
+    """What DeepSeek-V2's attention passes to MLAAttention: 1/sqrt(192) * mscale^2 (YaRN)."""
+    m = 0.1 * 0.707 * math.log(40) + 1.0
+    return (NOPE_DIM + ROPE_DIM) ** -0.5 * m * m
+
+
+def model_dir(root: Path, **overrides) -> Path:
+    d = Path(root) / ("dsmodel-" + "-".join(f"{k}{v}" for k, v in sorted(overrides.items())))
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps({**MODEL_CONFIG, **overrides}))
+    return d
+
+
+def ensure_metax_platform():
+    """Make vllm_metax's platform vLLM's current platform in this process and return it.
+
+    vLLM resolves `current_platform` once per process; when another test resolved it first
+    (without the force variable), swap the instance everywhere it was imported by name.
+    """
+    from vllm_metax.device import FORCE_ENV
+    import vllm.platforms as vp
+
+    from vllm_metax.platform import MetaxPlatform
+
+    if vp._current_platform is None:
+        old = os.environ.get(FORCE_ENV)
+        os.environ[FORCE_ENV] = "1"
+        try:
+            vp.current_platform  # noqa: B018 - resolves through the plugin entry point
+        finally:
+            if old is None:
+                del os.environ[FORCE_ENV]
+            else:
+                os.environ[FORCE_ENV] = old
+    old = vp._current_platform
+    if not isinstance(old, MetaxPlatform):
+        new = MetaxPlatform()
+        vp._current_platform = new
+        for mod in list(sys.modules.values()):
+            if getattr(mod, "current_platform", None) is old:
+                setattr(mod, "current_platform", new)
+    return vp._current_platform
+
+
+def make_vllm_config(root: Path, block_size: int | None = None, cache_dtype: str = "auto",
+                     cudagraph_mode: str | None = None, **model_overrides):
+    """A VllmConfig for the small DeepSeek-shaped model, built as `vllm serve` would."""
+    ensure_metax_platform()
+    from vllm.config import CacheConfig, CompilationConfig, ModelConfig, VllmConfig
+
+    mc = ModelConfig(model=str(model_dir(root, **model_overrides)), tokenizer=None,
+                     skip_tokenizer_init=True, dtype="bfloat16", max_model_len=8192)
+    kwargs = {}
+    if cudagraph_mode is not None:
+        kwargs["compilation_config"] = CompilationConfig(cudagraph_mode=cudagraph_mode,
+                                                         cudagraph_capture_sizes=[1, 2, 4, 8])
+    return VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=block_size,
+                                                                cache_dtype=cache_dtype), **kwargs)
+
+
+class _PrefillBackend:
+    def clone(self):
+        return self
+
+    def get_name(self):
+        return "STAND_IN"
+
+
+def stand_in_layer(scale: float | None = None):
+    """What a metadata builder reads from vLLM's static forward context for one MLA layer."""
+    return SimpleNamespace(q_lora_rank=None, kv_lora_rank=KV_LORA_RANK, qk_nope_head_dim=NOPE_DIM,
+                           qk_rope_head_dim=ROPE_DIM, v_head_dim=V_DIM, num_heads=NUM_HEADS,
+                           scale=softmax_scale() if scale is None else scale,
+                           non_causal_multi_token_decode=False, prefill_backend=_PrefillBackend())
+
+
+def kv_cache_spec(vllm_config):
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    return MLAAttentionSpec(block_size=vllm_config.cache_config.block_size, num_kv_heads=1,
+                            head_size=KV_LORA_RANK + ROPE_DIM, dtype=torch.bfloat16,
+                            max_tp_shards=1, cache_dtype_str="auto")
+
+
+def make_builder(vllm_config, device="cpu", layer_name="model.layers.0.self_attn.attn", scale=None):
+    """The plugin's metadata builder, constructed as vLLM's GPU model runner constructs it."""
+    from vllm.config import set_current_vllm_config
+
+    from vllm_metax.backend.flashinfer_mla import FlashInferMLABackend
+
+    vllm_config.compilation_config.static_forward_context[layer_name] = stand_in_layer(scale)
+    with set_current_vllm_config(vllm_config):
+        return FlashInferMLABackend.get_builder_cls()(kv_cache_spec(vllm_config), [layer_name],
+                                                      vllm_config, torch.device(device))
+
+
+def make_impl(vllm_config, scale=None, **overrides):
+    from vllm.config import set_current_vllm_config
+
+    from vllm_metax.backend.flashinfer_mla import FlashInferMLABackend
+
+    args = dict(num_heads=NUM_HEADS, head_size=KV_LORA_RANK + ROPE_DIM,
+                scale=softmax_scale() if scale is None else scale, num_kv_heads=1,
+                alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto", logits_soft_cap=None,
+                attn_type="decoder", kv_sharing_target_layer_name=None, q_lora_rank=None,
+                kv_lora_rank=KV_LORA_RANK, qk_nope_head_dim=NOPE_DIM, qk_rope_head_dim=ROPE_DIM,
+                qk_head_dim=NOPE_DIM + ROPE_DIM, v_head_dim=V_DIM, kv_b_proj=None)
+    args.update(overrides)
+    with set_current_vllm_config(vllm_config):
+        return FlashInferMLABackend.get_impl_cls()(**args)
+
+
+def ragged_batch(seq_lens, page_size, q_len=1, extra_rows=0, num_pages=None, seed=0,
+                 device="cpu"):
+    """A shuffled block table covering `seq_lens` (block 0 is vLLM's null block) and vLLM's
+    CommonAttentionMetadata for a decode batch of uniform q_len. `extra_rows` adds rows past the
+    batch (the persistent block table is wider than the step)."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    g = torch.Generator().manual_seed(seed)
+    batch = len(seq_lens)
+    pages = [-(-s // page_size) for s in seq_lens]
+    width = max(pages) + 2
+    total = sum(pages)
+    num_pages = num_pages or total + 8
+    ids = (torch.randperm(num_pages - 1, generator=g)[:total] + 1).to(torch.int32)
+    block_table = torch.zeros(batch + extra_rows, width, dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(pages):
+        block_table[b, :n] = ids[start:start + n]
+        start += n
+    block_table[batch:] = 7            # rows past the batch must never be read
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    qsl = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32)
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl.to(device), query_start_loc_cpu=qsl, seq_lens=lens.to(device),
+        num_reqs=batch, num_actual_tokens=batch * q_len, max_query_len=q_len,
+        max_seq_len=max(seq_lens), block_table_tensor=block_table[:batch].to(device),
+        slot_mapping=torch.zeros(batch * q_len, dtype=torch.int64, device=device),
+        seq_lens_cpu_upper_bound=lens.clone())
+    return block_table.to(device), lens, common, num_pages
+
+
+class RecordingKernel:
+    """Stand-in for vllm_metax.ops.flashinfer_mla.MLADecodeKernel on the CPU.
+
+    Records construction and every plan; run() computes MLA with the torch reference from the
+    planned CSR metadata (kv_indptr/kv_indices -> per-request page lists), and returns a base-2
+    LSE as FlashInfer does.
+    """
+
+    instances: list = []
+
+    def __init__(self, workspace, backend="auto", use_cuda_graph=False, graph_buffers=None,
+                 api=None, flashinfer=None):
+        self.backend, self.use_cuda_graph, self.graph_buffers = backend, use_cuda_graph, graph_buffers
+        self.api = "flat"
+        self.plans: list = []
+        self.runs: list = []
+        RecordingKernel.instances.append(self)
+
+    @property
+    def resolved_backend(self):
+        return self.backend
+
+    def plan(self, meta, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale,
+             q_dtype, kv_dtype, *, return_lse=False, layout=None):
+        self.plans.append(dict(meta=meta, num_heads=num_heads, head_dim_ckv=head_dim_ckv,
+                               head_dim_kpe=head_dim_kpe, page_size=page_size, causal=causal,
+                               sm_scale=sm_scale, q_dtype=q_dtype, kv_dtype=kv_dtype,
+                               return_lse=return_lse))
+
+    def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse=False):
+        p = self.plans[-1]
+        self.runs.append(dict(q_nope=q_nope, q_pe=q_pe, ckv=ckv_cache, kpe=kpe_cache))
+        meta = p["meta"]
+        indptr = meta.kv_indptr.tolist()
+        batch = len(indptr) - 1
+        q_len = int(meta.qo_indptr[1] - meta.qo_indptr[0])
+        table = torch.zeros(batch, max(indptr[i + 1] - indptr[i] for i in range(batch)) or 1,
+                            dtype=torch.int64)
+        for b in range(batch):
+            row = meta.kv_indices[indptr[b]:indptr[b + 1]].long()
+            table[b, : row.shape[0]] = row
+        res, lse_e = mla_decode_reference(q_nope, q_pe, ckv_cache, kpe_cache, table, meta.kv_len,
+                                          p["sm_scale"], q_len=q_len, return_lse=True)
+        if out is not None:
+            out.copy_(res)
+            res = out
+        return (res, lse_e / math.log(2)) if return_lse else res

@@ -1,0 +1,76 @@
+"""Test-only kernel families for the sweep and worker tests; never registered outside tests.
+
+* "faulty": the torch reference under backend names that misbehave on purpose: "abort"
+  (os.abort, SIGABRT), "segv" (a real segmentation fault), "hang" (sleeps for an hour), "poison"
+  (raises the error an illegal memory access gives, and from then on every preparation in that
+  process fails the same way, as a poisoned CUDA context does), "refuse" (unsupported, cleanly).
+  "torch" behaves. The default is "torch".
+* "sleepy": the torch reference with a pause in every preparation, so a test can kill a sweep
+  while it runs.
+
+`register()` adds both to mla_tune.backends' registry in this process; a worker process gets
+them through WorkerRunner's copy of the registry (this module must be importable there, which
+it is: tests/ is on sys.path under pytest, and a subprocess puts it there itself).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+
+from mla_tune.backends import register_family
+from mla_tune.backends.base import Candidate, CandidateInvalid
+from mla_tune.backends.reference import ReferenceBackend
+
+FAULTY_BACKENDS = ("torch", "abort", "segv", "hang", "poison", "refuse")
+_poisoned = False
+
+
+class FaultyBackend(ReferenceBackend):
+    family = "faulty"
+    backends = FAULTY_BACKENDS
+
+    def space(self, workload, page_sizes):
+        return [Candidate(self.family, b, p) for b in self.backends for p in page_sizes]
+
+    def default_candidate(self, workload, page_size):
+        return Candidate(self.family, "torch", page_size)
+
+    def prepare(self, workload, candidate, problem):
+        global _poisoned
+        if _poisoned:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        b = candidate.backend
+        if b == "abort":
+            os.abort()
+        if b == "segv":
+            ctypes.string_at(0)
+        if b == "hang":
+            time.sleep(3600)
+        if b == "poison":
+            _poisoned = True
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        if b == "refuse":
+            raise CandidateInvalid("unsupported", "this kernel refuses the device")
+        return super().prepare(workload, candidate, problem)
+
+
+class SleepyBackend(ReferenceBackend):
+    family = "sleepy"
+    pause_s = float(os.environ.get("MLA_TUNE_TEST_PAUSE", "0.15"))
+
+    def space(self, workload, page_sizes):
+        return [Candidate(self.family, "torch", p) for p in page_sizes]
+
+    def default_candidate(self, workload, page_size):
+        return Candidate(self.family, "torch", page_size)
+
+    def prepare(self, workload, candidate, problem):
+        time.sleep(self.pause_s)
+        return super().prepare(workload, candidate, problem)
+
+
+def register() -> None:
+    register_family("faulty", f"{__name__}:FaultyBackend")
+    register_family("sleepy", f"{__name__}:SleepyBackend")

@@ -1,0 +1,351 @@
+"""The plugin's FLASHINFER_MLA metadata builder and impl with the real vllm==0.33.0 on the CPU.
+
+FlashInfer's wrapper is replaced by `plugin_support.RecordingKernel`, which records every plan and
+computes MLA with the torch reference from exactly the CSR metadata it was planned with, so a wrong
+block-table hand-off, a wrong dimension or a wrong scale shows up as a wrong result."""
+
+from __future__ import annotations
+
+import math
+import timeit
+
+import pytest
+import torch
+
+import plugin_support as ps
+from mla_tune.reference import mla_decode_reference, relative_error
+from vllm_metax import tuned_config as tc
+from vllm_metax.device import DeviceInfo
+
+pytestmark = pytest.mark.vllm
+
+PAGE = 16
+H200 = DeviceInfo("Test GPU 9000", "torch", False, 132, (9, 0))
+METAX = DeviceInfo("MetaX C500", "pymxsml", True, 104, (8, 0))
+DIMS = tc.ModelDims(ps.NUM_HEADS, ps.KV_LORA_RANK, ps.ROPE_DIM, "bfloat16", "bfloat16")
+
+
+@pytest.fixture(scope="module")
+def model_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("model")
+
+
+@pytest.fixture(scope="module")
+def base_config(model_root):
+    return ps.make_vllm_config(model_root, block_size=PAGE)
+
+
+@pytest.fixture
+def fb(monkeypatch):
+    """The backend module with the recording kernel and a pretend Hopper GPU."""
+    import vllm_metax.backend.flashinfer_mla as fb
+    import vllm_metax.platform as P
+
+    ps.ensure_metax_platform()
+    ps.RecordingKernel.instances.clear()
+    monkeypatch.setattr(fb, "MLADecodeKernel", ps.RecordingKernel)
+    monkeypatch.setattr(fb, "shared_workspace", lambda device: torch.empty(16, dtype=torch.uint8))
+    for mod in (fb, P):
+        monkeypatch.setattr(mod, "detect_device", lambda: H200)
+    monkeypatch.delenv(tc.FOLDER_ENV, raising=False)
+    tc.clear_cache()
+    yield fb
+    tc.clear_cache()
+
+
+def _config(base_config, block_size=PAGE, cudagraph=False, spec_tokens=0):
+    from vllm.config import CacheConfig, CompilationConfig, SpeculativeConfig, VllmConfig
+
+    kw = {}
+    if spec_tokens:
+        kw["speculative_config"] = SpeculativeConfig(method="ngram", num_speculative_tokens=spec_tokens)
+    mode = "FULL_AND_PIECEWISE" if cudagraph else "PIECEWISE"
+    return VllmConfig(model_config=base_config.model_config,
+                      cache_config=CacheConfig(block_size=block_size),
+                      compilation_config=CompilationConfig(cudagraph_mode=mode,
+                                                           cudagraph_capture_sizes=[1, 2, 4, 8]),
+                      **kw)
+
+
+def _tuned(tmp_path, monkeypatch, choices, device=H200.name):
+    """choices: (batch, context, q_len) -> FlashInfer backend value."""
+    buckets = [tc.Bucket(b, c, q, {"flashinfer": tc.FamilyChoice({"backend": v})})
+               for (b, c, q), v in choices.items()]
+    entry = tc.ModelEntry(DIMS, PAGE, ["FLASHINFER_MLA", "TRITON_MLA"], buckets)
+    tc.write_tuned_config(tc.TunedConfig(device, {"test": True}, [entry]), tmp_path)
+    monkeypatch.setenv(tc.FOLDER_ENV, str(tmp_path))
+    tc.clear_cache()
+
+
+def _decode(builder, seq_lens, q_len=1, extra_rows=3, seed=0):
+    """Call _build_decode with the arguments vLLM's MLA build() passes for a decode batch."""
+    bt, lens, common, num_pages = ps.ragged_batch(seq_lens, PAGE, q_len, extra_rows, seed=seed)
+    n = len(seq_lens)
+    md = builder._build_decode(
+        block_table_tensor=bt[:n], seq_lens_device=lens, max_seq_len=max(seq_lens),
+        query_start_loc_cpu=common.query_start_loc_cpu, query_start_loc_device=common.query_start_loc,
+        num_decode_tokens=n * q_len, max_query_len=q_len, dcp_tot_seq_lens_device=None)
+    return md, bt, lens, num_pages
+
+
+def _qkv(rows, num_pages, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(rows, ps.NUM_HEADS, ps.NOPE_DIM + ps.ROPE_DIM + ps.KV_LORA_RANK, generator=g)
+    kv = torch.randn(num_pages, PAGE, ps.KV_LORA_RANK + ps.ROPE_DIM, generator=g)
+    return q.to(torch.bfloat16), kv.to(torch.bfloat16)
+
+
+def _forward(impl, md, q_nope, q_pe, kv):
+    """forward_mqa as vLLM's MLAAttention calls it: (ql_nope, q_pe) with q_pe a strided view."""
+    return impl.forward_mqa((q_nope, q_pe), kv, md, None)
+
+
+# ---------------------------------------------------------------- _build_decode
+
+def test_build_decode_plans_the_reference_page_table(fb, base_config):
+    builder = ps.make_builder(_config(base_config))
+    seq_lens = [5, 33, 17, 64, 1]
+    md, bt, lens, _ = _decode(builder, seq_lens)
+
+    assert isinstance(md, fb.FlashInferMLADecodeMetadata) and md.kernel is not None
+    (kernel,) = ps.RecordingKernel.instances
+    (plan,) = kernel.plans
+    meta = plan["meta"]
+    pages = [-(-s // PAGE) for s in seq_lens]
+    assert meta.qo_indptr.tolist() == list(range(len(seq_lens) + 1))
+    assert meta.kv_indptr.tolist() == [sum(pages[:i]) for i in range(len(pages) + 1)]
+    assert meta.kv_len.tolist() == seq_lens
+    for b, n in enumerate(pages):     # each request reads exactly its block-table row, in order
+        assert meta.kv_indices[meta.kv_indptr[b]:meta.kv_indptr[b + 1]].tolist() == bt[b, :n].tolist()
+    assert 7 not in meta.kv_indices.tolist()          # rows past the batch are never read
+    # the dims and scale FlashInfer is planned with
+    assert plan["num_heads"] == ps.NUM_HEADS
+    assert plan["head_dim_ckv"] == ps.KV_LORA_RANK   # not num_kv_heads (1)
+    assert plan["head_dim_kpe"] == ps.ROPE_DIM
+    assert plan["sm_scale"] == pytest.approx(ps.softmax_scale()) and plan["sm_scale"] != 1.0
+    assert plan["sm_scale"] != pytest.approx(576 ** -0.5)
+    assert plan["page_size"] == PAGE and plan["causal"] is False
+    assert plan["q_dtype"] == torch.bfloat16 and plan["kv_dtype"] == torch.bfloat16
+    assert (md.num_rows, md.q_len, md.page_size) == (5, 1, PAGE)
+
+
+def test_build_returns_planned_metadata_for_a_mixed_batch(fb, base_config):
+    """vLLM's build(): decodes first, then a prefill; only the decodes are planned (int count)."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    builder = ps.make_builder(_config(base_config))
+    seq_lens, q_lens = [40, 7, 90], [1, 1, 30]
+    bt, _, _, _ = ps.ragged_batch(seq_lens, PAGE, extra_rows=2)
+    qsl = torch.tensor([0, 1, 2, 32], dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=lens, num_reqs=3,
+        num_actual_tokens=32, max_query_len=30, max_seq_len=90, block_table_tensor=bt[:3],
+        slot_mapping=torch.zeros(32, dtype=torch.int64), seq_lens_cpu_upper_bound=lens.clone())
+    md = builder.build(0, common)
+    assert md is not None and (md.num_decodes, md.num_prefills) == (2, 1)
+    plan = ps.RecordingKernel.instances[0].plans[-1]
+    assert plan["meta"].kv_len.tolist() == [40, 7]
+    assert md.decode.num_rows == 2 and md.prefill is not None
+
+
+def test_build_uses_host_lengths_without_a_device_copy(fb, base_config, monkeypatch):
+    builder = ps.make_builder(_config(base_config))
+    _, lens, common, _ = ps.ragged_batch([9, 20], PAGE)
+    device_lens = common.seq_lens.clone()
+
+    class NoCopy(torch.Tensor):
+        def to(self, *a, **k):
+            raise AssertionError("seq_lens copied from the device")
+    common.seq_lens = device_lens.as_subclass(NoCopy)
+    md = builder.build(0, common)
+    assert md.decode.paged.kv_len.tolist() == [9, 20]
+
+
+def test_forward_matches_the_reference(fb, base_config):
+    builder = ps.make_builder(_config(base_config))
+    impl = ps.make_impl(_config(base_config))
+    seq_lens = [5, 33, 17, 64, 1, 100]
+    md, bt, lens, num_pages = _decode(builder, seq_lens)
+    q, kv = _qkv(len(seq_lens), num_pages)
+    q_nope, q_pe = q[..., ps.NOPE_DIM + ps.ROPE_DIM:], q[..., ps.NOPE_DIM:ps.NOPE_DIM + ps.ROPE_DIM]
+    assert not q_pe.is_contiguous()
+    out, lse = _forward(impl, md, q_nope, q_pe, kv)
+    ref = mla_decode_reference(q_nope, q_pe, kv[..., :512], kv[..., 512:], bt, lens, ps.softmax_scale())
+    assert lse is None and out.shape == (6, ps.NUM_HEADS, ps.KV_LORA_RANK)
+    assert relative_error(out, ref) < 1e-2
+
+
+def test_single_tensor_q_is_split(fb, base_config):
+    builder = ps.make_builder(_config(base_config))
+    impl = ps.make_impl(_config(base_config))
+    md, bt, lens, num_pages = _decode(builder, [20, 3])
+    q, kv = _qkv(2, num_pages)
+    packed = q[..., :576].contiguous()                  # [T, H, kv_lora_rank + rope]
+    out, _ = impl.forward_mqa(packed, kv, md, None)
+    ref = mla_decode_reference(packed[..., :512], packed[..., 512:], kv[..., :512], kv[..., 512:],
+                               bt, lens, ps.softmax_scale())
+    assert relative_error(out, ref) < 1e-2
+    run = ps.RecordingKernel.instances[0].runs[-1]
+    assert run["q_nope"].shape[-1] == 512 and run["q_pe"].shape[-1] == 64
+
+
+def test_uniform_multi_token_decode_is_causal(fb, base_config):
+    vc = _config(base_config, spec_tokens=2)
+    builder = ps.make_builder(vc)
+    assert builder.reorder_batch_threshold == 3
+    impl = ps.make_impl(vc)
+    seq_lens = [10, 40, 3]
+    md, bt, lens, num_pages = _decode(builder, seq_lens, q_len=3)
+    plan = ps.RecordingKernel.instances[0].plans[-1]
+    assert plan["causal"] is True and plan["meta"].qo_indptr.tolist() == [0, 3, 6, 9]
+    q, kv = _qkv(9, num_pages)
+    out, _ = _forward(impl, md, q[..., 192:], q[..., 128:192], kv)
+    ref = mla_decode_reference(q[..., 192:], q[..., 128:192], kv[..., :512], kv[..., 512:], bt,
+                               lens, ps.softmax_scale(), q_len=3)
+    assert relative_error(out, ref) < 1e-2
+
+
+def test_non_uniform_decode_batch_is_refused(fb, base_config):
+    builder = ps.make_builder(_config(base_config))
+    with pytest.raises(ValueError, match="uniform"):
+        builder._build_decode(torch.zeros(2, 4, dtype=torch.int32), torch.tensor([5, 6]), 6,
+                              torch.tensor([0, 1, 3], dtype=torch.int32), None, 3, 2, None)
+
+
+def test_lse_when_vllm_asks_for_it(fb, base_config):
+    builder = ps.make_builder(_config(base_config))
+    builder.plan_lse = True                          # what decode context parallelism sets
+    impl = ps.make_impl(_config(base_config))
+    impl.need_to_return_lse_for_decode = True
+    md, bt, lens, num_pages = _decode(builder, [30, 8])
+    assert ps.RecordingKernel.instances[0].plans[-1]["return_lse"] is True
+    q, kv = _qkv(2, num_pages)
+    out, lse = _forward(impl, md, q[..., 192:], q[..., 128:192], kv)
+    _, ref_lse = mla_decode_reference(q[..., 192:], q[..., 128:192], kv[..., :512], kv[..., 512:],
+                                      bt, lens, ps.softmax_scale(), return_lse=True)
+    assert impl.lse_base_on_e is False                 # FlashInfer's LSE is base 2
+    torch.testing.assert_close(lse * math.log(2), ref_lse, rtol=1e-3, atol=1e-3)
+    impl2 = ps.make_impl(_config(base_config))
+    impl2.need_to_return_lse_for_decode = True
+    builder.plan_lse = False
+    md2, *_ = _decode(builder, [30, 8])
+    with pytest.raises(ValueError, match="planned without it"):
+        _forward(impl2, md2, q[..., 192:], q[..., 128:192], kv)
+
+
+def test_a_layer_with_another_scale_is_not_run_with_this_plan(fb, base_config):
+    builder = ps.make_builder(_config(base_config))
+    impl = ps.make_impl(_config(base_config), scale=1.0)
+    md, _, _, num_pages = _decode(builder, [12])
+    q, kv = _qkv(1, num_pages)
+    with pytest.raises(ValueError, match="sm_scale"):
+        _forward(impl, md, q[..., 192:], q[..., 128:192], kv)
+
+
+def test_impl_refuses_what_it_cannot_do(fb, base_config):
+    for kw in ({"sliding_window": 128}, {"alibi_slopes": [1.0]}, {"logits_soft_cap": 30.0},
+               {"kv_cache_dtype": "fp8"}):
+        with pytest.raises(NotImplementedError):
+            ps.make_impl(_config(base_config), **kw)
+
+
+# ---------------------------------------------------------------- tuned plan-time choice
+
+def test_per_bucket_backend_with_one_kernel_per_backend(fb, base_config, tmp_path, monkeypatch):
+    _tuned(tmp_path, monkeypatch, {(1, 64, 1): "fa2", (1, 4096, 1): "fa3", (8, 64, 1): "fa3"})
+    builder = ps.make_builder(_config(base_config))
+    chosen = []
+    for lens in ([60], [4000], [70] * 8, [50], [3000]):
+        md, *_ = _decode(builder, lens)
+        chosen.append(md.backend)
+    assert chosen == ["fa2", "fa3", "fa3", "fa2", "fa3"]
+    assert sorted(k.backend for k in ps.RecordingKernel.instances) == ["fa2", "fa3"]
+
+
+def test_simulated_metax_keeps_fa3_out(fb, base_config, tmp_path, monkeypatch):
+    import vllm_metax.platform as P
+
+    for mod in (fb, P):
+        monkeypatch.setattr(mod, "detect_device", lambda: METAX)
+    assert fb.device_backends() == (("fa2",), "fa2")
+    _tuned(tmp_path, monkeypatch, {(1, 64, 1): "fa3", (8, 4096, 1): "fa3"}, device=METAX.name)
+    builder = ps.make_builder(_config(base_config))
+    assert builder.choice.entry is not None          # MetaX_C500.json was found and read
+    md, *_ = _decode(builder, [60])
+    assert md.backend == "fa2"
+    assert [k.backend for k in ps.RecordingKernel.instances] == ["fa2"]
+
+
+def test_no_config_uses_the_device_default(fb, base_config):
+    builder = ps.make_builder(_config(base_config))
+    md, *_ = _decode(builder, [60])
+    assert md.backend == "fa3"                       # Hopper: fa3 measured faster everywhere
+
+
+def test_a_refused_backend_falls_back_and_is_not_tried_again(fb, base_config, monkeypatch):
+    from vllm_metax.ops.flashinfer_mla import BackendRefused
+
+    class Refusing(ps.RecordingKernel):
+        def plan(self, *a, **k):
+            if self.backend == "fa3":
+                raise BackendRefused("fa3", "fa3 MLA requires SM90 and CUDA >= 12.3.")
+            return super().plan(*a, **k)
+
+    monkeypatch.setattr(fb, "MLADecodeKernel", Refusing)
+    builder = ps.make_builder(_config(base_config))
+    for _ in range(3):
+        md, *_ = _decode(builder, [60])
+        assert md.backend == "fa2"
+    assert [k.backend for k in ps.RecordingKernel.instances] == ["fa3", "fa2"]
+
+
+def test_config_is_read_once_and_lookup_is_cheap(fb, base_config, tmp_path, monkeypatch):
+    _tuned(tmp_path, monkeypatch, {(b, c, 1): "fa3" if b > 4 else "fa2"
+                                   for b in (1, 2, 4, 8, 16, 32, 64, 128)
+                                   for c in (512, 1024, 2048, 4096, 8192, 16384, 32768)})
+    builder = ps.make_builder(_config(base_config))
+    assert builder.choice.entry is not None
+
+    def no_io(*a, **k):
+        raise AssertionError("tuned config read during a decode step")
+    monkeypatch.setattr(tc, "read_tuned_config", no_io)
+    monkeypatch.setattr(tc, "resolve_tuned_config", no_io)
+    for lens in ([100] * 3, [3000] * 40, [9] * 128):
+        _decode(builder, lens)
+    n = 2000
+    per_call = min(timeit.repeat(lambda: builder.choice.for_step(37, 3000), number=n, repeat=5)) / n
+    assert per_call < 20e-6, f"plan-time lookup took {per_call * 1e6:.1f} us"
+
+
+# ---------------------------------------------------------------- CUDA graphs
+
+def test_full_cudagraph_uses_persistent_buffers_per_batch_size(fb, base_config):
+    builder = ps.make_builder(_config(base_config, cudagraph=True))
+    assert builder.full_cudagraph and builder.max_graph_tokens == 8
+    md4, *_ = _decode(builder, [10, 20, 30, 40])
+    md4b, *_ = _decode(builder, [50, 60, 70, 80], seed=3)
+    md2, *_ = _decode(builder, [10, 20])
+    k4 = md4.kernel
+    assert md4.cuda_graph and k4 is md4b.kernel and md2.kernel is not k4
+    assert k4.use_cuda_graph and k4.graph_buffers.kv_len.shape == (4,)
+    buf = k4.graph_buffers.kv_indices
+    assert md4b.paged.kv_indices.data_ptr() == buf.data_ptr()     # gathered straight into it
+    assert len(ps.RecordingKernel.instances) == 2
+    big, *_ = _decode(builder, [10] * 16)            # beyond the largest capture size: eager
+    assert not big.cuda_graph and not big.kernel.use_cuda_graph
+
+
+def test_cudagraph_padding_rows_read_the_null_block(fb, base_config):
+    """vLLM pads a captured batch with zero-length requests whose block-table rows are block 0."""
+    builder = ps.make_builder(_config(base_config, cudagraph=True))
+    bt, lens, common, _ = ps.ragged_batch([10, 20, 5, 5], PAGE)
+    bt[2:] = 0
+    lens[2:] = 0
+    common.seq_lens_cpu_upper_bound = lens.clone()
+    common.seq_lens = lens.clone()
+    common.block_table_tensor = bt[:4]
+    md = builder.build(0, common)
+    meta = md.decode.paged
+    assert meta.kv_len.tolist() == [10, 20, 1, 1]
+    assert meta.kv_indices.tolist()[-2:] == [0, 0]
