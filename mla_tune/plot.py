@@ -148,8 +148,7 @@ def _plot_entry(sf, dev: DeviceReport, m, views: list, ncols: int) -> None:
         if hi / lo < 2:        # less than one labelled tick: widen around the data
             mid = math.sqrt(lo * hi)
             ax.set_ylim(mid / 1.6, mid * 1.6)
-        q = f", q_len {q_lens[0]}" if q_lens[0] != 1 else ""
-        ax.set_title(f"kernel time vs context length, batch {b}{q}", fontsize=10)
+        ax.set_title(f"kernel time vs context length, batch {b}{_q_note(q_lens)}", fontsize=10)
         ax.set_xlabel("context length (KV tokens per request)")
         ax.set_ylabel("median kernel time (us)")
         ax.grid(True, which="both", alpha=0.3)
@@ -159,6 +158,13 @@ def _plot_entry(sf, dev: DeviceReport, m, views: list, ncols: int) -> None:
     handles.append(Line2D([], [], color="crimson", marker="*", ls="", ms=11,
                           label="winner of the bucket"))
     sf.legend(handles=handles, loc="outside lower center", ncol=min(4, len(handles)), fontsize=8)
+
+
+def _q_note(q_lens: list) -> str:
+    """Panels show the smallest q_len; say so when the entry has others."""
+    if len(q_lens) == 1:
+        return "" if q_lens[0] == 1 else f", q_len {q_lens[0]}"
+    return f", q_len {q_lens[0]} (q_len {', '.join(map(str, q_lens[1:]))} not plotted)"
 
 
 def _k(n: int) -> str:
@@ -198,8 +204,8 @@ def _winner_heatmap(ax, m, views) -> None:
             data[batches.index(b), contexts.index(c)] = idx[win.candidate]
     import matplotlib
     base = matplotlib.colormaps["tab10"]
-    cmap = mcolors.ListedColormap([base(i % 10) for i in range(max(1, len(winners)))])
-    cmap.set_bad("#dddddd")
+    cmap = mcolors.ListedColormap([base(i % 10) for i in range(max(1, len(winners)))]).with_extremes(
+        bad="#dddddd")
     ax.imshow(data, cmap=cmap, vmin=-0.5, vmax=max(0.5, len(winners) - 0.5), aspect="auto",
               origin="lower")
     for (b, c), w in cell.items():
@@ -213,7 +219,7 @@ def _winner_heatmap(ax, m, views) -> None:
     ax.set_yticks(range(len(batches)), [str(b) for b in batches])
     ax.set_xlabel("context length")
     ax.set_ylabel("batch size")
-    qs = f", q_len {q}" if q != 1 else ""
+    qs = _q_note(sorted({w.q_len for w in views}))
     ax.set_title(f"winner per bucket (page {m.page_size}{qs}): candidate, speedup over its family default",
                  fontsize=10)
 

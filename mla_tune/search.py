@@ -10,13 +10,16 @@ combination that the families never declared is pruned without being measured.
 The family defaults are always evaluated first: every winner is judged against them. Candidates
 are evaluated in batches through a callback (the sweep measures a batch interleaved in one worker;
 the replay runner looks them up), and the search stops at the first of: space exhausted, trial
-budget, wall-time deadline, TPE patience (no improvement for N new trials), or TPE converged (it
-only proposes points it has already seen).
+budget, wall-time deadline, or TPE patience (no improvement for N new trials). When TPE proposes
+a point already evaluated, an unseen neighbour of it (one knob one step away) is evaluated
+instead, or, with the neighbourhood exhausted, an unseen point at random. After TPE, each family's
+best point is also measured at every other page size (the page size is a global choice).
 """
 
 from __future__ import annotations
 
 import math
+import random
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -27,9 +30,10 @@ from mla_tune.backends.base import Candidate
 MODES = ("auto", "grid", "tpe")
 GRID_MAX = 64            # auto: a space of at most this many points is searched exhaustively
 TPE_BATCH = 4            # TPE proposals measured together (interleaved) per round
-PATIENCE = 24            # TPE: stop after this many new trials without a 1% improvement
+PATIENCE = 32            # TPE: stop after this many new trials without a 1% improvement
 IMPROVEMENT = 0.01
-STOP_REASONS = ("complete", "trial budget", "time budget", "patience", "converged")
+CONVERGED_REPEATS = 16   # TPE: after this many undeclared combinations in a row, jump at random
+STOP_REASONS = ("complete", "trial budget", "time budget", "patience")
 
 
 def tpe_trial_budget(space_size: int, grid_max: int = GRID_MAX) -> int:
@@ -119,6 +123,21 @@ class SearchSpace:
             knob = ax.name.split(":", 1)[1]
             vals.append(c.page_size if knob == "page_size" else c.params.get(knob))
         return (k, tuple(vals))
+
+    def neighbours(self, c: Candidate) -> list[Candidate]:
+        """Declared candidates of c's kernel one step away on one axis (the next or previous value
+        of an ordered knob, any other value of a categorical one)."""
+        k, vals = self._point(c)
+        out = []
+        for i, ax in enumerate(self._axes.get(k, [])):
+            j = ax.values.index(vals[i])
+            others = [j - 1, j + 1] if ax.ordinal else [x for x in range(len(ax.values)) if x != j]
+            for x in others:
+                if 0 <= x < len(ax.values):
+                    n = self._by_point.get((k, vals[:i] + (ax.values[x],) + vals[i + 1:]))
+                    if n is not None:
+                        out.append(n)
+        return out
 
     @property
     def kernels(self) -> list[str]:
@@ -262,7 +281,7 @@ def _tpe_sampler(seed: int, n: int):
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         return optuna.samplers.TPESampler(
             seed=seed, multivariate=True, group=True, constant_liar=True,
-            n_startup_trials=max(4, min(10, n // 8)), warn_independent_sampling=False)
+            n_startup_trials=max(4, min(10, n // 8)))
 
 
 EvaluateBatch = Callable[[list[Candidate]], list[Evaluation]]
@@ -338,13 +357,23 @@ def search(space: SearchSpace, evaluate: EvaluateBatch, policy: SearchPolicy,
                 out.stopped = "complete" if budget >= len(space) else "trial budget"
             return out
 
-        # TPE: the defaults first (the baseline every winner is judged against), then proposals
+        # TPE: the defaults first (the baseline every winner is judged against), then proposals.
+        # A proposal of a point already evaluated is TPE exploiting a region it likes: evaluate an
+        # unseen neighbour of it instead (one knob one step away); when the neighbourhood is
+        # exhausted too, count it towards convergence.
+        rng = random.Random(policy.seed)
         for d in space.defaults[:budget]:
             study.enqueue_trial(space.params_of(d), skip_if_exists=False)
         best = math.inf
         since_best = 0
-        repeats = 0
-        max_repeats = max(64, 3 * len(space))
+        repeats = 0                # consecutive proposals of undeclared combinations
+
+        def explore(taken: set) -> None:
+            nonlocal repeats
+            unseen = [c for c in space.candidates if c.key not in seen and c.key not in taken]
+            if unseen:
+                study.enqueue_trial(space.params_of(rng.choice(unseen)), skip_if_exists=False)
+            repeats = 0
         while True:
             if len(seen) >= len(space):
                 out.stopped = "complete"
@@ -358,16 +387,11 @@ def search(space: SearchSpace, evaluate: EvaluateBatch, policy: SearchPolicy,
             if policy.patience and since_best >= policy.patience:
                 out.stopped = "patience"
                 break
-            if repeats >= max_repeats:
-                out.stopped = "converged"
-                break
             want = min(policy.tpe_batch, budget - len(seen))
             if len(seen) < len(space.defaults):
                 want = max(want, len(space.defaults) - len(seen))
             pairs, new_keys = [], set()
-            asks = 0
-            while len(new_keys) < want and asks < 8 * want and repeats < max_repeats:
-                asks += 1
+            while len(new_keys) < want:
                 t = study.ask()
                 out.proposals += 1
                 c = space.suggest(t)
@@ -375,14 +399,26 @@ def search(space: SearchSpace, evaluate: EvaluateBatch, policy: SearchPolicy,
                     t.set_user_attr("constraint", "combination not declared by the family")
                     study.tell(t, state=TrialState.PRUNED)
                     repeats += 1
+                    if repeats >= CONVERGED_REPEATS:
+                        explore(new_keys)
                     continue
-                if c.key in seen:
-                    tell(t, seen[c.key])
-                    repeats += 1
+                if c.key in seen or c.key in new_keys:
+                    if c.key in seen:
+                        tell(t, seen[c.key])
+                    else:
+                        pairs.append((t, c))       # told once its batch is measured
+                    near = [n for n in space.neighbours(c) if n.key not in seen and n.key not in new_keys]
+                    if near:
+                        study.enqueue_trial(space.params_of(rng.choice(near)), skip_if_exists=False)
+                    else:                          # a corner TPE has exhausted: jump elsewhere
+                        explore(new_keys)
                     continue
                 pairs.append((t, c))
                 new_keys.add(c.key)
-            if not pairs:
+                repeats = 0
+            if not new_keys:
+                if pairs:
+                    run(pairs)
                 continue
             before = len(out.evaluations)
             run(pairs)
@@ -392,4 +428,32 @@ def search(space: SearchSpace, evaluate: EvaluateBatch, policy: SearchPolicy,
                     since_best = 0
                 else:
                     since_best += 1
+        # the page size is chosen once for all buckets, so each family's best point must also be
+        # known at every page size, or the global choice would compare unmeasured pages
+        twins = [c for c in _page_twins(space, out.evaluations) if c.key not in seen]
+        if twins and time_left():
+            pairs = []
+            for c in twins:
+                study.enqueue_trial(space.params_of(c), skip_if_exists=False)
+                t = study.ask()
+                out.proposals += 1
+                pairs.append((t, space.suggest(t) or c))
+            run(pairs)
         return out
+
+
+def _page_twins(space: SearchSpace, evaluations: list[Evaluation]) -> list[Candidate]:
+    """Each family's best evaluated candidate at every other page size the space offers."""
+    best: dict[str, Evaluation] = {}
+    for e in evaluations:
+        f = e.candidate.family
+        if e.ok and (f not in best or e.value < best[f].value):
+            best[f] = e
+    out = []
+    for e in best.values():
+        c = e.candidate
+        for other in space.candidates:
+            if other.family == c.family and other.backend == c.backend and other.params == c.params \
+                    and other.page_size != c.page_size:
+                out.append(other)
+    return out

@@ -101,6 +101,9 @@ class _PrefillBackend:
     def get_name(self):
         return "STAND_IN"
 
+    def prepare_metadata(self, prefill_metadata):
+        self.prepared = prefill_metadata
+
 
 def stand_in_layer(scale: float | None = None):
     """What a metadata builder reads from vLLM's static forward context for one MLA layer."""

@@ -242,6 +242,17 @@ def test_fast_replan_calls_native_plan_and_stages_metadata(monkeypatch):
     assert k.wrapper._plan_info == be._plan_info == ("plan-info", 1)
 
 
+def test_fast_replan_causal_only_where_flashinfers_tile_check_cannot_fire(monkeypatch):
+    for heads, fast in ((16, True), (128, False), (12, False)):
+        k = _fast_kernel(monkeypatch)
+        args = (heads, 512, 64, 16, True, 0.1, torch.bfloat16, torch.bfloat16)
+        k.plan(_meta(q_len=2), *args)
+        k.plan(_meta(lens=(5, 6, 7), q_len=2), *args)
+        assert k.fast_replans == int(fast), heads
+        if fast:
+            assert k.wrapper._planned_backend._cached_module.calls[-1][6:] == (heads, 512, True)
+
+
 @pytest.mark.parametrize("change", ["scale", "causal", "lse", "off"])
 def test_fast_replan_only_for_identical_non_causal_plans(monkeypatch, change):
     k = _fast_kernel(monkeypatch)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import timeit
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -38,6 +39,7 @@ def base_config(model_root):
 @pytest.fixture
 def fb(monkeypatch):
     """The backend module with the recording kernel and a pretend Hopper GPU."""
+    import vllm_metax.backend as backend_pkg
     import vllm_metax.backend.flashinfer_mla as fb
     import vllm_metax.platform as P
 
@@ -45,7 +47,7 @@ def fb(monkeypatch):
     ps.RecordingKernel.instances.clear()
     monkeypatch.setattr(fb, "MLADecodeKernel", ps.RecordingKernel)
     monkeypatch.setattr(fb, "shared_workspace", lambda device: torch.empty(16, dtype=torch.uint8))
-    for mod in (fb, P):
+    for mod in (backend_pkg, P):
         monkeypatch.setattr(mod, "detect_device", lambda: H200)
     monkeypatch.delenv(tc.FOLDER_ENV, raising=False)
     tc.clear_cache()
@@ -97,7 +99,7 @@ def _qkv(rows, num_pages, seed=1):
 
 def _forward(impl, md, q_nope, q_pe, kv):
     """forward_mqa as vLLM's MLAAttention calls it: (ql_nope, q_pe) with q_pe a strided view."""
-    return impl.forward_mqa((q_nope, q_pe), kv, md, None)
+    return impl.forward_mqa((q_nope, q_pe), kv, SimpleNamespace(decode=md), None)
 
 
 # ---------------------------------------------------------------- _build_decode
@@ -129,9 +131,14 @@ def test_build_decode_plans_the_reference_page_table(fb, base_config):
     assert (md.num_rows, md.q_len, md.page_size) == (5, 1, PAGE)
 
 
-def test_build_returns_planned_metadata_for_a_mixed_batch(fb, base_config):
+def test_build_returns_planned_metadata_for_a_mixed_batch(fb, base_config, monkeypatch):
     """vLLM's build(): decodes first, then a prefill; only the decodes are planned (int count)."""
+    import vllm.model_executor.layers.attention.mla_attention as mla
+    import vllm.utils.torch_utils as tu
     from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    for mod in (mla, tu):                              # no pinned memory without a GPU
+        monkeypatch.setattr(mod, "PIN_MEMORY", False)
 
     builder = ps.make_builder(_config(base_config))
     seq_lens, q_lens = [40, 7, 90], [1, 1, 30]
@@ -182,7 +189,7 @@ def test_single_tensor_q_is_split(fb, base_config):
     md, bt, lens, num_pages = _decode(builder, [20, 3])
     q, kv = _qkv(2, num_pages)
     packed = q[..., :576].contiguous()                  # [T, H, kv_lora_rank + rope]
-    out, _ = impl.forward_mqa(packed, kv, md, None)
+    out, _ = impl.forward_mqa(packed, kv, SimpleNamespace(decode=md), None)
     ref = mla_decode_reference(packed[..., :512], packed[..., 512:], kv[..., :512], kv[..., 512:],
                                bt, lens, ps.softmax_scale())
     assert relative_error(out, ref) < 1e-2
@@ -264,9 +271,10 @@ def test_per_bucket_backend_with_one_kernel_per_backend(fb, base_config, tmp_pat
 
 
 def test_simulated_metax_keeps_fa3_out(fb, base_config, tmp_path, monkeypatch):
+    import vllm_metax.backend as backend_pkg
     import vllm_metax.platform as P
 
-    for mod in (fb, P):
+    for mod in (backend_pkg, P):
         monkeypatch.setattr(mod, "detect_device", lambda: METAX)
     assert fb.device_backends() == (("fa2",), "fa2")
     _tuned(tmp_path, monkeypatch, {(1, 64, 1): "fa3", (8, 4096, 1): "fa3"}, device=METAX.name)

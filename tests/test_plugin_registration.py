@@ -102,6 +102,8 @@ def test_simulated_metax_host_activates_unforced_and_finds_its_config(metax_host
     assert (dev.name, dev.source, dev.is_metax) == ("MetaX C500", "pymxsml", True)
     assert vllm_metax.register() == "vllm_metax.platform.MetaxPlatform"
     assert "MetaX C500" in vllm_metax.should_activate()[1]
+    from vllm_metax.backend import device_backends
+    assert device_backends() == (("fa2",), "fa2")      # MetaX's FlashInfer: fa3 is no choice
 
     entry = tc.ModelEntry(tc.ModelDims(16, 512, 64), 32, ["FLASHINFER_MLA"], [])
     tc.write_tuned_config(tc.TunedConfig("MetaX C500", {}, [entry]), tmp_path)

@@ -26,13 +26,14 @@ def base_config(tmp_path_factory):
 @pytest.fixture
 def platform(monkeypatch):
     """MetaxPlatform on a pretend Hopper GPU with FlashInfer importable; fresh config cache."""
+    import vllm_metax.backend as backend_pkg
     import vllm_metax.backend.flashinfer_mla as fb
     import vllm_metax.platform as P
     from vllm.platforms.interface import DeviceCapability
 
     ps.ensure_metax_platform()
     monkeypatch.setattr(P, "detect_device", lambda: H200)
-    monkeypatch.setattr(fb, "detect_device", lambda: H200)
+    monkeypatch.setattr(backend_pkg, "detect_device", lambda: H200)
     monkeypatch.setattr(P, "_device_capability", lambda device_id: DeviceCapability(9, 0))
     monkeypatch.setattr(fb, "flashinfer_available", lambda: (True, "stand-in"))
     monkeypatch.delenv(tc.FOLDER_ENV, raising=False)

@@ -21,7 +21,7 @@ from vllm.platforms.interface import DeviceCapability, Platform, PlatformEnum
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
 from vllm_metax import FLASHINFER_MLA_CLASS, TRITON_MLA_CLASS
-from vllm_metax.backend import model_dims, tuned_entry, dtype_name, kv_dtype_name
+from vllm_metax.backend import dtype_name, kv_dtype_name, mla_backend_order, model_dims, tuned_entry
 from vllm_metax.device import FORCE_ENV, detect_device
 from vllm_metax.tuned_config import FOLDER_ENV, STRICT_ENV
 
@@ -34,9 +34,6 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-# Backends by priority when no tuned config decides. FLASHINFER_MLA is ours (wrapper-based fa2/fa3,
-# runs on Hopper and MetaX); FLASHMLA and TRITON_MLA are what vLLM-metax ships.
-DEFAULT_MLA_ORDER = ("FLASHINFER_MLA", "FLASHMLA", "TRITON_MLA")
 SPARSE_MLA_ORDER = ("FLASHMLA_SPARSE",)
 DEFAULT_ATTN_ORDER = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
 PLUGIN_BACKENDS = {"FLASHINFER_MLA": FLASHINFER_MLA_CLASS, "TRITON_MLA": TRITON_MLA_CLASS}
@@ -249,11 +246,10 @@ class MetaxPlatform(Platform):
         """Backends to try, best first, and why this order."""
         if not attn_selector_config.use_mla:
             return [AttentionBackendEnum[n] for n in DEFAULT_ATTN_ORDER], "default order"
-        order, why = list(DEFAULT_MLA_ORDER), "default MLA order"
         entry = cls._tuned_entry_for_selection(attn_selector_config, num_heads)
+        order, why = mla_backend_order(entry.backend_order if entry is not None else None)
         if entry is not None:
-            order = list(dict.fromkeys(list(entry.backend_order) + order))
-            why = f"tuned config for {cls.get_device_name()}"
+            why = f"{why} for {cls.get_device_name()}"
         order += [b for b in SPARSE_MLA_ORDER if b not in order]
         return [AttentionBackendEnum[n] for n in order], why
 

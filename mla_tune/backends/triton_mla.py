@@ -36,7 +36,8 @@ from mla_tune.problem import Workload
 BACKEND = "triton"
 KERNEL_BLOCK_N = 32          # tokens per stage-1 iteration (fixed in vLLM): the finest split worth having
 MAX_SPLITS = 256
-MAX_WAVES = 64               # splits that make more than 64 CTAs per SM only add stage-2 work
+MAX_WAVES = 64               # a restriction, not a constraint: past 64 CTAs per SM more splits only
+                             # add stage-2 merge work (vLLM's own choice always stays in the space)
 RULE_PARAM = "rule"          # params["rule"] = "vllm" marks the candidate vLLM's own rule picks
 PAGE_MULTIPLE = 16           # TritonMLABackend.get_supported_kernel_block_sizes() == [MultipleOf(16)]
 
@@ -108,7 +109,7 @@ def split_choices(workload: Workload, sm_count: int | None) -> list[int]:
     return out
 
 
-def _check_workload(workload: Workload, page_size: int) -> None:
+def _check_page(page_size: int) -> None:
     if page_size % PAGE_MULTIPLE:
         raise CandidateInvalid("unsupported", f"TRITON_MLA takes KV block sizes that are multiples of "
                                               f"{PAGE_MULTIPLE}, not {page_size}")
@@ -132,7 +133,7 @@ class TritonMLABackend:
         import vllm
         return Availability(True, f"vllm {vllm.__version__} decode_attention_fwd")
 
-    def _candidate(self, workload: Workload, page_size: int, splits: int, default: int) -> Candidate:
+    def _candidate(self, page_size: int, splits: int, default: int) -> Candidate:
         params = {"num_kv_splits": splits}
         if splits == default:
             params[RULE_PARAM] = "vllm"
@@ -142,16 +143,16 @@ class TritonMLABackend:
         sm = _sm_count()
         default = vllm_num_kv_splits(max(workload.seq_lens), sm)
         splits = sorted(set(split_choices(workload, sm)) | {default})
-        return [self._candidate(workload, p, n, default)
+        return [self._candidate(p, n, default)
                 for p in page_sizes if p % PAGE_MULTIPLE == 0 for n in splits]
 
     def default_candidate(self, workload: Workload, page_size: int) -> Candidate:
         """num_kv_splits by vLLM's own rule for this batch (params carry rule=vllm)."""
         n = vllm_num_kv_splits(max(workload.seq_lens), _sm_count())
-        return self._candidate(workload, page_size, n, n)
+        return self._candidate(page_size, n, n)
 
     def prepare(self, workload: Workload, candidate: Candidate, problem) -> Prepared:
-        _check_workload(workload, candidate.page_size)
+        _check_page(candidate.page_size)
         try:
             decode_attention_fwd = _kernel()
         except ImportError as e:

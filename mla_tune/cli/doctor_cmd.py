@@ -1,1 +1,44 @@
-"""Placeholder until its owner fills it in."""
+"""`mla-tune doctor`: thin glue over mla_tune.doctor."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from mla_tune.cli.app import app, console, fail
+from mla_tune.render import OutputFormat
+
+FORMAT_HELP = "Output: table (rich), json, csv or markdown"
+
+
+@app.command("doctor")
+def doctor(
+    model: Optional[str] = typer.Option(None, "--model", help="Model preset to look up in the tuned "
+                                        "config (e.g. deepseek-v3)"),
+    tp: int = typer.Option(1, "--tp", min=1, help="Tensor-parallel size the model is served at"),
+    probe: bool = typer.Option(False, "--probe", help="Plan and run each FlashInfer backend once on "
+                               "this GPU (the first run of each compiles, ~20 s)"),
+    format: OutputFormat = typer.Option(OutputFormat.table, "--format", "-f", help=FORMAT_HELP,
+                                        case_sensitive=False),
+):
+    """Which device the plugin sees, whether it would activate, which backends are usable, and
+    which tuned config it would load and why (or why none)."""
+    from mla_tune.doctor import diagnose
+    from mla_tune.problem import ProblemError
+    from mla_tune.render import to_csv, to_json_text, to_markdown, to_rich
+    from vllm_metax.tuned_config import TunedConfigError
+
+    try:
+        report = diagnose(model, tp, probe)
+    except (ProblemError, TunedConfigError) as e:
+        fail(str(e))
+    if format == OutputFormat.json:
+        typer.echo(to_json_text(report.to_json()))
+    elif format == OutputFormat.csv:
+        typer.echo("".join(to_csv(t) for t in report.tables()), nl=False)
+    elif format == OutputFormat.markdown:
+        typer.echo(to_markdown(report.tables(), "vllm_metax doctor"), nl=False)
+    else:
+        for t in to_rich(report.tables()):
+            console.print(t)

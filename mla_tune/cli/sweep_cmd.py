@@ -201,7 +201,7 @@ def sweep(
     grid_max: int = typer.Option(64, "--grid-max", help="auto: largest space searched exhaustively"),
     trials: Optional[int] = typer.Option(None, "--trials", help="most candidates evaluated per bucket "
                                          "(default: grid all, TPE a quarter of the space)"),
-    patience: int = typer.Option(24, "--patience", help="TPE: stop a bucket after this many new trials "
+    patience: int = typer.Option(32, "--patience", help="TPE: stop a bucket after this many new trials "
                                  "without improvement (0: never)"),
     time_budget: Optional[str] = typer.Option(None, "--time-budget", help="wall-time budget: 600, 9m, "
                                               "1h (default: GPU 9m, CPU none; 0: none)"),

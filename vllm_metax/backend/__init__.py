@@ -6,9 +6,22 @@ from __future__ import annotations
 
 import logging
 
+from vllm_metax.device import detect_device
 from vllm_metax.tuned_config import ModelDims, ModelEntry, load_tuned_config
 
 logger = logging.getLogger(__name__)
+
+# MLA backends by priority when no tuned config decides. FLASHINFER_MLA is ours (wrapper-based
+# fa2/fa3, runs on Hopper and MetaX); FLASHMLA and TRITON_MLA are what vLLM-metax ships.
+DEFAULT_MLA_ORDER = ("FLASHINFER_MLA", "FLASHMLA", "TRITON_MLA")
+
+
+def mla_backend_order(tuned_order: list[str] | None = None) -> tuple[list[str], str]:
+    """The MLA backends to try, best first, and why: a tuned order first, the defaults after it
+    (so a backend the tuned order lists that cannot run still has a fallback)."""
+    if not tuned_order:
+        return list(DEFAULT_MLA_ORDER), "default MLA order"
+    return list(dict.fromkeys(list(tuned_order) + list(DEFAULT_MLA_ORDER))), "tuned config"
 
 
 def dtype_name(dtype) -> str:
@@ -49,3 +62,18 @@ def tuned_entry(device_name: str, dims: ModelDims | None) -> ModelEntry | None:
         return None
     cfg = load_tuned_config(device_name)
     return cfg.entry_for(dims) if cfg is not None else None
+
+
+def device_backends() -> tuple[tuple[str, ...], str]:
+    """(FlashInfer MLA backend values that may plan here, the default) for the visible device.
+
+    MetaX's FlashInfer build runs fa2 only (and "auto" could pick fa3 from an SM number that means
+    nothing there); Hopper runs fa2 and fa3, where fa3 measured faster at every shape; other
+    CUDA GPUs of compute capability 8.x run fa2.
+    """
+    dev = detect_device()
+    if dev.is_metax:
+        return ("fa2",), "fa2"
+    if dev.capability is not None and dev.capability[0] == 9:
+        return ("fa3", "fa2", "auto"), "fa3"
+    return ("fa2", "auto"), "fa2"

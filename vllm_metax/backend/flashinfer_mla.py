@@ -40,8 +40,7 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 
-from vllm_metax.backend import model_dims, tuned_entry
-from vllm_metax.device import detect_device
+from vllm_metax.backend import device_backends, model_dims, tuned_entry
 from vllm_metax.ops.flashinfer_mla import (
     BackendRefused,
     GraphBuffers,
@@ -58,20 +57,6 @@ FAMILY = "flashinfer"           # the tuned-config kernel family this backend re
 
 
 # ---------------------------------------------------------------------------- plan-time choice
-
-def device_backends() -> tuple[tuple[str, ...], str]:
-    """(FlashInfer backend values that may plan here, the default) for the visible device.
-
-    MetaX's FlashInfer build runs fa2 only (and "auto" could pick fa3 from an SM number that means
-    nothing there); Hopper runs fa2 and fa3, where fa3 measured faster at every shape.
-    """
-    dev = detect_device()
-    if dev.is_metax:
-        return ("fa2",), "fa2"
-    if dev.capability is not None and dev.capability[0] == 9:
-        return ("fa3", "fa2", "auto"), "fa3"
-    return ("fa2", "auto"), "fa2"
-
 
 class PlanChoice:
     """Which FlashInfer backend value plans a decode step: the tuned bucket's choice when it may

@@ -267,8 +267,10 @@ class MLADecodeKernel:
         """
         signature = (num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale, q_dtype,
                      kv_dtype, return_lse, layout)
-        if (self.fast_replan and signature == self._signature and not causal
-                and self._replan_fast(meta, num_heads, head_dim_ckv)):
+        # FlashInfer's causal check (a partial query tile ending on a KV tile start) cannot fire
+        # when the head count divides the 64/128-row query tile, so only then may causal go fast
+        if (self.fast_replan and signature == self._signature and (not causal or 64 % num_heads == 0)
+                and self._replan_fast(meta, num_heads, head_dim_ckv, causal)):
             self.fast_replans += 1
             return
         self._signature = None
@@ -296,15 +298,17 @@ class MLADecodeKernel:
         self._layout = layout
         self._signature = signature
 
-    def _replan_fast(self, meta: PagedMetadata, num_heads: int, head_dim_ckv: int) -> bool:
+    def _replan_fast(self, meta: PagedMetadata, num_heads: int, head_dim_ckv: int,
+                     causal: bool = False) -> bool:
         """Re-plan a planned fa2/fa3 wrapper with new metadata, skipping the wrapper's Python
         validation (most of plan()'s ~0.5 ms): the C++ MLAPlan and the metadata staging only.
 
-        Only for a plan whose other arguments equal the last public plan's, non-causal, on
-        flashinfer's keyword (0.7) wrapper whose planned backend is fa2/fa3 and exposes the
-        internals used here; a batch large enough to approach the native work-item limit, a
-        graph buffer of another shape, or any error falls back to the public plan(). Metadata
-        from build_paged_metadata is valid by construction, which is what the skipped checks check.
+        Only for a plan whose other arguments equal the last public plan's (causal only when the
+        head count divides 64), on flashinfer's keyword (0.7) wrapper whose planned backend is
+        fa2/fa3 and exposes the internals used here; a batch large enough to approach the native
+        work-item limit, a graph buffer of another shape, or any error falls back to the public
+        plan(). Metadata from build_paged_metadata is valid by construction, which is what the
+        skipped checks check.
         """
         if self.api != API_KEYWORD:
             return False
@@ -319,7 +323,7 @@ class MLADecodeKernel:
         try:
             args = (be._float_workspace_buffer, be._int_workspace_buffer,
                     be._pin_memory_int_workspace_buffer, meta.qo_indptr, meta.kv_indptr, meta.kv_len,
-                    num_heads, head_dim_ckv, False)
+                    num_heads, head_dim_ckv, causal)
             if hasattr(mod, "plan_with_staged_workspace_bytes"):
                 plan_info, staged = mod.plan_with_staged_workspace_bytes(*args)
             else:

@@ -1,0 +1,230 @@
+"""`mla-tune doctor`: what the vllm_metax plugin sees on this machine and what it would do.
+
+Which device it sees, whether the platform plugin would activate and why, which MLA attention
+backends and FlashInfer backend values are usable here, and which tuned config it would load (or
+why none). Nothing here imports vLLM: the checks read package metadata and the plugin's own
+vllm-free modules, so the doctor also runs where vLLM is broken.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+
+from mla_tune.render import Column, Table
+
+VLLM_VERSION = "0.33.0"
+OK, NO, WARN = "ok", "no", "warn"
+
+
+@dataclass
+class Check:
+    what: str
+    status: str          # ok | no | warn
+    detail: str
+
+
+@dataclass
+class Doctor:
+    """Everything `mla-tune doctor` prints; `to_json()` for machines, `tables()` for people."""
+
+    device: dict
+    plugin: Check
+    checks: list = field(default_factory=list)
+    attention_backends: list = field(default_factory=list)     # Check per vLLM MLA backend
+    flashinfer_backends: list = field(default_factory=list)    # Check per FlashInfer value
+    tuned_config: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def tables(self) -> list[Table]:
+        cols = [Column("check", justify="left"), Column("status", justify="left"),
+                Column("detail", justify="left")]
+        summary = Table("Checks", cols)
+        d = self.device
+        summary.add("device", OK if d["source"] != "none" else NO,
+                    f"{d['name']} (from {d['source']}; MetaX: {'yes' if d['is_metax'] else 'no'}; "
+                    f"capability {d['capability'] or '-'}; SMs {d['sm_count'] or '-'})")
+        summary.add("platform plugin", self.plugin.status, self.plugin.detail)
+        for c in self.checks:
+            summary.add(c.what, c.status, c.detail)
+        backends = Table("MLA attention backends, in the order the plugin tries them", cols)
+        for c in self.attention_backends:
+            backends.add(c.what, c.status, c.detail)
+        fi = Table("FlashInfer MLA backend values (plan-time choices)", cols)
+        for c in self.flashinfer_backends:
+            fi.add(c.what, c.status, c.detail)
+        t = self.tuned_config
+        tuned = Table("Tuned config", [Column("model", justify="left"), Column("tp"),
+                                       Column("dims", justify="left"), Column("page size"),
+                                       Column("backend order", justify="left"), Column("buckets")],
+                      caption=f"{t.get('path') or 'no file'}: {t.get('reason', '')}")
+        for e in t.get("entries", []):
+            tuned.add(e["model"], e["tp_size"], e["dims"], e["page_size"],
+                      " > ".join(e["backend_order"]), e["buckets"])
+        return [summary, backends, fi, tuned]
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _vllm_has_file(prefix: str) -> bool:
+    """Whether vllm's installed files include one starting with `prefix` (without importing vllm)."""
+    try:
+        files = metadata.files("vllm") or []
+    except metadata.PackageNotFoundError:
+        return False
+    return any(str(f).startswith(prefix) for f in files)
+
+
+def _entry_point_check() -> Check:
+    eps = [ep for ep in metadata.entry_points(group="vllm.platform_plugins") if ep.name == "metax"]
+    if not eps:
+        return Check("vLLM entry point", NO, "vllm.platform_plugins has no 'metax' entry "
+                     "(install this project: pip install -e .)")
+    values = sorted({ep.value for ep in eps})
+    if values != ["vllm_metax:register"]:
+        return Check("vLLM entry point", WARN, f"'metax' points at {', '.join(values)} "
+                     "(another vllm_metax installed?)")
+    return Check("vLLM entry point", OK, "metax = vllm_metax:register")
+
+
+def _vllm_check() -> Check:
+    v = _version("vllm")
+    if v is None:
+        return Check("vllm", NO, f"not installed (the plugin targets vllm=={VLLM_VERSION})")
+    if v != VLLM_VERSION:
+        return Check("vllm", WARN, f"{v} installed; the plugin targets {VLLM_VERSION}")
+    return Check("vllm", OK, v)
+
+
+def _attention_backends(dev, flashinfer_ok: tuple[bool, str], order: list[str]) -> list[Check]:
+    cap = dev.capability
+    out = []
+    for name in order:
+        if name == "FLASHINFER_MLA":
+            if not flashinfer_ok[0]:
+                out.append(Check(name, NO, flashinfer_ok[1]))
+            elif cap is not None and tuple(cap) < (8, 0):
+                out.append(Check(name, NO, f"needs compute capability 8.0+, device has {cap}"))
+            else:
+                out.append(Check(name, OK if cap is not None else WARN,
+                                 "vllm_metax's wrapper backend over " + flashinfer_ok[1]
+                                 + ("" if cap is not None else "; no GPU visible to confirm")))
+        elif name == "TRITON_MLA":
+            has_triton = importlib.util.find_spec("triton") is not None
+            has_vllm = _version("vllm") is not None
+            why = "vLLM's Triton MLA with tuned num_kv_splits" if has_triton and has_vllm else \
+                "needs " + " and ".join(n for n, ok in (("triton", has_triton), ("vllm", has_vllm)) if not ok)
+            out.append(Check(name, OK if has_triton and has_vllm else NO, why))
+        elif name == "FLASHMLA":
+            built = _vllm_has_file("vllm/_flashmla_C")
+            out.append(Check(name, WARN if built else NO,
+                             "vLLM's compiled FlashMLA is installed; vLLM checks at selection "
+                             "whether it loads on this device" if built
+                             else "vLLM's compiled FlashMLA (vllm._flashmla_C) is not installed"))
+        else:
+            out.append(Check(name, WARN, "not checked by the doctor"))
+    return out
+
+
+def _flashinfer_backends(probe: bool) -> list[Check]:
+    from vllm_metax.backend import device_backends
+    from vllm_metax.ops import flashinfer_mla as op
+
+    allowed, default = device_backends()
+    try:
+        accepted = op.accepted_backends()
+    except op.FlashInferUnavailable as e:
+        return [Check(b, NO, str(e)) for b in allowed]
+    support = {}
+    if probe:
+        try:
+            support = op.backend_support()
+        except Exception as e:  # a JIT failure is a finding, not a crash of the doctor
+            return [Check("probe", NO, f"{type(e).__name__}: {e}")]
+    out = []
+    for b in accepted:
+        tag = " (default)" if b == default else ""
+        if b not in allowed:
+            out.append(Check(b, NO, "not a plan-time choice on this device" + tag))
+        elif probe:
+            reason = support.get(b)
+            out.append(Check(b, NO if reason else OK, (reason or "planned and ran a tiny batch") + tag))
+        else:
+            out.append(Check(b, OK, "a plan-time choice here (run with --probe to try it)" + tag))
+    return out
+
+
+def _tuned_config(device_name: str, dims) -> tuple[dict, list[str] | None]:
+    from vllm_metax import tuned_config as tc
+
+    res = tc.resolve_tuned_config(device_name)      # strict mode raises TunedConfigError
+    info = {"device_name": device_name, "file_name": tc.config_filename(device_name),
+            "path": str(res.path) if res.path else None, "reason": res.reason,
+            "folders": [f"{why}: {folder}" for folder, why in tc.search_folders()],
+            "strict": tc.strict_mode(), "entries": []}
+    order = None
+    if res.config is not None:
+        for m in res.config.models:
+            d = m.dims
+            info["entries"].append({
+                "model": m.model, "tp_size": m.tp_size, "page_size": m.page_size,
+                "dims": f"H{d.num_heads} ckv{d.kv_lora_rank} kpe{d.qk_rope_head_dim} {d.q_dtype}/{d.kv_dtype}",
+                "backend_order": list(m.backend_order), "buckets": len(m.buckets)})
+        if dims is not None:
+            entry = res.config.entry_for(dims)
+            info["entry_for_model"] = entry is not None
+            if entry is not None:
+                order = list(entry.backend_order)
+    return info, order
+
+
+def model_dims(model: str | None, tp_size: int, dtype: str = "bfloat16"):
+    """The tuned-config key of a model preset served at this tensor-parallel size."""
+    if model is None:
+        return None
+    from mla_tune.problem import model_preset
+    from vllm_metax.tuned_config import ModelDims
+
+    m = model_preset(model)
+    return ModelDims(m.heads_per_rank(tp_size), m.kv_lora_rank, m.qk_rope_head_dim, dtype, dtype)
+
+
+def diagnose(model: str | None = None, tp_size: int = 1, probe: bool = False) -> Doctor:
+    """Run every check (probing FlashInfer backends on the GPU only when asked)."""
+    import os
+
+    import vllm_metax
+    from vllm_metax.device import FORCE_ENV, detect_device
+    from vllm_metax.ops.flashinfer_mla import flashinfer_available
+    from vllm_metax.tuned_config import FOLDER_ENV, STRICT_ENV
+
+    dims = model_dims(model, tp_size)
+    dev = detect_device()
+    active, why = vllm_metax.should_activate()
+    device = {"name": dev.name, "source": dev.source, "is_metax": dev.is_metax,
+              "sm_count": dev.sm_count,
+              "capability": ".".join(map(str, dev.capability)) if dev.capability else None}
+    env = ", ".join(f"{k}={os.environ[k]}" for k in (FORCE_ENV, FOLDER_ENV, STRICT_ENV) if k in os.environ)
+    checks = [_entry_point_check(), _vllm_check(),
+              Check("environment", OK, env or f"none of {FORCE_ENV}, {FOLDER_ENV}, {STRICT_ENV} set")]
+    fi = flashinfer_available()
+    checks.append(Check("flashinfer", OK if fi[0] else NO, fi[1]))
+
+    tuned, tuned_order = _tuned_config(dev.name, dims)
+    from vllm_metax.backend import mla_backend_order
+    order, _ = mla_backend_order(tuned_order)
+    if dims is not None:
+        checks.append(Check("model", OK if tuned_order else WARN,
+                            f"{model} at TP {tp_size}: H{dims.num_heads} per rank; "
+                            + ("tuned entry found" if tuned_order else "no tuned entry: default order")))
+    return Doctor(device, Check("platform plugin", OK if active else NO,
+                                ("would activate: " if active else "would not activate: ") + why),
+                  checks, _attention_backends(dev, fi, order), _flashinfer_backends(probe), tuned)

@@ -1,0 +1,110 @@
+"""`mla-tune show FILE`: validate a tuned config as the plugin reads it, print it; malformed files
+give one error line and exit 2."""
+
+import csv
+import io
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from mla_tune.cli import app
+from mla_tune.emit import emit_config
+from mla_tune.store import ResultsStore
+from results_fixture import H200, build_fixture_db
+from vllm_metax import device as vdevice
+from vllm_metax import tuned_config as tc
+
+runner = CliRunner(env={"COLUMNS": "200"})
+
+
+@pytest.fixture()
+def cfg_path(tmp_path):
+    fx = build_fixture_db(tmp_path / "results.db")
+    with ResultsStore(fx.path) as s:
+        return emit_config(s, tmp_path / "configs", device=H200)
+
+
+@pytest.fixture(autouse=True)
+def no_gpu_here(monkeypatch):
+    monkeypatch.setattr(vdevice, "detect_device", lambda: vdevice.DeviceInfo("cpu", "none", False))
+
+
+def _show(*args):
+    return runner.invoke(app, ["show", *map(str, args)])
+
+
+def test_show_table(cfg_path):
+    res = _show(cfg_path)
+    assert res.exit_code == 0, res.output
+    for text in ("NVIDIA H200 (schema 1): provenance", "global choice per model",
+                 "FLASHINFER_MLA > TRITON_MLA", "per-bucket plan choices", "num_kv_splits=16",
+                 "0.7.2.post1"):
+        assert text in res.stdout, text
+
+
+def test_show_json_csv_markdown(cfg_path):
+    want = tc.read_tuned_config(cfg_path).to_json()
+    res = _show(cfg_path, "--format", "json")
+    assert res.exit_code == 0 and json.loads(res.stdout) == want
+    res = _show(cfg_path, "-f", "csv")
+    rows = list(csv.DictReader(io.StringIO(res.stdout)))
+    assert len(rows) == sum(len(b["families"]) for b in want["models"][0]["buckets"])
+    fa = [r for r in rows if r["family"] == "flashinfer" and r["batch_size"] == "8" and r["context_len"] == "4096"]
+    assert json.loads(fa[0]["params"]) == {"backend": "fa3"}
+    res = _show(cfg_path, "-f", "markdown")
+    assert res.stdout.startswith("# tuned config") and "| 8 | 4096 | 1 | flashinfer | fa3 |" in res.stdout
+
+
+def test_show_lookup_says_when_outside_the_tuned_range(cfg_path):
+    res = _show(cfg_path, "--lookup", "6,2000", "-f", "json")
+    (hit,) = json.loads(res.stdout)["lookup"]
+    assert hit["bucket"] == [8, 1024, 1] and not hit["exact"] and hit["in_range"]
+    res = _show(cfg_path, "--lookup", "512,131072", "-f", "json")
+    (hit,) = json.loads(res.stdout)["lookup"]
+    assert hit["bucket"] == [64, 4096, 1] and not hit["in_range"]
+    res = _show(cfg_path, "--lookup", "8")
+    assert res.exit_code == 2 and "BATCH,CONTEXT" in res.stderr
+
+
+def _write(path, data):
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: "{not json", "not valid JSON"),
+    (lambda d: {**d, "schema_version": 7}, "schema_version 7 is not supported"),
+    (lambda d: {k: v for k, v in d.items() if k != "models"}, "missing field 'models'"),
+    (lambda d: {**d, "models": [{k: v for k, v in d["models"][0].items() if k != "global"}]},
+     "missing field 'global'"),
+    (lambda d: {**d, "models": [{**d["models"][0], "buckets": [{"batch_size": 1}]}]},
+     "missing field 'families'"),
+    (lambda d: {**d, "device_name": "MetaX C500"}, "file name says 'NVIDIA_H200'"),
+])
+def test_malformed_configs_one_line_exit_2(cfg_path, mutate, message):
+    bad = _write(cfg_path, mutate(json.loads(cfg_path.read_text())))
+    res = _show(bad)
+    assert res.exit_code == 2, res.output
+    assert message in res.stderr and res.stderr.strip().count("\n") == 0
+    assert "Traceback" not in res.output and res.stdout == ""
+
+
+def test_another_device(cfg_path, monkeypatch):
+    res = _show(cfg_path, "--device", "MetaX C500")
+    assert res.exit_code == 2
+    assert "written for device 'NVIDIA H200', not 'MetaX C500' (--device)" in res.stderr
+    assert _show(cfg_path, "--device", "NVIDIA_H200").exit_code == 0
+    # on a machine with an accelerator, the detected device is the default expectation
+    monkeypatch.setattr(vdevice, "detect_device",
+                        lambda: vdevice.DeviceInfo("MetaX C500", "pymxsml", True, 104, None))
+    res = _show(cfg_path)
+    assert res.exit_code == 2 and "(this machine)" in res.stderr
+    monkeypatch.setattr(vdevice, "detect_device",
+                        lambda: vdevice.DeviceInfo(H200, "torch", False, 132, (9, 0)))
+    assert _show(cfg_path).exit_code == 0
+
+
+def test_missing_file(tmp_path):
+    res = _show(tmp_path / "nope.json")
+    assert res.exit_code == 2 and "cannot read" in res.stderr
