@@ -357,3 +357,25 @@ def test_cudagraph_padding_rows_read_the_null_block(fb, base_config):
     meta = md.decode.paged
     assert meta.kv_len.tolist() == [10, 20, 1, 1]
     assert meta.kv_indices.tolist()[-2:] == [0, 0]
+
+
+@pytest.mark.parametrize("api", ["keyword", "flat"])
+def test_through_the_real_op_with_a_fake_flashinfer(fb, base_config, monkeypatch, api):
+    """The plugin drives vllm_metax.ops.flashinfer_mla.MLADecodeKernel, not a double of it; only
+    FlashInfer's wrapper is faked (both API forms)."""
+    import flashinfer_fakes
+    from vllm_metax.ops import flashinfer_mla as op
+
+    module = flashinfer_fakes.keyword_module() if api == "keyword" else flashinfer_fakes.flat_module()
+    flashinfer_fakes.install(monkeypatch, module)
+    monkeypatch.setattr(fb, "MLADecodeKernel", op.MLADecodeKernel)
+    builder = ps.make_builder(_config(base_config))
+    impl = ps.make_impl(_config(base_config))
+    seq_lens = [70, 3, 40]
+    md, bt, lens, num_pages = _decode(builder, seq_lens)
+    assert isinstance(md.kernel, op.MLADecodeKernel) and md.kernel.api == api
+    q, kv = _qkv(3, num_pages)
+    out, _ = _forward(impl, md, q[..., 192:], q[..., 128:192], kv)
+    ref = mla_decode_reference(q[..., 192:], q[..., 128:192], kv[..., :512], kv[..., 512:], bt, lens,
+                               ps.softmax_scale())
+    assert relative_error(out, ref) < 1e-2

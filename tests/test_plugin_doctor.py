@@ -92,16 +92,17 @@ def test_doctor_on_a_simulated_metax_host(metax):
 def test_doctor_table_and_markdown(metax):
     res = _doctor()
     assert res.exit_code == 0, res.output
-    assert "MetaX C500" in res.output and "device_name=MetaX_C500.json" in res.output
+    assert "MetaX C500" in res.output and "found in $VLLM_METAX_MLA_CONFIG_FOLDER" in res.output
     md = _doctor("--format", "markdown")
     assert md.exit_code == 0 and "| platform plugin | ok |" in md.output
+    assert "device_name=MetaX_C500.json: found in" in md.output
 
 
-def test_doctor_strict_mode_reports_a_bad_file_in_one_line(metax):
+def test_doctor_strict_mode_reports_a_bad_file_in_one_line(metax, monkeypatch):
     (metax / "device_name=MetaX_C500.json").write_text("{not json")
     rep = _json(_doctor("--format", "json"))
     assert rep["tuned_config"]["reason"].startswith("ignored (using defaults)")
-    metax.setenv(tc.STRICT_ENV, "1")
+    monkeypatch.setenv(tc.STRICT_ENV, "1")
     tc.clear_cache()
     res = _doctor()
     assert res.exit_code == 2

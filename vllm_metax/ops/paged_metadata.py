@@ -40,10 +40,14 @@ def build_paged_metadata(block_table: torch.Tensor, seq_lens_cpu: torch.Tensor, 
     torch.cumsum(pages, 0, out=kv_indptr[1:])
     qo_indptr = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32)
     nnz = int(kv_indptr[-1])
-    # flat position (row * max_pages + j) of every used page, in request order
-    rows = torch.repeat_interleave(torch.arange(batch, dtype=torch.int64), pages.long())
-    cols = torch.arange(nnz, dtype=torch.int64) - kv_indptr[:-1].long().repeat_interleave(pages.long())
-    flat = (rows * max_pages + cols).to(block_table.device, non_blocking=True)
+    # Index work scales with the number of pages (millions at page size 1), so it runs on the
+    # block table's device: for output slot j, its request is the searchsorted row of j in
+    # kv_indptr and its column j - kv_indptr[row]. Only B+1 integers cross to the device; no sync.
+    device = block_table.device
+    indptr = kv_indptr.to(device, non_blocking=True)
+    slot = torch.arange(nnz, dtype=torch.int32, device=device)
+    rows = torch.searchsorted(indptr[1:], slot, right=True)
+    flat = rows * max_pages + (slot - indptr[rows])
     src = block_table[:batch].reshape(-1)
     if out_kv_indices is not None:
         torch.index_select(src, 0, flat, out=out_kv_indices[:nnz])
