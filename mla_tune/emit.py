@@ -122,26 +122,6 @@ def model_entries(choice: choosing.Choice, notes: list[str]) -> list[tc.ModelEnt
     return list(by_dims.values())
 
 
-def _trial_run_ids(store, choice: choosing.Choice) -> list[int]:
-    ids = set()
-    for m in choice.models:
-        for b in m.buckets:
-            for fams in b.per_page.values():
-                for v in fams.values():
-                    for x in (v.chosen, v.default, v.best):
-                        if x is not None and x.trial_id is not None:
-                            ids.add(x.trial_id)
-    if not ids:
-        return []
-    ids = sorted(ids)
-    out = set()
-    for i in range(0, len(ids), 900):
-        chunk = ids[i:i + 900]
-        out |= {r[0] for r in store.db.execute(
-            f"select distinct run_id from trials where id in ({','.join('?' * len(chunk))})", chunk)}
-    return sorted(out)
-
-
 def config_from_choice(choice: choosing.Choice, runs: list[dict], results_db: str | None = None,
                        mix: WorkloadMix | None = None) -> tc.TunedConfig:
     """A TunedConfig for `choice`'s device; `runs` are the run rows its trials came from."""
@@ -177,18 +157,34 @@ def emit_config(source, out_dir: str | Path = "configs", *, store=None, device: 
                 **choose_kw) -> Path:
     """Write configs/device_name=<device>.json and return its path.
 
-    `source` is a ResultsStore (the choice is made here from its trials, filtered by device, model
-    and runs) or an already made `choose.Choice` (written as is; pass `store=` so the provenance
-    can name its runs).
+    `source` is a ResultsStore: the choice is made here from its trials (filtered by device,
+    model and runs). Or it is a `choose.Choice` already made (the sweep's): with `store=` the file
+    is rebuilt from every trial of the choice's device under the choice's rules, so one device's
+    file keeps the models earlier sweeps measured; without a store the choice is written as is.
     """
     if isinstance(source, choosing.Choice):
-        run_ids = _trial_run_ids(store, source) if store is not None else []
-        run_rows = [r for r in store.runs() if r["id"] in run_ids] if store is not None else []
-        cfg = config_from_choice(source, run_rows,
-                                 Path(store.path).name if store is not None else None, mix)
+        if store is None:
+            cfg = config_from_choice(source, [], None, mix)
+        else:
+            rules = dict(p_threshold=source.p_threshold, min_ratio=source.min_ratio,
+                         default_page_size=source.default_page_size, metric=source.metric)
+            cfg = build_tuned_config(store, ReportFilter(source.device_name, model, tuple(runs)),
+                                     mix, **{**rules, **choose_kw})
     else:
         cfg = build_tuned_config(source, ReportFilter(device, model, tuple(runs)), mix, **choose_kw)
     return tc.write_tuned_config(cfg, out_dir)
+
+
+def config_summary(cfg: tc.TunedConfig) -> list[str]:
+    """A few lines saying what a written config holds (what `mla-tune emit` prints)."""
+    runs = ", ".join(map(str, cfg.provenance.get("runs") or [])) or "-"
+    out = [f"wrote {cfg.path} ({cfg.device_name}, runs {runs})"]
+    for e in cfg.models:
+        n = len(e.buckets)
+        out.append(f"  {e.model or '-'} H{e.dims.num_heads}: page {e.page_size}, "
+                   f"{' > '.join(e.backend_order)}, {n} bucket{'' if n == 1 else 's'}")
+    out += [f"  note: {n}" for n in cfg.provenance.get("notes") or []]
+    return out
 
 
 def emit_all(store, out_dir: str | Path = "configs", *, model: str | None = None, runs=(),
@@ -199,5 +195,5 @@ def emit_all(store, out_dir: str | Path = "configs", *, model: str | None = None
             for d in devices_in(rows)]
 
 
-__all__ = ["EmitError", "ReportError", "build_tuned_config", "config_from_choice", "emit_all",
-           "emit_config", "model_entries", "pick_device", "provenance"]
+__all__ = ["EmitError", "ReportError", "build_tuned_config", "config_from_choice", "config_summary",
+           "emit_all", "emit_config", "model_entries", "pick_device", "provenance"]

@@ -99,8 +99,8 @@ def to_rich(tables: Sequence[Table]) -> list:
 
     out = []
     for t in tables:
-        rt = RichTable(title=escape(t.title), title_justify="left", caption=escape(t.caption) if t.caption else None,
-                       caption_justify="left")
+        rt = RichTable(title=escape(t.title), title_justify="left",
+                       caption=escape(t.caption) if t.caption else None, caption_justify="left")
         for c in t.columns:
             rt.add_column(escape(c.name), justify=c.justify, overflow="fold")
         for r in t.rows:

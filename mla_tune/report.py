@@ -520,7 +520,7 @@ def check_config_device(cfg, path, device: str | None = None) -> None:
     (without `device`) this machine's accelerator; a machine without one checks the name only."""
     from pathlib import Path
 
-    from vllm_metax.tuned_config import TunedConfigError, config_filename
+    from vllm_metax.tuned_config import TunedConfigError
     name = Path(path).name
     if name.startswith("device_name=") and name.endswith(".json") and \
             device_key(name[len("device_name="):-len(".json")]) != device_key(cfg.device_name):
@@ -563,10 +563,11 @@ def config_tables(cfg, lookup: tuple | None = None) -> list[Table]:
     """A tuned config as tables: provenance, the global choice per model, its buckets; with
     `lookup` = (batch, context, q_len), the bucket each model entry would serve it from."""
     title = f"{cfg.device_name} (schema {cfg.schema_version})"
-    t = Table(f"{title}: provenance", [Column("field", justify="left"), Column("value", justify="left")])
+    t = Table(f"{title}: provenance", [Column("field", justify="left"),
+                                       Column("value", justify="left")])
     for k, v in cfg.provenance.items():
-        t.add(k, ", ".join(map(str, v)) if isinstance(v, list) and all(not isinstance(x, (list, dict)) for x in v)
-              else v)
+        flat = isinstance(v, list) and all(not isinstance(x, (list, dict)) for x in v)
+        t.add(k, ", ".join(map(str, v)) if flat else v)
     tables = [t]
     g = Table(f"{title}: global choice per model", [Column("model entry", justify="left"),
               Column("page size"), Column("backend order", justify="left"),
@@ -582,8 +583,9 @@ def config_tables(cfg, lookup: tuple | None = None) -> list[Table]:
                 b.add(bk.batch_size, bk.context_len, bk.q_len, None, None, None, None, None, None, "")
             for f in fams:
                 c = bk.families[f]
-                b.add(bk.batch_size, bk.context_len, bk.q_len, f, _params_text(c.params, f), c.time_us,
-                      c.default_time_us, c.gain, c.significant, "best" if f == bk.best_family else "")
+                b.add(bk.batch_size, bk.context_len, bk.q_len, f, _params_text(c.params, f),
+                      c.time_us, c.default_time_us, c.gain, c.significant,
+                      "best" if f == bk.best_family else "")
         tables.append(b)
     if lookup is not None:
         batch, context, q_len = lookup
@@ -596,8 +598,9 @@ def config_tables(cfg, lookup: tuple | None = None) -> list[Table]:
                 lt.add(_dims_title(e), "no buckets", False, False, "")
                 continue
             bk = hit.bucket
+            choices = "; ".join(f"{f}: {_params_text(c.params, f)}" for f, c in bk.families.items())
             lt.add(_dims_title(e), f"B{bk.batch_size} L{bk.context_len} q{bk.q_len}", hit.exact,
-                   hit.in_range, "; ".join(f"{f}: {_params_text(c.params, f)}" for f, c in bk.families.items()))
+                   hit.in_range, choices)
         tables.append(lt)
     return tables
 

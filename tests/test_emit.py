@@ -106,14 +106,19 @@ def test_filters_restrict_the_runs(fx, tmp_path):
     assert [(b.batch_size, b.context_len) for b in cfg.models[0].buckets] == [(64, 4096)]
 
 
-def test_the_sweeps_choice_can_be_written_as_is(fx, tmp_path):
+def test_the_sweeps_choice(fx, tmp_path):
+    """The sweep hands over its Choice: with the store, the device's file keeps what earlier
+    sweeps measured; without one, the choice is written as is."""
     with ResultsStore(fx.path) as s:
-        rows = s.trials("r.device_name = ?", [H200])
-        choice = choosing.choose(rows, device_name=H200)
-        path = emit_config(choice, tmp_path, store=s)
-    cfg = tc.read_tuned_config(path)
-    assert cfg.provenance["runs"] == [fx.runs["gpu"], fx.runs["gpu2"]]
-    assert cfg.models[0].lookup(8, 4096).bucket.families["flashinfer"].params == {"backend": "fa3"}
+        rows = s.trials("r.device_name = ? and t.run_id = ?", [H200, fx.runs["gpu2"]])
+        choice = choosing.choose(rows, device_name=H200, min_ratio=1.2)
+        with_store = tc.read_tuned_config(emit_config(choice, tmp_path / "a", store=s))
+    alone = tc.read_tuned_config(emit_config(choice, tmp_path / "b"))
+    assert with_store.provenance["runs"] == [fx.runs["gpu"], fx.runs["gpu2"]]
+    assert with_store.provenance["rules"]["min_ratio"] == 1.2
+    assert len(with_store.models[0].buckets) == len(BATCHES) * len(CONTEXTS) + 1
+    assert with_store.models[0].lookup(8, 4096).bucket.families["flashinfer"].params == {"backend": "fa3"}
+    assert alone.provenance["runs"] == [] and len(alone.models[0].buckets) == 1
 
 
 def test_one_entry_per_dims(fx, tmp_path):

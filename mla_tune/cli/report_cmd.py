@@ -50,7 +50,8 @@ def report(
                                         case_sensitive=False),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Also write plots to this PNG",
                                         dir_okay=False),
-    device: Optional[str] = typer.Option(None, "--device", help="Only this device ('NVIDIA H200' or NVIDIA_H200)"),
+    device: Optional[str] = typer.Option(None, "--device",
+                                         help="Only this device ('NVIDIA H200' or NVIDIA_H200)"),
     model: Optional[str] = typer.Option(None, "--model", help="Only this model preset (e.g. deepseek-v3)"),
     run: Optional[List[int]] = typer.Option(None, "--run", help="Only these run ids (repeat the option)"),
     mix: Optional[Path] = typer.Option(None, "--mix", help="Workload mix CSV (batch,context,weight) "
@@ -84,7 +85,7 @@ def emit(
     mix: Optional[Path] = typer.Option(None, "--mix", help="Workload mix CSV (batch,context,weight)"),
 ):
     """Write the tuned config(s) the vllm_metax plugin loads, from the measurements in the DB."""
-    from mla_tune.emit import emit_all, emit_config
+    from mla_tune.emit import config_summary, emit_all, emit_config
     from vllm_metax.tuned_config import read_tuned_config
     if all_devices and device:
         fail("--device and --all-devices exclude each other")
@@ -95,14 +96,8 @@ def emit(
             paths = (emit_all(store, out, model=model, runs=runs, mix=w) if all_devices else
                      [emit_config(store, out, device=device, model=model, runs=runs, mix=w)])
         for p in paths:
-            cfg = read_tuned_config(p)
-            console.print(f"wrote {p} ({cfg.device_name}, runs "
-                          f"{', '.join(map(str, cfg.provenance.get('runs') or [])) or '-'})", highlight=False)
-            for e in cfg.models:
-                console.print(f"  {e.model or '-'} H{e.dims.num_heads}: page {e.page_size}, "
-                              f"{' > '.join(e.backend_order)}, {len(e.buckets)} bucket{'' if len(e.buckets) == 1 else 's'}", highlight=False)
-            for n in cfg.provenance.get("notes") or []:
-                console.print(f"  note: {n}", highlight=False)
+            for line in config_summary(read_tuned_config(p)):
+                console.print(line, highlight=False, markup=False)
     except _known() as e:
         fail(str(e))
 
