@@ -19,9 +19,7 @@ FAMILY_CMAPS = {"flashinfer": "Blues", "triton": "Oranges", "reference": "Greys"
 def _entries(report: Report):
     for d in report.devices:
         for m in d.choice.models:
-            views = [w for w in d.workloads if w.entry_key == (
-                m.model, m.num_heads, m.kv_lora_rank, m.qk_rope_head_dim, m.q_dtype, m.kv_dtype,
-                m.ragged)]
+            views = d.views_of(m)
             if views:
                 yield d, m, views
 
@@ -34,23 +32,21 @@ def _thin(values: list, n: int) -> list:
 
 
 def _short_label(c: CandidateLine) -> str:
-    knobs = ",".join(f"{k}={v}" for k, v in sorted(c.params.items()) if k != "rule")
-    text = f"{c.backend} p{c.page_size}" + (f" {knobs}" if knobs else "")
-    return text + (" (default)" if c.is_default else "")
+    return _series_label(_series_key(c))
 
 
-def _colors(keys: list[tuple[str, str]]):
-    """A colour per candidate: a colormap per family, shades within it."""
+def _colors(keys: list[tuple]) -> dict:
+    """A colour per (family, configuration): a colormap per family, shades within it."""
     import matplotlib
 
     by_family: dict = {}
-    for fam, key in keys:
-        by_family.setdefault(fam, []).append(key)
+    for k in keys:
+        by_family.setdefault(k[0], []).append(k)
     out = {}
     for fam, ks in by_family.items():
         cmap = matplotlib.colormaps[FAMILY_CMAPS.get(fam, "Greens")]
         for i, k in enumerate(ks):
-            out[k] = cmap(0.45 + 0.5 * (i / max(1, len(ks) - 1)) if len(ks) > 1 else 0.75)
+            out[k] = cmap(0.45 + 0.5 * i / (len(ks) - 1) if len(ks) > 1 else 0.75)
     return out
 
 
@@ -98,7 +94,7 @@ def _plot_entry(sf, dev: DeviceReport, m, views: list, ncols: int) -> None:
     from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 
     ref = " — CPU torch reference, not a GPU kernel" if dev.is_reference else ""
-    sf.suptitle(f"{dev.device_name} · {entry_title(m)} · page {m.page_size}, "
+    sf.suptitle(f"{dev.device_name} · {entry_title(m)} · {_page(m)}, "
                 f"{' > '.join(m.backend_order) or 'no vLLM backend measured'}{ref}",
                 fontsize=12, fontweight="bold")
     batches = _thin(sorted({w.batch_size for w in views}), MAX_BATCH_PANELS)
@@ -110,15 +106,13 @@ def _plot_entry(sf, dev: DeviceReport, m, views: list, ncols: int) -> None:
     _winner_heatmap(ax_win, m, views)
     _roofline_heatmap(ax_roof, m, views, dev)
     # time vs context per candidate, one panel per batch size
-    keys = []
-    for w in views:
-        for c in w.lines:
-            if c.ok and (c.family, c.candidate) not in keys:
-                keys.append((c.family, c.candidate))
-    keys.sort()
-    colors = _colors(keys)
-    labels = {}
     q_lens = sorted({w.q_len for w in views})
+    lines = [c for w in views if w.q_len == q_lens[0] for c in w.lines if c.ok]
+    keys = sorted({(c.family, _series_key(c)) for c in lines})
+    colors = _colors(keys)
+    on_page = {k: k[1][2] == m.page_size for k in keys}
+    always_default = {k: all(c.is_default for c in lines if (c.family, _series_key(c)) == k)
+                      for k in keys}
     for i, b in enumerate(batches):
         ax = sf.add_subplot(gs[1 + i // ncols, i % ncols])
         bviews = [w for w in views if w.batch_size == b and w.q_len == q_lens[0]]
@@ -126,16 +120,21 @@ def _plot_entry(sf, dev: DeviceReport, m, views: list, ncols: int) -> None:
         for w in sorted(bviews, key=lambda w: w.context_len):
             for c in w.lines:
                 if c.ok:
-                    series.setdefault(c.candidate, []).append((w.context_len, c.median_us, c))
-                    labels[c.candidate] = _short_label(c)
+                    series.setdefault((c.family, _series_key(c)), []).append((w.context_len, c.median_us, c))
         for key, pts in sorted(series.items()):
             xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-            default = pts[0][2].is_default
-            ax.plot(xs, ys, marker="o", ms=3, lw=2.2 if default else 1.2,
-                    ls="--" if default else "-", color=colors.get(key))
+            ax.plot(xs, ys, marker="o", ms=3, color=colors[key], lw=_lw(on_page[key], always_default[key]),
+                    ls="--" if always_default[key] else "-", alpha=1.0 if on_page[key] else 0.35)
+            dflt = [(x, y) for x, y, c in pts if c.is_default and not always_default[key]]
+            if dflt:   # a knob value that is the family default at some contexts only
+                ax.scatter(*zip(*dflt), marker="o", s=40, facecolors="none", edgecolors="black",
+                           zorder=4)
             wins = [(x, y) for x, y, c in pts if c.winner]
             if wins:
                 ax.scatter(*zip(*wins), marker="*", s=120, color="crimson", zorder=5)
+        if not series:
+            ax.text(0.5, 0.5, "no valid measurement", transform=ax.transAxes, ha="center",
+                    va="center", fontsize=9)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ctx = sorted({w.context_len for w in bviews})
@@ -152,12 +151,40 @@ def _plot_entry(sf, dev: DeviceReport, m, views: list, ncols: int) -> None:
         ax.set_xlabel("context length (KV tokens per request)")
         ax.set_ylabel("median kernel time (us)")
         ax.grid(True, which="both", alpha=0.3)
-    handles = [Line2D([], [], color=colors[k], lw=2.2 if "(default)" in labels.get(k, "") else 1.2,
-                      ls="--" if "(default)" in labels.get(k, "") else "-", marker="o", ms=3,
-                      label=f"{f}: {labels.get(k, k)}") for f, k in keys]
+    handles = [Line2D([], [], color=colors[k], lw=_lw(on_page[k], always_default[k]),
+                      ls="--" if always_default[k] else "-", alpha=1.0 if on_page[k] else 0.35,
+                      marker="o", ms=3,
+                      label=f"{k[0]}: {_series_label(k[1])}" + (" (default)" if always_default[k] else ""))
+               for k in keys]
     handles.append(Line2D([], [], color="crimson", marker="*", ls="", ms=11,
                           label="winner of the bucket"))
+    if any(not always_default[k] and any(c.is_default for c in lines if (c.family, _series_key(c)) == k)
+           for k in keys):
+        handles.append(Line2D([], [], marker="o", ls="", ms=6, markerfacecolor="none",
+                              markeredgecolor="black", label="family default at that context"))
+    if m.page_size is not None and not all(on_page.values()):
+        handles.append(Line2D([], [], color="grey", alpha=0.35, lw=1,
+                              label=f"faint: page size other than the chosen {m.page_size}"))
     sf.legend(handles=handles, loc="outside lower center", ncol=min(4, len(handles)), fontsize=8)
+
+
+def _series_key(c: CandidateLine) -> tuple:
+    """A kernel configuration across contexts: the candidate without the default marker."""
+    return (c.family, c.backend, c.page_size,
+            tuple(sorted((k, v) for k, v in c.params.items() if k != "rule")))
+
+
+def _series_label(key: tuple) -> str:
+    _, backend, page, knobs = key
+    return f"{backend} p{page}" + (" " + ",".join(f"{k}={v}" for k, v in knobs) if knobs else "")
+
+
+def _lw(on_page: bool, default: bool) -> float:
+    return (2.2 if default else 1.3) if on_page else 0.9
+
+
+def _page(m) -> str:
+    return f"page {m.page_size}" if m.page_size is not None else "no page chosen (nothing valid)"
 
 
 def _q_note(q_lens: list) -> str:
@@ -211,7 +238,7 @@ def _winner_heatmap(ax, m, views) -> None:
     for (b, c), w in cell.items():
         win = _winner_line(w)
         text = "no valid\ncandidate" if win is None else (
-            f"{_short_label(win).replace(' (default)', '')}\n"
+            f"{_short_label(win)}\n"
             + (f"{win.speedup_vs_default:.2f}x vs default" if win.speedup_vs_default else ""))
         ax.text(contexts.index(c), batches.index(b), text, ha="center", va="center", fontsize=7)
     _label_missing(ax, batches, contexts, cell)
@@ -220,7 +247,7 @@ def _winner_heatmap(ax, m, views) -> None:
     ax.set_xlabel("context length")
     ax.set_ylabel("batch size")
     qs = _q_note(sorted({w.q_len for w in views}))
-    ax.set_title(f"winner per bucket (page {m.page_size}{qs}): candidate, speedup over its family default",
+    ax.set_title(f"winner per bucket ({_page(m)}{qs}): candidate, speedup over its family default",
                  fontsize=10)
 
 
@@ -240,8 +267,10 @@ def _roofline_heatmap(ax, m, views, dev) -> None:
     ax.set_yticks(range(len(batches)), [str(b) for b in batches])
     if np.isnan(data).all():
         ax.imshow(np.zeros_like(data), cmap="Greys", vmin=0, vmax=1, aspect="auto", origin="lower")
-        ax.text(0.5, 0.5, "no copy/matmul ceilings recorded for these runs\n(% of roofline needs a GPU run)",
-                transform=ax.transAxes, ha="center", va="center", fontsize=9)
+        has_ceilings = any(r.get("copy_gbps") and r.get("matmul_tflops") for r in dev.runs)
+        why = ("no valid winner to compare with the floor" if has_ceilings else
+               "no copy/matmul ceilings recorded for these runs\n(% of roofline needs a GPU run)")
+        ax.text(0.5, 0.5, why, transform=ax.transAxes, ha="center", va="center", fontsize=9)
         ax.set_title("winner's % of roofline floor: not available", fontsize=10)
         return
     im = ax.imshow(data, cmap="viridis", vmin=0, vmax=max(100.0, float(np.nanmax(data))),

@@ -187,11 +187,16 @@ class DeviceReport:
         return self.kind == CPU_KIND or device_key(self.device_name) == "cpu"
 
     def entry_of(self, wv: WorkloadView) -> choosing.ModelChoice | None:
-        for m in self.choice.models:
-            if (m.model, m.num_heads, m.kv_lora_rank, m.qk_rope_head_dim, m.q_dtype, m.kv_dtype,
-                    m.ragged) == wv.entry_key:
-                return m
-        return None
+        return next((m for m in self.choice.models if entry_key(m) == wv.entry_key), None)
+
+    def views_of(self, m: choosing.ModelChoice) -> list:
+        """The workloads of one model entry, in report order."""
+        return [w for w in self.workloads if w.entry_key == entry_key(m)]
+
+
+def entry_key(m: choosing.ModelChoice) -> tuple:
+    """What makes a model entry (WorkloadView.entry_key's order)."""
+    return (m.model, m.num_heads, m.kv_lora_rank, m.qk_rope_head_dim, m.q_dtype, m.kv_dtype, m.ragged)
 
 
 @dataclass
@@ -439,8 +444,7 @@ def report_tables(report: Report) -> list[Table]:
                          "(the latest trial per workload and candidate counts)")
         tables.append(t)
         for m in d.choice.models:
-            views = [w for w in d.workloads if w.entry_key == (m.model, m.num_heads, m.kv_lora_rank,
-                     m.qk_rope_head_dim, m.q_dtype, m.kv_dtype, m.ragged)]
+            views = d.views_of(m)
             t = Table(f"{title} · {entry_title(m)}: candidates per workload", CANDIDATE_COLUMNS,
                       caption="spread = interquartile range / median; % roofline = 100 x floor "
                               "(bytes at copy speed or FLOPs at matmul speed) / median; vs default = "
@@ -467,10 +471,15 @@ def report_tables(report: Report) -> list[Table]:
 
 
 def _bucket_table(d: DeviceReport, m, views: list, title: str) -> Table:
-    t = Table(f"{title} · {entry_title(m)}: best per bucket (page {m.page_size})", BUCKET_COLUMNS)
+    page = f"page {m.page_size}" if m.page_size is not None else "no page chosen"
+    t = Table(f"{title} · {entry_title(m)}: best per bucket ({page})", BUCKET_COLUMNS)
     lines = {c.trial_id: c for w in views for c in w.lines}
     for b in m.buckets:
         fams = sorted(b.families, key=lambda f: (f != b.best_family, f))
+        if not any(v.chosen for v in b.families.values()):
+            t.add(b.batch_size, b.context_len, b.q_len, None, None, None, None, None, None, "",
+                  "no valid candidate" + (f" at page {m.page_size}" if m.page_size else ""))
+            fams = [f for f in fams if b.families[f].chosen]
         for f in fams:
             v = b.families[f]
             line = lines.get(v.chosen.trial_id) if v.chosen else None

@@ -46,6 +46,10 @@ class SweepError(Exception):
     """A sweep that cannot start or cannot produce anything (the message says why)."""
 
 
+class SweepInputError(SweepError, ValueError):
+    """A sweep asked for something that does not exist (an unknown family, an empty replay DB)."""
+
+
 # ---------------------------------------------------------------- buckets
 
 @dataclass(frozen=True)
@@ -177,7 +181,7 @@ class SweepConfig:
     batch: int = 16
     seed: int = 0
     timeout_s: float = 120.0
-    isolation: str = "process"
+    isolation: str = "auto"
     remeasure: bool = False
     name: str = "sweep"
     journal: Path | bool | None = None
@@ -288,7 +292,7 @@ def resolve_families(requested: Sequence[str] | None, device: str) -> tuple[dict
         GPU_FAMILIES if device.startswith("cuda") else CPU_FAMILIES)
     unknown = [n for n in names if n not in family_names()]
     if unknown:
-        raise SweepError(f"unknown kernel family {', '.join(map(repr, unknown))}; known: "
+        raise SweepInputError(f"unknown kernel family {', '.join(map(repr, unknown))}; known: "
                          f"{', '.join(family_names())}")
     available, skipped = {}, {}
     for n in dict.fromkeys(names):
@@ -419,8 +423,9 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
         outcome = SweepOutcome(plan)
         obs.on_start(plan)
         refused = ctx["refused"]
+        n_refused = len(refused)
         run_id = None
-        runner = make_runner(settings, config.isolation, config.timeout_s)
+        runner = make_runner(settings, config.isolation, config.timeout_s, plan.families)
         deadline_all = (time.monotonic() + config.time_budget_s) if config.time_budget_s else None
         try:
             for i, p in enumerate(plan.buckets):
@@ -428,6 +433,11 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
                 deadline = None
                 if deadline_all is not None:
                     deadline = time.monotonic() + max(0.0, deadline_all - time.monotonic()) / left
+                if len(refused) != n_refused:   # refusals learnt in earlier buckets apply here
+                    n_refused = len(refused)
+                    p.space = _space_for(p.bucket, ctx["backends"], config.page_sizes, refused)
+                    p.mode = config.policy(None).resolve_mode(len(p.space))
+                    p.budget = config.policy(None).budget(len(p.space), p.mode) if len(p.space) else 0
                 cache = {} if config.remeasure else _cached(store, p.workload_id, device_name)
                 obs.on_bucket(p)
                 t0 = time.monotonic()
@@ -585,12 +595,12 @@ def replay_sweep(source: str | Path, config: SweepConfig, observer: SweepObserve
     devices = sorted({r["device_name"] for r in rows})
     if device_name is None:
         if len(devices) > 1:
-            raise SweepError(f"{source} holds trials of several devices ({', '.join(devices)}); "
+            raise SweepInputError(f"{source} holds trials of several devices ({', '.join(devices)}); "
                              "pick one with --device-name")
         device_name = devices[0] if devices else ""
     rows = [r for r in rows if r["device_name"] == device_name]
     if not rows:
-        raise SweepError(f"{source} holds no trials" + (f" of device {device_name!r}" if device_name else ""))
+        raise SweepInputError(f"{source} holds no trials" + (f" of device {device_name!r}" if device_name else ""))
     by_workload: dict = {}
     for r in rows:
         key = _workload_key_of(r)
@@ -617,7 +627,7 @@ def replay_sweep(source: str | Path, config: SweepConfig, observer: SweepObserve
                       + (" ..." if len(missing) > 5 else "")} if missing else {},
                      planned, f"replaying {source}: nothing is measured", Path(source), None, True)
     if not planned:
-        raise SweepError(f"none of the requested buckets is stored in {source}")
+        raise SweepInputError(f"none of the requested buckets is stored in {source}")
     outcome = SweepOutcome(plan)
     obs.on_start(plan)
     visited: list = []
@@ -722,7 +732,7 @@ def estimate_note(plan: SweepPlan) -> str:
 
 
 __all__ = ["Bucket", "BucketOutcome", "CPU_REFERENCE_NOTE", "DefaultSpace", "PlannedBucket",
-           "SweepConfig", "SweepError", "SweepObserver", "SweepOutcome", "SweepPlan",
+           "SweepConfig", "SweepError", "SweepInputError", "SweepObserver", "SweepOutcome", "SweepPlan",
            "build_config", "default_space", "detect_device", "emit_tuned_config", "estimate_note",
            "journal_path_for", "parse_duration", "parse_sizes", "plan_buckets", "plan_sweep",
            "replay_sweep", "resolve_families", "run_sweep", "stored_buckets"]

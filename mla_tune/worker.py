@@ -120,10 +120,14 @@ class _ContextPoisoned(BaseException):
 
 
 def _context_alive(device: str) -> bool:
+    """Whether CUDA still works in this process (True off CUDA, and while a graph is being
+    captured, when synchronising is not allowed and a failure is the capture's, not the GPU's)."""
     if not str(device).startswith("cuda"):
         return True
     try:
         import torch
+        if torch.cuda.is_current_stream_capturing():
+            return True
         torch.cuda.synchronize()
         torch.zeros(1, device=device).add_(1).item()
         return True
@@ -457,10 +461,16 @@ class WorkerRunner:
                 return _Fault(msg[2], msg[1], msg[3])
 
 
-def make_runner(settings, isolation: str = "process", timeout_s: float = 120.0):
-    """The runner for an isolation mode: 'process' (WorkerRunner) or 'inline' (InlineRunner)."""
+ISOLATION = ("auto", "process", "inline")
+
+
+def make_runner(settings, isolation: str = "auto", timeout_s: float = 120.0, families=()):
+    """The runner for an isolation mode: 'process' (WorkerRunner), 'inline' (InlineRunner), or
+    'auto': a worker process unless every family is the torch reference, which cannot crash."""
+    if isolation not in ISOLATION:
+        raise ValueError(f"isolation must be one of {', '.join(ISOLATION)}, got {isolation!r}")
+    if isolation == "auto":
+        isolation = "inline" if families and set(families) <= {"reference"} else "process"
     if isolation == "process":
         return WorkerRunner(settings, timeout_s=timeout_s)
-    if isolation == "inline":
-        return InlineRunner(settings)
-    raise ValueError(f"isolation must be 'process' or 'inline', got {isolation!r}")
+    return InlineRunner(settings)

@@ -15,7 +15,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColum
                            TimeElapsedColumn, TimeRemainingColumn)
 from rich.table import Table
 
-from mla_tune.cli.app import EXIT_FAILURE, app, console, fail
+from mla_tune.cli.app import EXIT_FAILURE, EXIT_USER_ERROR, app, console, fail
 
 EPILOG = ("Exit codes: 0 done; 1 nothing could be measured (no kernel family runs here, or no "
           "valid trial); 2 bad input (flags, files, DB); 130 interrupted (finished trials are "
@@ -159,7 +159,7 @@ def print_summary(outcome) -> None:
 
 _CHOICES = {
     "mode": ("auto", "grid", "tpe"),
-    "isolation": ("process", "inline"),
+    "isolation": ("auto", "process", "inline"),
 }
 
 
@@ -209,7 +209,9 @@ def sweep(
                                             "(JIT included) before it counts as hung"),
     samples: Optional[int] = typer.Option(None, "--samples", help="kernel samples per candidate"),
     warmup: Optional[int] = typer.Option(None, "--warmup", help="warm-up runs per candidate"),
-    isolation: str = typer.Option("process", "--isolation", help="process (crash-safe worker) or inline"),
+    isolation: str = typer.Option("auto", "--isolation", help="process: measure in a worker process "
+                                  "replaced after a crash or hang; inline: in this process; auto: "
+                                  "process unless only the CPU reference runs"),
     remeasure: bool = typer.Option(False, "--remeasure", help="measure again what the DB already holds"),
     replay: Optional[Path] = typer.Option(None, "--replay", help="run the search over this DB's stored "
                                           "measurements instead of measuring (no GPU needed)"),
@@ -268,10 +270,10 @@ def sweep(
                                   kv_dtype=kv_dtype, page_sizes=page_size, samples=samples,
                                   warmup=warmup, timeout_s=timeout, time_budget=time_budget, **kw)
             outcome = run_sweep(config, RichObserver(quiet))
+    except SweepError as e:       # SweepInputError (a ValueError) is bad input: exit 2
+        fail(str(e), EXIT_USER_ERROR if isinstance(e, ValueError) else EXIT_FAILURE)
     except (ValueError, ProblemError, StoreError) as e:
         fail(str(e))
-    except SweepError as e:
-        fail(str(e), EXIT_FAILURE)
     if not outcome.valid_trials and not any(r["status"] == "ok" for r in outcome.rows):
         fail("no candidate produced a valid measurement", EXIT_FAILURE)
 

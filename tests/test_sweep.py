@@ -1,0 +1,331 @@
+"""The sweep on the CPU: buckets, end to end through the CLI, resume, budgets, faults, flags."""
+
+import json
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import sweep_families
+from mla_tune.cli import app
+from mla_tune.problem import ProblemError, model_preset
+from mla_tune.store import ResultsStore
+from mla_tune.sweep import (CPU_REFERENCE_NOTE, SweepConfig, build_config, default_space,
+                            journal_path_for, parse_duration, parse_sizes, plan_buckets, run_sweep)
+
+TESTS = Path(__file__).resolve().parent
+V3 = model_preset("deepseek-v3")
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def families():
+    sweep_families.register()
+
+
+def one_line(text: str) -> bool:
+    return len([line for line in text.strip().splitlines() if line.strip()]) == 1
+
+
+def trial_keys(db) -> list:
+    with ResultsStore(db, create=False) as s:
+        return [(r["workload_id"], r["candidate"]) for r in s.trials()]
+
+
+# ---------------------------------------------------------------- planning
+
+def test_sizes_and_durations():
+    assert parse_sizes("1-128") == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert parse_sizes("1K-32K") == [1024, 2048, 4096, 8192, 16384, 32768]
+    assert parse_sizes("16, 4k,1") == [1, 16, 4096]
+    for bad in ("abc", "8-2", "0", "1-x", ""):
+        with pytest.raises(ValueError):
+            parse_sizes(bad)
+    assert parse_duration("9m") == 540 and parse_duration("1h30m") == 5400
+    assert parse_duration("90") == 90 and parse_duration("0") == 0
+    with pytest.raises(ValueError):
+        parse_duration("5x")
+
+
+def test_buckets_from_model_and_tp():
+    b = plan_buckets(V3, [1, 8], [1, 4], [1024], q_lens=[1, 2])
+    assert len(b) == 8
+    assert {x.workload.num_heads for x in b} == {128, 16}
+    assert {(x.tp_size, x.workload.num_heads) for x in b} == {(1, 128), (8, 16)}
+    assert {x.workload.q_len for x in b} == {1, 2}
+    assert b[0].label.startswith("deepseek-v3 TP1 H128")
+    with pytest.raises(ProblemError, match="does not divide"):
+        plan_buckets(V3, [3], [1], [1024])
+
+
+def test_default_spaces():
+    gpu, cpu = default_space("cuda"), default_space("cpu")
+    # the H200 run: DeepSeek-V3 TP1 + TP8, batch 1-128 x context 1K-32K, under a 9-minute budget
+    assert gpu.tp_sizes == (1, 8) and len(gpu.batch_sizes) * len(gpu.context_lens) == 48
+    assert gpu.time_budget_s <= 540 and gpu.samples >= 10
+    assert len(cpu.tp_sizes) * len(cpu.batch_sizes) * len(cpu.context_lens) <= 4
+    assert journal_path_for("x/results.db") == Path("x/results.optuna.log")
+
+
+# ---------------------------------------------------------------- end to end on the CPU
+
+@pytest.fixture(scope="module")
+def cpu_sweep(tmp_path_factory):
+    """One default `mla-tune sweep` on the CPU (reference family, worker process)."""
+    d = tmp_path_factory.mktemp("cpu")
+    db = d / "results.db"
+    res = runner.invoke(app, ["sweep", "--db", str(db), "--configs-dir", str(d / "configs")])
+    return d, db, res
+
+
+def test_cpu_sweep_end_to_end(cpu_sweep):
+    d, db, res = cpu_sweep
+    assert res.exit_code == 0, res.output
+    out = " ".join(res.output.split())
+    assert " ".join(CPU_REFERENCE_NOTE.split()[:12]) in out      # says what it measures, and why
+    assert "torch.cuda.is_available() is False" in out
+    assert "page size:" in out and "12 trials measured" in out
+    with ResultsStore(db, create=False) as s:
+        rows = s.trials()
+        assert len(rows) == 12 and {r["run_kind"] for r in rows} == {"cpu-reference"}
+        assert all(r["status"] == "ok" and len(r["samples"]["kernel_us"]) == 10 for r in rows)
+        assert all(r["is_default"] == 1 for r in rows)      # each reference page is its own default
+        assert len(s.runs()) == 1
+    # the optuna study, one per bucket, where optuna-dashboard can open it
+    import optuna
+    from mla_tune.search import journal_storage
+    storage = journal_storage(journal_path_for(db))
+    names = optuna.get_all_study_names(storage=storage)
+    studies = [optuna.load_study(study_name=n, storage=storage) for n in names]
+    assert len(studies) == 4 and all(len(s.trials) == 3 for s in studies)
+    assert all(s.user_attrs["mode"] == "grid" for s in studies)
+    assert all(s.trials[0].user_attrs["candidate"].startswith("reference/torch/") for s in studies)
+    cfgs = list((d / "configs").glob("*.json"))
+    if cfgs:                                                   # emitted when mla_tune.emit is there
+        assert json.loads(cfgs[0].read_text())["device_name"] == "cpu"
+
+
+def test_rerun_measures_nothing_twice(cpu_sweep):
+    d, db, _ = cpu_sweep
+    before = trial_keys(db)
+    res = runner.invoke(app, ["sweep", "--db", str(db), "--no-emit", "-q"])
+    assert res.exit_code == 0, res.output
+    assert "0 trials measured, 12 answered" in " ".join(res.output.split())
+    assert trial_keys(db) == before
+
+
+def test_replay_over_the_cpu_db_reaches_the_same_winners(cpu_sweep):
+    from mla_tune.choose import choose_from_store
+    from mla_tune.sweep import replay_sweep
+    d, db, _ = cpu_sweep
+    with ResultsStore(db, create=False) as s:
+        direct = choose_from_store(s)
+    replay = replay_sweep(db, SweepConfig(buckets=[], mode="grid", emit=False))
+    assert replay.measured == 12 and len(replay.buckets) == 4
+
+    def winners(ch):
+        return [(m.page_size, [(b.batch_size, b.context_len, {f: v.chosen.key for f, v in b.families.items()})
+                               for b in m.buckets]) for m in ch.models]
+
+    assert winners(replay.choice) == winners(direct)
+    # through the CLI, with TPE forced: it still finds everything in a 3-point space; writes nothing
+    before = trial_keys(db)
+    res = runner.invoke(app, ["sweep", "--replay", str(db), "--mode", "tpe", "-q"])
+    assert res.exit_code == 0, res.output
+    assert "nothing is measured" in res.output and "replayed 12 stored trials" in res.output
+    assert trial_keys(db) == before
+
+
+def test_resume_after_a_partial_sweep(tmp_path):
+    db = tmp_path / "r.db"
+    small = dict(db=db, device="cpu", isolation="inline", emit=False, batches="1",
+                 contexts="64", page_sizes=[1, 16, 64], samples=3, warmup=1)
+    first = run_sweep(build_config(**small))
+    assert (first.measured, first.cached) == (3, 0)
+    second = run_sweep(build_config(**{**small, "batches": "1,2"}))
+    assert (second.measured, second.cached) == (3, 3)          # only the new bucket is measured
+    keys = trial_keys(db)
+    assert len(keys) == len(set(keys)) == 6
+    third = run_sweep(build_config(**{**small, "remeasure": True}))
+    assert third.measured == 3 and len(trial_keys(db)) == 9      # asked for: measured again
+    with ResultsStore(db, create=False) as s:
+        assert len(s.runs()) == 3
+
+
+def descendants(pid: int) -> list[int]:
+    """Child processes of pid, recursively (from /proc: Linux)."""
+    parent = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+                parent[int(d.name)] = int(fields[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    out, todo = [], [pid]
+    while todo:
+        cur = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == cur]
+        out += kids
+        todo += kids
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_kill_9_and_rerun_keeps_every_finished_trial(tmp_path):
+    db = tmp_path / "results.db"
+    args = ["sweep", "--db", str(db), "--family", "sleepy", "--batches", "1,2", "--contexts", "64",
+            "--samples", "3", "--no-emit", "-q"] + [x for p in (1, 4, 16, 64)
+                                                    for x in ("--page-size", str(p))]
+    script = ("import sys; sys.path.insert(0, %r); import sweep_families; sweep_families.register(); "
+              "from mla_tune.cli import main; main()" % str(TESTS))
+    p = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+    seen = 0
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and p.poll() is None:
+        try:
+            with sqlite3.connect(db, timeout=5) as c:
+                seen = c.execute("select count(*) from trials").fetchone()[0]
+        except sqlite3.OperationalError:
+            seen = 0
+        if seen >= 3:
+            break
+        time.sleep(0.05)
+    assert p.poll() is None, f"the sweep ended before it could be killed: {p.stderr.read()}"
+    helpers = descendants(p.pid)                                # fork server, measuring worker
+    assert helpers, "the sweep measures in a worker process"
+    p.kill()                                                    # SIGKILL, mid-sweep
+    p.wait()
+    deadline = time.monotonic() + 20                            # no worker outlives the sweep
+    while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in helpers):
+        time.sleep(0.1)
+    assert not [pid for pid in helpers if Path(f"/proc/{pid}").exists()]
+    with ResultsStore(db, create=False) as s:
+        before = {r["id"]: (r["workload_id"], r["candidate"], r["samples"]) for r in s.trials()}
+    assert 3 <= len(before) < 8
+    # the rerun measures in this process: what it must show is the store's, not the worker's
+    res = subprocess.run([sys.executable, "-c", script, *args, "--isolation", "inline"],
+                         capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr
+    assert f"{8 - len(before)} trials measured, {len(before)} answered" in " ".join(res.stdout.split())
+    with ResultsStore(db, create=False) as s:
+        after = {r["id"]: (r["workload_id"], r["candidate"], r["samples"]) for r in s.trials()}
+    assert all(after[i] == v for i, v in before.items())        # every finished trial kept as is
+    keys = [(w, c) for w, c, _ in after.values()]
+    assert len(keys) == 8 and len(set(keys)) == 8                # nothing measured twice
+
+
+def test_time_budget_stops_and_a_rerun_continues(tmp_path):
+    db = tmp_path / "r.db"
+    cfg = dict(db=db, device="cpu", emit=False, families=["sleepy"], batches="1,2,4",
+               contexts="64", page_sizes=[16, 64, 128], samples=3, warmup=1, isolation="inline")
+    cut = run_sweep(build_config(**cfg, time_budget="1s"))
+    assert cut.stopped_early >= 1 and cut.measured < 9
+    rest = run_sweep(build_config(**cfg))
+    assert rest.cached == cut.measured and rest.measured == 9 - cut.measured
+    assert len(set(trial_keys(db))) == len(trial_keys(db)) == 9
+
+
+# ---------------------------------------------------------------- faults in a sweep
+
+def test_sweep_survives_crashing_and_hanging_candidates(tmp_path):
+    db = tmp_path / "r.db"
+    cfg = build_config(db=db, device="cpu", emit=False, families=["faulty"], batches="1,2",
+                       contexts="64", page_sizes=[16], samples=3, warmup=1, timeout_s=2.0)
+    out = run_sweep(cfg)
+    assert out.faults == 8 and out.restarts >= 8
+    with ResultsStore(db, create=False) as s:
+        rows = s.trials()
+    by = {}
+    for r in rows:
+        by.setdefault(r["batch_size"], {})[r["backend"]] = (r["status"], r["invalid_reason"])
+    for batch in (1, 2):
+        assert by[batch]["torch"] == ("ok", None)
+        assert by[batch]["abort"] == by[batch]["segv"] == by[batch]["poison"] == ("invalid", "crash")
+        assert by[batch]["hang"] == ("invalid", "timeout")
+    # a clean refusal in the first bucket is not retried with the same heads and page size
+    assert by[1]["refuse"] == ("invalid", "unsupported") and "refuse" not in by[2]
+    assert [b.planned.space.dropped for b in out.buckets][1][0][0].backend == "refuse"
+    m = out.choice.models[0]
+    assert all(b.families["faulty"].chosen.key == "faulty/torch/p16" for b in m.buckets)
+    # faults are data: a rerun does not run them again
+    again = run_sweep(cfg)
+    assert again.measured == 0 and again.faults == 0
+
+
+def test_tpe_mode_live_on_the_cpu(tmp_path):
+    out = run_sweep(build_config(db=tmp_path / "r.db", device="cpu", emit=False, mode="tpe",
+                                 isolation="inline", batches="1", contexts="64", samples=3, warmup=1))
+    (b,) = out.buckets
+    assert b.search.mode == "tpe" and b.search.stopped == "complete" and out.measured == 3
+
+
+# ---------------------------------------------------------------- flags and exit codes
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tp", "3"], "does not divide"),
+    (["--batches", "abc"], "bad size list"),
+    (["--mode", "fast"], "--mode must be one of"),
+    (["--isolation", "threads"], "--isolation must be one of"),
+    (["--samples", "1"], "--samples must be"),
+    (["--time-budget", "5x"], "bad duration"),
+    (["--family", "nope"], "unknown kernel family"),
+    (["--model", "gpt-5"], "unknown model"),
+    (["--q-len", "4096", "--contexts", "1024"], "q_len"),
+    (["--mix", "/nonexistent.csv"], "cannot read workload mix"),
+    (["--replay", "/nonexistent.db"], "no results DB"),
+    (["--min-ratio", "0.5"], "--min-ratio"),
+])
+def test_bad_flags_give_one_line_and_exit_2(tmp_path, flags, message):
+    res = runner.invoke(app, ["sweep", "--db", str(tmp_path / "r.db"), *flags])
+    assert res.exit_code == 2, res.output
+    assert message in res.output and one_line(res.output), res.output
+    assert "Traceback" not in res.output
+    assert not (tmp_path / "r.db").exists() or flags[0] in ("--family",)
+
+
+def test_not_a_db_is_left_untouched(tmp_path):
+    p = tmp_path / "notes.db"
+    p.write_text("my notes\n")
+    res = runner.invoke(app, ["sweep", "--db", str(p)])
+    assert res.exit_code == 2 and "not a SQLite file" in res.output and one_line(res.output)
+    assert p.read_text() == "my notes\n"
+
+
+def test_usage_errors_through_the_console_script_are_one_line(tmp_path):
+    for flags in (["--tp", "x"], ["--bogus"]):
+        res = subprocess.run([sys.executable, "-c", "from mla_tune.cli import main; main()", "sweep",
+                              "--db", str(tmp_path / "r.db"), *flags],
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 2 and one_line(res.stderr), res.stderr
+        assert "Traceback" not in res.stderr
+
+
+def test_no_family_that_runs_here_is_exit_1(tmp_path):
+    res = runner.invoke(app, ["sweep", "--db", str(tmp_path / "r.db"), "--family", "flashinfer"])
+    assert res.exit_code == 1, res.output
+    assert "no kernel family can run on cpu" in res.output and "CUDA" in res.output
+
+
+# ---------------------------------------------------------------- the store change it needs
+
+def test_v1_results_db_gains_the_default_mark(tmp_path):
+    import sqlite_utils
+    from mla_tune import store as store_mod
+    p = tmp_path / "v1.db"
+    db = sqlite_utils.Database(p)
+    store_mod.MIGRATIONS[0](db)
+    db[store_mod.META_TABLE].insert({"key": "schema_version", "value": "1"}, pk="key")
+    db["runs"].insert({"id": 1, "kind": "gpu", "device_name": "x"})
+    db["workloads"].insert({"id": 1, "model": "m", "num_heads": 16, "batch_size": 1})
+    db["trials"].insert({"id": 1, "run_id": 1, "workload_id": 1, "candidate": "a/b/p1", "status": "ok"})
+    db.close()
+    with ResultsStore(p) as s:
+        assert s.schema_version == store_mod.SCHEMA_VERSION >= 2
+        assert "is_default" in {c.name for c in s.db["trials"].columns}
+        assert s.db["trials"].get(1)["candidate"] == "a/b/p1"
