@@ -100,7 +100,27 @@ def measure_lookup() -> dict:
     return {"mean_us_mixed_keys": per_call, **raw}
 
 
-def measure_gpu(heads: int, base_config, rows: list) -> None:
+def profile_rows(heads: int, batch: int, what: str, fn, out: list, n: int = 200) -> None:
+    """cProfile of n steps: where the CPU time of one step goes (top functions by own time)."""
+    import cProfile
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(n):
+        fn()
+    pr.disable()
+    st = pstats.Stats(pr)
+    top = sorted(st.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:14]
+    for (file, line, func), (cc, nc, tt, ct, _) in top:
+        out.append({"heads": heads, "batch": batch, "what": what,
+                    "function": f"{Path(file).name}:{line}({func})",
+                    "calls_per_step": nc / n, "own_us_per_step": tt / n * 1e6,
+                    "cum_us_per_step": ct / n * 1e6})
+
+
+def measure_gpu(heads: int, base_config, rows: list, profile: bool = False,
+                rows_profile: list | None = None) -> None:
     from vllm.config import CacheConfig, CompilationConfig, VllmConfig
 
     import plugin_support as ps
@@ -140,9 +160,12 @@ def measure_gpu(heads: int, base_config, rows: list) -> None:
         def build(b=builder):
             return b._build_decode(bt[:batch], common.seq_lens, max(seq_lens), common.query_start_loc_cpu,
                                    common.query_start_loc, batch, 1, None)
-        common_eager = common
-        builder._common = common_eager
+        builder._common = common
         build_eager = _time(build, 200)
+        if profile and batch == BATCHES[-1]:
+            profile_rows(heads, batch, "build_decode", build, rows_profile)
+            profile_rows(heads, batch, "op.plan", lambda: kernel.plan(
+                meta, heads, 512, 64, PAGE, False, scale, torch.bfloat16, torch.bfloat16), rows_profile)
         graph_builder._common = common
         md_graph = build(graph_builder)
         assert md_graph.cuda_graph, "graph path not taken"
@@ -157,7 +180,8 @@ def measure_gpu(heads: int, base_config, rows: list) -> None:
         holder = type("M", (), {"decode": md})
         fwd = _time(lambda: impl.forward_mqa((q[..., :512], q[..., 512:]), kv, holder, None), 200)
         for name, st in (("wrapper.plan", bare), ("op.plan", via_op), ("paged_metadata", paged),
-                         ("build_decode", build_eager), ("build_decode_graph", build_graph),
+                         ("build_decode", build_eager),
+                         ("build_decode_graph", build_graph),
                          ("forward_mqa", fwd)):
             rows.append({"heads": heads, "batch": batch, "context": CONTEXT, "page_size": PAGE,
                          "what": name, **st,
@@ -191,6 +215,13 @@ def markdown(result: dict) -> str:
     lk = result["lookup"]
     lines += ["", f"Tuned-config lookup (PlanChoice.for_step): p50 {lk['p50_us']:.2f} us, "
               f"mean over mixed keys {lk['mean_us_mixed_keys']:.2f} us (budget 5 us)."]
+    if result.get("profile"):
+        lines += ["", "Where one step's CPU time goes (cProfile, own time; profiling inflates Python):", "",
+                  "| heads | batch | profiled | function | calls/step | own us/step | cum us/step |",
+                  "|---:|---:|---|---|---:|---:|---:|"]
+        for p in result["profile"]:
+            lines.append(f"| {p['heads']} | {p['batch']} | {p['what']} | `{p['function']}` | {p['calls_per_step']:.0f} | "
+                         f"{p['own_us_per_step']:.1f} | {p['cum_us_per_step']:.1f} |")
     verdicts = result.get("verdicts", [])
     if verdicts:
         lines += ["", *[f"- {v}" for v in verdicts]]
@@ -200,6 +231,7 @@ def markdown(result: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench/results", help="folder for plan_cost.json / .md")
+    ap.add_argument("--profile", action="store_true", help="also cProfile build_decode at B=128")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -207,7 +239,8 @@ def main() -> int:
     from mla_tune.environment import capture_environment
 
     rows: list = []
-    result = {"rows": rows, "lookup": measure_lookup()}
+    profile: list = []
+    result = {"rows": rows, "lookup": measure_lookup(), "profile": profile}
     print(f"lookup p50 {result['lookup']['p50_us']:.2f} us", flush=True)
     if torch.cuda.is_available():
         os.environ.setdefault("VLLM_METAX_FORCE", "1")
@@ -220,7 +253,7 @@ def main() -> int:
         for heads in HEADS:
             base = ps.make_vllm_config(folder / "model", num_attention_heads=heads,
                                        num_key_value_heads=heads)
-            measure_gpu(heads, base, rows)
+            measure_gpu(heads, base, rows, args.profile, profile)
         result["environment"] = capture_environment("gpu", "bench/plan_cost.py")
         verdicts = []
         for r in rows:

@@ -17,7 +17,19 @@ Rules (asv's, DESIGN.md section 4: a difference under ~4% is noise without a tes
 
 Everything is plain frozen dataclasses: `choose(rows, mix)` returns a `Choice`; its `models` are
 `ModelChoice`s (one per device x model dims x dtypes x length distribution: one tuned-config
-model entry), each with `BucketChoice`s whose `families` map family -> `Verdict`.
+model entry), each with `BucketChoice`s whose `families` map family -> `Verdict`:
+
+    with ResultsStore("results.db", create=False) as store:
+        choice = choose(store.trials(), WorkloadMix.from_file("mix.csv"), device_name="NVIDIA H200")
+    for m in choice.models:
+        m.page_size, m.backend_order        # global: KV block size; attention backends, best first
+        for b in m.buckets:                 # b.batch_size, b.context_len, b.q_len, b.best_family
+            v = b.families["flashinfer"]    # v.chosen.plan_params, v.time_us, v.default_time_us,
+                                            # v.significant, v.reason
+
+The latest trial per (device, workload, candidate) counts. A bucket's family default is the trial
+stored with is_default = 1 (the sweep marks it); rows without the mark fall back to asking the
+family's backend (`default_of`). Mix rows snap to the nearest measured bucket (`bucket_weights`).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ GRID_MAX = 64            # auto: a space of at most this many points is searched
 TPE_BATCH = 4            # TPE proposals measured together (interleaved) per round
 PATIENCE = 32            # TPE: stop after this many new trials without a 1% improvement
 IMPROVEMENT = 0.01
-CONVERGED_REPEATS = 16   # TPE: after this many undeclared combinations in a row, jump at random
+JUMP_AFTER_PRUNED = 16   # TPE: after this many undeclared combinations in a row, jump to a random point
 STOP_REASONS = ("complete", "trial budget", "time budget", "patience")
 
 
@@ -271,7 +271,10 @@ def journal_storage(path):
     """Optuna's JournalStorage on a file: readable by `optuna-dashboard <path>`, safe to share
     between processes (optuna's SQLite storage locks under parallel use)."""
     from optuna.storages import JournalStorage
-    from optuna.storages.journal import JournalFileBackend
+    try:
+        from optuna.storages.journal import JournalFileBackend
+    except ImportError:      # optuna < 4
+        from optuna.storages import JournalFileStorage as JournalFileBackend
     return JournalStorage(JournalFileBackend(str(path)))
 
 
@@ -289,157 +292,154 @@ EvaluateBatch = Callable[[list[Candidate]], list[Evaluation]]
 
 def search(space: SearchSpace, evaluate: EvaluateBatch, policy: SearchPolicy,
            study_name: str = "bucket", storage=None) -> SearchOutcome:
-    """Search one bucket; `evaluate(candidates)` returns one Evaluation per candidate, in order."""
+    """Search one bucket; `evaluate(candidates)` returns one Evaluation per candidate, in order.
+
+    The optuna study `study_name` in `storage` (None: in memory) is replaced by this search's.
+    """
     import optuna
-    from optuna.trial import TrialState
 
     mode = policy.resolve_mode(len(space))
-    budget = policy.budget(len(space), mode)
-    out = SearchOutcome(mode, len(space), budget)
+    out = SearchOutcome(mode, len(space), policy.budget(len(space), mode))
     if not space.candidates:
         return out
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        study = open_study(study_name, storage,
-                           _tpe_sampler(policy.seed, len(space)) if mode == "tpe"
-                           else optuna.samplers.RandomSampler(seed=policy.seed))
+        sampler = (_tpe_sampler(policy.seed, len(space)) if mode == "tpe"
+                   else optuna.samplers.RandomSampler(seed=policy.seed))
+        study = open_study(study_name, storage, sampler)
         study.set_user_attr("mode", mode)
         study.set_user_attr("space_size", len(space))
-        seen: dict[str, Evaluation] = {}
+        run = _Run(space, evaluate, policy, study, out)
+        run.grid() if mode == "grid" else run.tpe()
+    return out
 
-        def tell(trial, ev: Evaluation):
-            trial.set_user_attr("candidate", ev.candidate.key)
-            trial.set_user_attr("cached", ev.cached)
-            if ev.ok:
-                study.tell(trial, ev.value)
-            else:
-                trial.set_user_attr("invalid_reason", ev.reason)
-                study.tell(trial, state=TrialState.PRUNED)   # TPE ranks it below every valid point
 
-        def run(pairs: list[tuple[object, Candidate]]) -> None:
-            fresh = [c for _, c in pairs if c.key not in seen]
-            fresh = list({c.key: c for c in fresh}.values())
-            if fresh:
-                evs = evaluate(fresh)
-                if len(evs) != len(fresh):
-                    raise RuntimeError("evaluate() must return one Evaluation per candidate")
-                for ev in evs:
-                    seen[ev.candidate.key] = ev
-                    out.evaluations.append(ev)
-            for trial, c in pairs:
-                tell(trial, seen[c.key])
+class _Run:
+    """One bucket's search in progress: the study, what has been evaluated, the outcome."""
 
-        def time_left() -> bool:
-            return policy.deadline is None or time.monotonic() < policy.deadline
+    def __init__(self, space: SearchSpace, evaluate: EvaluateBatch, policy: SearchPolicy, study,
+                 out: SearchOutcome):
+        self.space, self.evaluate, self.policy, self.study, self.out = space, evaluate, policy, study, out
+        self.seen: dict[str, Evaluation] = {}
+        self.rng = random.Random(policy.seed)
 
-        if mode == "grid":
-            # a cut grid keeps the defaults (the baseline) before anything else
-            order = space.grid_order(by_page=budget >= len(space))[:budget]
-            i = 0
-            while i < len(order):
-                if not time_left():
-                    out.stopped = "time budget"
-                    break
-                page = order[i].page_size
-                batch = []
-                while i < len(order) and len(batch) < policy.batch and order[i].page_size == page:
-                    batch.append(order[i])
-                    i += 1
-                pairs = []
-                for c in batch:
-                    study.enqueue_trial(space.params_of(c), skip_if_exists=False)
-                    t = study.ask()
-                    out.proposals += 1
-                    got = space.suggest(t)
-                    pairs.append((t, got if got is not None else c))
-                run(pairs)
-            else:
-                out.stopped = "complete" if budget >= len(space) else "trial budget"
-            return out
+    def time_left(self) -> bool:
+        return self.policy.deadline is None or time.monotonic() < self.policy.deadline
 
-        # TPE: the defaults first (the baseline every winner is judged against), then proposals.
-        # A proposal of a point already evaluated is TPE exploiting a region it likes: evaluate an
-        # unseen neighbour of it instead (one knob one step away); when the neighbourhood is
-        # exhausted too, count it towards convergence.
-        rng = random.Random(policy.seed)
-        for d in space.defaults[:budget]:
-            study.enqueue_trial(space.params_of(d), skip_if_exists=False)
-        best = math.inf
-        since_best = 0
-        repeats = 0                # consecutive proposals of undeclared combinations
+    def ask(self, fixed: Candidate | None = None):
+        """An optuna trial and the candidate it stands for (`fixed`: that one, enqueued)."""
+        if fixed is not None:
+            self.study.enqueue_trial(self.space.params_of(fixed), skip_if_exists=False)
+        t = self.study.ask()
+        self.out.proposals += 1
+        return t, self.space.suggest(t) or fixed
 
-        def explore(taken: set) -> None:
-            nonlocal repeats
-            unseen = [c for c in space.candidates if c.key not in seen and c.key not in taken]
-            if unseen:
-                study.enqueue_trial(space.params_of(rng.choice(unseen)), skip_if_exists=False)
-            repeats = 0
+    def tell(self, trial, ev: Evaluation) -> None:
+        from optuna.trial import TrialState
+        trial.set_user_attr("candidate", ev.candidate.key)
+        trial.set_user_attr("cached", ev.cached)
+        if ev.ok:
+            self.study.tell(trial, ev.value)
+        else:
+            trial.set_user_attr("invalid_reason", ev.reason)
+            self.study.tell(trial, state=TrialState.PRUNED)   # TPE ranks it below every valid point
+
+    def run(self, pairs: list) -> list[Evaluation]:
+        """Evaluate the new candidates among (trial, candidate) pairs; tell every trial."""
+        fresh = list({c.key: c for _, c in pairs if c.key not in self.seen}.values())
+        evs = self.evaluate(fresh) if fresh else []
+        if len(evs) != len(fresh):
+            raise RuntimeError("evaluate() must return one Evaluation per candidate")
+        for ev in evs:
+            self.seen[ev.candidate.key] = ev
+            self.out.evaluations.append(ev)
+        for trial, c in pairs:
+            self.tell(trial, self.seen[c.key])
+        return evs
+
+    def grid(self) -> None:
+        """Every candidate in grid_order, a batch per page size; a cut grid keeps the defaults
+        (the baseline) before anything else."""
+        space, out = self.space, self.out
+        order = space.grid_order(by_page=out.budget >= len(space))[:out.budget]
+        i = 0
+        while i < len(order):
+            if not self.time_left():
+                out.stopped = "time budget"
+                return
+            page, batch = order[i].page_size, []
+            while i < len(order) and len(batch) < self.policy.batch and order[i].page_size == page:
+                batch.append(order[i])
+                i += 1
+            self.run([self.ask(c) for c in batch])
+        out.stopped = "complete" if out.budget >= len(space) else "trial budget"
+
+    def tpe(self) -> None:
+        """The defaults, then TPE proposals in batches of policy.tpe_batch, then page twins."""
+        from optuna.trial import TrialState
+        space, out, policy, seen = self.space, self.out, self.policy, self.seen
+        for d in space.defaults[:out.budget]:
+            self.study.enqueue_trial(space.params_of(d), skip_if_exists=False)
+        best, since_best, pruned = math.inf, 0, 0
         while True:
-            if len(seen) >= len(space):
+            unseen = len(space) - len(seen)
+            if not unseen:
                 out.stopped = "complete"
                 break
-            if len(seen) >= budget:
+            if len(seen) >= out.budget:
                 out.stopped = "trial budget"
                 break
-            if not time_left():
+            if not self.time_left():
                 out.stopped = "time budget"
                 break
             if policy.patience and since_best >= policy.patience:
                 out.stopped = "patience"
                 break
-            want = min(policy.tpe_batch, budget - len(seen))
-            if len(seen) < len(space.defaults):
-                want = max(want, len(space.defaults) - len(seen))
-            pairs, new_keys = [], set()
-            while len(new_keys) < want:
-                t = study.ask()
-                out.proposals += 1
-                c = space.suggest(t)
-                if c is None:
+            want = min(max(policy.tpe_batch, len(space.defaults) - len(seen)),
+                       out.budget - len(seen), unseen)
+            pairs, new = [], set()
+            while len(new) < want:
+                t, c = self.ask()
+                if c is None:                     # a combination no family declared
                     t.set_user_attr("constraint", "combination not declared by the family")
-                    study.tell(t, state=TrialState.PRUNED)
-                    repeats += 1
-                    if repeats >= CONVERGED_REPEATS:
-                        explore(new_keys)
+                    self.study.tell(t, state=TrialState.PRUNED)
+                    pruned += 1
+                    if pruned >= JUMP_AFTER_PRUNED:
+                        pruned = 0
+                        self._enqueue_any(new)
                     continue
-                if c.key in seen or c.key in new_keys:
+                pruned = 0
+                if c.key in seen or c.key in new:
+                    # TPE exploits a region it likes: try an unseen neighbour of the point, or
+                    # anywhere unseen once the neighbourhood is exhausted
                     if c.key in seen:
-                        tell(t, seen[c.key])
+                        self.tell(t, seen[c.key])
                     else:
-                        pairs.append((t, c))       # told once its batch is measured
-                    near = [n for n in space.neighbours(c) if n.key not in seen and n.key not in new_keys]
+                        pairs.append((t, c))      # told when its batch has been measured
+                    near = [n for n in space.neighbours(c) if n.key not in seen and n.key not in new]
                     if near:
-                        study.enqueue_trial(space.params_of(rng.choice(near)), skip_if_exists=False)
-                    else:                          # a corner TPE has exhausted: jump elsewhere
-                        explore(new_keys)
+                        self.study.enqueue_trial(space.params_of(self.rng.choice(near)),
+                                                 skip_if_exists=False)
+                    else:
+                        self._enqueue_any(new)
                     continue
                 pairs.append((t, c))
-                new_keys.add(c.key)
-                repeats = 0
-            if not new_keys:
-                if pairs:
-                    run(pairs)
-                continue
-            before = len(out.evaluations)
-            run(pairs)
-            for ev in out.evaluations[before:]:
+                new.add(c.key)
+            for ev in self.run(pairs):
                 if ev.ok and ev.value < best * (1 - IMPROVEMENT):
-                    best = ev.value
-                    since_best = 0
+                    best, since_best = ev.value, 0
                 else:
                     since_best += 1
         # the page size is chosen once for all buckets, so each family's best point must also be
-        # known at every page size, or the global choice would compare unmeasured pages
+        # known at every page size, or the global choice would compare pages nobody measured
         twins = [c for c in _page_twins(space, out.evaluations) if c.key not in seen]
-        if twins and time_left():
-            pairs = []
-            for c in twins:
-                study.enqueue_trial(space.params_of(c), skip_if_exists=False)
-                t = study.ask()
-                out.proposals += 1
-                pairs.append((t, space.suggest(t) or c))
-            run(pairs)
-        return out
+        if twins and self.time_left():
+            self.run([self.ask(c) for c in twins])
+
+    def _enqueue_any(self, taken: set) -> None:
+        unseen = [c for c in self.space.candidates if c.key not in self.seen and c.key not in taken]
+        if unseen:
+            self.study.enqueue_trial(self.space.params_of(self.rng.choice(unseen)), skip_if_exists=False)
 
 
 def _page_twins(space: SearchSpace, evaluations: list[Evaluation]) -> list[Candidate]:

@@ -286,14 +286,15 @@ class SweepOutcome:
 # ---------------------------------------------------------------- planning
 
 def resolve_families(requested: Sequence[str] | None, device: str) -> tuple[dict, dict]:
-    """(available family -> backend, skipped family -> reason). Unknown names raise SweepError."""
+    """(available family -> backend, skipped family -> reason). Unknown names raise
+    SweepInputError; `None` picks by device (GPU: flashinfer + triton, CPU: the reference)."""
     from mla_tune.backends import family_names, get_backend
     names = list(requested) if requested else list(
         GPU_FAMILIES if device.startswith("cuda") else CPU_FAMILIES)
     unknown = [n for n in names if n not in family_names()]
     if unknown:
         raise SweepInputError(f"unknown kernel family {', '.join(map(repr, unknown))}; known: "
-                         f"{', '.join(family_names())}")
+                              f"{', '.join(family_names())}")
     available, skipped = {}, {}
     for n in dict.fromkeys(names):
         backend = get_backend(n)
@@ -334,6 +335,8 @@ def _space_for(bucket: Bucket, backends: dict, page_sizes: Sequence[int], refuse
                 defaults.append(d)
 
     def refused_before(c: Candidate):
+        if c in defaults:          # the baseline is always tried: every verdict needs it
+            return None
         hit = refused.get(_unsupported_key(c, w))
         return f"refused in {hit[0]}: {hit[1]}" if hit else None
 
@@ -393,12 +396,85 @@ def _refusals(store, device: str) -> dict:
 
 # ---------------------------------------------------------------- the live sweep
 
-def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> SweepOutcome:
-    """Measure every bucket's search, storing each trial as it finishes; then choose and emit.
+JIT_S = 0.5      # a preparation longer than this is first-use compilation, not the bucket's search
 
-    Raises SweepError when no kernel family can run here; StoreError for a DB it must not touch.
+
+class _Measurer:
+    """Answers a bucket's candidates from the store, or measures them and commits each trial."""
+
+    def __init__(self, store, runner, plan: SweepPlan, config: SweepConfig, outcome: SweepOutcome,
+                 obs: SweepObserver, refused: dict, device_name: str):
+        self.store, self.runner, self.plan, self.config = store, runner, plan, config
+        self.outcome, self.obs, self.refused, self.device_name = outcome, obs, refused, device_name
+        self.run_id: int | None = None
+
+    def _run(self) -> int:
+        if self.run_id is None:     # a rerun that measures nothing adds no run record
+            from mla_tune.environment import capture_environment
+            self.run_id = self.store.add_run(capture_environment(self.plan.kind, self.config.command))
+            self.outcome.run_id = self.run_id
+        return self.run_id
+
+    def evaluator(self, p: PlannedBucket, policy: SearchPolicy):
+        """The search's evaluate(candidates) for bucket p; JIT time extends policy.deadline."""
+        cache = {} if self.config.remeasure else _cached(self.store, p.workload_id, self.device_name)
+        best: list = [None]
+        w = p.bucket.workload
+
+        def evaluate(cands: list[Candidate]) -> list[Evaluation]:
+            evs: dict[str, Evaluation] = {}
+            todo = []
+            for c in cands:
+                row = cache.get(c.key)
+                if row is None:
+                    todo.append(c)
+                    continue
+                ok = row["status"] == "ok"
+                evs[c.key] = self._report(p, best, Evaluation(
+                    c, _value(row["samples"], ok), True, row["invalid_reason"], row["id"]))
+                self.outcome.cached += 1
+            if not todo:
+                return [evs[c.key] for c in cands]
+            run_id = self._run()
+            self.obs.on_measuring(p, todo)
+            started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+            results = self.runner.measure(w, todo, lambda c, ok: self.obs.on_prepared(p, c, ok))
+            for c, r in zip(todo, results):
+                tid = self.store.add_trial(
+                    run_id, p.workload_id, c, r.status, r.samples or None,
+                    invalid_reason=r.invalid_reason, message=r.message, compile_s=r.compile_s,
+                    max_rel_error=r.max_rel_error, sweep=self.config.name, started_at=started,
+                    is_default=c in p.space.defaults)
+                ok = r.status == "ok"
+                ev = Evaluation(c, _value(r.samples, ok), False, r.invalid_reason, tid)
+                if ok and ev.value is None:
+                    ev = replace(ev, reason="runtime")
+                if r.invalid_reason == "unsupported":
+                    first = (r.message or "").splitlines()[0][:200] if r.message else ""
+                    self.refused.setdefault(_unsupported_key(c, w), (w.label(), first))
+                if policy.deadline is not None and (r.compile_s or 0) > JIT_S:
+                    policy.deadline += r.compile_s
+                evs[c.key] = self._report(p, best, ev)
+                self.outcome.measured += 1
+            return [evs[c.key] for c in cands]
+
+        return evaluate
+
+    def _report(self, p, best: list, ev: Evaluation) -> Evaluation:
+        _note_best(best, ev)
+        self.obs.on_trial(p, ev, best[0])
+        return ev
+
+
+def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> SweepOutcome:
+    """Search every bucket, measuring what the store does not hold yet and committing each trial
+    as its batch returns; then choose winners over the swept buckets' trials and emit the config.
+
+    With `time_budget_s`, each bucket gets an equal share of the time left (first-use JIT does not
+    count against its share); buckets cut short are counted in `stopped_early`, and a rerun
+    continues them. Raises SweepError when no kernel family can run here, StoreError for a DB it
+    must not touch.
     """
-    from mla_tune.environment import capture_environment
     from mla_tune.roofline import workload_bytes, workload_flops
     from mla_tune.store import ResultsStore
     from mla_tune.worker import make_runner
@@ -415,91 +491,41 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
         for p in plan.buckets:
             w = p.bucket.workload
             p.workload_id = store.workload_id(w, workload_bytes(w), workload_flops(w))
-        defaults = default_space(plan.device)
-        settings = config.settings or MeasureSettings(device=plan.device, warmup=defaults.warmup,
-                                                      samples=defaults.samples)
+        d = default_space(plan.device)
+        settings = config.settings or MeasureSettings(device=plan.device, warmup=d.warmup,
+                                                      samples=d.samples)
         settings = replace(settings, device=plan.device)
         storage = journal_storage(plan.journal) if plan.journal else None
         outcome = SweepOutcome(plan)
         obs.on_start(plan)
         refused = ctx["refused"]
         n_refused = len(refused)
-        run_id = None
         runner = make_runner(settings, config.isolation, config.timeout_s, plan.families)
-        deadline_all = (time.monotonic() + config.time_budget_s) if config.time_budget_s else None
+        measurer = _Measurer(store, runner, plan, config, outcome, obs, refused, device_name)
+        end = (time.monotonic() + config.time_budget_s) if config.time_budget_s else None
         try:
             for i, p in enumerate(plan.buckets):
-                left = len(plan.buckets) - i
-                deadline = None
-                if deadline_all is not None:
-                    deadline = time.monotonic() + max(0.0, deadline_all - time.monotonic()) / left
                 if len(refused) != n_refused:   # refusals learnt in earlier buckets apply here
                     n_refused = len(refused)
                     p.space = _space_for(p.bucket, ctx["backends"], config.page_sizes, refused)
                     p.mode = config.policy(None).resolve_mode(len(p.space))
                     p.budget = config.policy(None).budget(len(p.space), p.mode) if len(p.space) else 0
-                cache = {} if config.remeasure else _cached(store, p.workload_id, device_name)
+                share = None if end is None else \
+                    time.monotonic() + max(0.0, end - time.monotonic()) / (len(plan.buckets) - i)
+                policy = config.policy(share)
+                evaluate = measurer.evaluator(p, policy)
                 obs.on_bucket(p)
                 t0 = time.monotonic()
-                best: list[Evaluation | None] = [None]
-
-                def evaluate(cands: list[Candidate], p=p, cache=cache, best=best) -> list[Evaluation]:
-                    nonlocal run_id
-                    evs: dict[str, Evaluation] = {}
-                    todo = []
-                    for c in cands:
-                        row = cache.get(c.key)
-                        if row is None:
-                            todo.append(c)
-                            continue
-                        ok = row["status"] == "ok"
-                        ev = Evaluation(c, _value(row["samples"], ok), True, row["invalid_reason"], row["id"])
-                        evs[c.key] = ev
-                        outcome.cached += 1
-                        _note_best(best, ev)
-                        obs.on_trial(p, ev, best[0])
-                    if todo:
-                        if run_id is None:
-                            run_id = store.add_run(capture_environment(plan.kind, config.command))
-                            outcome.run_id = run_id
-                        obs.on_measuring(p, todo)
-                        started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-                        results = runner.measure(p.bucket.workload, todo,
-                                                 lambda c, ok: obs.on_prepared(p, c, ok))
-                        for c, r in zip(todo, results):
-                            tid = store.add_trial(
-                                run_id, p.workload_id, c, r.status, r.samples or None,
-                                invalid_reason=r.invalid_reason, message=r.message,
-                                compile_s=r.compile_s, max_rel_error=r.max_rel_error,
-                                sweep=config.name, started_at=started,
-                                is_default=c in p.space.defaults)
-                            ok = r.status == "ok"
-                            ev = Evaluation(c, _value(r.samples, ok), False, r.invalid_reason, tid)
-                            if ok and ev.value is None:
-                                ev = replace(ev, reason="runtime")
-                            if r.invalid_reason == "unsupported":
-                                refused.setdefault(_unsupported_key(c, p.bucket.workload),
-                                                   (p.bucket.workload.label(),
-                                                    (r.message or "").splitlines()[0][:200] if r.message else ""))
-                            evs[c.key] = ev
-                            outcome.measured += 1
-                            _note_best(best, ev)
-                            obs.on_trial(p, ev, best[0])
-                    return [evs[c.key] for c in cands]
-
-                so = search(p.space, evaluate, config.policy(deadline), _study_name(config, p.bucket),
-                            storage)
+                so = search(p.space, evaluate, policy, _study_name(config, p.bucket), storage)
                 bo = BucketOutcome(p, so, time.monotonic() - t0)
-                if so.stopped in ("time budget", "trial budget") and so.budget and len(so.evaluations) < len(p.space):
-                    outcome.stopped_early += so.stopped == "time budget"
+                outcome.stopped_early += so.stopped == "time budget"
                 outcome.buckets.append(bo)
                 obs.on_bucket_done(bo)
         finally:
             outcome.faults = getattr(runner, "faults", 0)
             outcome.restarts = getattr(runner, "restarts", 0)
             runner.close()
-        ids = [p.workload_id for p in plan.buckets]
-        outcome.rows = _rows_for(store, ids, device_name)
+        outcome.rows = _rows_for(store, [p.workload_id for p in plan.buckets], device_name)
         outcome.choice = _choose(outcome.rows, config, device_name)
         if config.emit and outcome.choice is not None:
             outcome.emitted, outcome.emit_note = emit_tuned_config(outcome, config, store)
@@ -577,13 +603,14 @@ def stored_buckets(rows: list) -> list[Bucket]:
 
 
 def replay_sweep(source: str | Path, config: SweepConfig, observer: SweepObserver | None = None,
-                 device_name: str | None = None) -> SweepOutcome:
+                 device_name: str | None = None, where=None) -> SweepOutcome:
     """Run the same search over measurements stored in `source`, measuring nothing.
 
     Each bucket's space is what was stored for its workload (defaults from the is_default mark);
     a proposal is answered with its stored trial. `config.buckets` empty means every stored
-    workload. The choice is made over the trials the search visited, so a replay shows whether a
-    search (TPE, a smaller budget) reaches the winners that the full grid found. Writes nothing.
+    workload, narrowed by `where(bucket) -> bool` if given. The choice is made over the trials the
+    search visited, so a replay shows whether a search (TPE, a smaller budget) reaches the winners
+    that the full grid found. Writes nothing.
     """
     from mla_tune.choose import latest_trials
     from mla_tune.store import ResultsStore
@@ -606,8 +633,10 @@ def replay_sweep(source: str | Path, config: SweepConfig, observer: SweepObserve
         key = _workload_key_of(r)
         by_workload.setdefault(key, []).append(r)
     buckets = list(config.buckets) or stored_buckets(rows)
+    if where is not None:
+        buckets = [b for b in buckets if where(b)]
     planned, missing = [], []
-    for i, b in enumerate(buckets):
+    for b in buckets:
         brows = by_workload.get(tuple(sorted(b.workload.key.items())))
         if not brows:
             missing.append(b.label)
@@ -620,7 +649,7 @@ def replay_sweep(source: str | Path, config: SweepConfig, observer: SweepObserve
         pol = config.policy(None)
         mode = pol.resolve_mode(len(space))
         planned.append(PlannedBucket(b, space, mode, pol.budget(len(space), mode),
-                                     brows[0]["workload_id"], i))
+                                     brows[0]["workload_id"], len(planned)))
     kind = rows[0].get("run_kind") or ""
     plan = SweepPlan(device_name, kind, sorted({r["family"] for r in rows}),
                      {f"({len(missing)} buckets)": "not in the replay DB: " + ", ".join(missing[:5])

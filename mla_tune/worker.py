@@ -184,6 +184,7 @@ def _die_with_parent() -> None:
 
 def _worker_main(conn, families: dict, settings, log_path: str | None, parent_pid: int) -> None:
     _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is the sweep's to handle; it stops us
     if os.getppid() == 1 and parent_pid != 1:
         os._exit(0)
     if log_path:
@@ -222,6 +223,11 @@ def _worker_main(conn, families: dict, settings, log_path: str | None, parent_pi
         done = [0]
 
         def prepared(cand, ok):
+            # an asynchronous fault surfaces at the next synchronisation, which may lie outside
+            # the guarded calls (the correctness check's): ask CUDA before the next candidate runs
+            if not ok and not _context_alive(settings.device):
+                raise _ContextPoisoned(cand, "CUDA context poisoned while this candidate was "
+                                             "prepared and checked (a sticky CUDA error)")
             done[0] += 1
             conn.send(("prepared", index[cand.key], bool(ok)))
 

@@ -379,3 +379,59 @@ def test_through_the_real_op_with_a_fake_flashinfer(fb, base_config, monkeypatch
     ref = mla_decode_reference(q[..., 192:], q[..., 128:192], kv[..., :512], kv[..., 512:], bt, lens,
                                ps.softmax_scale())
     assert relative_error(out, ref) < 1e-2
+
+
+def test_fast_replan_only_where_flashinfer_validation_provably_passes(fb, monkeypatch):
+    """The fast re-plan skips FlashInfer's Python checks, so it must refuse every case where they
+    could fail: other static arguments, a backend other than fa2/fa3, a work count near MLAPlan's
+    capacity, and causal plans whose query tile does not split evenly over the heads."""
+    from vllm_metax.ops.paged_metadata import build_paged_metadata
+
+    monkeypatch.setattr(fb, "_sm_count", lambda device: 132)
+    kernel = SimpleNamespace(api="keyword", resolved_backend="fa3",
+                             wrapper=SimpleNamespace(device="cuda:0", _planned_backend=SimpleNamespace(
+                                 _cached_module=object(), _float_workspace_buffer=1,
+                                 _int_workspace_buffer=1, _pin_memory_int_workspace_buffer=1,
+                                 _use_cuda_graph=False, _kv_indices_buf=None)))
+    fast = fb._FastReplan(kernel)
+    static = (16, 512, 64, 64, False, 0.1, torch.bfloat16, torch.bfloat16, False)
+    meta = build_paged_metadata(torch.zeros(4, 8, dtype=torch.int32), torch.tensor([5, 9, 1, 64]), 16)
+    assert not fast.usable(static, meta, 16, 1, False)           # nothing planned yet
+    fast.remember(static)
+    assert fast.usable(static, meta, 16, 1, False)
+    assert not fast.usable(static[:-1] + (True,), meta, 16, 1, False)   # LSE mode changed
+    kernel.resolved_backend = "cutlass"
+    assert not fast.usable(static, meta, 16, 1, False)
+    kernel.resolved_backend = "fa2"
+    assert fast.usable(static, meta, 16, 3, True)                # 64 % 16 == 0: no tile check
+    assert not fast.usable(static, meta, 24, 3, True)            # FlashInfer checks tile bounds
+    big = build_paged_metadata(torch.zeros(4100, 1, dtype=torch.int32),
+                               torch.ones(4100, dtype=torch.int32), 16)
+    assert not fast.usable(static, big, 128, 2, False)           # 4100 x 4 tiles > 16384 - 132
+    flat = fb._FastReplan(SimpleNamespace(api="flat", resolved_backend="fa2", wrapper=None))
+    flat.remember(static)
+    assert not flat.usable(static, meta, 16, 1, False)           # 0.2.x plan is cheap already
+
+
+def test_mla_backend_order():
+    from vllm_metax.backend import DEFAULT_MLA_ORDER, mla_backend_order
+
+    assert mla_backend_order(None) == (list(DEFAULT_MLA_ORDER), "default MLA order")
+    order, why = mla_backend_order(["TRITON_MLA"])
+    assert order[0] == "TRITON_MLA" and set(order) == set(DEFAULT_MLA_ORDER) and why == "tuned config"
+
+
+def test_a_captured_batch_size_plans_one_backend_for_every_context(fb, base_config, tmp_path,
+                                                                    monkeypatch):
+    """A graph fixes its kernel: per captured batch size the choice most tuned contexts make."""
+    _tuned(tmp_path, monkeypatch, {(4, 64, 1): "fa2", (4, 4096, 1): "fa3", (4, 8192, 1): "fa3",
+                                   (2, 64, 1): "fa2", (2, 4096, 1): "fa2", (2, 8192, 1): "fa3"})
+    builder = ps.make_builder(_config(base_config, cudagraph=True))
+    short, *_ = _decode(builder, [60] * 4)
+    long, *_ = _decode(builder, [5000] * 4)
+    assert (short.backend, long.backend) == ("fa3", "fa3") and short.kernel is long.kernel
+    two, *_ = _decode(builder, [5000] * 2)
+    assert two.backend == "fa2" and two.cuda_graph
+    eager_builder = ps.make_builder(_config(base_config))
+    md, *_ = _decode(eager_builder, [60] * 4)
+    assert md.backend == "fa2"                       # eager steps follow the bucket

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
+from rich import box
 from rich.markup import escape
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
@@ -40,6 +41,8 @@ class RichObserver:
     # -------------------------------------------------------------- events
     def on_start(self, plan) -> None:
         from mla_tune.sweep import estimate_note
+        self.plan = plan
+        self.done = 0
         if plan.note:
             style = "bold yellow" if plan.kind == "cpu-reference" else "cyan"
             console.print(f"[{style}]{escape(plan.note)}[/]")
@@ -61,6 +64,10 @@ class RichObserver:
                                            best="")
 
     def on_bucket(self, planned) -> None:
+        # a space may shrink (refusals learnt in earlier buckets) and a TPE search may stop before
+        # its budget: keep the total honest so the ETA is
+        self.progress.update(self.task, total=max(self.done + sum(
+            p.budget for p in self.plan.buckets[planned.index:]), 1))
         self.progress.update(self.task, description=escape(planned.bucket.workload.label()),
                              current=f"{planned.mode} {len(planned.space)} pts", best="")
 
@@ -79,6 +86,8 @@ class RichObserver:
 
     def on_bucket_done(self, bo) -> None:
         so = bo.search
+        self.done += len(so.evaluations)
+        self.progress.update(self.task, completed=self.done)
         b = so.best
         extra = "" if so.stopped == "complete" else f" [yellow]({so.stopped})[/]"
         inval = f", {bo.invalid} invalid" if bo.invalid else ""
@@ -87,25 +96,48 @@ class RichObserver:
             f"[green]done[/] {escape(bo.bucket.label)}: {so.mode} {len(so.evaluations)}/{so.space_size}"
             f" ({so.measured} measured{inval}) {best}{extra}", highlight=False)
 
-    def on_done(self, outcome) -> None:
+    def close(self) -> None:
         if self.progress is not None:
             self.progress.stop()
+            self.progress = None
+
+    def on_done(self, outcome) -> None:
+        self.close()
         print_summary(outcome)
 
 
 def _verdict_text(v) -> str:
+    """Short: the gain over the default, or why the default stayed."""
     from mla_tune.choose import NO_SIGNIFICANT_DIFFERENCE
     if v is None:
         return "-"
+    if v.chosen is None:
+        return "[red]none valid[/]"
     if v.significant:
-        return f"[green]{v.gain:.2f}x faster[/] (p={v.p_value:.0e})"
+        return f"[green]{v.gain:.2f}x[/]"
     if v.reason.startswith(NO_SIGNIFICANT_DIFFERENCE):
-        return NO_SIGNIFICANT_DIFFERENCE + (f" ({v.ratio:.2f}x)" if v.ratio else "")
-    return escape(v.reason)
+        return "n.s." + (f" {v.ratio:.2f}x" if v.ratio else "")
+    if v.default is None:
+        return "no default"
+    if not v.default.ok:
+        return f"default {v.default.invalid_reason}"
+    return "default"
+
+
+_SHORT = {"num_kv_splits": "splits"}
+
+
+def _label(m) -> str:
+    """A candidate without its family and page (both are in the table's header and title)."""
+    knobs = ",".join(f"{_SHORT.get(k, k)}={v}" for k, v in sorted(m.params.items()) if k != "rule")
+    if not knobs:
+        return m.backend
+    return knobs if m.backend == m.family else f"{m.backend} {knobs}"
 
 
 def print_summary(outcome) -> None:
-    """The end-of-sweep tables: per model entry, per bucket and family the chosen candidate."""
+    """The end-of-sweep tables: per model entry, per bucket and family the chosen candidate, its
+    time and its gain over the family default (n.s. = no significant difference)."""
     ch = outcome.choice
     if ch is None:
         console.print("[red]no trials to choose from[/]")
@@ -113,26 +145,30 @@ def print_summary(outcome) -> None:
     for m in ch.models:
         fams = list(m.family_order)
         title = (f"{m.model} TP{m.tp_size or '?'} ({m.num_heads} heads/rank, {m.q_dtype}/{m.kv_dtype}"
-                 f"{'' if m.ragged == 'uniform' else ', ' + m.ragged}) on {ch.device_name}")
-        t = Table(title=escape(title), title_justify="left")
-        for col in ("B", "L", "q"):
-            t.add_column(col, justify="right")
+                 f"{'' if m.ragged == 'uniform' else ', ' + m.ragged}) on {ch.device_name}, "
+                 f"page {m.page_size}")
+        t = Table(title=escape(title), title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                  collapse_padding=True)
+        show_q = any(b.q_len != 1 for b in m.buckets)
+        for col in ("B", "L") + (("q",) if show_q else ()):
+            t.add_column(col, justify="right", no_wrap=True)
         for f in fams:
-            t.add_column(f"{f} chosen")
-            t.add_column("us", justify="right")
-            t.add_column("default us", justify="right")
-            t.add_column("verdict")
-        t.add_column("best")
+            t.add_column(escape(f), overflow="fold")
+            t.add_column("us", justify="right", no_wrap=True, min_width=5)
+            t.add_column("gain", no_wrap=True)
         for b in m.buckets:
-            cells = [str(b.batch_size), str(b.context_len), str(b.q_len)]
+            cells = [str(b.batch_size), str(b.context_len)] + ([str(b.q_len)] if show_q else [])
             for f in fams:
                 v = b.families.get(f)
-                chosen = v.chosen.key.split("/", 1)[1] if v and v.chosen else "-"
-                cells += [escape(chosen), _us(v.time_us if v else None),
-                          _us(v.default_time_us if v else None), _verdict_text(v)]
-            cells.append(escape(b.best_family or "-"))
+                label = escape(_label(v.chosen)) if v and v.chosen else "-"
+                if len(fams) > 1 and f == b.best_family:
+                    label = f"[bold]{label}[/]"
+                cells += [label, _us(v.time_us if v else None), _verdict_text(v)]
             t.add_row(*cells)
         console.print(t)
+        console.print(f"gain over the family default: shown when Mann-Whitney p < {ch.p_threshold:g} "
+                      f"and >= {ch.min_ratio:g}x; n.s. = no significant difference (the default "
+                      "stays); bold = fastest family in the bucket", highlight=False)
         console.print(f"page size: [bold]{m.page_size}[/] ({escape(m.page_reason)})", highlight=False)
         order = " > ".join(m.backend_order) or " > ".join(m.family_order)
         console.print(f"backend order: [bold]{escape(order)}[/] ({escape(m.order_reason)})",
@@ -155,6 +191,21 @@ def print_summary(outcome) -> None:
         console.print(f"[yellow]{escape(o.emit_note)}[/]")
     if ch.kind == "cpu-reference":
         console.print("[yellow]these are CPU torch-reference numbers, not GPU kernel measurements[/]")
+
+
+def _bucket_filter(model, tp, batches, contexts, q_len):
+    """Replay: which stored buckets to search (flags given narrow them; none given: all)."""
+    from mla_tune.sweep import parse_sizes
+    want_b = set(parse_sizes(batches)) if batches else None
+    want_c = set(parse_sizes(contexts)) if contexts else None
+
+    def keep(b) -> bool:
+        w = b.workload
+        return ((model is None or b.model == model.lower()) and (not tp or b.tp_size in tp)
+                and (want_b is None or w.batch_size in want_b)
+                and (want_c is None or w.context_len in want_c) and (not q_len or w.q_len in q_len))
+
+    return keep
 
 
 _CHOICES = {
@@ -181,7 +232,8 @@ HELP = (
 @app.command("sweep", help=HELP, epilog=EPILOG)
 def sweep(
     db: Path = typer.Option(Path("results.db"), "--db", help="results DB (SQLite) to store every trial in"),
-    model: str = typer.Option("deepseek-v3", "--model", "-m", help="model preset (heads, MLA dims)"),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="model preset (heads, MLA dims; "
+                                        "default deepseek-v3)"),
     tp: Optional[List[int]] = typer.Option(None, "--tp", help="tensor-parallel size; repeat for several "
                                            "(default: GPU 1 and 8, CPU 8)"),
     batches: Optional[str] = typer.Option(None, "--batches", help="batch sizes: '1-128' (powers of two) "
@@ -231,7 +283,7 @@ def sweep(
     """Measure each bucket's candidates, store every trial, choose winners, emit the config."""
     from mla_tune.problem import ProblemError, WorkloadMix
     from mla_tune.store import StoreError
-    from mla_tune.sweep import SweepError, build_config, replay_sweep, run_sweep
+    from mla_tune.sweep import SweepConfig, SweepError, build_config, replay_sweep, run_sweep
 
     _choice("mode", mode)
     _choice("isolation", isolation)
@@ -252,24 +304,22 @@ def sweep(
                   name=name, journal=journal, mix=workload_mix, min_ratio=min_ratio,
                   emit=not no_emit, configs_dir=configs_dir,
                   command=" ".join(shlex.quote(a) for a in ["mla-tune"] + sys.argv[1:]))
-        explicit_buckets = any(x for x in (tp, batches, contexts, q_len))
+        observer = RichObserver(quiet)
         if replay is not None:
             if not replay.exists():
                 fail(f"no results DB at {replay} to replay")
-            config = build_config(model=model, tp_sizes=tp, batches=batches, contexts=contexts,
-                                  q_lens=q_len or (1,), ragged=ragged, q_dtype=q_dtype,
-                                  kv_dtype=kv_dtype, page_sizes=page_size, device="cpu",
-                                  samples=samples, warmup=warmup, timeout_s=timeout,
-                                  time_budget=time_budget, **{**kw, "emit": False})
-            if not explicit_buckets:
-                config.buckets = []          # every stored workload
-            outcome = replay_sweep(replay, config, RichObserver(quiet), device_name=device_name)
+            config = SweepConfig(buckets=[], **{**kw, "emit": False, "journal": False})
+            outcome = replay_sweep(replay, config, observer, device_name=device_name,
+                                   where=_bucket_filter(model, tp, batches, contexts, q_len))
         else:
-            config = build_config(model=model, tp_sizes=tp, batches=batches, contexts=contexts,
+            config = build_config(model=model or "deepseek-v3", tp_sizes=tp, batches=batches, contexts=contexts,
                                   q_lens=q_len or (1,), ragged=ragged, q_dtype=q_dtype,
                                   kv_dtype=kv_dtype, page_sizes=page_size, samples=samples,
                                   warmup=warmup, timeout_s=timeout, time_budget=time_budget, **kw)
-            outcome = run_sweep(config, RichObserver(quiet))
+            try:
+                outcome = run_sweep(config, observer)
+            finally:
+                observer.close()      # Ctrl-C or an error: leave the terminal clean
     except SweepError as e:       # SweepInputError (a ValueError) is bad input: exit 2
         fail(str(e), EXIT_USER_ERROR if isinstance(e, ValueError) else EXIT_FAILURE)
     except (ValueError, ProblemError, StoreError) as e:
