@@ -7,6 +7,7 @@
   "torch" behaves. The default is "torch".
 * "sleepy": the torch reference with a pause in every preparation, so a test can kill a sweep
   while it runs.
+* "gpufault" (GPU only): "oob" makes a real illegal memory access from a Triton kernel.
 
 `register()` adds both to mla_tune.backends' registry in this process; a worker process gets
 them through WorkerRunner's copy of the registry (this module must be importable there, which
@@ -71,6 +72,36 @@ class SleepyBackend(ReferenceBackend):
         return super().prepare(workload, candidate, problem)
 
 
+class GpuFaultBackend(ReferenceBackend):
+    """On a GPU: "oob" launches a Triton kernel that stores far out of bounds, a real illegal
+    memory access that poisons the CUDA context (reported at the next synchronisation)."""
+
+    family = "gpufault"
+
+    def space(self, workload, page_sizes):
+        return [Candidate(self.family, b, p) for b in ("torch", "oob") for p in page_sizes]
+
+    def default_candidate(self, workload, page_size):
+        return Candidate(self.family, "torch", page_size)
+
+    def prepare(self, workload, candidate, problem):
+        if candidate.backend == "oob":
+            _store_out_of_bounds(problem.q_nope)
+        return super().prepare(workload, candidate, problem)
+
+
+def _store_out_of_bounds(t):
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def oob(x_ptr):
+        tl.store(x_ptr + (1 << 40) + tl.program_id(0), 1.0)
+
+    oob[(1,)](t)
+
+
 def register() -> None:
     register_family("faulty", f"{__name__}:FaultyBackend")
     register_family("sleepy", f"{__name__}:SleepyBackend")
+    register_family("gpufault", f"{__name__}:GpuFaultBackend")

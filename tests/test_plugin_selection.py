@@ -155,7 +155,6 @@ def test_block_size_from_the_tuned_config(platform, base_config, tmp_path, monke
     assert vc.cache_config.block_size == 64 and not vc.cache_config.user_specified_block_size
     assert vc.parallel_config.worker_cls == "vllm.v1.worker.gpu_worker.Worker"
     # vLLM re-picks the size after model load when the user did not set one; it must stay 64
-    fi = platform.get_attn_backend_cls  # noqa: F841 - registration happens on selection
     from vllm_metax.backend.flashinfer_mla import FlashInferMLABackend
     assert platform._preferred_block_size_for_backends([FlashInferMLABackend], 16, vc) == 64
 

@@ -84,3 +84,17 @@ def test_sticky_cuda_errors():
     assert is_sticky_cuda_error("Triton Error [CUDA]: unspecified launch failure")
     assert not is_sticky_cuda_error("CUDA out of memory. Tried to allocate 2.00 GiB")
     assert not is_sticky_cuda_error("")
+
+
+@pytest.mark.gpu
+def test_illegal_memory_access_poisons_only_its_own_trial():
+    settings = MeasureSettings(device="cuda", samples=6, warmup=1)
+    cands = [Candidate("gpufault", b, p) for b, p in (("torch", 16), ("oob", 16), ("torch", 64))]
+    runner = WorkerRunner(settings, timeout_s=120.0)
+    try:
+        res = runner.measure(W, cands)
+    finally:
+        runner.close()
+    assert [r.status for r in res] == ["ok", "invalid", "ok"]
+    assert res[1].invalid_reason == "crash" and "poisoned" in res[1].message
+    assert runner.restarts >= 1
