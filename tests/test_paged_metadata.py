@@ -40,3 +40,9 @@ def test_rejects_device_seq_lens_and_short_tables():
         build_paged_metadata(bt, torch.tensor([17, 1]), 16)
     with pytest.raises(ValueError, match="does not cover"):
         build_paged_metadata(bt[:1], torch.tensor([1, 1]), 16)
+
+
+def test_too_small_out_buffer_is_an_error_not_a_silent_resize():
+    bt = torch.tensor([[5, 6, 7]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="needs 3"):
+        build_paged_metadata(bt, torch.tensor([20]), 8, out_kv_indices=torch.zeros(2, dtype=torch.int32))

@@ -257,6 +257,10 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder[FlashInferMLAMetadat
         self.full_cudagraph = mode is not None and mode.decode_mode() == CUDAGraphMode.FULL
         max_graph = self.compilation_config.max_cudagraph_capture_size
         self.max_graph_tokens = max_graph if max_graph is not None else 0
+        # graph buffers hold every page a request of max_model_len can use: a captured graph
+        # keeps its buffers, so they are sized once for the longest request, not the first step's
+        page = kv_cache_spec.block_size
+        self.max_pages_per_req = -(-self.model_config.max_model_len // page)
 
         from vllm.platforms import current_platform
         allowed, default = device_backends()
@@ -301,7 +305,8 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder[FlashInferMLAMetadat
             bkey = (num_decodes, q_len)
             if bkey not in self._graph_buffers:
                 self._graph_buffers[bkey] = GraphBuffers.allocate(
-                    num_decodes, num_decodes * max_pages_per_req, self.device)
+                    num_decodes, num_decodes * max(max_pages_per_req, self.max_pages_per_req),
+                    self.device)
             buffers = self._graph_buffers[bkey]
             self._graph_kernels[key] = PlannedKernel(
                 MLADecodeKernel(shared_workspace(self.device), backend, use_cuda_graph=True,
