@@ -163,16 +163,17 @@ class SearchSpace:
                 vals.append(trial.suggest_categorical(ax.name, list(ax.values)))
         return self._by_point.get((k, tuple(vals)))
 
-    def grid_order(self, by_page: bool = True) -> list[Candidate]:
+    def grid_order(self, by_page: bool = True, first_page: int | None = None) -> list[Candidate]:
         """Every candidate, each family default first: grouped by page size (defaults leading
         their group, so one interleaved batch compares a default with its rivals on one KV
-        layout), or, with `by_page=False`, all defaults before everything else."""
+        layout; `first_page`'s group first, so a grid cut by the time budget still has it), or,
+        with `by_page=False`, all defaults before everything else."""
         defaults = [d for d in self.defaults]
         rest = sorted((c for c in self.candidates if c not in defaults),
-                      key=lambda c: (c.page_size, c.key))
+                      key=lambda c: (c.page_size != first_page, c.page_size, c.key))
         if not by_page:
             return defaults + rest
-        pages = sorted({c.page_size for c in self.candidates})
+        pages = sorted({c.page_size for c in self.candidates}, key=lambda p: (p != first_page, p))
         return [c for p in pages for c in [d for d in defaults if d.page_size == p]
                 + [c for c in rest if c.page_size == p]]
 
@@ -197,9 +198,11 @@ class SearchPolicy:
     """How to search: mode, budgets and the sampler seed.
 
     `max_trials` caps the candidates evaluated per bucket (None: the whole space for the grid,
-    `tpe_trial_budget` for TPE); `deadline` is a time.monotonic() value; `patience` applies to
-    TPE only; `batch` is the largest set measured together (grid batches also never mix page
-    sizes: each batch is one interleaved comparison on one KV layout).
+    `tpe_trial_budget` for TPE); `deadline` is a time.monotonic() value (the sweep may move it
+    on, by first-use JIT time); `patience` applies to TPE only; `batch` is the largest set
+    measured together (grid batches also never mix page sizes: each batch is one interleaved
+    comparison on one KV layout); the grid measures `first_page` (the default KV block size)
+    before other page sizes.
     """
 
     mode: str = "auto"
@@ -210,6 +213,7 @@ class SearchPolicy:
     batch: int = 16
     tpe_batch: int = TPE_BATCH
     seed: int = 0
+    first_page: int | None = 64     # the grid measures this page size's group first
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -361,7 +365,8 @@ class _Run:
         """Every candidate in grid_order, a batch per page size; a cut grid keeps the defaults
         (the baseline) before anything else."""
         space, out = self.space, self.out
-        order = space.grid_order(by_page=out.budget >= len(space))[:out.budget]
+        order = space.grid_order(by_page=out.budget >= len(space),
+                                 first_page=self.policy.first_page)[:out.budget]
         i = 0
         while i < len(order):
             if not self.time_left():

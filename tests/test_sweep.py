@@ -306,6 +306,22 @@ def test_usage_errors_through_the_console_script_are_one_line(tmp_path):
         assert "Traceback" not in res.stderr
 
 
+def test_a_script_without_a_main_guard_can_sweep_in_a_worker(tmp_path):
+    # multiprocessing re-runs the parent's __main__ script in each child; the sweep hides it, so
+    # a library user's script needs no `if __name__ == "__main__"` and runs its sweep once
+    script = tmp_path / "my_sweep.py"
+    script.write_text(
+        "import sys\nfrom pathlib import Path\n"
+        "from mla_tune.sweep import build_config, run_sweep\n"
+        "out = run_sweep(build_config(db=Path(sys.argv[1]), device='cpu', isolation='process',\n"
+        "    emit=False, batches='1', contexts='64', page_sizes=[16], samples=3, warmup=1))\n"
+        "print('measured', out.measured)\n")
+    res = subprocess.run([sys.executable, str(script), str(tmp_path / "r.db")], capture_output=True,
+                         text=True, timeout=120, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["measured", "1"]
+
+
 def test_no_family_that_runs_here_is_exit_1(tmp_path):
     res = runner.invoke(app, ["sweep", "--db", str(tmp_path / "r.db"), "--family", "flashinfer"])
     assert res.exit_code == 1, res.output

@@ -130,3 +130,12 @@ def test_replay_of_real_h200_measurements(tmp_path):
         == {(16, 1, 1024)}                                          # "Triton beats fa3 ... at H16 B1 L1024"
     for m in out.choice.models:
         assert m.page_size == 64 and m.backend_order == ("FLASHINFER_MLA", "TRITON_MLA")
+
+
+def test_grid_measures_the_default_page_first():
+    sp = _space(n_splits=2, pages=(1, 16, 64))          # per page: 2 splits, fixed, the default
+    order = sp.grid_order(first_page=64)
+    assert [c.page_size for c in order] == [64] * 4 + [1] * 4 + [16] * 4
+    assert order[0] in sp.defaults and order[4] in sp.defaults          # each group leads with it
+    cut = sp.grid_order(by_page=False, first_page=64)
+    assert set(cut[:3]) == set(sp.defaults) and cut[3].page_size == 64
