@@ -399,6 +399,21 @@ def _refusals(store, device: str) -> dict:
 JIT_S = 0.5      # a preparation longer than this is first-use compilation, not the bucket's search
 
 
+def ceilings_in_subprocess(timeout: float = 180.0) -> dict:
+    """Copy bandwidth and matmul rate of this GPU for the run record (roofline %), measured in a
+    child process so this process never initialises CUDA before its workers fork. {} on failure."""
+    import json
+    import subprocess
+    import sys
+    code = ("import json; from mla_tune.roofline import measure_ceilings; "
+            "c = measure_ceilings('cuda'); print(json.dumps({k: c[k] for k in ('copy_gbps', 'matmul_tflops')}))")
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+        return json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else {}
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return {}
+
+
 class _Measurer:
     """Answers a bucket's candidates from the store, or measures them and commits each trial."""
 
@@ -411,7 +426,10 @@ class _Measurer:
     def _run(self) -> int:
         if self.run_id is None:     # a rerun that measures nothing adds no run record
             from mla_tune.environment import capture_environment
-            self.run_id = self.store.add_run(capture_environment(self.plan.kind, self.config.command))
+            env = capture_environment(self.plan.kind, self.config.command)
+            if self.plan.kind == "gpu":
+                env.update(ceilings_in_subprocess())
+            self.run_id = self.store.add_run(env)
             self.outcome.run_id = self.run_id
         return self.run_id
 

@@ -23,3 +23,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "vllm" in item.keywords and not HAS_VLLM:
             item.add_marker(skip_vllm)
+
+
+@pytest.fixture(autouse=True)
+def _no_shipped_tuned_configs(tmp_path_factory, monkeypatch):
+    """Tests never read the configs/ this repository ships (the H200 one among them): a test that
+    wants a tuned config writes its own. Subprocesses get the same through the environment."""
+    from vllm_metax import tuned_config as tc
+    empty = tmp_path_factory.mktemp("no-packaged-configs")
+    monkeypatch.setattr(tc, "PACKAGED_FOLDER", empty)
+    monkeypatch.setenv(tc.PACKAGED_ENV, str(empty))
+    tc.clear_cache()
+    yield
+    tc.clear_cache()

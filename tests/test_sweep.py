@@ -345,3 +345,13 @@ def test_v1_results_db_gains_the_default_mark(tmp_path):
         assert s.schema_version == store_mod.SCHEMA_VERSION >= 2
         assert "is_default" in {c.name for c in s.db["trials"].columns}
         assert s.db["trials"].get(1)["candidate"] == "a/b/p1"
+
+
+def test_ceilings_subprocess_without_cuda_returns_nothing():
+    """On a machine without CUDA the child fails and the run record simply has no ceilings."""
+    from mla_tune.sweep import ceilings_in_subprocess
+    import torch
+    if torch.cuda.is_available():
+        import pytest
+        pytest.skip("has CUDA")
+    assert ceilings_in_subprocess(timeout=60) == {}

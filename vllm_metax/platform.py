@@ -23,7 +23,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_b
 from vllm_metax import FLASHINFER_MLA_CLASS, TRITON_MLA_CLASS
 from vllm_metax.backend import dtype_name, kv_dtype_name, mla_backend_order, model_dims, tuned_entry
 from vllm_metax.device import FORCE_ENV, detect_device
-from vllm_metax.tuned_config import FOLDER_ENV, STRICT_ENV
+from vllm_metax.tuned_config import FOLDER_ENV, PACKAGED_ENV, STRICT_ENV
 
 if TYPE_CHECKING:
     from torch.distributed import PrefixStore, ProcessGroup
@@ -38,7 +38,7 @@ SPARSE_MLA_ORDER = ("FLASHMLA_SPARSE",)
 DEFAULT_ATTN_ORDER = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
 PLUGIN_BACKENDS = {"FLASHINFER_MLA": FLASHINFER_MLA_CLASS, "TRITON_MLA": TRITON_MLA_CLASS}
 # Our variables start with VLLM_ (vLLM-metax convention), so vLLM's environment check must know them.
-OWN_ENV_VARS = frozenset({FORCE_ENV, FOLDER_ENV, STRICT_ENV})
+OWN_ENV_VARS = frozenset({FORCE_ENV, FOLDER_ENV, STRICT_ENV, PACKAGED_ENV})
 
 
 def register_backends() -> None:

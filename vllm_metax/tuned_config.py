@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
 FOLDER_ENV = "VLLM_METAX_MLA_CONFIG_FOLDER"   # own variable: vLLM-metax overwrites VLLM_TUNED_CONFIG_FOLDER
 STRICT_ENV = "VLLM_METAX_MLA_CONFIG_STRICT"
-PACKAGED_FOLDER = Path(__file__).resolve().parent / "configs"
+PACKAGED_ENV = "VLLM_METAX_MLA_PACKAGED_FOLDER"   # tests only: stand-in for the shipped folder
+PACKAGED_FOLDER = Path(os.environ.get(PACKAGED_ENV) or Path(__file__).resolve().parent / "configs")
 ATTENTION_BACKENDS = ("FLASHINFER_MLA", "TRITON_MLA", "FLASHMLA")
 FAMILIES = ("flashinfer", "triton")
 
