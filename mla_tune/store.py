@@ -244,4 +244,13 @@ class ResultsStore:
         return rows
 
     def runs(self) -> list[dict]:
-        return list(self.db["runs"].rows_where(order_by="id"))
+        """Run records, with the environment keys that have no column of their own (kept as
+        JSON in `notes`) merged in."""
+        out = []
+        for r in self.db["runs"].rows_where(order_by="id"):
+            try:
+                extra = json.loads(r.get("notes") or "{}")
+            except ValueError:
+                extra = {}
+            out.append({**(extra if isinstance(extra, dict) else {}), **r})
+        return out

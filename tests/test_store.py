@@ -26,7 +26,7 @@ def test_schema_and_roundtrip(tmp_path):
         row = s.trials()[0]
         assert row["stats"].median == 2.0 and row["stats"].n == 3
         assert row["batch_size"] == 4 and row["device_name"] == "cpu"
-        assert '"unknown_key": 5' in s.runs()[0]["notes"]
+        assert s.runs()[0]["unknown_key"] == 5 and s.runs()[0]["kind"] == "cpu-reference"
     db = sqlite_utils.Database(path)
     assert {"runs", "workloads", "trials", "samples", "mla_tune_meta"} <= set(db.table_names())
     assert db.journal_mode == "wal"
