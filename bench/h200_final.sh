@@ -2,6 +2,7 @@
 # One device call that measures and verifies everything GPU-side inside a fixed wall-clock
 # allowance, in priority order: the DeepSeek-V3 TP1+TP8 sweep (every candidate correctness-gated
 # through the real kernels), then `pytest -m gpu`, then the per-step plan cost.
+#   here, once: ../shared/gpu/prepare-carry --with-vllm && bench/prepare-device-wheels.sh
 #   on the device machine (carry .carry and .whl):  bash bench/h200_final.sh [total_seconds]
 # SWEEP_ARGS overrides the bucket grid (default: the CLI's defaults); SWEEP_BUDGET the sweep's
 # seconds (default 55% of the total). The full default grid (96 buckets, ~2,400 trials at the
