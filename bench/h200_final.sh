@@ -27,6 +27,7 @@ python3 -c "import sqlite3; c=sqlite3.connect('results.db'); c.execute('pragma w
 cp results.db "$OUT/results.db"; cp results.optuna.log "$OUT/" 2>/dev/null
 cp configs/device_name=NVIDIA_H200.json "$OUT/" 2>/dev/null
 
+if [ "$(left)" -lt 90 ]; then echo "sweep only: $(left) s left, no time for pytest -m gpu and plan cost"; exit 0; fi
 echo "== pytest -m gpu ($(left) s left)"
 timeout $(( $(left) - 40 )) python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="-ra" > "$OUT/pytest_gpu.txt" 2>&1
 echo "pytest rc=$?" >> "$OUT/pytest_gpu.txt"
