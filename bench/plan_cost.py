@@ -8,7 +8,9 @@ page size 64:
   wrapper.plan       FlashInfer's BatchMLAPagedAttentionWrapper.plan(metadata=csr(...)) alone,
                      metadata prebuilt (what a naive backend pays per step)
   op.plan            vllm_metax.ops.flashinfer_mla.MLADecodeKernel.plan, metadata prebuilt
-  paged_metadata     build_paged_metadata alone (block table -> CSR on the GPU, no sync)
+  paged_metadata     build_paged_metadata alone, compact (block table -> CSR on the GPU, no sync)
+  paged_strided      build_paged_metadata(compact=False): the block table itself as the page list
+                     (what the plugin's eager steps hand to the fast re-plan)
   build_decode       the builder's _build_decode: metadata + tuned lookup + plan (eager wrapper)
   build_decode_graph the same into a CUDA-graph wrapper's persistent buffers
   forward_mqa        the impl's per-layer call (CPU side of one eager kernel launch)
@@ -156,6 +158,7 @@ def measure_gpu(heads: int, base_config, rows: list, profile: bool = False,
         via_op = _time(lambda: kernel.plan(meta, heads, 512, 64, PAGE, False, scale, torch.bfloat16,
                                            torch.bfloat16), 100)
         paged = _time(lambda: build_paged_metadata(bt[:batch], lens, PAGE), 200)
+        strided = _time(lambda: build_paged_metadata(bt[:batch], lens, PAGE, compact=False), 200)
 
         def build(b=builder):
             return b._build_decode(bt[:batch], common.seq_lens, max(seq_lens), common.query_start_loc_cpu,
@@ -174,12 +177,13 @@ def measure_gpu(heads: int, base_config, rows: list, profile: bool = False,
 
         md = build()
         assert md.backend == "fa3" and md.kernel.resolved_backend == "fa3"
-        fast = builder._kernels["fa3"].fast_plans
+        fast = builder._kernels["fa3"].fast_replans
         q = torch.randn(batch, heads, 576, dtype=torch.bfloat16, device="cuda")
         kv = torch.randn(num_pages, PAGE, 576, dtype=torch.bfloat16, device="cuda")
         holder = type("M", (), {"decode": md})
         fwd = _time(lambda: impl.forward_mqa((q[..., :512], q[..., 512:]), kv, holder, None), 200)
         for name, st in (("wrapper.plan", bare), ("op.plan", via_op), ("paged_metadata", paged),
+                         ("paged_strided", strided),
                          ("build_decode", build_eager),
                          ("build_decode_graph", build_graph),
                          ("forward_mqa", fwd)):

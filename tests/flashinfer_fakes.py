@@ -43,6 +43,11 @@ class TorchCSRWrapper:
     def _store(self, qo, kvp, kvi, kvl, num_heads, ckv, kpe, page_size, causal, sm_scale, qdt, kvdt):
         if self.backend in self.refuse:
             raise _BackendPlanUnsupportedError(self.refuse[self.backend])
+        # FlashInfer 0.7's public plan() validates compact CSR (_validate_csr_metadata)
+        pages = [(n + page_size - 1) // page_size for n in kvl.tolist()]
+        counts = [b - a for a, b in zip(kvp.tolist()[:-1], kvp.tolist()[1:])]
+        if pages != counts or kvp.tolist()[-1] > kvi.numel():
+            raise ValueError("CSR metadata page counts in kv_indptr must equal ceil(kv_len_arr / page_size).")
         self.plan_args = dict(qo_indptr=qo, kv_indptr=kvp, kv_indices=kvi, kv_len=kvl,
                               num_heads=num_heads, head_dim_ckv=ckv, head_dim_kpe=kpe,
                               page_size=page_size, causal=causal, sm_scale=sm_scale,

@@ -216,12 +216,19 @@ class _FakePlanned:
         self._use_cuda_graph = False
         self.device = torch.device("cpu")
         self._kv_indices_buf = None
+        self._plan_info = None
 
 
-def _fast_kernel(monkeypatch):
+def _fast_kernel(monkeypatch, graph_pages=None, batch=3):
     fakes.install(monkeypatch, fakes.keyword_module())
-    k = op.MLADecodeKernel(torch.empty(8, dtype=torch.uint8), "fa3")
+    monkeypatch.setattr(op, "_sm_count", lambda device: 132)       # an H200's SM count
+    gb = op.GraphBuffers.allocate(batch, graph_pages, "cpu") if graph_pages else None
+    k = op.MLADecodeKernel(torch.empty(8, dtype=torch.uint8), "fa3", use_cuda_graph=gb is not None,
+                           graph_buffers=gb)
     k.wrapper._planned_backend = _FakePlanned()
+    if gb is not None:
+        k.wrapper._planned_backend._use_cuda_graph = True
+        k.wrapper._planned_backend._kv_indices_buf = gb.kv_indices
     return k
 
 
@@ -270,3 +277,82 @@ def test_fast_replan_only_for_identical_non_causal_plans(monkeypatch, change):
     k.plan(_meta(lens=(3, 4, 5)), *args, **kw)
     assert k.fast_replans == 0
     assert k.wrapper.plan_args["sm_scale"] == args[5]      # the public plan ran with the new arguments
+
+
+def _strided(lens, page_size=16, width=6):
+    bt = torch.arange(len(lens) * width, dtype=torch.int32).flip(0).reshape(len(lens), width)
+    meta = build_paged_metadata(bt, torch.tensor(lens, dtype=torch.int32), page_size, compact=False)
+    assert not meta.compact
+    return meta, bt
+
+
+def test_strided_metadata_goes_to_the_native_plan_and_is_compacted_for_the_public_one(monkeypatch):
+    """The block table itself is the page list on the fast path; FlashInfer's public plan(), which
+    demands compact CSR, gets the compacted form of the same pages."""
+    k = _fast_kernel(monkeypatch)
+    args = (16, 512, 64, 16, False, 0.1, torch.bfloat16, torch.bfloat16)
+    first, bt = _strided((40, 7, 16))
+    k.plan(first, *args)                                        # public path
+    assert k.fast_replans == 0
+    compact = build_paged_metadata(bt, torch.tensor([40, 7, 16]), 16)
+    assert k.wrapper.plan_args["kv_indices"].tolist() == compact.kv_indices.tolist()
+    assert k.wrapper.plan_args["kv_indptr"].tolist() == [0, 3, 4, 5]
+    meta, _ = _strided((90, 1, 33))
+    k.plan(meta, *args)                                         # fast path: strided as is
+    assert k.fast_replans == 1
+    call = k.wrapper._planned_backend._cached_module.calls[-1]
+    assert call[4].tolist() == [0, 6, 12, 18] and call[5].tolist() == [90, 1, 33]
+    assert k.wrapper._planned_backend._kv_indices_buf.data_ptr() == meta.block_table.data_ptr()
+
+
+def test_graph_fast_replan_copies_page_indices_into_the_captured_buffer(monkeypatch):
+    k = _fast_kernel(monkeypatch, graph_pages=18)
+    args = (16, 512, 64, 16, False, 0.1, torch.bfloat16, torch.bfloat16)
+    k.plan(_strided((40, 7, 16))[0], *args)
+    meta, bt = _strided((90, 1, 33))
+    k.plan(meta, *args)
+    assert k.fast_replans == 1
+    assert k.graph_buffers.kv_indices.tolist() == bt.reshape(-1).tolist()   # 3 rows x 6 = 18 pages
+    small = _fast_kernel(monkeypatch, graph_pages=12)            # too small for 18 strided pages
+    small.plan(_strided((40, 7, 16))[0], *args)
+    small.plan(meta, *args)
+    assert small.fast_replans == 0                               # the public plan ran (compact fits)
+    assert small.wrapper.plan_args["kv_indptr"].tolist() == [0, 6, 7, 10]
+
+
+def test_fast_replan_never_where_flashinfers_checks_could_fail(monkeypatch):
+    """Work counts near MLAPlan's native capacity, backends other than fa2/fa3, the 0.2.x API."""
+    args = (128, 512, 64, 16, False, 0.1, torch.bfloat16, torch.bfloat16)
+    big = build_paged_metadata(torch.zeros(8200, 1, dtype=torch.int32), torch.ones(8200, dtype=torch.int32), 16)
+    k = _fast_kernel(monkeypatch)
+    k.plan(big, *args)
+    k.plan(big, *args)
+    assert k.fast_replans == 0                  # 8200 x 2 tiles + 132 SMs > 16384 work items
+    ok = build_paged_metadata(torch.zeros(8000, 1, dtype=torch.int32), torch.ones(8000, dtype=torch.int32), 16)
+    k.plan(ok, *args)
+    assert k.fast_replans == 1                  # 16000 + 132 fits (the last public plan had these arguments)
+    other = _fast_kernel(monkeypatch)
+    other.wrapper._planned_backend._backend = "cutlass"
+    other.plan(_meta(), *args)
+    other.plan(_meta(), *args)
+    assert other.fast_replans == 0
+    fakes.install(monkeypatch, fakes.flat_module())          # the 0.2.x wrapper: plan() is cheap already
+    flat = op.MLADecodeKernel(torch.empty(8, dtype=torch.uint8), "fa2")
+    flat.wrapper._planned_backend = _FakePlanned()
+    assert flat.api == op.API_FLAT
+    flat.plan(_meta(), *args)
+    flat.plan(_meta(), *args)
+    assert flat.fast_replans == 0
+
+
+def test_fast_replan_switches_itself_off_when_internals_differ(monkeypatch):
+    k = _fast_kernel(monkeypatch)
+    args = (16, 512, 64, 16, False, 0.1, torch.bfloat16, torch.bfloat16)
+    k.plan(_meta(), *args)
+
+    def broken(*a):
+        raise TypeError("plan() takes 12 arguments")
+    k.wrapper._planned_backend._cached_module.plan_with_staged_workspace_bytes = broken
+    k.plan(_meta(lens=(3, 4, 5)), *args)
+    assert k.fast_replans == 0 and k.fast_replan is False
+    assert k.wrapper.plan_args["kv_len"].tolist() == [3, 4, 5]    # the public plan ran

@@ -185,10 +185,13 @@ def test_time_prepared_uses_graphs_and_is_positive():
     assert len(r.samples["plan_us"]) == 10
 
 
+@pytest.mark.parametrize("compact", [True, False])
 @pytest.mark.parametrize("graph", [False, True])
 @pytest.mark.parametrize("backend", ["fa2", "fa3"])
-def test_fast_replan_equals_reference_over_changing_lengths(backend, graph):
-    """The fast re-plan path (what the plugin runs every step) against the reference, eager and graphed."""
+def test_fast_replan_equals_reference_over_changing_lengths(backend, graph, compact):
+    """The fast re-plan path (what the plugin runs every step) against the reference, eager and
+    graphed, from compact metadata and from strided metadata (the block table itself as the page
+    list, whose columns past a row's pages point at a NaN page that must never be read)."""
     op = _fi()
     if backend == "fa3" and not _sm90():
         pytest.skip("fa3 needs SM90")
@@ -198,6 +201,8 @@ def test_fast_replan_equals_reference_over_changing_lengths(backend, graph):
     steps = ([300, 17, 4000, 1, 64, 65], [301, 18, 4001, 2, 65, 66], [5, 5, 5, 5, 5, 5],
              [1000, 2000, 3000, 4000, 100, 1])
     kv, bt, q = _packed_problem(heads, page, [4001] * 6, seed=4)
+    kv = torch.cat([kv, torch.full_like(kv[:1], float("nan"))])
+    bt[:, -(bt.shape[1] - math.ceil(4001 / page)):] = kv.shape[0] - 1
     ckv, kpe = kv[..., :512], kv[..., 512:]
     gb = op.GraphBuffers.allocate(6, bt.shape[1] * 6, "cuda") if graph else None
     kern = op.MLADecodeKernel(op.make_workspace("cuda"), backend, use_cuda_graph=graph, graph_buffers=gb)
@@ -205,7 +210,9 @@ def test_fast_replan_equals_reference_over_changing_lengths(backend, graph):
     g = None
     for i, lens in enumerate(steps):
         seq = torch.tensor(lens, dtype=torch.int32)
-        meta = build_paged_metadata(bt, seq, page, out_kv_indices=gb.kv_indices if graph else None)
+        meta = build_paged_metadata(bt, seq, page, compact=compact,
+                                    out_kv_indices=gb.kv_indices if graph and compact else None)
+        assert meta.compact == compact
         kern.plan(meta, heads, 512, 64, page, False, scale, torch.bfloat16, torch.bfloat16)
         out.fill_(float("nan"))
         if graph and g is None:

@@ -115,11 +115,17 @@ def test_build_decode_plans_the_reference_page_table(fb, base_config):
     meta = plan["meta"]
     pages = [-(-s // PAGE) for s in seq_lens]
     assert meta.qo_indptr.tolist() == list(range(len(seq_lens) + 1))
-    assert meta.kv_indptr.tolist() == [sum(pages[:i]) for i in range(len(pages) + 1)]
     assert meta.kv_len.tolist() == seq_lens
+    # eager steps hand over the block table itself (strided: request b starts at b * width)
+    assert not meta.compact and meta.kv_indices.data_ptr() == bt.data_ptr()
     for b, n in enumerate(pages):     # each request reads exactly its block-table row, in order
-        assert meta.kv_indices[meta.kv_indptr[b]:meta.kv_indptr[b + 1]].tolist() == bt[b, :n].tolist()
+        start = int(meta.kv_indptr[b])
+        assert meta.kv_indices[start:start + n].tolist() == bt[b, :n].tolist()
     assert 7 not in meta.kv_indices.tolist()          # rows past the batch are never read
+    compact = meta.compacted()                        # what FlashInfer's public plan() gets
+    assert compact.kv_indptr.tolist() == [sum(pages[:i]) for i in range(len(pages) + 1)]
+    for b, n in enumerate(pages):
+        assert compact.kv_indices[compact.kv_indptr[b]:compact.kv_indptr[b + 1]].tolist() == bt[b, :n].tolist()
     # the dims and scale FlashInfer is planned with
     assert plan["num_heads"] == ps.NUM_HEADS
     assert plan["head_dim_ckv"] == ps.KV_LORA_RANK   # not num_kv_heads (1)
@@ -337,11 +343,22 @@ def test_full_cudagraph_uses_persistent_buffers_per_batch_size(fb, base_config):
     k4 = md4.kernel
     assert md4.cuda_graph and k4 is md4b.kernel and md2.kernel is not k4
     assert k4.use_cuda_graph and k4.graph_buffers.kv_len.shape == (4,)
-    buf = k4.graph_buffers.kv_indices
-    assert md4b.paged.kv_indices.data_ptr() == buf.data_ptr()     # gathered straight into it
+    # a small table goes whole into the graph's buffer, which holds every row at full width
+    assert not md4b.paged.compact and k4.graph_buffers.kv_indices.numel() >= md4b.paged.kv_indices.numel()
     assert len(ps.RecordingKernel.instances) == 2
     big, *_ = _decode(builder, [10] * 16)            # beyond the largest capture size: eager
     assert not big.cuda_graph and not big.kernel.use_cuda_graph
+
+
+def test_large_graph_tables_are_compacted_straight_into_the_graph_buffer(fb, base_config, monkeypatch):
+    monkeypatch.setattr(fb, "_GRAPH_STRIDED_MAX_PAGES", 8)     # a 4-row table is "large" here
+    builder = ps.make_builder(_config(base_config, cudagraph=True))
+    md, bt, lens, _ = _decode(builder, [10, 20, 30, 40])
+    buf = md.kernel.graph_buffers.kv_indices
+    assert md.cuda_graph and md.paged.compact
+    assert md.paged.kv_indices.data_ptr() == buf.data_ptr()      # gathered straight into it
+    assert md.paged.kv_indices.tolist() == [p for b, n in enumerate(lens.tolist())
+                                            for p in bt[b, :-(-n // PAGE)].tolist()]
 
 
 def test_cudagraph_padding_rows_read_the_null_block(fb, base_config):
@@ -379,38 +396,6 @@ def test_through_the_real_op_with_a_fake_flashinfer(fb, base_config, monkeypatch
     ref = mla_decode_reference(q[..., 192:], q[..., 128:192], kv[..., :512], kv[..., 512:], bt, lens,
                                ps.softmax_scale())
     assert relative_error(out, ref) < 1e-2
-
-
-def test_fast_replan_only_where_flashinfer_validation_provably_passes(fb, monkeypatch):
-    """The fast re-plan skips FlashInfer's Python checks, so it must refuse every case where they
-    could fail: other static arguments, a backend other than fa2/fa3, a work count near MLAPlan's
-    capacity, and causal plans whose query tile does not split evenly over the heads."""
-    from vllm_metax.ops.paged_metadata import build_paged_metadata
-
-    monkeypatch.setattr(fb, "_sm_count", lambda device: 132)
-    kernel = SimpleNamespace(api="keyword", resolved_backend="fa3",
-                             wrapper=SimpleNamespace(device="cuda:0", _planned_backend=SimpleNamespace(
-                                 _cached_module=object(), _float_workspace_buffer=1,
-                                 _int_workspace_buffer=1, _pin_memory_int_workspace_buffer=1,
-                                 _use_cuda_graph=False, _kv_indices_buf=None)))
-    fast = fb._FastReplan(kernel)
-    static = (16, 512, 64, 64, False, 0.1, torch.bfloat16, torch.bfloat16, False)
-    meta = build_paged_metadata(torch.zeros(4, 8, dtype=torch.int32), torch.tensor([5, 9, 1, 64]), 16)
-    assert not fast.usable(static, meta, 16, 1, False)           # nothing planned yet
-    fast.remember(static)
-    assert fast.usable(static, meta, 16, 1, False)
-    assert not fast.usable(static[:-1] + (True,), meta, 16, 1, False)   # LSE mode changed
-    kernel.resolved_backend = "cutlass"
-    assert not fast.usable(static, meta, 16, 1, False)
-    kernel.resolved_backend = "fa2"
-    assert fast.usable(static, meta, 16, 3, True)                # 64 % 16 == 0: no tile check
-    assert not fast.usable(static, meta, 24, 3, True)            # FlashInfer checks tile bounds
-    big = build_paged_metadata(torch.zeros(4100, 1, dtype=torch.int32),
-                               torch.ones(4100, dtype=torch.int32), 16)
-    assert not fast.usable(static, big, 128, 2, False)           # 4100 x 4 tiles > 16384 - 132
-    flat = fb._FastReplan(SimpleNamespace(api="flat", resolved_backend="fa2", wrapper=None))
-    flat.remember(static)
-    assert not flat.usable(static, meta, 16, 1, False)           # 0.2.x plan is cheap already
 
 
 def test_mla_backend_order():

@@ -18,6 +18,7 @@ import logging
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from vllm.config import VllmConfig, get_current_vllm_config_or_none
@@ -54,6 +55,9 @@ from vllm_metax.tuned_config import ModelEntry
 logger = logging.getLogger(__name__)
 
 FAMILY = "flashinfer"           # the tuned-config kernel family this backend reads
+# A CUDA-graph step copies strided page indices (the whole block table) into the graph's buffer:
+# up to 2M pages (8 MB, a few microseconds of copy) that beats the compacting gather's launches.
+_GRAPH_STRIDED_MAX_PAGES = 1 << 21
 
 
 # ---------------------------------------------------------------------------- plan-time choice
@@ -108,96 +112,6 @@ class PlanChoice:
         if self.default == backend:
             self.default = "fa2"
         return "fa2"
-
-
-# ---------------------------------------------------------------------------- fast re-plan
-
-_FA_MAX_WORK_ITEMS = 16384       # FlashInfer 0.7 fa2/fa3 MLAPlan capacity (scheduler.cuh)
-
-
-class _FastReplan:
-    """Re-plan a wrapper that already planned fa2/fa3 once with the same static arguments by
-    calling FlashInfer's compiled MLAPlan directly, as vLLM's own `fast_plan_decode` does for the
-    decode wrapper: FlashInfer 0.7's plan() spends ~75% of its 0.4-0.7 ms in Python validation
-    that cannot change between steps of one model. Used only where that validation provably
-    passes (work-item bound, no causal tile check); anything else goes through plan().
-    """
-
-    def __init__(self, kernel: MLADecodeKernel):
-        self.kernel = kernel
-        self.static = None        # the static plan arguments of the last full plan
-        self.enabled = kernel.api == "keyword"
-
-    def usable(self, static, meta: PagedMetadata, num_heads: int, q_len: int, causal: bool) -> bool:
-        if not (self.enabled and self.static == static and self.kernel.resolved_backend in ("fa2", "fa3")):
-            return False
-        batch = meta.kv_len.shape[0]
-        tiles = batch * -(-q_len * num_heads // 64)
-        num_sm = _sm_count(self.kernel.wrapper.device)
-        if tiles + num_sm > _FA_MAX_WORK_ITEMS:
-            return False
-        return not causal or 64 % num_heads == 0
-
-    def replan(self, meta: PagedMetadata, num_heads: int, head_dim_ckv: int, causal: bool) -> None:
-        be = self.kernel.wrapper._planned_backend
-        plan_args = (be._float_workspace_buffer, be._int_workspace_buffer,
-                     be._pin_memory_int_workspace_buffer, meta.qo_indptr, meta.kv_indptr,
-                     meta.kv_len, num_heads, head_dim_ckv, causal)
-        module = be._cached_module
-        if hasattr(module, "plan_with_staged_workspace_bytes"):
-            plan_info, staged = module.plan_with_staged_workspace_bytes(*plan_args)
-            be._staged_int_workspace_bytes = staged
-        else:
-            plan_info = module.plan(*plan_args)
-        # run() reads only the plan info and kv_indices (indptr/len live in the int workspace)
-        if be._use_cuda_graph:
-            dst = be._kv_indices_buf[: meta.kv_indices.shape[0]]
-            if dst.data_ptr() != meta.kv_indices.data_ptr():
-                dst.copy_(meta.kv_indices, non_blocking=True)
-        else:
-            be._kv_indices_buf = meta.kv_indices
-        be._plan_info = plan_info
-        self.kernel.wrapper._plan_info = plan_info
-
-    def remember(self, static) -> None:
-        be = getattr(getattr(self.kernel, "wrapper", None), "_planned_backend", None)
-        needed = ("_cached_module", "_float_workspace_buffer", "_int_workspace_buffer",
-                  "_pin_memory_int_workspace_buffer", "_use_cuda_graph", "_kv_indices_buf")
-        self.enabled = self.enabled and be is not None and all(hasattr(be, n) for n in needed)
-        self.static = static
-
-
-_SM_COUNT: dict = {}
-
-
-def _sm_count(device) -> int:
-    key = str(device)
-    if key not in _SM_COUNT:
-        _SM_COUNT[key] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNT[key]
-
-
-class PlannedKernel:
-    """One MLADecodeKernel plus its fast re-plan state."""
-
-    def __init__(self, kernel: MLADecodeKernel, graph_buffers: GraphBuffers | None = None):
-        self.kernel = kernel
-        self.graph_buffers = graph_buffers
-        self.fast = _FastReplan(kernel)
-        self.fast_plans = 0
-
-    def plan(self, meta: PagedMetadata, num_heads: int, head_dim_ckv: int, head_dim_kpe: int,
-             page_size: int, causal: bool, sm_scale: float, q_dtype: torch.dtype,
-             kv_dtype: torch.dtype, return_lse: bool, q_len: int) -> None:
-        static = (num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale, q_dtype,
-                  kv_dtype, return_lse)
-        if self.fast.usable(static, meta, num_heads, q_len, causal):
-            self.fast.replan(meta, num_heads, head_dim_ckv, causal)
-            self.fast_plans += 1
-            return
-        self.kernel.plan(meta, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale,
-                         q_dtype, kv_dtype, return_lse=return_lse)
-        self.fast.remember(static)
 
 
 _WORKSPACES: dict = {}
@@ -267,8 +181,8 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder[FlashInferMLAMetadat
         entry = tuned_entry(current_platform.get_device_name(),
                             model_dims(vllm_config, self.num_heads))
         self.choice = PlanChoice(entry, allowed, default)
-        self._kernels: dict[str, PlannedKernel] = {}
-        self._graph_kernels: dict[tuple, PlannedKernel] = {}
+        self._kernels: dict[str, MLADecodeKernel] = {}
+        self._graph_kernels: dict[tuple, MLADecodeKernel] = {}
         self._graph_buffers: dict[tuple, GraphBuffers] = {}
         self._common: CommonAttentionMetadata | None = None
 
@@ -294,11 +208,10 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder[FlashInferMLAMetadat
         return (self.full_cudagraph and pure_decode and num_decode_tokens <= self.max_graph_tokens)
 
     def _kernel(self, backend: str, graph: bool, num_decodes: int, q_len: int,
-                max_pages_per_req: int) -> PlannedKernel:
+                max_pages_per_req: int) -> MLADecodeKernel:
         if not graph:
             if backend not in self._kernels:
-                self._kernels[backend] = PlannedKernel(
-                    MLADecodeKernel(shared_workspace(self.device), backend))
+                self._kernels[backend] = MLADecodeKernel(shared_workspace(self.device), backend)
             return self._kernels[backend]
         key = (num_decodes, q_len, backend)
         if key not in self._graph_kernels:
@@ -307,10 +220,9 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder[FlashInferMLAMetadat
                 self._graph_buffers[bkey] = GraphBuffers.allocate(
                     num_decodes, num_decodes * max(max_pages_per_req, self.max_pages_per_req),
                     self.device)
-            buffers = self._graph_buffers[bkey]
-            self._graph_kernels[key] = PlannedKernel(
-                MLADecodeKernel(shared_workspace(self.device), backend, use_cuda_graph=True,
-                                graph_buffers=buffers), buffers)
+            self._graph_kernels[key] = MLADecodeKernel(
+                shared_workspace(self.device), backend, use_cuda_graph=True,
+                graph_buffers=self._graph_buffers[bkey])
         return self._graph_kernels[key]
 
     def _build_decode(self, block_table_tensor: torch.Tensor, seq_lens_device: torch.Tensor,
@@ -323,22 +235,29 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder[FlashInferMLAMetadat
         if rest or q_len < 1:
             raise ValueError(f"FLASHINFER_MLA plans uniform decode batches; got {num_decode_tokens} "
                              f"tokens over {num_decodes} requests")
+        # numpy, not torch, on the host: this runs every step and torch's per-op cost dominates.
         # CUDA-graph padding rows have length 0: give them q_len tokens of their (null) block.
-        seq_lens = self._host_seq_lens(seq_lens_device, num_decodes).to(torch.int32).clamp(min=q_len)
+        # np.maximum makes a fresh array: vLLM reuses its host length buffer next step.
+        seq_lens = np.maximum(self._host_seq_lens(seq_lens_device, num_decodes).numpy(), q_len,
+                              dtype=np.int32)
         graph = self._use_graph(num_decodes, num_decode_tokens)
-        context = int(seq_lens.sum()) // num_decodes
         backend = (self.choice.for_graph(num_decodes, q_len) if graph
-                   else self.choice.for_step(num_decodes, context, q_len))
+                   else self.choice.for_step(num_decodes, int(seq_lens.sum()) // num_decodes, q_len))
         block_table = block_table_tensor[:num_decodes]
+        # The block table itself is the page list (strided metadata, nothing launched) wherever
+        # the fast re-plan takes it; into a graph's buffer it is copied whole, so there only
+        # while that copy is small.
+        strided = not graph or num_decodes * block_table.shape[1] <= _GRAPH_STRIDED_MAX_PAGES
         while True:
-            planned = self._kernel(backend, graph, num_decodes, q_len, block_table.shape[1])
-            gb = planned.graph_buffers
+            kernel = self._kernel(backend, graph, num_decodes, q_len, block_table.shape[1])
+            gb = kernel.graph_buffers
             meta = build_paged_metadata(block_table, seq_lens, self.page_size, q_len,
-                                        out_kv_indices=gb.kv_indices if gb is not None else None)
+                                        out_kv_indices=gb.kv_indices if gb is not None and not strided
+                                        else None, compact=not strided)
             try:
-                planned.plan(meta, self.num_heads, self.head_dim_ckv, self.head_dim_kpe,
-                             self.page_size, q_len > 1, self.sm_scale, self.q_dtype, self.kv_dtype,
-                             self.plan_lse, q_len)
+                kernel.plan(meta, self.num_heads, self.head_dim_ckv, self.head_dim_kpe,
+                            self.page_size, q_len > 1, self.sm_scale, self.q_dtype, self.kv_dtype,
+                            return_lse=self.plan_lse)
                 break
             except BackendRefused as e:
                 if backend == "fa2":
@@ -346,7 +265,7 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder[FlashInferMLAMetadat
                 backend = self.choice.refuse(backend, e.reason)
         return FlashInferMLADecodeMetadata(
             block_table=block_table_tensor, seq_lens=seq_lens_device,
-            dcp_tot_seq_lens=dcp_tot_seq_lens_device, kernel=planned.kernel, backend=backend,
+            dcp_tot_seq_lens=dcp_tot_seq_lens_device, kernel=kernel, backend=backend,
             paged=meta, num_rows=num_decodes * q_len, q_len=q_len, sm_scale=self.sm_scale,
             page_size=self.page_size, return_lse=self.plan_lse, cuda_graph=graph)
 

@@ -49,6 +49,11 @@ _PACKED_BACKENDS = frozenset({"cutlass", "trtllm-gen", "xqa", "cute-dsl", "cute-
 _FLAT_FALLBACK_BACKENDS = ("auto", "fa2", "fa3")
 
 WORKSPACE_BYTES = 128 << 20      # FlashInfer's recommended float workspace for MLA
+_FA_MAX_WORK_ITEMS = 16384       # FlashInfer 0.7 fa2/fa3 MLAPlan capacity (scheduler.cuh)
+# What the fast re-plan reads or writes on FlashInfer 0.7's planned fa2/fa3 backend object.
+_FAST_INTERNALS = ("_cached_module", "_float_workspace_buffer", "_int_workspace_buffer",
+                   "_pin_memory_int_workspace_buffer", "_use_cuda_graph", "_kv_indices_buf",
+                   "_plan_info", "device")
 
 
 class FlashInferUnavailable(RuntimeError):
@@ -259,21 +264,23 @@ class MLADecodeKernel:
              kv_dtype: torch.dtype, *, return_lse: bool = False, layout: str | None = None) -> None:
         """Plan one batch from CSR metadata (host indptr/len, device kv_indices).
 
-        `return_lse` declares that run() will ask for the LSE (the keyword API fixes it at plan
-        time). `layout` ("split" | "packed"; keyword API only) is the q/KV representation run()
-        receives: default "split" (independent q_nope/q_pe and ckv/kpe tensors, what fa2/fa3
-        take natively), "packed" for backends that need it (cutlass, trtllm-gen, xqa, cute-dsl:
-        then run()'s split tensors must be adjacent views of one [..., ckv+kpe] tensor).
+        `meta` may be compact or strided (see vllm_metax.ops.paged_metadata); strided metadata
+        is compacted here when the public plan() has to run. `return_lse` declares that run()
+        will ask for the LSE (the keyword API fixes it at plan time). `layout` ("split" |
+        "packed"; keyword API only) is the q/KV representation run() receives: default "split"
+        (independent q_nope/q_pe and ckv/kpe tensors, what fa2/fa3 take natively), "packed" for
+        backends that need it (cutlass, trtllm-gen, xqa, cute-dsl: then run()'s split tensors
+        must be adjacent views of one [..., ckv+kpe] tensor).
         """
         signature = (num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale, q_dtype,
                      kv_dtype, return_lse, layout)
-        # FlashInfer's causal check (a partial query tile ending on a KV tile start) cannot fire
-        # when the head count divides the 64/128-row query tile, so only then may causal go fast
-        if (self.fast_replan and signature == self._signature and (not causal or 64 % num_heads == 0)
-                and self._replan_fast(meta, num_heads, head_dim_ckv, causal)):
+        if signature == self._signature and self._replan_fast(meta, num_heads, head_dim_ckv, causal):
             self.fast_replans += 1
             return
         self._signature = None
+        if not meta.compact:
+            gb = self.graph_buffers
+            meta = meta.compacted(gb.kv_indices if gb is not None else None)
         try:
             if self.api == API_KEYWORD:
                 if layout is None:
@@ -296,63 +303,79 @@ class MLADecodeKernel:
         self._planned_lse = return_lse
         self._planned = True
         self._layout = layout
-        self._signature = signature
+        self._signature = signature if self._fast_capable() else None
+
+    def _fast_capable(self) -> bool:
+        """Whether the wrapper just planned is one the fast re-plan understands: flashinfer's
+        keyword (0.7) wrapper on fa2/fa3 exposing the internals `_replan_fast` uses."""
+        if not self.fast_replan or self.api != API_KEYWORD:
+            return False
+        be = getattr(self.wrapper, "_planned_backend", None)
+        return (getattr(be, "_backend", None) in ("fa2", "fa3")
+                and all(hasattr(be, n) for n in _FAST_INTERNALS))
+
+    def fast_replan_usable(self, meta: PagedMetadata, num_heads: int, causal: bool) -> bool:
+        """Whether the checks FlashInfer's plan() makes provably pass for this batch, so they
+        may be skipped: the native work-item capacity cannot be reached, and a causal plan has a
+        head count dividing the 64-row query tile (FlashInfer's partial-tile check cannot fire)."""
+        batch = meta.kv_len.shape[0]
+        if batch == 0 or (causal and 64 % num_heads):
+            return False
+        # MLAPlan makes sum_r ceil(len_r / L) work items with L >= total / clusters: at most one
+        # per query tile plus one per cluster (<= one per SM); tiles counted at the smallest (64)
+        tiles = batch * -(-meta.q_len * num_heads // 64)
+        return tiles + _sm_count(self.wrapper_device) <= _FA_MAX_WORK_ITEMS
 
     def _replan_fast(self, meta: PagedMetadata, num_heads: int, head_dim_ckv: int,
                      causal: bool = False) -> bool:
         """Re-plan a planned fa2/fa3 wrapper with new metadata, skipping the wrapper's Python
-        validation (most of plan()'s ~0.5 ms): the C++ MLAPlan and the metadata staging only.
+        validation (most of plan()'s ~0.5 ms), as vLLM's `fast_plan_decode` does for FlashInfer's
+        decode wrapper: FlashInfer's compiled MLAPlan and the kv_indices hand-over only.
 
-        Only for a plan whose other arguments equal the last public plan's (causal only when the
-        head count divides 64), on flashinfer's keyword (0.7) wrapper whose planned backend is
-        fa2/fa3 and exposes the internals used here; a batch large enough to approach the native
-        work-item limit, a graph buffer of another shape, or any error falls back to the public
-        plan(). Metadata from build_paged_metadata is valid by construction, which is what the
-        skipped checks check.
+        Called only when the other plan arguments equal the last public plan's. run() reads the
+        plan info, the int workspace (which MLAPlan fills, indptr and lengths included) and
+        kv_indices, so those are all that change; the wrapper's host-side indptr/len mirrors
+        keep the last public plan's values. Returns False (the public plan() decides) when the
+        batch is outside `fast_replan_usable`, a graph buffer is too small, or the internals are
+        not as expected (then the fast path is switched off for this kernel).
         """
-        if self.api != API_KEYWORD:
+        if not self.fast_replan:
             return False
-        be = getattr(self.wrapper, "_planned_backend", None)
-        if getattr(be, "_backend", None) not in ("fa2", "fa3"):
-            return False
-        mod = getattr(be, "_cached_module", None)
-        batch = meta.kv_len.shape[0]
-        q_tokens = int(meta.qo_indptr[-1]) if batch else 0
-        if mod is None or batch == 0 or batch * -(-(q_tokens // batch) * num_heads // 64) > 4096:
-            return False
+        be = self.wrapper._planned_backend
         try:
+            if not self.fast_replan_usable(meta, num_heads, causal):
+                return False
+            if be._use_cuda_graph:
+                kvi = be._kv_indices_buf
+                n = meta.kv_indices.shape[0]
+                if kvi is None or kvi.shape[0] < n:
+                    return False
             args = (be._float_workspace_buffer, be._int_workspace_buffer,
                     be._pin_memory_int_workspace_buffer, meta.qo_indptr, meta.kv_indptr, meta.kv_len,
                     num_heads, head_dim_ckv, causal)
+            mod = be._cached_module
             if hasattr(mod, "plan_with_staged_workspace_bytes"):
                 plan_info, staged = mod.plan_with_staged_workspace_bytes(*args)
             else:
                 plan_info, staged = mod.plan(*args), 0
             if be._use_cuda_graph:
-                bufs = (be._qo_indptr_buf, be._kv_indptr_buf, be._kv_len_arr_buf)
-                srcs = (meta.qo_indptr, meta.kv_indptr, meta.kv_len)
-                kvi = be._kv_indices_buf
-                if any(b is None or b.shape != s.shape for b, s in zip(bufs, srcs)) or kvi is None \
-                        or kvi.shape[0] < meta.kv_indices.shape[0]:
-                    return False
-                for b, src in zip(bufs, srcs):
-                    b.copy_(src, non_blocking=True)
-                n = meta.kv_indices.shape[0]
                 if meta.kv_indices.data_ptr() != kvi.data_ptr():
                     kvi[:n].copy_(meta.kv_indices, non_blocking=True)
             else:
-                dev = be.device
-                be._qo_indptr_buf = meta.qo_indptr.to(dev, non_blocking=True)
-                be._kv_indptr_buf = meta.kv_indptr.to(dev, non_blocking=True)
-                be._kv_indices_buf = meta.kv_indices.to(dev, non_blocking=True)
-                be._kv_len_arr_buf = meta.kv_len.to(dev, non_blocking=True)
+                be._kv_indices_buf = meta.kv_indices.to(be.device, non_blocking=True)
             be._plan_info = plan_info
             be._staged_int_workspace_bytes = staged
             self.wrapper._plan_info = plan_info
             return True
-        except Exception:  # internals not as expected: the public path decides
+        except Exception:  # internals not as expected: the public path decides from now on
             self.fast_replan = False
+            self._signature = None
             return False
+
+    @property
+    def wrapper_device(self) -> torch.device:
+        be = getattr(self.wrapper, "_planned_backend", None)
+        return getattr(be, "device", None) or torch.device("cuda")
 
     def run(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor,
             kpe_cache: torch.Tensor, out: torch.Tensor | None = None,
@@ -382,6 +405,16 @@ class MLADecodeKernel:
             return None
         name = getattr(self.wrapper, "_planned_backend_name", None) or getattr(self.wrapper, "_backend", None)
         return name if isinstance(name, str) else None
+
+
+_SM_COUNT: dict = {}
+
+
+def _sm_count(device) -> int:
+    key = str(device)
+    if key not in _SM_COUNT:
+        _SM_COUNT[key] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNT[key]
 
 
 def probe_backend(backend: str, device: torch.device | str = "cuda", num_heads: int = 16,
