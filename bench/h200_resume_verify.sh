@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device call after a sweep that a time budget cut short, and after a change to the kernel
+# path: (1) the per-step plan cost on a quiet host, (2) the sweep resumed with no time budget (only
+# the unfinished buckets are measured; everything in results.db is reused), (3) `pytest -m gpu`.
+#   here, once: ../shared/gpu/prepare-carry --with-vllm && bench/prepare-device-wheels.sh
+#   on the device machine (carry .carry and .whl):  bash bench/h200_resume_verify.sh
+set -u
+start=$(date +%s)
+source .carry/device-env.sh
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 .whl/*.whl
+export PYTHONPATH=$PYTHONPATH:/tmp/site2 VLLM_METAX_FORCE=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+
+echo "== plan cost"
+timeout 150 python3 bench/plan_cost.py --profile --out "$OUT" > "$OUT/plan_cost.txt" 2>&1
+echo "plan_cost rc=$?"; grep -E "^- " "$OUT/plan_cost.md"
+
+echo "== sweep resume ($(( $(date +%s) - start )) s in)"
+/usr/bin/time -f "resume wall %e s" timeout 200 python3 -m mla_tune sweep --db results.db \
+  --model deepseek-v3 --tp 1 --tp 8 --time-budget 0 > "$OUT/sweep_resume.txt" 2>&1
+tail -14 "$OUT/sweep_resume.txt"
+python3 -c "import sqlite3; c=sqlite3.connect('results.db'); c.execute('pragma wal_checkpoint(truncate)')"
+cp results.db "$OUT/results.db"; cp results.optuna.log "$OUT/"
+
+echo "== pytest -m gpu ($(( $(date +%s) - start )) s in)"
+timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="-ra" > "$OUT/pytest_gpu.txt" 2>&1
+echo "pytest rc=$?" >> "$OUT/pytest_gpu.txt"
+grep -E "passed|failed|FAILED|rc=" "$OUT/pytest_gpu.txt" | tail -8
+echo "done in $(( $(date +%s) - start )) s"
