@@ -230,3 +230,36 @@ def test_fast_replan_equals_reference_over_changing_lengths(backend, graph, comp
         ref = mla_decode_reference(q[..., :512], q[..., 512:], ckv, kpe, bt, seq, scale)
         assert relative_error(out, ref) < 2e-2, (i, lens)
     assert kern.fast_replans == len(steps) - 1      # every plan after the first took the fast path
+
+
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+def test_fast_replans_queued_behind_a_busy_gpu_keep_their_own_schedules(backend):
+    """Twelve steps planned and run back to back while the GPU is still busy with a long kernel:
+    every plan's schedule travels to the device from a ring of pinned buffers, so a later plan
+    must never overwrite a schedule whose upload is still queued (each step checked against the
+    reference after one final sync)."""
+    op = _fi()
+    if backend == "fa3" and not _sm90():
+        pytest.skip("fa3 needs SM90")
+    from mla_tune.reference import mla_decode_reference, relative_error
+    from vllm_metax.ops.paged_metadata import build_paged_metadata
+    heads, page, scale = 16, 64, 0.1
+    kv, bt, q = _packed_problem(heads, page, [3000] * 5, seed=11)
+    ckv, kpe = kv[..., :512], kv[..., 512:]
+    kern = op.MLADecodeKernel(op.make_workspace("cuda"), backend)
+    kern.plan(build_paged_metadata(bt, torch.tensor([3000] * 5, dtype=torch.int32), page, compact=False),
+              heads, 512, 64, page, False, scale, torch.bfloat16, torch.bfloat16)
+    g = torch.Generator().manual_seed(5)
+    steps = [torch.randint(1, 3001, (5,), generator=g, dtype=torch.int32) for _ in range(12)]
+    outs = []
+    torch.cuda._sleep(200_000_000)                 # keep the stream busy for ~0.1 s
+    for seq in steps:
+        kern.plan(build_paged_metadata(bt, seq, page, compact=False), heads, 512, 64, page, False,
+                  scale, torch.bfloat16, torch.bfloat16)
+        outs.append(kern.run(q[..., :512], q[..., 512:], ckv, kpe))
+    torch.cuda.synchronize()
+    assert kern.fast_replans == len(steps)
+    assert any(r.waits for r in op._STAGING.values()), "the ring never had to wait: GPU was not busy"
+    for i, (seq, out) in enumerate(zip(steps, outs)):
+        ref = mla_decode_reference(q[..., :512], q[..., 512:], ckv, kpe, bt, seq, scale)
+        assert relative_error(out, ref) < 2e-2, (i, seq.tolist())

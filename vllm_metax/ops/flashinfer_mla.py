@@ -350,14 +350,7 @@ class MLADecodeKernel:
                 n = meta.kv_indices.shape[0]
                 if kvi is None or kvi.shape[0] < n:
                     return False
-            args = (be._float_workspace_buffer, be._int_workspace_buffer,
-                    be._pin_memory_int_workspace_buffer, meta.qo_indptr, meta.kv_indptr, meta.kv_len,
-                    num_heads, head_dim_ckv, causal)
-            mod = be._cached_module
-            if hasattr(mod, "plan_with_staged_workspace_bytes"):
-                plan_info, staged = mod.plan_with_staged_workspace_bytes(*args)
-            else:
-                plan_info, staged = mod.plan(*args), 0
+            plan_info, staged = _native_plan(be, meta, num_heads, head_dim_ckv, causal)
             if be._use_cuda_graph:
                 if meta.kv_indices.data_ptr() != kvi.data_ptr():
                     kvi[:n].copy_(meta.kv_indices, non_blocking=True)
@@ -405,6 +398,74 @@ class MLADecodeKernel:
             return None
         name = getattr(self.wrapper, "_planned_backend_name", None) or getattr(self.wrapper, "_backend", None)
         return name if isinstance(name, str) else None
+
+
+def _native_plan(be, meta: PagedMetadata, num_heads: int, head_dim_ckv: int, causal: bool):
+    """FlashInfer's compiled MLAPlan for planned backend `be`; returns (plan info, staged bytes).
+
+    MLAPlan writes the schedule into a page-locked buffer, which must then reach the device int
+    workspace. FlashInfer 0.7's module proxy copies it (~660 KB, fixed by the 16384-work-item
+    layout) into a freshly allocated pinned tensor before the async upload, so the next plan cannot
+    overwrite it in flight. Here MLAPlan writes into the next buffer of a ring instead, uploaded
+    straight from there; an event per buffer guards its reuse: no allocation and no host copy.
+    Other module shapes go through the module's own entry point.
+    """
+    args = (be._float_workspace_buffer, be._int_workspace_buffer, be._pin_memory_int_workspace_buffer,
+            meta.qo_indptr, meta.kv_indptr, meta.kv_len, num_heads, head_dim_ckv, causal)
+    mod = be._cached_module
+    if not hasattr(mod, "plan_with_staged_workspace_bytes"):
+        return mod.plan(*args), 0
+    native = getattr(getattr(mod, "_module", None), "plan", None)
+    device_ws = be._int_workspace_buffer
+    if native is None or device_ws.device.type != "cuda":
+        return mod.plan_with_staged_workspace_bytes(*args)
+    ring = _staging_ring(device_ws)
+    host = ring.acquire()
+    plan_info, staged = native(*args[:2], host, *args[3:])
+    staged = int(staged)
+    if not 0 <= staged <= host.numel():
+        raise RuntimeError(f"MLAPlan staged {staged} bytes into a {host.numel()}-byte buffer")
+    device_ws.view(torch.uint8)[:staged].copy_(host[:staged], non_blocking=True)
+    ring.release(torch.cuda.current_stream(device_ws.device))
+    return plan_info, staged
+
+
+class _StagingRing:
+    """`depth` pinned host buffers the size of a device int workspace (MLAPlan never stages more
+    than that: its allocator is bounded by the device workspace), used round-robin; each carries
+    the event of the upload that last read it. Plans run on one host thread."""
+
+    def __init__(self, nbytes: int, depth: int = 4):
+        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(depth)]
+        self.events: list = [None] * depth
+        self.next = 0
+        self.waits = 0            # acquisitions that found their buffer still being uploaded
+
+    def acquire(self) -> torch.Tensor:
+        ev = self.events[self.next]
+        if ev is not None and not ev.query():
+            self.waits += 1
+            ev.synchronize()
+        return self.buffers[self.next]
+
+    def release(self, stream) -> None:
+        ev = self.events[self.next]
+        if ev is None:
+            ev = self.events[self.next] = torch.cuda.Event()
+        ev.record(stream)
+        self.next = (self.next + 1) % len(self.buffers)
+
+
+_STAGING: dict = {}
+
+
+def _staging_ring(device_ws: torch.Tensor) -> _StagingRing:
+    nbytes = device_ws.numel() * device_ws.element_size()
+    key = (str(device_ws.device), nbytes)
+    ring = _STAGING.get(key)
+    if ring is None:
+        ring = _STAGING[key] = _StagingRing(nbytes)
+    return ring
 
 
 _SM_COUNT: dict = {}
