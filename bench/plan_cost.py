@@ -8,6 +8,8 @@ page size 64:
   wrapper.plan       FlashInfer's BatchMLAPagedAttentionWrapper.plan(metadata=csr(...)) alone,
                      metadata prebuilt (what a naive backend pays per step)
   op.plan            vllm_metax.ops.flashinfer_mla.MLADecodeKernel.plan, metadata prebuilt
+  native_plan        FlashInfer's compiled MLAPlan + schedule upload alone, as the fast re-plan
+                     calls it (the floor of any re-plan through FlashInfer)
   paged_metadata     build_paged_metadata alone, compact (block table -> CSR on the GPU, no sync)
   paged_strided      build_paged_metadata(compact=False): the block table itself as the page list
                      (what the plugin's eager steps hand to the fast re-plan)
@@ -157,14 +159,18 @@ def measure_gpu(heads: int, base_config, rows: list, profile: bool = False,
         kernel = op.MLADecodeKernel(ws, "fa3")
         via_op = _time(lambda: kernel.plan(meta, heads, 512, 64, PAGE, False, scale, torch.bfloat16,
                                            torch.bfloat16), 100)
+        be = kernel.wrapper._planned_backend
+        native = _time(lambda: op._native_plan(be, meta, heads, 512, False), 200)
         paged = _time(lambda: build_paged_metadata(bt[:batch], lens, PAGE), 200)
         strided = _time(lambda: build_paged_metadata(bt[:batch], lens, PAGE, compact=False), 200)
 
+        max_len = max(seq_lens)          # vLLM passes it in; not part of the step's cost
+
         def build(b=builder):
-            return b._build_decode(bt[:batch], common.seq_lens, max(seq_lens), common.query_start_loc_cpu,
+            return b._build_decode(bt[:batch], common.seq_lens, max_len, common.query_start_loc_cpu,
                                    common.query_start_loc, batch, 1, None)
         builder._common = common
-        build_eager = _time(build, 200)
+        build_eager = _time(build, 500)
         if profile and batch == BATCHES[-1]:
             profile_rows(heads, batch, "build_decode", build, rows_profile)
             profile_rows(heads, batch, "op.plan", lambda: kernel.plan(
@@ -172,7 +178,7 @@ def measure_gpu(heads: int, base_config, rows: list, profile: bool = False,
         graph_builder._common = common
         md_graph = build(graph_builder)
         assert md_graph.cuda_graph, "graph path not taken"
-        build_graph = _time(lambda: build(graph_builder), 200)
+        build_graph = _time(lambda: build(graph_builder), 500)
         builder._common = graph_builder._common = None
 
         md = build()
@@ -182,7 +188,8 @@ def measure_gpu(heads: int, base_config, rows: list, profile: bool = False,
         kv = torch.randn(num_pages, PAGE, 576, dtype=torch.bfloat16, device="cuda")
         holder = type("M", (), {"decode": md})
         fwd = _time(lambda: impl.forward_mqa((q[..., :512], q[..., 512:]), kv, holder, None), 200)
-        for name, st in (("wrapper.plan", bare), ("op.plan", via_op), ("paged_metadata", paged),
+        for name, st in (("wrapper.plan", bare), ("op.plan", via_op), ("native_plan", native),
+                         ("paged_metadata", paged),
                          ("paged_strided", strided),
                          ("build_decode", build_eager),
                          ("build_decode_graph", build_graph),

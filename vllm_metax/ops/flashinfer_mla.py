@@ -355,7 +355,8 @@ class MLADecodeKernel:
                 if meta.kv_indices.data_ptr() != kvi.data_ptr():
                     kvi[:n].copy_(meta.kv_indices, non_blocking=True)
             else:
-                be._kv_indices_buf = meta.kv_indices.to(be.device, non_blocking=True)
+                kvi = meta.kv_indices
+                be._kv_indices_buf = kvi if kvi.device == be.device else kvi.to(be.device, non_blocking=True)
             be._plan_info = plan_info
             be._staged_int_workspace_bytes = staged
             self.wrapper._plan_info = plan_info
@@ -426,7 +427,7 @@ def _native_plan(be, meta: PagedMetadata, num_heads: int, head_dim_ckv: int, cau
     if not 0 <= staged <= host.numel():
         raise RuntimeError(f"MLAPlan staged {staged} bytes into a {host.numel()}-byte buffer")
     device_ws.view(torch.uint8)[:staged].copy_(host[:staged], non_blocking=True)
-    ring.release(torch.cuda.current_stream(device_ws.device))
+    ring.release(torch.cuda.current_stream(ring.device_index))
     return plan_info, staged
 
 
@@ -435,7 +436,8 @@ class _StagingRing:
     than that: its allocator is bounded by the device workspace), used round-robin; each carries
     the event of the upload that last read it. Plans run on one host thread."""
 
-    def __init__(self, nbytes: int, depth: int = 4):
+    def __init__(self, nbytes: int, device_index: int, depth: int = 4):
+        self.device_index = device_index
         self.buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(depth)]
         self.events: list = [None] * depth
         self.next = 0
@@ -464,7 +466,8 @@ def _staging_ring(device_ws: torch.Tensor) -> _StagingRing:
     key = (str(device_ws.device), nbytes)
     ring = _STAGING.get(key)
     if ring is None:
-        ring = _STAGING[key] = _StagingRing(nbytes)
+        index = device_ws.device.index
+        ring = _STAGING[key] = _StagingRing(nbytes, torch.cuda.current_device() if index is None else index)
     return ring
 
 
