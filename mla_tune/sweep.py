@@ -453,7 +453,10 @@ class _Measurer:
                 self.outcome.cached += 1
             if not todo:
                 return [evs[c.key] for c in cands]
-            run_id = self._run()
+            t_run = time.monotonic()
+            run_id = self._run()            # once per sweep: run record, ceilings measured in a child
+            if policy.deadline is not None:
+                policy.deadline += time.monotonic() - t_run
             self.obs.on_measuring(p, todo)
             started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
             results = self.runner.measure(w, todo, lambda c, ok: self.obs.on_prepared(p, c, ok))
@@ -484,13 +487,34 @@ class _Measurer:
         return ev
 
 
+# A trial's cost is a fixed part (prepare, correctness gate, plan timing) plus the timed launches,
+# which scale with the bytes the kernel moves. H200 default sweep, 2026-12-02: ~45 ms per trial
+# at B1 L1K, ~170 ms at B128 L32K (4.8 GB of KV) with 16 heads, more with 128 (Triton's 2.6 ms
+# kernels): the two parts are about equal near 1 GB. Only ratios matter.
+_TRIAL_FIXED_BYTES = 1e9
+
+
+def bucket_weight(p: PlannedBucket) -> float:
+    """Expected relative cost of searching bucket p: trials x (fixed + bytes-proportional part)."""
+    from mla_tune.roofline import workload_bytes
+    trials = max(1, min(p.budget or len(p.space), len(p.space)))
+    return trials * (1.0 + workload_bytes(p.bucket.workload) / _TRIAL_FIXED_BYTES)
+
+
+def budget_share(seconds_left: float, weights: Sequence[float]) -> float:
+    """The next bucket's seconds: its weight's fraction of the time left over the buckets left
+    (weights[0] is the next bucket's). Buckets that finish early leave their rest to the others."""
+    total = sum(weights)
+    return seconds_left * (weights[0] / total if total > 0 else 1.0 / max(1, len(weights)))
+
+
 def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> SweepOutcome:
     """Search every bucket, measuring what the store does not hold yet and committing each trial
     as its batch returns; then choose winners over the swept buckets' trials and emit the config.
 
-    With `time_budget_s`, each bucket gets an equal share of the time left (first-use JIT does not
-    count against its share); buckets cut short are counted in `stopped_early`, and a rerun
-    continues them. Raises SweepError when no kernel family can run here, StoreError for a DB it
+    With `time_budget_s`, each bucket gets its share of the time left in proportion to its
+    expected cost (`bucket_weight`; first-use JIT and the run's one-time set-up do not count against
+    it); buckets cut short are counted in `stopped_early`, and a rerun continues them. Raises SweepError when no kernel family can run here, StoreError for a DB it
     must not touch.
     """
     from mla_tune.roofline import workload_bytes, workload_flops
@@ -521,6 +545,7 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
         runner = make_runner(settings, config.isolation, config.timeout_s, plan.families)
         measurer = _Measurer(store, runner, plan, config, outcome, obs, refused, device_name)
         end = (time.monotonic() + config.time_budget_s) if config.time_budget_s else None
+        weights = [bucket_weight(p) for p in plan.buckets]
         try:
             for i, p in enumerate(plan.buckets):
                 if len(refused) != n_refused:   # refusals learnt in earlier buckets apply here
@@ -529,7 +554,7 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
                     p.mode = config.policy(None).resolve_mode(len(p.space))
                     p.budget = config.policy(None).budget(len(p.space), p.mode) if len(p.space) else 0
                 share = None if end is None else \
-                    time.monotonic() + max(0.0, end - time.monotonic()) / (len(plan.buckets) - i)
+                    time.monotonic() + budget_share(max(0.0, end - time.monotonic()), weights[i:])
                 policy = config.policy(share)
                 evaluate = measurer.evaluator(p, policy)
                 obs.on_bucket(p)

@@ -231,6 +231,30 @@ def test_time_budget_stops_and_a_rerun_continues(tmp_path):
     assert len(set(trial_keys(db))) == len(trial_keys(db)) == 9
 
 
+def test_time_budget_is_shared_by_expected_cost_and_slack_moves_on():
+    """The default grid on 2026-12-02 cut the largest buckets (B64-128 x L16K-32K) while small ones
+    left time unused: shares now follow trials x bytes moved, and an early finish is re-shared."""
+    from mla_tune.backends import Candidate
+    from mla_tune.search import SearchSpace
+    from mla_tune.sweep import PlannedBucket, budget_share, bucket_weight, plan_buckets
+
+    buckets = plan_buckets(model_preset("deepseek-v3"), [8], [1, 128], [1024, 32768])
+
+    def planned(b, n=10):
+        space = SearchSpace.build([Candidate("flashinfer", f"b{i}", 64) for i in range(n)])
+        assert len(space) == n
+        return PlannedBucket(b, space, "grid", n)
+    small, big = (planned(b) for b in buckets
+                  if b.workload.batch_size * b.workload.context_len in (1024, 128 * 32768))
+    assert bucket_weight(big) > 4 * bucket_weight(small)         # 4.8 GB of KV vs 1.2 MB
+    assert bucket_weight(planned(small.bucket, 20)) == pytest.approx(2 * bucket_weight(small))
+    w = [bucket_weight(small), bucket_weight(big)]
+    first = budget_share(100.0, w)
+    assert first == pytest.approx(100 * w[0] / sum(w)) and first < 25
+    assert budget_share(100.0 - 1.0, w[1:]) == pytest.approx(99.0)   # what small left goes on
+    assert budget_share(10.0, [0.0, 0.0]) == pytest.approx(5.0)
+
+
 # ---------------------------------------------------------------- faults in a sweep
 
 def test_sweep_survives_crashing_and_hanging_candidates(tmp_path):
