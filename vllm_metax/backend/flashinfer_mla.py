@@ -6,7 +6,9 @@ registers this class under the same enum member instead.
 
 Per decode step, `_build_decode` turns the block table and sequence lengths into FlashInfer's CSR
 page metadata through `vllm_metax.ops.paged_metadata.build_paged_metadata` and plans one
-`vllm_metax.ops.flashinfer_mla.MLADecodeKernel` (the op the tuner measures). Which FlashInfer
+`vllm_metax.ops.flashinfer_mla.MLADecodeKernel` (the op the tuner measures). After a step's first
+plan the op re-plans through FlashInfer's compiled MLAPlan only, and the metadata is strided: the
+block table itself is the page list, so nothing is launched on the device to build it. Which FlashInfer
 backend value plans the step comes from this device's tuned config (per batch/context bucket),
 loaded once per process; every layer of the step then runs that plan.
 """
