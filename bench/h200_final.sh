@@ -11,10 +11,7 @@ set -u
 total=${1:-540}
 start=$(date +%s)
 left() { echo $(( total - ($(date +%s) - start) )); }
-source .carry/device-env.sh
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 .whl/*.whl
-export PYTHONPATH=$PYTHONPATH:/tmp/site2 VLLM_METAX_FORCE=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source bench/device-setup.sh
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 
 budget=${SWEEP_BUDGET:-$(( total * 55 / 100 ))}

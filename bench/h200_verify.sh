@@ -5,10 +5,7 @@
 #   on the device machine (carry .carry and .whl):  bash bench/h200_verify.sh
 set -u
 start=$(date +%s)
-source .carry/device-env.sh
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 .whl/*.whl
-export PYTHONPATH=$PYTHONPATH:/tmp/site2 VLLM_METAX_FORCE=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source bench/device-setup.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 echo "== plan cost"
 timeout 150 python3 bench/plan_cost.py --profile --out "$OUT" > "$OUT/plan_cost.txt" 2>&1
