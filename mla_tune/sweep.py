@@ -459,7 +459,10 @@ class _Measurer:
                 policy.deadline += time.monotonic() - t_run
             self.obs.on_measuring(p, todo)
             started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+            started_s = getattr(self.runner, "startup_s", 0.0)
             results = self.runner.measure(w, todo, lambda c, ok: self.obs.on_prepared(p, c, ok))
+            if policy.deadline is not None:     # starting (or replacing) the worker is not search
+                policy.deadline += getattr(self.runner, "startup_s", 0.0) - started_s
             for c, r in zip(todo, results):
                 tid = self.store.add_trial(
                     run_id, p.workload_id, c, r.status, r.samples or None,
@@ -513,8 +516,8 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
     as its batch returns; then choose winners over the swept buckets' trials and emit the config.
 
     With `time_budget_s`, each bucket gets its share of the time left in proportion to its
-    expected cost (`bucket_weight`; first-use JIT and the run's one-time set-up do not count against
-    it); buckets cut short are counted in `stopped_early`, and a rerun continues them. Raises SweepError when no kernel family can run here, StoreError for a DB it
+    expected cost (`bucket_weight`; first-use JIT, worker start-up and the run's one-time set-up do
+    not count against it); buckets cut short are counted in `stopped_early`, and a rerun continues them. Raises SweepError when no kernel family can run here, StoreError for a DB it
     must not touch.
     """
     from mla_tune.roofline import workload_bytes, workload_flops

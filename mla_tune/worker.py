@@ -27,6 +27,7 @@ import os
 import signal
 import sys
 import tempfile
+import time
 import types
 from contextlib import contextmanager
 from dataclasses import replace
@@ -323,9 +324,17 @@ class WorkerRunner:
         self._conn = None
         self._log = None
         self._started = 0
+        self.startup_s = 0.0        # seconds spent starting workers (a sweep's budget excludes it)
 
     # ------------------------------------------------------------ process management
     def _start(self) -> None:
+        t0 = time.monotonic()
+        try:
+            self._spawn()
+        finally:
+            self.startup_s += time.monotonic() - t0
+
+    def _spawn(self) -> None:
         ctx = _context()
         fd, self._log = tempfile.mkstemp(prefix="mla-tune-worker-", suffix=".log")
         os.close(fd)

@@ -38,6 +38,8 @@ def test_every_fault_is_recorded_and_the_worker_replaced():
     assert "SIGABRT" in by["abort16"].message and "SIGSEGV" in by["segv16"].message
     assert "Fatal Python error" in by["segv16"].message      # the worker's faulthandler report
     assert by["hang16"].invalid_reason == "timeout" and "2 s" in by["hang16"].message
+    # every start (the first and each replacement) is timed, for the sweep's budget to leave out
+    assert runner.restarts >= 3 and 0 < runner.startup_s < took
     assert by["poison16"].invalid_reason == "crash" and "poisoned" in by["poison16"].message
     assert by["refuse16"].invalid_reason == "unsupported"    # an ordinary refusal is not a fault
     assert runner.faults == 4 and runner.restarts == 4
