@@ -1,0 +1,175 @@
+"""What FlashInfer's compiled MLAPlan costs by itself, and what it writes.
+
+The fast re-plan's floor is one call of FlashInfer 0.7's native fa2/fa3 MLAPlan (scheduler.cuh)
+through tvm-ffi. This separates the two parts of that call on the GPU host, interleaving the rows
+round by round so host drift hits all of them alike:
+
+  ffi_nop_torch   tvm-ffi's `testing.nop` with the plan's six tensors as torch tensors
+  ffi_nop_ffi     the same six tensors converted to tvm_ffi.Tensor once, beforehand
+  mlaplan_torch   the native plan call as the fast re-plan makes it (torch tensors, no upload)
+  mlaplan_ffi     the same with pre-converted tensors (the C++ scheduler + call overhead only)
+
+per heads (16, 128) and batch (1, 32, 128) at a ragged context ~4096, page 64. It also saves what
+MLAPlan wrote for a set of batches (decode, speculative causal, long context) to schedules.npz:
+inputs, plan info and every schedule array, so the schedule's layout can be checked off the GPU.
+
+    source .carry/device-env.sh && python3 bench/plan_floor.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+PAGE = 64
+# plan_info vector (MLAPlanInfo::ToVector): index -> name
+INFO = ("num_blks_x", "num_blks_y", "q_indptr", "kv_indptr", "partial_indptr", "merge_packed_offset_start",
+        "merge_packed_offset_end", "merge_partial_packed_offset_start", "merge_partial_packed_offset_end",
+        "merge_partial_stride", "q_len", "kv_len", "q_start", "kv_start", "kv_end", "work_indptr",
+        "partial_o", "partial_lse")
+WORK_ARRAYS = ("q_indptr", "kv_indptr", "partial_indptr", "q_len", "kv_len", "q_start", "kv_start", "kv_end")
+MERGE_ARRAYS = ("merge_packed_offset_start", "merge_packed_offset_end", "merge_partial_packed_offset_start",
+                "merge_partial_packed_offset_end", "merge_partial_stride")
+
+
+def stats(ns: list[int]) -> dict:
+    us = sorted(x / 1e3 for x in ns)
+    q = statistics.quantiles(us, n=10)
+    return {"p50_us": statistics.median(us), "p10_us": q[0], "p90_us": q[-1], "n": len(us)}
+
+
+def interleaved(fns: dict, rounds: int, warmup: int = 20) -> dict:
+    for _ in range(warmup):
+        for f in fns.values():
+            f()
+    samples = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, f in fns.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter_ns()
+            f()
+            samples[k].append(time.perf_counter_ns() - t0)
+    return {k: stats(v) for k, v in samples.items()}
+
+
+def planned_backend(num_heads: int, lens: list[int], q_len: int, causal: bool):
+    from vllm_metax.ops import flashinfer_mla as op
+    from vllm_metax.ops.paged_metadata import build_paged_metadata
+
+    pages = [-(-n // PAGE) for n in lens]
+    width = max(pages) + 2
+    table = torch.arange(len(lens) * width, dtype=torch.int32, device="cuda").reshape(len(lens), width)
+    meta = build_paged_metadata(table, np.asarray(lens, np.int32), PAGE, q_len, compact=False)
+    kernel = op.MLADecodeKernel(op.make_workspace("cuda"), "fa3")
+    kernel.plan(meta.compacted(), num_heads, 512, 64, PAGE, causal, 0.1, torch.bfloat16, torch.bfloat16)
+    be = kernel.wrapper._planned_backend
+    return be, meta
+
+
+def read_schedule(be, info: list[int], staged: int) -> dict:
+    host = be._pin_memory_int_workspace_buffer.view(torch.uint8)[:staged].numpy().view(np.int32)
+    at = {name: info[i] for i, name in enumerate(INFO)}
+    clusters = int(info[1])
+    work_indptr = host[at["work_indptr"] // 4: at["work_indptr"] // 4 + clusters + 1].copy()
+    works = int(work_indptr[-1])
+    out = {"work_indptr": work_indptr}
+    for name in WORK_ARRAYS:
+        out[name] = host[at[name] // 4: at[name] // 4 + works].copy()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for name in MERGE_ARRAYS:
+        out[name] = host[at[name] // 4: at[name] // 4 + sms].copy()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--rounds", type=int, default=400)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    import tvm_ffi
+
+    env = {"torch": torch.__version__, "tvm_ffi": tvm_ffi.__version__,
+           "device": torch.cuda.get_device_name(0),
+           "sms": torch.cuda.get_device_properties(0).multi_processor_count,
+           "torch_exchange_api": hasattr(torch.Tensor, "__dlpack_c_exchange_api__")}
+    print(env, flush=True)
+    result = {"environment": env, "timing": [], "schedules": []}
+
+    nop = tvm_ffi.get_global_func("testing.nop", allow_missing=True)
+    for heads in (16, 128):
+        for batch in (1, 32, 128):
+            g = np.random.default_rng(batch)
+            lens = g.integers(2048, 6144, batch).tolist()
+            be, meta = planned_backend(heads, lens, 1, False)
+            native = be._cached_module._module.plan
+            targs = [be._float_workspace_buffer, be._int_workspace_buffer,
+                     be._pin_memory_int_workspace_buffer, meta.qo_indptr, meta.kv_indptr, meta.kv_len]
+            fargs = [tvm_ffi.from_dlpack(t) for t in targs]
+            fns = {"mlaplan_torch": lambda: native(*targs, heads, 512, False),
+                   "mlaplan_ffi": lambda: native(*fargs, heads, 512, False)}
+            if nop is not None:
+                fns["ffi_nop_torch"] = lambda: nop(*targs, heads, 512, False)
+                fns["ffi_nop_ffi"] = lambda: nop(*fargs, heads, 512, False)
+            for name, st in interleaved(fns, args.rounds).items():
+                result["timing"].append({"heads": heads, "batch": batch, "what": name, **st})
+            # the C++ part alone: back-to-back calls, no sync between them
+            n = 2000
+            t0 = time.perf_counter_ns()
+            for _ in range(n):
+                native(*fargs, heads, 512, False)
+            result["timing"].append({"heads": heads, "batch": batch, "what": "mlaplan_ffi_loop_mean",
+                                     "p50_us": (time.perf_counter_ns() - t0) / n / 1e3, "n": n})
+            print(heads, batch, {r["what"]: round(r["p50_us"], 1) for r in result["timing"]
+                                 if r["heads"] == heads and r["batch"] == batch}, flush=True)
+
+    arrays = {}
+    cases = [(16, [4096], 1, False), (16, [100, 5000, 7, 64, 65, 3000], 1, False),
+             (128, [4096], 1, False), (128, [33000, 10, 500], 1, False),
+             (16, np.random.default_rng(1).integers(2048, 6144, 128).tolist(), 1, False),
+             (128, np.random.default_rng(2).integers(2048, 6144, 128).tolist(), 1, False),
+             (16, np.random.default_rng(3).integers(1, 32768, 64).tolist(), 1, False),
+             (16, np.random.default_rng(4).integers(3, 9000, 40).tolist(), 3, True),
+             (128, np.random.default_rng(5).integers(2, 9000, 40).tolist(), 2, True),
+             (32, np.random.default_rng(6).integers(2, 20000, 200).tolist(), 4, True),
+             (16, [1] * 256, 1, False), (64, [2] * 8, 2, True)]
+    for k, (heads, lens, q_len, causal) in enumerate(cases):
+        be, meta = planned_backend(heads, lens, q_len, causal)
+        native = be._cached_module._module.plan
+        info, staged = native(be._float_workspace_buffer, be._int_workspace_buffer,
+                              be._pin_memory_int_workspace_buffer, meta.qo_indptr, meta.kv_indptr,
+                              meta.kv_len, heads, 512, causal)
+        info = [int(x) for x in info]
+        torch.cuda.synchronize()
+        sched = read_schedule(be, info, int(staged))
+        arrays[f"c{k}_qo_indptr"] = meta.qo_indptr.numpy()
+        arrays[f"c{k}_kv_indptr"] = meta.kv_indptr.numpy()
+        arrays[f"c{k}_kv_len"] = meta.kv_len.numpy()
+        arrays[f"c{k}_plan_info"] = np.asarray(info, np.int64)
+        for name, a in sched.items():
+            arrays[f"c{k}_{name}"] = a
+        result["schedules"].append({"case": k, "heads": heads, "batch": len(lens), "q_len": q_len,
+                                    "causal": causal, "staged": int(staged), "works": int(sched["work_indptr"][-1])})
+    np.savez_compressed(out / "schedules.npz", **arrays)
+    (out / "plan_floor.json").write_text(json.dumps(result, indent=1) + "\n")
+    print("| heads | batch | what | p50 us | p10 | p90 |")
+    for r in result["timing"]:
+        print(f"| {r['heads']} | {r['batch']} | {r['what']} | {r['p50_us']:.1f} | {r.get('p10_us', 0):.1f} | "
+              f"{r.get('p90_us', 0):.1f} |")
+    print(result["schedules"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
