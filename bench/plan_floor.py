@@ -144,6 +144,7 @@ def main() -> int:
              (128, np.random.default_rng(5).integers(2, 9000, 40).tolist(), 2, True),
              (32, np.random.default_rng(6).integers(2, 20000, 200).tolist(), 4, True),
              (16, [1] * 256, 1, False), (64, [2] * 8, 2, True)]
+    sms = env["sms"]
     for k, (heads, lens, q_len, causal) in enumerate(cases):
         be, meta = planned_backend(heads, lens, q_len, causal)
         native = be._cached_module._module.plan
@@ -153,12 +154,13 @@ def main() -> int:
         info = [int(x) for x in info]
         torch.cuda.synchronize()
         sched = read_schedule(be, info, int(staged))
-        arrays[f"c{k}_qo_indptr"] = meta.qo_indptr.numpy()
-        arrays[f"c{k}_kv_indptr"] = meta.kv_indptr.numpy()
-        arrays[f"c{k}_kv_len"] = meta.kv_len.numpy()
+        arrays[f"c{k}_in_qo_indptr"] = meta.qo_indptr.numpy()
+        arrays[f"c{k}_in_kv_indptr"] = meta.kv_indptr.numpy()
+        arrays[f"c{k}_in_kv_len"] = meta.kv_len.numpy()
+        arrays[f"c{k}_in_case"] = np.asarray([heads, q_len, int(causal), sms])
         arrays[f"c{k}_plan_info"] = np.asarray(info, np.int64)
         for name, a in sched.items():
-            arrays[f"c{k}_{name}"] = a
+            arrays[f"c{k}_out_{name}"] = a
         result["schedules"].append({"case": k, "heads": heads, "batch": len(lens), "q_len": q_len,
                                     "causal": causal, "staged": int(staged), "works": int(sched["work_indptr"][-1])})
     np.savez_compressed(out / "schedules.npz", **arrays)

@@ -25,12 +25,16 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from vllm_metax.ops.paged_metadata import PagedMetadata
+
+logger = logging.getLogger(__name__)
 
 API_KEYWORD = "keyword"
 API_FLAT = "flat"
@@ -402,14 +406,20 @@ class MLADecodeKernel:
 
 
 def _native_plan(be, meta: PagedMetadata, num_heads: int, head_dim_ckv: int, causal: bool):
-    """FlashInfer's compiled MLAPlan for planned backend `be`; returns (plan info, staged bytes).
+    """FlashInfer's fa2/fa3 plan for planned backend `be`; returns (plan info, staged bytes).
 
-    MLAPlan writes the schedule into a page-locked buffer, which must then reach the device int
-    workspace. FlashInfer 0.7's module proxy copies it (~660 KB, fixed by the 16384-work-item
-    layout) into a freshly allocated pinned tensor before the async upload, so the next plan cannot
-    overwrite it in flight. Here MLAPlan writes into the next buffer of a ring instead, uploaded
-    straight from there; an event per buffer guards its reuse: no allocation and no host copy.
-    Other module shapes go through the module's own entry point.
+    The schedule (which cluster runs which KV chunk of which request) goes into a page-locked
+    buffer, which must then reach the device int workspace. FlashInfer 0.7's module proxy copies
+    it (~600 KB, fixed by the 16384-work-item layout) into a freshly allocated pinned tensor before
+    the async upload, so the next plan cannot overwrite it in flight. Here it is written into the
+    next buffer of a ring instead, uploaded straight from there; an event per buffer guards its
+    reuse: no allocation and no host copy.
+
+    From batch `_SCHEDULE_MIN_BATCH` on, the schedule is computed with numpy
+    (`vllm_metax.ops.mla_schedule`) instead of FlashInfer's C++ MLAPlan, which costs ~0.5 us per
+    work item; the buffer layout comes from a native plan of the same cluster shape, whose
+    schedule the numpy one must match first (`_learn_layout`). Other module shapes go through
+    the module's own entry point.
     """
     args = (be._float_workspace_buffer, be._int_workspace_buffer, be._pin_memory_int_workspace_buffer,
             meta.qo_indptr, meta.kv_indptr, meta.kv_len, num_heads, head_dim_ckv, causal)
@@ -422,13 +432,74 @@ def _native_plan(be, meta: PagedMetadata, num_heads: int, head_dim_ckv: int, cau
         return mod.plan_with_staged_workspace_bytes(*args)
     ring = _staging_ring(device_ws)
     host = ring.acquire()
-    plan_info, staged = native(*args[:2], host, *args[3:])
-    staged = int(staged)
-    if not 0 <= staged <= host.numel():
-        raise RuntimeError(f"MLAPlan staged {staged} bytes into a {host.numel()}-byte buffer")
+    planned = _numpy_plan(be, meta, num_heads, head_dim_ckv, causal, ring.int32_view())
+    if planned is None:
+        plan_info, staged = native(*args[:2], host, *args[3:])
+        staged = int(staged)
+        if not 0 <= staged <= host.numel():
+            raise RuntimeError(f"MLAPlan staged {staged} bytes into a {host.numel()}-byte buffer")
+        _learn_layout(be, meta, num_heads, head_dim_ckv, causal, plan_info, staged, ring.int32_view())
+    else:
+        plan_info, staged = planned
     device_ws.view(torch.uint8)[:staged].copy_(host[:staged], non_blocking=True)
     ring.release(torch.cuda.current_stream(ring.device_index))
     return plan_info, staged
+
+
+# From this batch size on the numpy schedule is cheaper than FlashInfer's MLAPlan on the H200
+# host (bench/results/2026-12-02_h200_plan_floor.json); below it MLAPlan is as cheap or cheaper.
+_SCHEDULE_MIN_BATCH = 16
+# layout key -> (ScheduleLayout, FlashInfer's own plan-info object) once learnt; None where the
+# numpy schedule disagreed with MLAPlan (that key then always plans natively)
+_LAYOUTS: dict = {}
+
+
+def _layout_key(be, head_dim_ckv: int, q_len: int, num_heads: int) -> tuple:
+    from vllm_metax.ops.mla_schedule import CTA_TILE_Q
+    return (str(be.device), getattr(be, "_backend", None), be._float_workspace_buffer.nbytes,
+            be._int_workspace_buffer.nbytes, head_dim_ckv, 2 if q_len * num_heads > CTA_TILE_Q else 1)
+
+
+def _numpy_plan(be, meta: PagedMetadata, num_heads: int, head_dim_ckv: int, causal: bool, host):
+    """(plan info, staged bytes) with the schedule computed here and written into `host` (an
+    int32 view of the staging buffer), or None: plan natively."""
+    if meta.kv_len.shape[0] < _SCHEDULE_MIN_BATCH:
+        return None
+    learnt = _LAYOUTS.get(_layout_key(be, head_dim_ckv, meta.q_len, num_heads))
+    if learnt is None:
+        return None
+    layout, plan_info = learnt
+    from vllm_metax.ops.mla_schedule import mla_schedule
+    sched = mla_schedule(meta.qo_indptr.numpy(), meta.kv_indptr.numpy(), meta.kv_len.numpy(),
+                         num_heads, causal, layout.num_sm, q_len=meta.q_len)
+    if sched is None:
+        return None
+    layout.write(sched, host)
+    return plan_info, layout.staged_bytes
+
+
+def _learn_layout(be, meta, num_heads, head_dim_ckv, causal, plan_info, staged, host) -> None:
+    """After a native MLAPlan: the first time for this layout key, check that the numpy schedule
+    for the same batch gives the kernel exactly the work MLAPlan gave it, and keep the layout."""
+    key = _layout_key(be, head_dim_ckv, meta.q_len, num_heads)
+    if key in _LAYOUTS:
+        return
+    from vllm_metax.ops import mla_schedule as ms
+    num_sm = _sm_count(be.device)
+    ours = ms.mla_schedule(meta.qo_indptr.numpy(), meta.kv_indptr.numpy(), meta.kv_len.numpy(),
+                           num_heads, causal, num_sm, q_len=meta.q_len)
+    if ours is None:                      # beyond the numpy schedule's capacity: learn later
+        return
+    try:
+        diff = ms.same_schedule(ours, ms.read_schedule(plan_info, host, num_sm))
+    except Exception as e:  # noqa: BLE001 - an unexpected plan-info shape is a mismatch too
+        diff = f"{type(e).__name__}: {e}"
+    if diff is not None:
+        logger.warning("vllm_metax MLA: the numpy schedule differs from FlashInfer's MLAPlan (%s); "
+                       "planning with MLAPlan", diff)
+        _LAYOUTS[key] = None
+        return
+    _LAYOUTS[key] = (ms.ScheduleLayout(tuple(int(x) for x in plan_info), staged, num_sm), plan_info)
 
 
 class _StagingRing:
@@ -439,6 +510,7 @@ class _StagingRing:
     def __init__(self, nbytes: int, device_index: int, depth: int = 4):
         self.device_index = device_index
         self.buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(depth)]
+        self.views = [b.numpy().view(np.int32) for b in self.buffers]
         self.events: list = [None] * depth
         self.next = 0
         self.waits = 0            # acquisitions that found their buffer still being uploaded
@@ -449,6 +521,10 @@ class _StagingRing:
             self.waits += 1
             ev.synchronize()
         return self.buffers[self.next]
+
+    def int32_view(self):
+        """The acquired buffer as a numpy int32 array (the same memory)."""
+        return self.views[self.next]
 
     def release(self, stream) -> None:
         ev = self.events[self.next]
