@@ -8,8 +8,9 @@ page size 64:
   wrapper.plan       FlashInfer's BatchMLAPagedAttentionWrapper.plan(metadata=csr(...)) alone,
                      metadata prebuilt (what a naive backend pays per step)
   op.plan            vllm_metax.ops.flashinfer_mla.MLADecodeKernel.plan, metadata prebuilt
-  native_plan        FlashInfer's compiled MLAPlan + schedule upload alone, as the fast re-plan
-                     calls it (the floor of any re-plan through FlashInfer)
+  native_plan        the schedule + its upload alone, as the fast re-plan makes them (numpy
+                     schedule from B = 16, FlashInfer's compiled MLAPlan below)
+                     (the floor of the re-plan)
   paged_metadata     build_paged_metadata alone, compact (block table -> CSR on the GPU, no sync)
   paged_strided      build_paged_metadata(compact=False): the block table itself as the page list
                      (what the plugin's eager steps hand to the fast re-plan)

@@ -91,6 +91,93 @@ def read_schedule(be, info: list[int], staged: int) -> dict:
     return out
 
 
+def numpy_vs_native(rounds: int) -> list:
+    """Host cost of one schedule: FlashInfer's MLAPlan vs the numpy schedule + its write into the
+    staging buffer, per batch size (the cut-over `_SCHEDULE_MIN_BATCH` comes from here)."""
+    from vllm_metax.ops import mla_schedule as ms
+
+    rows = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for heads in (16, 128):
+        for batch in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            lens = np.random.default_rng(batch).integers(2048, 6144, batch).tolist()
+            be, meta = planned_backend(heads, lens, 1, False)
+            native = be._cached_module._module.plan
+            pinned = be._pin_memory_int_workspace_buffer
+            info, staged = native(be._float_workspace_buffer, be._int_workspace_buffer, pinned,
+                                  meta.qo_indptr, meta.kv_indptr, meta.kv_len, heads, 512, False)
+            layout = ms.ScheduleLayout(tuple(int(x) for x in info), int(staged), sms)
+            host = torch.empty_like(pinned).view(torch.uint8).numpy().view(np.int32)
+            qo, kvi, kvl = meta.qo_indptr, meta.kv_indptr, meta.kv_len
+
+            def ours():
+                s = ms.mla_schedule(qo.numpy(), kvi.numpy(), kvl.numpy(), heads, False, sms, q_len=1)
+                layout.write(s, host)
+            fns = {"mlaplan": lambda: native(be._float_workspace_buffer, be._int_workspace_buffer, pinned,
+                                             qo, kvi, kvl, heads, 512, False),
+                   "numpy_schedule": ours}
+            st = interleaved(fns, rounds)
+            rows.append({"heads": heads, "batch": batch, **{f"{k}_p50_us": v["p50_us"] for k, v in st.items()},
+                         **{f"{k}_p90_us": v["p90_us"] for k, v in st.items()}})
+            print(rows[-1], flush=True)
+    return rows
+
+
+def kernel_time_by_schedule() -> list:
+    """GPU time of the decode kernel on FlashInfer's schedule vs the numpy one (same batch; the
+    numpy schedule balances the clusters differently), and the difference of their outputs."""
+    from vllm_metax.ops import flashinfer_mla as op
+
+    rows = []
+    for heads in (16, 128):
+        for batch, lo, hi in ((32, 2048, 6144), (64, 1, 32768), (128, 2048, 6144), (128, 100, 16384)):
+            g = np.random.default_rng(batch + hi)
+            lens = g.integers(lo, hi, batch).tolist()
+            pages = sum(-(-n // PAGE) for n in lens)
+            kv = torch.randn(pages + 1, PAGE, 576, device="cuda", dtype=torch.bfloat16)
+            width = max(-(-n // PAGE) for n in lens)
+            table = torch.zeros(batch, width, dtype=torch.int32)
+            o = 0
+            for b, n in enumerate(lens):
+                k = -(-n // PAGE)
+                table[b, :k] = torch.arange(o, o + k)
+                o += k
+            from vllm_metax.ops.paged_metadata import build_paged_metadata
+            meta = build_paged_metadata(table.cuda(), np.asarray(lens, np.int32), PAGE, compact=False)
+            q = torch.randn(batch, heads, 576, device="cuda", dtype=torch.bfloat16)
+            kern = op.MLADecodeKernel(op.make_workspace("cuda"), "fa3")
+            args = (heads, 512, 64, PAGE, False, 0.1, torch.bfloat16, torch.bfloat16)
+            kern.plan(meta.compacted(), *args)                     # public plan
+            res = {}
+            for name, cut in (("mlaplan", 1 << 30), ("numpy", 0)):
+                op._SCHEDULE_MIN_BATCH = cut
+                kern.plan(meta, *args)                             # fast re-plan: learns, then numpy
+                kern.plan(meta, *args)
+                be = kern.wrapper._planned_backend
+                learnt = op._LAYOUTS.get(op._layout_key(be, 512, 1, heads))
+                used = learnt is not None and be._plan_info is learnt[1]
+                assert used == (name == "numpy"), (name, used)
+                out = kern.run(q[..., :512], q[..., 512:], kv[..., :512], kv[..., 512:])
+                times = []
+                for _ in range(7):
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    for _ in range(50):
+                        kern.run(q[..., :512], q[..., 512:], kv[..., :512], kv[..., 512:])
+                    b.record()
+                    torch.cuda.synchronize()
+                    times.append(a.elapsed_time(b) / 50 * 1e3)
+                res[name] = (statistics.median(times), min(times), max(times), out.float())
+            op._SCHEDULE_MIN_BATCH = 16
+            diff = float((res["numpy"][3] - res["mlaplan"][3]).norm() / res["mlaplan"][3].norm())
+            rows.append({"heads": heads, "batch": batch, "lens": f"{lo}-{hi}",
+                         "mlaplan_us": res["mlaplan"][0], "numpy_us": res["numpy"][0],
+                         "mlaplan_range": res["mlaplan"][1:3], "numpy_range": res["numpy"][1:3],
+                         "rel_diff": diff})
+            print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench/results")
@@ -134,6 +221,9 @@ def main() -> int:
             print(heads, batch, {r["what"]: round(r["p50_us"], 1) for r in result["timing"]
                                  if r["heads"] == heads and r["batch"] == batch}, flush=True)
 
+    result["numpy_vs_native"] = numpy_vs_native(args.rounds)
+    result["kernel"] = kernel_time_by_schedule()
+
     arrays = {}
     cases = [(16, [4096], 1, False), (16, [100, 5000, 7, 64, 65, 3000], 1, False),
              (128, [4096], 1, False), (128, [33000, 10, 500], 1, False),
@@ -169,6 +259,13 @@ def main() -> int:
     for r in result["timing"]:
         print(f"| {r['heads']} | {r['batch']} | {r['what']} | {r['p50_us']:.1f} | {r.get('p10_us', 0):.1f} | "
               f"{r.get('p90_us', 0):.1f} |")
+    print("| heads | batch | MLAPlan p50 us | numpy schedule+write p50 us |")
+    for r in result["numpy_vs_native"]:
+        print(f"| {r['heads']} | {r['batch']} | {r['mlaplan_p50_us']:.1f} | {r['numpy_schedule_p50_us']:.1f} |")
+    print("| heads | batch | lens | kernel on MLAPlan us | kernel on numpy us | rel diff |")
+    for r in result["kernel"]:
+        print(f"| {r['heads']} | {r['batch']} | {r['lens']} | {r['mlaplan_us']:.1f} | {r['numpy_us']:.1f} | "
+              f"{r['rel_diff']:.1e} |")
     print(result["schedules"])
     return 0
 

@@ -263,3 +263,74 @@ def test_fast_replans_queued_behind_a_busy_gpu_keep_their_own_schedules(backend)
     for i, (seq, out) in enumerate(zip(steps, outs)):
         ref = mla_decode_reference(q[..., :512], q[..., 512:], ckv, kpe, bt, seq, scale)
         assert relative_error(out, ref) < 2e-2, (i, seq.tolist())
+
+
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("heads,q_len", [(16, 1), (128, 1), (16, 3), (64, 3)])
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+def test_numpy_schedule_runs_the_kernel_as_flashinfers_mlaplan_would(backend, heads, q_len, graph,
+                                                                     monkeypatch):
+    """From batch 16 on the fast re-plan computes FlashInfer's MLA schedule with numpy. Ragged
+    batches of 16-160 requests (split and unsplit KV, one and several query tiles per request,
+    causal speculative steps): the schedule must give the kernel the same work items and merges as
+    FlashInfer's own MLAPlan for the same batch, and the output must match the reference, eager
+    and replayed from a graph captured on a native plan. (64 heads x 3 tokens is two query tiles
+    per request; causal 128-head steps never take the fast re-plan.)"""
+    op = _fi()
+    monkeypatch.setattr(op, "_LAYOUTS", {})        # step 0 plans publicly, step 1 natively (learns)
+    if backend == "fa3" and not _sm90():
+        pytest.skip("fa3 needs SM90")
+    from mla_tune.reference import mla_decode_reference, relative_error
+    from vllm_metax.ops import mla_schedule as ms
+    from vllm_metax.ops.paged_metadata import build_paged_metadata
+    page, scale, batch = 64, 0.1, 160
+    causal = q_len > 1
+    g = torch.Generator().manual_seed(heads * 10 + q_len)
+    steps = [torch.randint(q_len, 9000, (batch,), generator=g, dtype=torch.int32),
+             torch.randint(q_len, 300, (batch,), generator=g, dtype=torch.int32),
+             torch.cat([torch.full((1,), 30000), torch.randint(q_len, 40, (batch - 1,), generator=g)]).int(),
+             torch.randint(q_len, 9000, (batch,), generator=g, dtype=torch.int32)]
+    kv, bt, q = _packed_problem(heads, page, [30000] * batch, seed=3)
+    q = torch.randn(batch * q_len, heads, 576, device="cuda", dtype=torch.bfloat16)
+    ckv, kpe = kv[..., :512], kv[..., 512:]
+    gb = op.GraphBuffers.allocate(batch, bt.shape[1] * batch, "cuda") if graph else None
+    kern = op.MLADecodeKernel(op.make_workspace("cuda"), backend, use_cuda_graph=graph, graph_buffers=gb)
+    out = torch.empty(batch * q_len, heads, 512, dtype=torch.bfloat16, device="cuda")
+    cap = None
+    numpy_plans = 0
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for i, seq in enumerate(steps):
+        meta = build_paged_metadata(bt, seq, page, q_len, compact=False)
+        kern.plan(meta, heads, 512, 64, page, causal, scale, torch.bfloat16, torch.bfloat16)
+        be = kern.wrapper._planned_backend
+        key = op._layout_key(be, 512, q_len, heads)
+        if i > 0:
+            assert op._LAYOUTS.get(key) is not None, "layout not learnt from the first native plan"
+            numpy_plans += be._plan_info is op._LAYOUTS[key][1]
+            # what FlashInfer's MLAPlan makes of the same batch, into a scratch pinned buffer
+            scratch = torch.empty_like(be._pin_memory_int_workspace_buffer)
+            info, _ = be._cached_module._module.plan(
+                be._float_workspace_buffer, be._int_workspace_buffer, scratch, meta.qo_indptr,
+                meta.kv_indptr, meta.kv_len, heads, 512, causal)
+            native = ms.read_schedule(info, scratch.view(torch.uint8).numpy().view("int32"), sms)
+            ours = ms.mla_schedule(meta.qo_indptr.numpy(), meta.kv_indptr.numpy(), meta.kv_len.numpy(),
+                                   heads, causal, sms, q_len=q_len)
+            assert ms.same_schedule(ours, native) is None, i
+        out.fill_(float("nan"))
+        if graph and cap is None:
+            kern.run(q[..., :512], q[..., 512:], ckv, kpe, out=out)
+            torch.cuda.synchronize()
+            cap = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(cap):
+                kern.run(q[..., :512], q[..., 512:], ckv, kpe, out=out)
+            out.fill_(float("nan"))
+        if graph:
+            cap.replay()
+        else:
+            kern.run(q[..., :512], q[..., 512:], ckv, kpe, out=out)
+        torch.cuda.synchronize()
+        ref = mla_decode_reference(q[..., :512], q[..., 512:], ckv, kpe, bt, seq, scale, q_len=q_len)
+        assert not out.isnan().any(), i
+        assert relative_error(out, ref) < 2e-2, i
+    assert kern.fast_replans == len(steps) - 1
+    assert numpy_plans == len(steps) - 2, "later steps were planned by MLAPlan, not the numpy schedule"
