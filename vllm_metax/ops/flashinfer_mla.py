@@ -439,8 +439,10 @@ def _native_plan(be, meta: PagedMetadata, num_heads: int, head_dim_ckv: int, cau
         if not 0 <= staged <= host.numel():
             raise RuntimeError(f"MLAPlan staged {staged} bytes into a {host.numel()}-byte buffer")
         _learn_layout(be, meta, num_heads, head_dim_ckv, causal, plan_info, staged, ring.int32_view())
+        SCHEDULES["mlaplan"] += 1
     else:
         plan_info, staged = planned
+        SCHEDULES["numpy"] += 1
     device_ws.view(torch.uint8)[:staged].copy_(host[:staged], non_blocking=True)
     ring.release(torch.cuda.current_stream(ring.device_index))
     return plan_info, staged
@@ -452,6 +454,7 @@ _SCHEDULE_MIN_BATCH = 16
 # layout key -> (ScheduleLayout, FlashInfer's own plan-info object) once learnt; None where the
 # numpy schedule disagreed with MLAPlan (that key then always plans natively)
 _LAYOUTS: dict = {}
+SCHEDULES = {"numpy": 0, "mlaplan": 0}     # fast re-plans by who made the schedule (introspection)
 
 
 def _layout_key(be, head_dim_ckv: int, q_len: int, num_heads: int) -> tuple:
