@@ -14,8 +14,10 @@ page size 64:
   paged_metadata     build_paged_metadata alone, compact (block table -> CSR on the GPU, no sync)
   paged_strided      build_paged_metadata(compact=False): the block table itself as the page list
                      (what the plugin's eager steps hand to the fast re-plan)
-  build_decode       the builder's _build_decode: metadata + tuned lookup + plan (eager wrapper)
-  build_decode_graph the same into a CUDA-graph wrapper's persistent buffers
+  build_decode       the builder's _build_decode: metadata + tuned lookup + plan (eager wrapper),
+                     decode steps: every request one token longer than the step before
+  build_decode_fresh the same with a new random batch every step (no schedule to reuse)
+  build_decode_graph the same as build_decode into a CUDA-graph wrapper's persistent buffers
   forward_mqa        the impl's per-layer call (CPU side of one eager kernel launch)
   lookup             PlanChoice.for_step on a 2 x 9 x 10-bucket tuned config (CPU only)
 
@@ -31,6 +33,7 @@ It writes plan_cost.json (raw percentiles and the environment) and plan_cost.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -170,8 +173,20 @@ def measure_gpu(heads: int, base_config, rows: list, profile: bool = False,
         def build(b=builder):
             return b._build_decode(bt[:batch], common.seq_lens, max_len, common.query_start_loc_cpu,
                                    common.query_start_loc, batch, 1, None)
+        # decode: every request gains a token per step (what the schedule reuse relies on); and
+        # a fresh ragged batch every step (nothing reusable: continuous batching's worst case)
+        growing = [dataclasses.replace(common, seq_lens_cpu_upper_bound=lens + i) for i in range(64)]
+        fresh = [dataclasses.replace(common, seq_lens_cpu_upper_bound=torch.randint(
+            CONTEXT // 2, max(seq_lens) + 1, (batch,), generator=g, dtype=torch.int32)) for _ in range(64)]
+        step = [0]
+
+        def build_step(b, batches):
+            b._common = batches[step[0] % len(batches)]
+            step[0] += 1
+            return build(b)
+        build_eager = _time(lambda: build_step(builder, growing), 500)
+        build_fresh = _time(lambda: build_step(builder, fresh), 500)
         builder._common = common
-        build_eager = _time(build, 500)
         if profile and batch == BATCHES[-1]:
             profile_rows(heads, batch, "build_decode", build, rows_profile)
             profile_rows(heads, batch, "op.plan", lambda: kernel.plan(
@@ -179,7 +194,7 @@ def measure_gpu(heads: int, base_config, rows: list, profile: bool = False,
         graph_builder._common = common
         md_graph = build(graph_builder)
         assert md_graph.cuda_graph, "graph path not taken"
-        build_graph = _time(lambda: build(graph_builder), 500)
+        build_graph = _time(lambda: build_step(graph_builder, growing), 500)
         builder._common = graph_builder._common = None
 
         md = build()
@@ -193,6 +208,7 @@ def measure_gpu(heads: int, base_config, rows: list, profile: bool = False,
                          ("paged_metadata", paged),
                          ("paged_strided", strided),
                          ("build_decode", build_eager),
+                         ("build_decode_fresh", build_fresh),
                          ("build_decode_graph", build_graph),
                          ("forward_mqa", fwd)):
             rows.append({"heads": heads, "batch": batch, "context": CONTEXT, "page_size": PAGE,

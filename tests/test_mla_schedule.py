@@ -204,6 +204,14 @@ class _Planned:
         self._int_workspace_buffer = torch.empty(8, dtype=torch.uint8)
 
 
+class _Ring:
+    """The staging ring's host side (its pinned buffers need CUDA): one buffer, stale data."""
+    def __init__(self):
+        self.views = [np.full(160_000, 7, np.int32)]
+        self.holds = [None]
+        self.next = 0
+
+
 def _meta(case):
     import torch
     from vllm_metax.ops.paged_metadata import PagedMetadata
@@ -220,14 +228,15 @@ def test_layout_is_learnt_from_a_matching_native_plan_then_used(monkeypatch):
     small, big = cases[1], cases[4]                            # H16 B6 and H16 B128: one cluster shape
     be = _Planned()
     op._learn_layout(be, _meta(small), 16, 512, False, small["plan_info"], 592464, small["host"])
-    host = np.full(160_000, 7, np.int32)
-    assert op._numpy_plan(be, _meta(small), 16, 512, False, host) is None    # below the batch cut
-    plan_info, staged = op._numpy_plan(be, _meta(big), 16, 512, False, host)
+    ring = _Ring()
+    host = ring.views[0]
+    assert op._numpy_plan(be, _meta(small), 16, 512, False, ring) is None    # below the batch cut
+    plan_info, staged = op._numpy_plan(be, _meta(big), 16, 512, False, ring)
     assert plan_info is small["plan_info"] and staged == 592464             # FlashInfer's own object
     got = ms.read_schedule(plan_info, host, 132)
     assert ms.same_schedule(got, ms.read_schedule(big["plan_info"], big["host"], 132)) is None
     # 128 heads is the 2-CTA cluster shape: not learnt yet, so MLAPlan plans it
-    assert op._numpy_plan(be, _meta(cases[5]), 128, 512, False, host) is None
+    assert op._numpy_plan(be, _meta(cases[5]), 128, 512, False, ring) is None
 
 
 def test_a_disagreeing_native_plan_switches_the_numpy_schedule_off(monkeypatch, caplog):
@@ -242,4 +251,31 @@ def test_a_disagreeing_native_plan_switches_the_numpy_schedule_off(monkeypatch, 
     with caplog.at_level(logging.WARNING, logger="vllm_metax.ops.flashinfer_mla"):
         op._learn_layout(be, _meta(case), 16, 512, False, case["plan_info"], 592464, host)
     assert "differs from FlashInfer's MLAPlan" in caplog.text
-    assert op._numpy_plan(be, _meta(case), 16, 512, False, np.zeros(160_000, np.int32)) is None
+    assert op._numpy_plan(be, _meta(case), 16, 512, False, _Ring()) is None
+
+
+def test_consecutive_decode_steps_reuse_the_schedule_and_write_only_what_moved():
+    """Step to step every request gains a token: while no chunk count or merge split changes,
+    the schedule is the previous one with kv_len/kv_end refreshed, written as two arrays into a
+    buffer that holds its structure; each step still equals MLAPlan's (the port's) schedule."""
+    rng = np.random.default_rng(3)
+    batch, heads, num_sm = 64, 16, 132
+    lens = rng.integers(2000, 6000, batch)
+    qo, kvi = np.arange(batch + 1), np.arange(batch + 1) * 200
+    layout = None
+    full, partial = np.full(160_000, 7, np.int32), np.full(160_000, 7, np.int32)
+    holds, reused, structures = None, 0, set()
+    for step in range(40):
+        kvl = (lens + step).astype(np.int32)
+        ours = ms.mla_schedule(qo, kvi, kvl, heads, False, num_sm, q_len=1)
+        assert ms.same_schedule(ours, mlaplan_port(qo, kvi, kvl, heads, False, num_sm)) is None, step
+        if layout is None:
+            case = next(iter(fixture_cases())).values[0]    # H16: the same 1-CTA cluster layout
+            layout = ms.ScheduleLayout(tuple(int(x) for x in case["plan_info"]), 592464, num_sm)
+        reused += ours.structure is holds
+        structures.add(id(ours.structure))
+        layout.write(ours, full)
+        layout.write(ours, partial, holds=holds)
+        holds = ours.structure
+        assert np.array_equal(partial, full), step
+    assert reused >= 30 and len(structures) >= 2, (reused, len(structures))

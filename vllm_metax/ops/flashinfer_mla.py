@@ -432,8 +432,9 @@ def _native_plan(be, meta: PagedMetadata, num_heads: int, head_dim_ckv: int, cau
         return mod.plan_with_staged_workspace_bytes(*args)
     ring = _staging_ring(device_ws)
     host = ring.acquire()
-    planned = _numpy_plan(be, meta, num_heads, head_dim_ckv, causal, ring.int32_view())
+    planned = _numpy_plan(be, meta, num_heads, head_dim_ckv, causal, ring)
     if planned is None:
+        ring.holds[ring.next] = None
         plan_info, staged = native(*args[:2], host, *args[3:])
         staged = int(staged)
         if not 0 <= staged <= host.numel():
@@ -463,9 +464,9 @@ def _layout_key(be, head_dim_ckv: int, q_len: int, num_heads: int) -> tuple:
             be._int_workspace_buffer.nbytes, head_dim_ckv, 2 if q_len * num_heads > CTA_TILE_Q else 1)
 
 
-def _numpy_plan(be, meta: PagedMetadata, num_heads: int, head_dim_ckv: int, causal: bool, host):
-    """(plan info, staged bytes) with the schedule computed here and written into `host` (an
-    int32 view of the staging buffer), or None: plan natively."""
+def _numpy_plan(be, meta: PagedMetadata, num_heads: int, head_dim_ckv: int, causal: bool, ring):
+    """(plan info, staged bytes) with the schedule computed here and written into the ring's
+    acquired staging buffer, or None: plan natively."""
     if meta.kv_len.shape[0] < _SCHEDULE_MIN_BATCH:
         return None
     learnt = _LAYOUTS.get(_layout_key(be, head_dim_ckv, meta.q_len, num_heads))
@@ -477,7 +478,9 @@ def _numpy_plan(be, meta: PagedMetadata, num_heads: int, head_dim_ckv: int, caus
                          num_heads, causal, layout.num_sm, q_len=meta.q_len)
     if sched is None:
         return None
-    layout.write(sched, host)
+    i = ring.next
+    layout.write(sched, ring.views[i], holds=ring.holds[i])
+    ring.holds[i] = sched.structure
     return plan_info, layout.staged_bytes
 
 
@@ -514,6 +517,7 @@ class _StagingRing:
         self.device_index = device_index
         self.buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(depth)]
         self.views = [b.numpy().view(np.int32) for b in self.buffers]
+        self.holds: list = [None] * depth     # the numpy schedule structure each buffer holds
         self.events: list = [None] * depth
         self.next = 0
         self.waits = 0            # acquisitions that found their buffer still being uploaded

@@ -79,6 +79,9 @@ class Schedule:
     works: dict                      # WORK_FIELDS -> [num_works] int32
     merges: dict                     # MERGE_FIELDS -> [num_merges] int32 (padded with 0 to num_sm)
     num_merges: int
+    # shared by the schedules of consecutive steps that differ only in kv_len / kv_end (see
+    # `_Reuse`); `ScheduleLayout.write` then rewrites only those two arrays
+    structure: object = None
 
     @property
     def num_works(self) -> int:
@@ -142,6 +145,11 @@ def mla_schedule(qo_indptr, kv_indptr, kv_len, num_heads: int, causal: bool, num
     num_tiles = eff.shape[0]
     limit = _kv_len_limit(int(_sum(eff)), clusters)
     n_chunks = _max((eff + (limit - 1)) // limit, 1)          # a zero-length tile gets one item
+    pieces = _max(eff * cs // limit, 1)                       # merge pieces of a split tile
+    key = (batch, num_heads, causal, num_sm, q_len, limit)
+    prev = _REUSE.get(key)
+    if prev is not None and prev.matches(qo_indptr, np.asarray(kv_indptr), n_chunks, pieces):
+        return prev.schedule(kv_len, eff)
     num_works = int(_sum(n_chunks))
     if num_works > MAX_WORK_ITEMS:
         return None
@@ -168,8 +176,7 @@ def mla_schedule(qo_indptr, kv_indptr, kv_len, num_heads: int, causal: bool, num
         st = split.nonzero()[0]
         rows = row_tile if req is None else row_tile[st]
         scalar_rows = req is None
-        pieces = _max(eff[st] * cs // limit, 1)
-        chunk_rows = -(-rows // pieces)
+        chunk_rows = -(-rows // pieces[st])
         per_tile = -(-rows // chunk_rows)
         num_merges = int(_sum(per_tile))
         if num_merges > num_sm:
@@ -202,7 +209,47 @@ def mla_schedule(qo_indptr, kv_indptr, kv_len, num_heads: int, causal: bool, num
         "q_start": np.zeros(num_works, dtype=np.int64) if req is None else tile[w_tile] * tile_q,
         "kv_start": kv_start[order], "kv_end": kv_end[order],
     }
-    return Schedule(cs, clusters, work_indptr, works, merges, num_merges)
+    sched = Schedule(cs, clusters, work_indptr, works, merges, num_merges, structure=object())
+    if len(_REUSE) >= 32:
+        _REUSE.clear()
+    _REUSE[key] = _Reuse(qo_indptr, np.asarray(kv_indptr), n_chunks, pieces, sched, w_req, w_tile, limit)
+    return sched
+
+
+class _Reuse:
+    """The last schedule of a batch shape, to be reused by the next decode step.
+
+    From one step to the next every request's KV grows by a token: the schedule keeps its shape
+    (the same tiles, chunk counts, chunk limit and merge pieces, so the same work items, partial
+    rows and merges) and only kv_len and the last chunk's kv_end move. When those inputs are
+    equal, the next schedule is the last one with those two arrays refreshed. Its cluster deal
+    was ranked on the older lengths: the chunks that grew did so by a few tokens of a chunk limit
+    of hundreds to thousands, and any change of shape deals afresh.
+    """
+
+    def __init__(self, qo_indptr, kv_indptr, n_chunks, pieces, sched, w_req, w_tile, limit):
+        # compared as bytes (dtype included): ~4x cheaper than array comparisons at these sizes
+        self.inputs = (n_chunks.tobytes(), pieces.tobytes(), qo_indptr.dtype, qo_indptr.tobytes(),
+                       kv_indptr.dtype, kv_indptr.tobytes())
+        self.sched, self.w_req, self.w_tile = sched, w_req, w_tile
+        self.kv_cap = sched.works["kv_start"] + limit
+
+    def matches(self, qo_indptr, kv_indptr, n_chunks, pieces) -> bool:
+        i = self.inputs
+        return (n_chunks.tobytes() == i[0] and pieces.tobytes() == i[1] and qo_indptr.dtype == i[2]
+                and qo_indptr.tobytes() == i[3] and kv_indptr.dtype == i[4]
+                and kv_indptr.tobytes() == i[5])
+
+    def schedule(self, kv_len, eff) -> Schedule:
+        s = self.sched
+        works = dict(s.works)
+        works["kv_len"] = kv_len[self.w_req]
+        works["kv_end"] = _min(self.kv_cap, eff[self.w_tile])
+        return Schedule(s.cluster_size, s.num_clusters, s.work_indptr, works, s.merges, s.num_merges,
+                        structure=s.structure)
+
+
+_REUSE: dict = {}
 
 
 # ufunc entry points: this runs every decode step and np.cumsum & co. cost twice these
@@ -241,15 +288,22 @@ class ScheduleLayout:
     def cluster_shape(self) -> tuple[int, int]:
         return int(self.plan_info[0]), int(self.plan_info[1])
 
-    def write(self, sched: Schedule, host: np.ndarray) -> None:
+    def write(self, sched: Schedule, host: np.ndarray, holds: object = None) -> None:
         """Write `sched` into `host`, an int32 view of a staging buffer laid out as MLAPlan's.
-        Merge entries past the schedule's are zeroed: every CTA reads its merge slot."""
+        Merge entries past the schedule's are zeroed: every CTA reads its merge slot. `holds` is
+        the structure of the schedule `host` holds already (if known): when it is this one's,
+        only kv_len and kv_end are written."""
         if (sched.cluster_size, sched.num_clusters) != self.cluster_shape:
             raise ValueError(f"schedule for {sched.cluster_size}x{sched.num_clusters} clusters, "
                              f"layout for {self.cluster_shape}")
+        n = sched.num_works
+        if holds is not None and holds is sched.structure:
+            for name in ("kv_len", "kv_end"):
+                o = self.offset(name) // 4
+                host[o:o + n] = sched.works[name]
+            return
         o = self.offset("work_indptr") // 4
         host[o:o + sched.num_clusters + 1] = sched.work_indptr
-        n = sched.num_works
         for name in WORK_FIELDS:
             o = self.offset(name) // 4
             host[o:o + n] = sched.works[name]
