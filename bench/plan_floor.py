@@ -9,9 +9,12 @@ round by round so host drift hits all of them alike:
   mlaplan_torch   the native plan call as the fast re-plan makes it (torch tensors, no upload)
   mlaplan_ffi     the same with pre-converted tensors (the C++ scheduler + call overhead only)
 
-per heads (16, 128) and batch (1, 32, 128) at a ragged context ~4096, page 64. It also saves what
-MLAPlan wrote for a set of batches (decode, speculative causal, long context) to schedules.npz:
-inputs, plan info and every schedule array, so the schedule's layout can be checked off the GPU.
+per heads (16, 128) and batch (1, 32, 128) at a ragged context ~4096, page 64. Then the numpy
+schedule that replaces MLAPlan (vllm_metax.ops.mla_schedule) on the host, whole and as decode
+steps, for B = 1-256; and the decode kernel's GPU time on MLAPlan's schedule vs the numpy one
+(which balances the clusters differently). It also saves what MLAPlan wrote for a set of batches
+(decode, speculative causal, long context) to schedules.npz: inputs, plan info and every schedule
+array, so the numpy schedule can be checked against it off the GPU (tests/test_mla_schedule.py).
 
     source .carry/device-env.sh && python3 bench/plan_floor.py --out $OUT
 """
@@ -93,7 +96,8 @@ def read_schedule(be, info: list[int], staged: int) -> dict:
 
 def numpy_vs_native(rounds: int) -> list:
     """Host cost of one schedule: FlashInfer's MLAPlan vs the numpy schedule + its write into the
-    staging buffer, per batch size (the cut-over `_SCHEDULE_MIN_BATCH` comes from here)."""
+    staging buffer, computed whole (a new batch) and as decode steps (reused from the step
+    before while its shape holds), per batch size."""
     from vllm_metax.ops import mla_schedule as ms
 
     rows = []
@@ -110,12 +114,22 @@ def numpy_vs_native(rounds: int) -> list:
             host = torch.empty_like(pinned).view(torch.uint8).numpy().view(np.int32)
             qo, kvi, kvl = meta.qo_indptr, meta.kv_indptr, meta.kv_len
 
-            def ours():
+            def fresh():                      # nothing to reuse: the whole schedule
+                ms._REUSE.clear()
                 s = ms.mla_schedule(qo.numpy(), kvi.numpy(), kvl.numpy(), heads, False, sms, q_len=1)
                 layout.write(s, host)
+            growing = [kvl.numpy() + i for i in range(32)]
+            state = {"i": 0, "holds": None}
+
+            def step():                       # decode: every request a token longer each step
+                s = ms.mla_schedule(qo.numpy(), kvi.numpy(), growing[state["i"] % 32], heads, False,
+                                    sms, q_len=1)
+                state["i"] += 1
+                layout.write(s, host, holds=state["holds"])
+                state["holds"] = s.structure
             fns = {"mlaplan": lambda: native(be._float_workspace_buffer, be._int_workspace_buffer, pinned,
                                              qo, kvi, kvl, heads, 512, False),
-                   "numpy_schedule": ours}
+                   "numpy_schedule": fresh, "numpy_step": step}
             st = interleaved(fns, rounds)
             rows.append({"heads": heads, "batch": batch, **{f"{k}_p50_us": v["p50_us"] for k, v in st.items()},
                          **{f"{k}_p90_us": v["p90_us"] for k, v in st.items()}})
@@ -257,9 +271,10 @@ def main() -> int:
     for r in result["timing"]:
         print(f"| {r['heads']} | {r['batch']} | {r['what']} | {r['p50_us']:.1f} | {r.get('p10_us', 0):.1f} | "
               f"{r.get('p90_us', 0):.1f} |")
-    print("| heads | batch | MLAPlan p50 us | numpy schedule+write p50 us |")
+    print("| heads | batch | MLAPlan p50 us | numpy schedule+write p50 us | numpy decode step p50 us |")
     for r in result["numpy_vs_native"]:
-        print(f"| {r['heads']} | {r['batch']} | {r['mlaplan_p50_us']:.1f} | {r['numpy_schedule_p50_us']:.1f} |")
+        print(f"| {r['heads']} | {r['batch']} | {r['mlaplan_p50_us']:.1f} | {r['numpy_schedule_p50_us']:.1f} | "
+              f"{r['numpy_step_p50_us']:.1f} |")
     print("| heads | batch | lens | kernel on MLAPlan us | kernel on numpy us | rel diff |")
     for r in result["kernel"]:
         print(f"| {r['heads']} | {r['batch']} | {r['lens']} | {r['mlaplan_us']:.1f} | {r['numpy_us']:.1f} | "
