@@ -201,7 +201,8 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder[FlashInferMLAMetadat
         common = self._common
         if (common is not None and common.seq_lens_cpu_upper_bound is not None
                 and self._num_spec_tokens == 0):
-            return common.seq_lens_cpu_upper_bound[:num_decodes]   # exact without spec tokens
+            lens = common.seq_lens_cpu_upper_bound                  # exact without spec tokens
+            return lens if lens.shape[0] == num_decodes else lens[:num_decodes]
         return seq_lens_device[:num_decodes].to("cpu")               # one sync, as vLLM's FlashInfer
 
     def _use_graph(self, num_decodes: int, num_decode_tokens: int) -> bool:
@@ -244,7 +245,7 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder[FlashInferMLAMetadat
                               dtype=np.int32)
         graph = self._use_graph(num_decodes, num_decode_tokens)
         backend = (self.choice.for_graph(num_decodes, q_len) if graph
-                   else self.choice.for_step(num_decodes, int(seq_lens.sum()) // num_decodes, q_len))
+                   else self.choice.for_step(num_decodes, int(np.add.reduce(seq_lens)) // num_decodes, q_len))
         block_table = block_table_tensor[:num_decodes]
         # The block table itself is the page list (strided metadata, nothing launched) wherever
         # the fast re-plan takes it; into a graph's buffer it is copied whole, so there only

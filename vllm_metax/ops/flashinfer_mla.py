@@ -444,8 +444,7 @@ def _native_plan(be, meta: PagedMetadata, num_heads: int, head_dim_ckv: int, cau
     else:
         plan_info, staged = planned
         SCHEDULES["numpy"] += 1
-    device_ws.view(torch.uint8)[:staged].copy_(host[:staged], non_blocking=True)
-    ring.release(torch.cuda.current_stream(ring.device_index))
+    ring.upload(device_ws, staged)
     return plan_info, staged
 
 
@@ -518,6 +517,7 @@ class _StagingRing:
         self.buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(depth)]
         self.views = [b.numpy().view(np.int32) for b in self.buffers]
         self.holds: list = [None] * depth     # the numpy schedule structure each buffer holds
+        self._views: dict = {}
         self.events: list = [None] * depth
         self.next = 0
         self.waits = 0            # acquisitions that found their buffer still being uploaded
@@ -532,6 +532,17 @@ class _StagingRing:
     def int32_view(self):
         """The acquired buffer as a numpy int32 array (the same memory)."""
         return self.views[self.next]
+
+    def upload(self, device_ws: torch.Tensor, nbytes: int) -> None:
+        """Copy the acquired buffer's first `nbytes` into `device_ws` on the current stream, and
+        release the buffer. The byte views of both sides are kept (one upload per step)."""
+        i = self.next
+        views = self._views.get((i, nbytes))
+        if views is None or views[0] is not device_ws:
+            views = self._views[(i, nbytes)] = (device_ws, device_ws.view(torch.uint8)[:nbytes],
+                                                self.buffers[i][:nbytes])
+        views[1].copy_(views[2], non_blocking=True)
+        self.release(torch.cuda.current_stream(self.device_index))
 
     def release(self, stream) -> None:
         ev = self.events[self.next]
