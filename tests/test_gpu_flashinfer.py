@@ -333,3 +333,18 @@ def test_numpy_schedule_runs_the_kernel_as_flashinfers_mlaplan_would(backend, he
         assert relative_error(out, ref) < 2e-2, i
     assert kern.fast_replans == len(steps) - 1
     assert op.SCHEDULES["numpy"] - numpy_before == len(steps) - 2, "later steps were planned by MLAPlan, not the numpy schedule"
+
+
+def test_tuner_times_the_kernel_on_the_schedule_the_plugin_serves():
+    """The sweep must time what vLLM runs: from the second step on the plugin's kernel runs on the
+    numpy schedule (B >= 16), so the tuner re-plans to that state before timing, plan samples or
+    not."""
+    op = _fi()
+    from mla_tune.backends import Candidate
+    from mla_tune.backends.flashinfer import FlashInferBackend
+    from mla_tune.measure import MeasureSettings, measure
+    before = op.SCHEDULES["numpy"]
+    r = measure(FlashInferBackend(), _workload(16, batch=64, context=2048),
+                Candidate("flashinfer", "fa2", 64), MeasureSettings(device="cuda", samples=5, plan_samples=0))
+    assert r.status == "ok", r.message
+    assert op.SCHEDULES["numpy"] > before, "the timed kernel ran on MLAPlan's schedule"
