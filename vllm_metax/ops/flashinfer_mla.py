@@ -416,10 +416,10 @@ def _native_plan(be, meta: PagedMetadata, num_heads: int, head_dim_ckv: int, cau
     reuse: no allocation and no host copy.
 
     From batch `_SCHEDULE_MIN_BATCH` on, the schedule is computed with numpy
-    (`vllm_metax.ops.mla_schedule`) instead of FlashInfer's C++ MLAPlan, which costs ~0.5 us per
-    work item; the buffer layout comes from a native plan of the same cluster shape, whose
-    schedule the numpy one must match first (`_learn_layout`). Other module shapes go through
-    the module's own entry point.
+    (`vllm_metax.ops.mla_schedule`: MLAPlan's work items and merges, better balanced clusters,
+    reused from step to step) instead of FlashInfer's C++ MLAPlan; the buffer layout comes from a
+    native plan of the same cluster shape, whose schedule the numpy one must match first
+    (`_learn_layout`). Other module shapes go through the module's own entry point.
     """
     args = (be._float_workspace_buffer, be._int_workspace_buffer, be._pin_memory_int_workspace_buffer,
             meta.qo_indptr, meta.kv_indptr, meta.kv_len, num_heads, head_dim_ckv, causal)
@@ -448,8 +448,11 @@ def _native_plan(be, meta: PagedMetadata, num_heads: int, head_dim_ckv: int, cau
     return plan_info, staged
 
 
-# From this batch size on the numpy schedule is cheaper than FlashInfer's MLAPlan on the H200
-# host (bench/results/2026-12-02_h200_plan_floor.json); below it MLAPlan is as cheap or cheaper.
+# The numpy schedule from this batch size on. Measured on the H200 (bench/results/
+# 2026-12-02_h200_plan_floor_reuse.txt): its cluster balance makes the decode kernel 10-30% faster
+# from B = 32 (e.g. 223 -> 158 us at 16 heads, B128), and a decode step that reuses the previous
+# schedule costs ~35 us on the host against MLAPlan's 66-122 us at B = 32-256. Below 16 requests
+# both balance alike (about one chunk per cluster) and MLAPlan is cheaper than a fresh numpy one.
 _SCHEDULE_MIN_BATCH = 16
 # layout key -> (ScheduleLayout, FlashInfer's own plan-info object) once learnt; None where the
 # numpy schedule disagreed with MLAPlan (that key then always plans natively)
