@@ -19,10 +19,11 @@ What is kept exactly as MLAPlan makes it (the kernel's contract):
 What differs: which cluster runs which chunk. MLAPlan hands each chunk, in request order, to the
 least-loaded cluster so far; here the chunks are ranked by size and dealt largest first in snake
 order (clusters 0..C-1, then C-1..0, ...), which keeps every cluster within one chunk of the mean
-and in practice much closer: the slowest cluster's load drops 20-35% on ragged batches of 32-128
-requests, and the decode kernel, which waits for its slowest cluster, runs 10-30% faster on the
-H200 (bench/results/2026-12-02_h200_plan_floor_reuse.txt; identical outputs). The kernel does not
-care which cluster runs a chunk: partial outputs are merged after a grid-wide barrier.
+and in practice much closer: the slowest cluster's load is 19-34% lower on the recorded ragged
+batches of 3-200 requests (tests/data), and the decode kernel, which waits for its slowest
+cluster, runs 10-30% faster on the H200 (bench/results/2026-12-02_h200_plan_floor_reuse.txt;
+identical outputs). The kernel does not care which cluster runs a chunk: partial outputs are
+merged after a grid-wide barrier.
 `tests/test_mla_schedule.py` checks all of this against schedules FlashInfer's MLAPlan wrote on
 the H200, and the GPU tests run the kernel on it.
 
