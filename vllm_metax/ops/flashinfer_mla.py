@@ -449,10 +449,11 @@ def _native_plan(be, meta: PagedMetadata, num_heads: int, head_dim_ckv: int, cau
 
 
 # The numpy schedule from this batch size on. Measured on the H200 (bench/results/
-# 2026-12-02_h200_plan_floor_reuse.txt): its cluster balance makes the decode kernel 10-30% faster
-# from B = 32 (e.g. 223 -> 158 us at 16 heads, B128), and a decode step that reuses the previous
-# schedule costs ~35 us on the host against MLAPlan's 66-122 us at B = 32-256. Below 16 requests
-# both balance alike (about one chunk per cluster) and MLAPlan is cheaper than a fresh numpy one.
+# 2026-12-02_h200_plan_floor_reuse.txt): its cluster balance makes the decode kernel 16-30%
+# faster on ragged batches of 32-128 requests (e.g. 223 -> 158 us at 16 heads, B128), and a decode
+# step that reuses the previous schedule costs ~35 us on the host against MLAPlan's 66-122 us at
+# B = 32-256. Below 16 requests both balance alike (about one chunk per cluster) and MLAPlan is
+# cheaper than a fresh numpy schedule.
 _SCHEDULE_MIN_BATCH = 16
 # layout key -> (ScheduleLayout, FlashInfer's own plan-info object) once learnt; None where the
 # numpy schedule disagreed with MLAPlan (that key then always plans natively)

@@ -21,7 +21,7 @@ least-loaded cluster so far; here the chunks are ranked by size and dealt larges
 order (clusters 0..C-1, then C-1..0, ...), which keeps every cluster within one chunk of the mean
 and in practice much closer: the slowest cluster's load is 19-34% lower on the recorded ragged
 batches of 3-200 requests (tests/data), and the decode kernel, which waits for its slowest
-cluster, runs 10-30% faster on the H200 (bench/results/2026-12-02_h200_plan_floor_reuse.txt;
+cluster, runs 16-30% faster on the H200 (bench/results/2026-12-02_h200_plan_floor_reuse.txt;
 identical outputs). The kernel does not care which cluster runs a chunk: partial outputs are
 merged after a grid-wide barrier.
 `tests/test_mla_schedule.py` checks all of this against schedules FlashInfer's MLAPlan wrote on
