@@ -32,6 +32,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from vllm_metax.ops import mla_schedule as ms
 from vllm_metax.ops.paged_metadata import PagedMetadata
 
 logger = logging.getLogger(__name__)
@@ -462,9 +463,9 @@ SCHEDULES = {"numpy": 0, "mlaplan": 0}     # fast re-plans by who made the sched
 
 
 def _layout_key(be, head_dim_ckv: int, q_len: int, num_heads: int) -> tuple:
-    from vllm_metax.ops.mla_schedule import CTA_TILE_Q
     return (str(be.device), getattr(be, "_backend", None), be._float_workspace_buffer.nbytes,
-            be._int_workspace_buffer.nbytes, head_dim_ckv, 2 if q_len * num_heads > CTA_TILE_Q else 1)
+            be._int_workspace_buffer.nbytes, head_dim_ckv,
+            2 if q_len * num_heads > ms.CTA_TILE_Q else 1)
 
 
 def _numpy_plan(be, meta: PagedMetadata, num_heads: int, head_dim_ckv: int, causal: bool, ring):
@@ -476,8 +477,7 @@ def _numpy_plan(be, meta: PagedMetadata, num_heads: int, head_dim_ckv: int, caus
     if learnt is None:
         return None
     layout, plan_info = learnt
-    from vllm_metax.ops.mla_schedule import mla_schedule
-    sched = mla_schedule(meta.qo_indptr.numpy(), meta.kv_indptr.numpy(), meta.kv_len.numpy(),
+    sched = ms.mla_schedule(meta.qo_indptr.numpy(), meta.kv_indptr.numpy(), meta.kv_len.numpy(),
                          num_heads, causal, layout.num_sm, q_len=meta.q_len)
     if sched is None:
         return None
@@ -493,7 +493,6 @@ def _learn_layout(be, meta, num_heads, head_dim_ckv, causal, plan_info, staged, 
     key = _layout_key(be, head_dim_ckv, meta.q_len, num_heads)
     if key in _LAYOUTS:
         return
-    from vllm_metax.ops import mla_schedule as ms
     num_sm = _sm_count(be.device)
     ours = ms.mla_schedule(meta.qo_indptr.numpy(), meta.kv_indptr.numpy(), meta.kv_len.numpy(),
                            num_heads, causal, num_sm, q_len=meta.q_len)
