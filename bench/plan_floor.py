@@ -35,14 +35,6 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 PAGE = 64
-# plan_info vector (MLAPlanInfo::ToVector): index -> name
-INFO = ("num_blks_x", "num_blks_y", "q_indptr", "kv_indptr", "partial_indptr", "merge_packed_offset_start",
-        "merge_packed_offset_end", "merge_partial_packed_offset_start", "merge_partial_packed_offset_end",
-        "merge_partial_stride", "q_len", "kv_len", "q_start", "kv_start", "kv_end", "work_indptr",
-        "partial_o", "partial_lse")
-WORK_ARRAYS = ("q_indptr", "kv_indptr", "partial_indptr", "q_len", "kv_len", "q_start", "kv_start", "kv_end")
-MERGE_ARRAYS = ("merge_packed_offset_start", "merge_packed_offset_end", "merge_partial_packed_offset_start",
-                "merge_partial_packed_offset_end", "merge_partial_stride")
 
 
 def stats(ns: list[int]) -> dict:
@@ -80,18 +72,12 @@ def planned_backend(num_heads: int, lens: list[int], q_len: int, causal: bool):
 
 
 def read_schedule(be, info: list[int], staged: int) -> dict:
+    """What MLAPlan wrote into the backend's pinned buffer, array by array."""
+    from vllm_metax.ops import mla_schedule as ms
+
     host = be._pin_memory_int_workspace_buffer.view(torch.uint8)[:staged].numpy().view(np.int32)
-    at = {name: info[i] for i, name in enumerate(INFO)}
-    clusters = int(info[1])
-    work_indptr = host[at["work_indptr"] // 4: at["work_indptr"] // 4 + clusters + 1].copy()
-    works = int(work_indptr[-1])
-    out = {"work_indptr": work_indptr}
-    for name in WORK_ARRAYS:
-        out[name] = host[at[name] // 4: at[name] // 4 + works].copy()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for name in MERGE_ARRAYS:
-        out[name] = host[at[name] // 4: at[name] // 4 + sms].copy()
-    return out
+    s = ms.read_schedule(info, host, torch.cuda.get_device_properties(0).multi_processor_count)
+    return {"work_indptr": s.work_indptr, **s.works, **s.merges}
 
 
 def numpy_vs_native(rounds: int) -> list:

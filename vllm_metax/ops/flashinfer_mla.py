@@ -54,7 +54,6 @@ _PACKED_BACKENDS = frozenset({"cutlass", "trtllm-gen", "xqa", "cute-dsl", "cute-
 _FLAT_FALLBACK_BACKENDS = ("auto", "fa2", "fa3")
 
 WORKSPACE_BYTES = 128 << 20      # FlashInfer's recommended float workspace for MLA
-_FA_MAX_WORK_ITEMS = 16384       # FlashInfer 0.7 fa2/fa3 MLAPlan capacity (scheduler.cuh)
 # What the fast re-plan reads or writes on FlashInfer 0.7's planned fa2/fa3 backend object.
 _FAST_INTERNALS = ("_cached_module", "_float_workspace_buffer", "_int_workspace_buffer",
                    "_pin_memory_int_workspace_buffer", "_use_cuda_graph", "_kv_indices_buf",
@@ -329,7 +328,7 @@ class MLADecodeKernel:
         # MLAPlan makes sum_r ceil(len_r / L) work items with L >= total / clusters: at most one
         # per query tile plus one per cluster (<= one per SM); tiles counted at the smallest (64)
         tiles = batch * -(-meta.q_len * num_heads // 64)
-        return tiles + _sm_count(self.wrapper_device) <= _FA_MAX_WORK_ITEMS
+        return tiles + _sm_count(self.wrapper_device) <= ms.MAX_WORK_ITEMS
 
     def _replan_fast(self, meta: PagedMetadata, num_heads: int, head_dim_ckv: int,
                      causal: bool = False) -> bool:
@@ -440,7 +439,7 @@ def _native_plan(be, meta: PagedMetadata, num_heads: int, head_dim_ckv: int, cau
         staged = int(staged)
         if not 0 <= staged <= host.numel():
             raise RuntimeError(f"MLAPlan staged {staged} bytes into a {host.numel()}-byte buffer")
-        _learn_layout(be, meta, num_heads, head_dim_ckv, causal, plan_info, staged, ring.int32_view())
+        _learn_layout(be, meta, num_heads, head_dim_ckv, causal, plan_info, staged, ring.views[ring.next])
         SCHEDULES["mlaplan"] += 1
     else:
         plan_info, staged = planned
@@ -464,8 +463,7 @@ SCHEDULES = {"numpy": 0, "mlaplan": 0}     # fast re-plans by who made the sched
 
 def _layout_key(be, head_dim_ckv: int, q_len: int, num_heads: int) -> tuple:
     return (str(be.device), getattr(be, "_backend", None), be._float_workspace_buffer.nbytes,
-            be._int_workspace_buffer.nbytes, head_dim_ckv,
-            2 if q_len * num_heads > ms.CTA_TILE_Q else 1)
+            be._int_workspace_buffer.nbytes, head_dim_ckv, ms.cluster_size(q_len * num_heads))
 
 
 def _numpy_plan(be, meta: PagedMetadata, num_heads: int, head_dim_ckv: int, causal: bool, ring):
@@ -478,7 +476,7 @@ def _numpy_plan(be, meta: PagedMetadata, num_heads: int, head_dim_ckv: int, caus
         return None
     layout, plan_info = learnt
     sched = ms.mla_schedule(meta.qo_indptr.numpy(), meta.kv_indptr.numpy(), meta.kv_len.numpy(),
-                         num_heads, causal, layout.num_sm, q_len=meta.q_len)
+                            num_heads, causal, layout.num_sm, q_len=meta.q_len)
     if sched is None:
         return None
     i = ring.next
@@ -518,9 +516,9 @@ class _StagingRing:
     def __init__(self, nbytes: int, device_index: int, depth: int = 4):
         self.device_index = device_index
         self.buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(depth)]
-        self.views = [b.numpy().view(np.int32) for b in self.buffers]
+        self.views = [b.numpy().view(np.int32) for b in self.buffers]   # the same memory
         self.holds: list = [None] * depth     # the numpy schedule structure each buffer holds
-        self._views: dict = {}
+        self._uploads: dict = {}              # (buffer, bytes) -> (device ws, its bytes, buffer's)
         self.events: list = [None] * depth
         self.next = 0
         self.waits = 0            # acquisitions that found their buffer still being uploaded
@@ -532,18 +530,14 @@ class _StagingRing:
             ev.synchronize()
         return self.buffers[self.next]
 
-    def int32_view(self):
-        """The acquired buffer as a numpy int32 array (the same memory)."""
-        return self.views[self.next]
-
     def upload(self, device_ws: torch.Tensor, nbytes: int) -> None:
         """Copy the acquired buffer's first `nbytes` into `device_ws` on the current stream, and
         release the buffer. The byte views of both sides are kept (one upload per step)."""
         i = self.next
-        views = self._views.get((i, nbytes))
+        views = self._uploads.get((i, nbytes))
         if views is None or views[0] is not device_ws:
-            views = self._views[(i, nbytes)] = (device_ws, device_ws.view(torch.uint8)[:nbytes],
-                                                self.buffers[i][:nbytes])
+            views = self._uploads[(i, nbytes)] = (device_ws, device_ws.view(torch.uint8)[:nbytes],
+                                                  self.buffers[i][:nbytes])
         views[1].copy_(views[2], non_blocking=True)
         self.release(torch.cuda.current_stream(self.device_index))
 

@@ -53,12 +53,10 @@ MERGE_FIELDS = ("merge_packed_offset_start", "merge_packed_offset_end",
                 "merge_partial_stride")
 
 
-def cluster_shape(qo_lens: np.ndarray, num_heads: int, num_sm: int) -> tuple[int, int]:
-    """(CTAs per cluster, clusters): two-CTA clusters when the average packed query length
-    (query tokens x heads per request) exceeds one 64-row tile."""
-    avg = int(qo_lens.sum()) * num_heads // max(len(qo_lens), 1)
-    size = 2 if avg > CTA_TILE_Q else 1
-    return size, num_sm // size
+def cluster_size(avg_packed_q: int) -> int:
+    """CTAs per cluster: two when the average packed query length of a request (query tokens x
+    heads) exceeds one 64-row tile, else one."""
+    return 2 if avg_packed_q > CTA_TILE_Q else 1
 
 
 def _kv_len_limit(total_kv: int, num_clusters: int) -> int:
@@ -122,7 +120,7 @@ def mla_schedule(qo_indptr, kv_indptr, kv_len, num_heads: int, causal: bool, num
     else:
         qo_len = None
         avg = q_len * num_heads
-    cs = 2 if avg > CTA_TILE_Q else 1
+    cs = cluster_size(avg)
     clusters = num_sm // cs
     tile_q = CTA_TILE_Q * cs
     qo_start = qo_indptr[:-1]
@@ -352,5 +350,5 @@ def same_schedule(a: Schedule, b: Schedule) -> str | None:
 
 
 __all__ = ["CTA_TILE_Q", "MAX_WORK_ITEMS", "MERGE_FIELDS", "PLAN_INFO_FIELDS", "Schedule",
-           "ScheduleLayout", "WORK_FIELDS", "cluster_shape", "mla_schedule", "read_schedule",
+           "ScheduleLayout", "WORK_FIELDS", "cluster_size", "mla_schedule", "read_schedule",
            "same_schedule"]
