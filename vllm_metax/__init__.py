@@ -12,6 +12,7 @@ from __future__ import annotations
 PLATFORM_CLASS = "vllm_metax.platform.MetaxPlatform"
 FLASHINFER_MLA_CLASS = "vllm_metax.backend.flashinfer_mla.FlashInferMLABackend"
 TRITON_MLA_CLASS = "vllm_metax.backend.triton_mla.MetaxTritonMLABackend"    # tuned num_kv_splits
+FLASHINFER_MLA_PREFILL_CLASS = "vllm_metax.backend.flashinfer_prefill.FlashInferMLAPrefillBackend"
 
 
 def should_activate() -> tuple[bool, str]:
@@ -29,8 +30,17 @@ def should_activate() -> tuple[bool, str]:
 
 
 def register() -> str | None:
-    """vllm.platform_plugins entry point: the platform class path when active, else None."""
+    """vllm.platform_plugins entry point: the platform class path when active, else None.
+    Says so, in one line, when another distribution (MetaX's vLLM-metax) also installs
+    `vllm_metax`."""
     active, _ = should_activate()
+    if active:
+        from vllm_metax.distribution import clash_message, other_owners
+
+        message = clash_message(other_owners())
+        if message:
+            import logging
+            logging.getLogger(__name__).warning("vllm_metax: %s", message)
     return PLATFORM_CLASS if active else None
 
 

@@ -20,7 +20,7 @@ from vllm.logger import init_logger
 from vllm.platforms.interface import DeviceCapability, Platform, PlatformEnum
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-from vllm_metax import FLASHINFER_MLA_CLASS, TRITON_MLA_CLASS
+from vllm_metax import FLASHINFER_MLA_CLASS, FLASHINFER_MLA_PREFILL_CLASS, TRITON_MLA_CLASS
 from vllm_metax.backend import dtype_name, kv_dtype_name, mla_backend_order, model_dims, tuned_entry
 from vllm_metax.device import FORCE_ENV, detect_device
 from vllm_metax.tuned_config import FOLDER_ENV, PACKAGED_ENV, STRICT_ENV
@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
     from vllm.config import VllmConfig
     from vllm.v1.attention.backend import AttentionBackend
+    from vllm.v1.attention.backends.mla.prefill.base import MLAPrefillBackend
+    from vllm.v1.attention.backends.mla.prefill.selector import MLAPrefillSelectorConfig
     from vllm.v1.attention.selector import AttentionSelectorConfig
 
 logger = init_logger(__name__)
@@ -37,15 +39,30 @@ logger = init_logger(__name__)
 SPARSE_MLA_ORDER = ("FLASHMLA_SPARSE",)
 DEFAULT_ATTN_ORDER = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
 PLUGIN_BACKENDS = {"FLASHINFER_MLA": FLASHINFER_MLA_CLASS, "TRITON_MLA": TRITON_MLA_CLASS}
+PLUGIN_PREFILL_BACKENDS = {"FLASHINFER": FLASHINFER_MLA_PREFILL_CLASS}
+# MLA prefill by priority: the plugin's FlashInfer ragged prefill, then vLLM's dense torch prefill
+# (correct anywhere, slow: for hosts without FlashInfer). vLLM's FLASH_ATTN prefill needs
+# is_cuda() and its compiled flash-attn, neither of which an out-of-tree platform has.
+MLA_PREFILL_ORDER = ("FLASHINFER", "CPU")
 # Our variables start with VLLM_ (vLLM-metax convention), so vLLM's environment check must know them.
+WORKER_CLASS = "vllm_metax.worker.MetaxWorker"
 OWN_ENV_VARS = frozenset({FORCE_ENV, FOLDER_ENV, STRICT_ENV, PACKAGED_ENV})
 
 
 def register_backends() -> None:
-    """Point FLASHINFER_MLA and TRITON_MLA at the plugin's tuned backends (idempotent)."""
+    """Point FLASHINFER_MLA, TRITON_MLA and the FLASHINFER MLA prefill at the plugin's backends
+    (idempotent)."""
+    from vllm.v1.attention.backends.mla.prefill.registry import (
+        MLAPrefillBackendEnum,
+        register_mla_prefill_backend,
+    )
+
     for backend, path in PLUGIN_BACKENDS.items():
         if AttentionBackendEnum[backend].get_path() != path:
             register_backend(AttentionBackendEnum[backend], class_path=path)
+    for backend, path in PLUGIN_PREFILL_BACKENDS.items():
+        if MLAPrefillBackendEnum[backend].get_path() != path:
+            register_mla_prefill_backend(MLAPrefillBackendEnum[backend], class_path=path)
 
 
 def _reasons_str(reasons: dict) -> str:
@@ -109,6 +126,21 @@ class MetaxPlatform(Platform):
         return torch.cuda.max_memory_allocated(device)
 
     @classmethod
+    def get_all_gpu_pci_bus_ids(cls) -> dict[int, str]:
+        """GPU index -> PCI bus id ("0000:3b:00.0"), from torch's device properties (no NVML on
+        MetaX); vLLM maps GPUs to NUMA nodes and NICs with it."""
+        out = {}
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            if not hasattr(p, "pci_bus_id"):
+                raise RuntimeError("torch does not report PCI bus ids on this build")
+            out[i] = (f"{getattr(p, 'pci_domain_id', 0):04x}:{p.pci_bus_id:02x}:"
+                      f"{getattr(p, 'pci_device_id', 0):02x}.0")
+        if not out:
+            raise RuntimeError("no GPU visible to torch")
+        return out
+
+    @classmethod
     def is_fully_connected(cls, device_ids: list[int]) -> bool:
         return False  # no link query without a management library: assume none
 
@@ -120,6 +152,16 @@ class MetaxPlatform(Platform):
                              "Use --dtype=half.")
 
     # ------------------------------------------------------------------ engine wiring
+    @classmethod
+    def import_kernels(cls) -> None:
+        """Load vLLM's compiled ops (vllm._C_stable_libtorch, the MoE ops) or, on MetaX, the
+        vendor's mcoplib first; one warning naming the ops serving needs that are still missing
+        (the worker refuses to start without them: vllm_metax.worker)."""
+        report = compiled_ops()
+        if report.missing:
+            from vllm_metax.kernels import missing_kernels_message
+            logger.warning_once(missing_kernels_message(report))
+
     @classmethod
     def get_punica_wrapper(cls) -> str:
         return "vllm.lora.punica_wrapper.punica_gpu.PunicaWrapperGPU"
@@ -202,7 +244,7 @@ class MetaxPlatform(Platform):
         register_backends()
         parallel_config = vllm_config.parallel_config
         if parallel_config.worker_cls == "auto":
-            parallel_config.worker_cls = "vllm.v1.worker.gpu_worker.Worker"
+            parallel_config.worker_cls = WORKER_CLASS
         cls._apply_tuned_block_size(vllm_config)
 
     @classmethod
@@ -240,6 +282,32 @@ class MetaxPlatform(Platform):
                                                           vllm_config)
 
     # ------------------------------------------------------------------ attention selection
+    @classmethod
+    def get_mla_prefill_backend_cls(cls, mla_selector_config: "MLAPrefillSelectorConfig"
+                                    ) -> "type[MLAPrefillBackend]":
+        """The first valid MLA prefill backend of MLA_PREFILL_ORDER; ValueError with every
+        backend's reasons when none is."""
+        from vllm.v1.attention.backends.mla.prefill.registry import MLAPrefillBackendEnum
+
+        register_backends()
+        capability = cls.get_device_capability()
+        invalid: dict = {}
+        for name in MLA_PREFILL_ORDER:
+            backend = MLAPrefillBackendEnum[name]
+            try:
+                backend_cls = backend.get_class()
+                reasons = backend_cls.validate_configuration(capability, mla_selector_config)
+            except (ImportError, OSError, AttributeError) as e:
+                backend_cls, reasons = None, [f"{type(e).__name__}: {e}"]
+            if not reasons:
+                if invalid:
+                    logger.info_once("vllm_metax: MLA prefill %s (skipped %s)",
+                                     backend_cls.get_name(), _reasons_str(invalid))
+                return backend_cls
+            invalid[backend] = reasons
+        raise ValueError(f"No valid MLA prefill backend found for {cls.device_name} with "
+                         f"{mla_selector_config!r}. Reasons: {_reasons_str(invalid)}.")
+
     @classmethod
     def attention_priorities(cls, attn_selector_config: "AttentionSelectorConfig",
                              num_heads: int | None = None) -> tuple[list[AttentionBackendEnum], str]:
@@ -307,6 +375,14 @@ class MetaxPlatform(Platform):
             return backend.get_path()
         raise ValueError(f"No valid attention backend found for {cls.device_name} with "
                          f"{attn_selector_config!r}. Reasons: {_reasons_str(invalid)}.")
+
+
+@cache
+def compiled_ops():
+    """What this process loaded of vLLM's compiled ops (a vllm_metax.kernels.KernelReport)."""
+    from vllm_metax.kernels import load_compiled_ops
+
+    return load_compiled_ops(detect_device().is_metax)
 
 
 @cache

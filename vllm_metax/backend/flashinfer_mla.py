@@ -329,6 +329,12 @@ class FlashInferMLABackend(MLACommonBackend):
         return capability >= DeviceCapability(8, 0)
 
     @classmethod
+    def supports_device_cpu_query_lens_mismatch(cls) -> bool:
+        # each decode step is planned from the host query_start_loc and sequence lengths: a batch
+        # whose device copy was trimmed (adaptive verification) would run a stale plan
+        return False
+
+    @classmethod
     def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink,
                              use_sparse, use_mm_prefix, device_capability) -> str | None:
         reasons = _model_features(get_current_vllm_config_or_none())
@@ -341,6 +347,11 @@ class FlashInferMLABackend(MLACommonBackend):
 class FlashInferMLAImpl(MLACommonImpl[FlashInferMLAMetadata]):
     can_return_lse_for_decode: bool = True
     lse_base_on_e: bool = False        # FlashInfer's MLA LSE is base 2 (both API forms)
+    # Context parallelism has never run through this backend (DCP needs the sharded block table
+    # and the cross-rank LSE combine, PCP the prefill split): vLLM's selector refuses both with
+    # "DCP not supported" / "PCP not supported" rather than serving unverified output.
+    supports_dcp: bool = False
+    supports_pcp: bool = False
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  alibi_slopes: list[float] | None, sliding_window: int | None, kv_cache_dtype: str,

@@ -1,0 +1,310 @@
+"""End-to-end serving proof on a GPU: a tiny DeepSeek-V2-shaped model (MLA, dense MLP only) served
+through vLLM's engine (`vllm.LLM`, in-process engine core) on the vllm_metax platform, greedy
+tokens compared across attention backends and against a float32 torch forward of the same weights.
+
+    VLLM_METAX_FORCE=1 python3 bench/serve_e2e.py --out DIR [--runs NAME,...]
+
+Each run is its own process (one engine per process, as `vllm serve` has). The weights are real
+(seeded, written as safetensors next to config.json), so the torch reference reads the same numbers;
+the prompts are token ids (no tokenizer). Chunked prefill is on with a 256-token step budget, so
+the longer prompts take several steps and continue cached context through the MLA prefill
+backend's context-chunk path; the `*_smallws` run shrinks vLLM's context workspace to 128 rows so
+a continuation spans several context chunks. Writes DIR/serve_e2e.json and DIR/serve_e2e.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CONFIG = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+    "hidden_size": 1024, "intermediate_size": 2048, "moe_intermediate_size": 256,
+    "num_hidden_layers": 3, "num_attention_heads": 16, "num_key_value_heads": 16,
+    "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "vocab_size": 2048, "max_position_embeddings": 4096,
+    "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
+    "first_k_dense_replace": 3, "torch_dtype": "bfloat16", "rope_theta": 10000.0,
+    "rope_scaling": None, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+    "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
+}
+PROMPT_LENS = (700, 300, 37, 1100, 5)   # two above the 256-token step: chunked prefill
+MAX_TOKENS = 24
+MAX_MODEL_LEN = 2048
+STEP_TOKENS = 256
+TUNED_PAGE = 32
+
+RUNS = {
+    # name: (attention backend, cuda graphs, tuned config, small context workspace)
+    "flashinfer_eager": ("FLASHINFER_MLA", False, False, False),
+    "flashinfer_graphs": ("FLASHINFER_MLA", True, False, False),
+    "triton_eager": ("TRITON_MLA", False, False, False),
+    "triton_graphs": ("TRITON_MLA", True, False, False),
+    "flashinfer_tuned_fa2_page32": ("FLASHINFER_MLA", False, True, False),
+    "flashinfer_eager_smallws": ("FLASHINFER_MLA", False, False, True),
+}
+
+
+# ----------------------------------------------------------------------------- model and prompts
+
+def make_model(root: Path) -> Path:
+    """config.json + seeded safetensors weights; scaled so activations stay O(1) and greedy
+    choices have margins well above bf16 noise."""
+    import torch
+    from safetensors.torch import save_file
+
+    d = root / "tiny-deepseek-v2"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(CONFIG))
+    if (d / "model.safetensors").exists():
+        return d
+    c = CONFIG
+    g = torch.Generator().manual_seed(20261203)
+    h, heads, nope, rope, v = (c["hidden_size"], c["num_attention_heads"], c["qk_nope_head_dim"],
+                               c["qk_rope_head_dim"], c["v_head_dim"])
+    kvl, inter, vocab = c["kv_lora_rank"], c["intermediate_size"], c["vocab_size"]
+
+    def lin(out_f, in_f, gain=1.0):
+        return (torch.randn(out_f, in_f, generator=g) * gain / math.sqrt(in_f)).to(torch.bfloat16)
+
+    def norm(n):
+        return (1.0 + 0.1 * torch.randn(n, generator=g)).to(torch.bfloat16)
+
+    w = {"model.embed_tokens.weight": torch.randn(vocab, h, generator=g).to(torch.bfloat16),
+         "model.norm.weight": norm(h), "lm_head.weight": lin(vocab, h, gain=4.0)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w.update({
+            p + "input_layernorm.weight": norm(h), p + "post_attention_layernorm.weight": norm(h),
+            p + "self_attn.q_proj.weight": lin(heads * (nope + rope), h, gain=2.0),
+            p + "self_attn.kv_a_proj_with_mqa.weight": lin(kvl + rope, h, gain=2.0),
+            p + "self_attn.kv_a_layernorm.weight": norm(kvl),
+            p + "self_attn.kv_b_proj.weight": lin(heads * (nope + v), kvl, gain=2.0),
+            p + "self_attn.o_proj.weight": lin(h, heads * v),
+            p + "mlp.gate_proj.weight": lin(inter, h), p + "mlp.up_proj.weight": lin(inter, h),
+            p + "mlp.down_proj.weight": lin(h, inter),
+        })
+    save_file(w, str(d / "model.safetensors"))
+    return d
+
+
+def prompts() -> list[list[int]]:
+    import random
+    rng = random.Random(7)
+    return [[rng.randrange(2, CONFIG["vocab_size"]) for _ in range(n)] for n in PROMPT_LENS]
+
+
+# ----------------------------------------------------------------------------- torch reference
+
+def reference_tokens(model_dir: Path, device="cuda") -> tuple[list, list]:
+    """Greedy tokens of a float32 torch forward (full causal attention, no KV cache) and, per
+    generated token, the reference's margin between its best and second-best logit."""
+    import torch
+    from safetensors.torch import load_file
+
+    c = CONFIG
+    w = {k: t.to(device, torch.float32) for k, t in load_file(str(model_dir / "model.safetensors")).items()}
+    heads, nope, rope, v, kvl = (c["num_attention_heads"], c["qk_nope_head_dim"],
+                                 c["qk_rope_head_dim"], c["v_head_dim"], c["kv_lora_rank"])
+    eps = c["rms_norm_eps"]
+    inv_freq = 1.0 / (c["rope_theta"] ** (torch.arange(0, rope, 2, device=device).float() / rope))
+
+    def rms(x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+    def rotate(x, pos):   # GPT-J (interleaved) rotary, as vLLM's DeepSeek (is_neox_style=False)
+        f = pos[:, None].float() * inv_freq[None]
+        cos, sin = f.cos()[:, None, :], f.sin()[:, None, :]
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1).flatten(-2)
+
+    def forward(ids):
+        t = len(ids)
+        pos = torch.arange(t, device=device)
+        x = w["model.embed_tokens.weight"][torch.tensor(ids, device=device)]
+        mask = torch.ones(t, t, dtype=torch.bool, device=device).tril()
+        for i in range(c["num_hidden_layers"]):
+            p = f"model.layers.{i}."
+            hn = rms(x, w[p + "input_layernorm.weight"])
+            q = (hn @ w[p + "self_attn.q_proj.weight"].T).view(t, heads, nope + rope)
+            kv_a = hn @ w[p + "self_attn.kv_a_proj_with_mqa.weight"].T
+            kv_c = rms(kv_a[:, :kvl], w[p + "self_attn.kv_a_layernorm.weight"])
+            k_pe = rotate(kv_a[:, None, kvl:], pos)
+            q = torch.cat((q[..., :nope], rotate(q[..., nope:], pos)), -1)
+            kv = (kv_c @ w[p + "self_attn.kv_b_proj.weight"].T).view(t, heads, nope + v)
+            k = torch.cat((kv[..., :nope], k_pe.expand(t, heads, rope)), -1)
+            s = torch.einsum("qhd,khd->hqk", q, k) * (nope + rope) ** -0.5
+            s = s.masked_fill(~mask, float("-inf")).softmax(-1)
+            o = torch.einsum("hqk,khd->qhd", s, kv[..., nope:]).reshape(t, heads * v)
+            x = x + o @ w[p + "self_attn.o_proj.weight"].T
+            hn = rms(x, w[p + "post_attention_layernorm.weight"])
+            gate, up = hn @ w[p + "mlp.gate_proj.weight"].T, hn @ w[p + "mlp.up_proj.weight"].T
+            x = x + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+        return rms(x[-1], w["model.norm.weight"]) @ w["lm_head.weight"].T
+
+    out, margins = [], []
+    with torch.no_grad():
+        for ids in prompts():
+            seq, toks, mar = list(ids), [], []
+            for _ in range(MAX_TOKENS):
+                top = forward(seq).topk(2)
+                toks.append(int(top.indices[0]))
+                mar.append(float(top.values[0] - top.values[1]))
+                seq.append(toks[-1])
+            out.append(toks)
+            margins.append(mar)
+    return out, margins
+
+
+# ----------------------------------------------------------------------------- one engine run
+
+def run_engine(name: str, model_dir: Path, out_json: Path) -> None:
+    backend, graphs, tuned, small_ws = RUNS[name]
+    os.environ.setdefault("VLLM_METAX_FORCE", "1")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"     # engine core in this process
+    record = {"name": name, "backend": backend, "cuda_graphs": graphs, "tuned": tuned}
+    if tuned:
+        folder = out_json.parent / f"tuned-{name}"
+        write_fa2_config(folder)
+        os.environ["VLLM_METAX_MLA_CONFIG_FOLDER"] = str(folder)
+    if small_ws:
+        from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadataBuilder
+        MLACommonMetadataBuilder.determine_chunked_prefill_workspace_size = staticmethod(lambda cfg: 128)
+        record["context_workspace_rows"] = 128
+
+    planned = record.setdefault("decode_plans", {})
+    prefill_plans = record.setdefault("prefill_plans", {})
+    from vllm_metax.ops import flashinfer_mla as op
+    from vllm_metax.ops import flashinfer_prefill as pop
+    orig_plan, orig_pplan = op.MLADecodeKernel.plan, pop.MLAPrefillKernel.plan
+
+    def plan(self, *a, **k):
+        planned[self.backend] = planned.get(self.backend, 0) + 1
+        return orig_plan(self, *a, **k)
+
+    def pplan(self, *a, **k):
+        key = f"{self.backend}/{'causal' if a[5] else 'context'}"
+        prefill_plans[key] = prefill_plans.get(key, 0) + 1
+        return orig_pplan(self, *a, **k)
+
+    op.MLADecodeKernel.plan, pop.MLAPrefillKernel.plan = plan, pplan
+
+    from vllm import LLM, SamplingParams
+    kw = dict(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16",
+              max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=STEP_TOKENS, max_num_seqs=8,
+              gpu_memory_utilization=0.25, attention_backend=backend, seed=0,
+              enable_prefix_caching=False)
+    if graphs:
+        kw["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
+                                    "cudagraph_capture_sizes": [1, 2, 4, 8]}
+    else:
+        kw["enforce_eager"] = True
+    t0 = time.perf_counter()
+    llm = LLM(**kw)
+    record["startup_s"] = round(time.perf_counter() - t0, 1)
+    cache = llm.llm_engine.vllm_config.cache_config
+    record["block_size"] = cache.block_size
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], sp, use_tqdm=False)
+    record["generate_s"] = round(time.perf_counter() - t0, 2)
+    record["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+    out_json.write_text(json.dumps(record))
+
+
+def write_fa2_config(folder: Path) -> None:
+    """A tuned config for this model on this device that names fa2 everywhere and page 32."""
+    from vllm_metax import tuned_config as tc
+    from vllm_metax.device import detect_device
+
+    dims = tc.ModelDims(CONFIG["num_attention_heads"], CONFIG["kv_lora_rank"],
+                        CONFIG["qk_rope_head_dim"])
+    buckets = [tc.Bucket(b, ctx, 1, {"flashinfer": tc.FamilyChoice({"backend": "fa2"})})
+               for b in (1, 2, 4, 8) for ctx in (64, 512, 2048)]
+    entry = tc.ModelEntry(dims, TUNED_PAGE, ["FLASHINFER_MLA", "TRITON_MLA"], buckets)
+    tc.write_tuned_config(tc.TunedConfig(detect_device().name, {"bench": "serve_e2e"}, [entry]), folder)
+
+
+# ----------------------------------------------------------------------------- driver
+
+def compare(tokens, ref, margins) -> dict:
+    same = sum(a == b for r, rr in zip(tokens, ref) for a, b in zip(r, rr))
+    total = sum(len(r) for r in ref)
+    first = []
+    for r, rr, m in zip(tokens, ref, margins):
+        i = next((j for j, (a, b) in enumerate(zip(r, rr)) if a != b), None)
+        first.append(None if i is None else {"at": i, "ref_margin": round(m[i], 4)})
+    return {"equal_tokens": same, "total_tokens": total, "first_divergence": first}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--runs", default=",".join(RUNS))
+    ap.add_argument("--run", help=argparse.SUPPRESS)
+    ap.add_argument("--model", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--timeout", type=int, default=240)
+    a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    if a.run:
+        run_engine(a.run, a.model, a.out / f"{a.run}.json")
+        return 0
+    model_dir = make_model(Path("/tmp/serve_e2e"))
+    work = Path("/tmp/serve_e2e/runs")          # per-run files; only the summary goes to --out
+    work.mkdir(parents=True, exist_ok=True)
+    results = {"config": CONFIG, "prompt_lens": PROMPT_LENS, "max_tokens": MAX_TOKENS,
+               "step_tokens": STEP_TOKENS, "runs": {}}
+    for name in a.runs.split(","):
+        t0 = time.perf_counter()
+        log = work / f"{name}.log"
+        rec_path = work / f"{name}.json"
+        rec_path.unlink(missing_ok=True)
+        with open(log, "w") as f:
+            try:
+                rc = subprocess.run([sys.executable, __file__, "--out", str(work), "--run", name,
+                                     "--model", str(model_dir)], stdout=f, stderr=subprocess.STDOUT,
+                                    timeout=a.timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        rec = json.loads(rec_path.read_text()) if rc == 0 and rec_path.exists() else {
+            "name": name, "error": f"rc {rc}", "log_tail": log.read_text()[-3000:]}
+        rec["wall_s"] = round(time.perf_counter() - t0, 1)
+        results["runs"][name] = rec
+        print(name, {k: rec.get(k) for k in ("error", "block_size", "decode_plans", "prefill_plans",
+                                              "startup_s", "wall_s")}, flush=True)
+        if "error" in rec:
+            print(rec["log_tail"][-2500:], flush=True)
+    ref, margins = reference_tokens(model_dir)
+    results["reference"] = {"tokens": ref, "min_margin": min(min(m) for m in margins)}
+    for name, rec in results["runs"].items():
+        if "tokens" in rec:
+            rec["vs_reference"] = compare(rec["tokens"], ref, margins)
+            for other in ("flashinfer_eager", "triton_eager"):
+                o = results["runs"].get(other, {})
+                if other != name and "tokens" in o:
+                    rec[f"vs_{other}"] = compare(rec["tokens"], o["tokens"], margins)["equal_tokens"]
+    (a.out / "serve_e2e.json").write_text(json.dumps(results, indent=1))
+    lines = ["| run | block | decode plans | prefill plans | = reference | first divergence |",
+             "|---|---|---|---|---|---|"]
+    for name, rec in results["runs"].items():
+        if "tokens" not in rec:
+            lines.append(f"| {name} | - | - | - | {rec.get('error')} | - |")
+            continue
+        v = rec["vs_reference"]
+        lines.append(f"| {name} | {rec['block_size']} | {rec['decode_plans']} | {rec['prefill_plans']} | "
+                     f"{v['equal_tokens']}/{v['total_tokens']} | {v['first_divergence']} |")
+    (a.out / "serve_e2e.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    ok = all("tokens" in r and r["vs_reference"]["equal_tokens"] == r["vs_reference"]["total_tokens"]
+             for r in results["runs"].values())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""MLA prefill inputs and an independent float64 reference, shared by the CPU and GPU prefill tests.
+
+A prefill batch is what vLLM's MLA layer hands its prefill backend: ragged [tokens, heads, dim]
+q/k/v for the new tokens (causal within each request), or for one context chunk (the request's
+queries against its cached context, no mask), with CSR index pointers per request.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import torch
+
+HEADS, NOPE, ROPE, V_DIM, KV_LORA = 16, 128, 64, 128, 512
+
+
+def ragged(lens, heads=HEADS, dim=NOPE + ROPE, seed=0, device="cpu", dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(sum(lens), heads, dim, generator=g).to(device=device, dtype=dtype)
+
+
+def indptr(lens, device="cpu") -> torch.Tensor:
+    out = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    out[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
+    return out.to(device)
+
+
+def reference(q, k, v, q_lens, kv_lens, scale, causal):
+    """float64 attention per request; returns (out [T, H, V], lse [H, T] natural log). With
+    causal=True query i of a request sees keys 0..i + (kv_len - q_len) (vLLM's prefix alignment)."""
+    outs, lses = [], []
+    qs = ks = 0
+    for ql, kl in zip(q_lens, kv_lens):
+        qq = q[qs:qs + ql].double().transpose(0, 1)
+        kk = k[ks:ks + kl].double().transpose(0, 1)
+        vv = v[ks:ks + kl].double().transpose(0, 1)
+        s = qq @ kk.transpose(-1, -2) * scale
+        if causal:
+            allowed = torch.ones(ql, kl, dtype=torch.bool, device=q.device).tril(kl - ql)
+            s = s.masked_fill(~allowed, -math.inf)
+        lses.append(torch.logsumexp(s, -1))
+        outs.append((s.softmax(-1) @ vv).transpose(0, 1))
+        qs, ks = qs + ql, ks + kl
+    return torch.cat(outs), torch.cat(lses, 1)
+
+
+def prefill_metadata(q_lens, device, chunk_kv_lens=None, dtype=torch.bfloat16):
+    """The fields of vLLM's MLACommonPrefillMetadata a prefill backend reads, with one context
+    chunk whose per-request context lengths are `chunk_kv_lens`."""
+    chunked = None
+    if chunk_kv_lens is not None:
+        chunked = SimpleNamespace(chunks=[SimpleNamespace(
+            index=0, query_start_loc=indptr(q_lens, device), cu_seq_lens=indptr(chunk_kv_lens, device))])
+    return SimpleNamespace(query_start_loc=indptr(q_lens, device),
+                           query_lens_cpu=torch.tensor(q_lens, dtype=torch.int32),
+                           q_data_type=dtype, output_dtype=dtype, chunked_context=chunked)
+
+
+def scale() -> float:
+    return (NOPE + ROPE) ** -0.5

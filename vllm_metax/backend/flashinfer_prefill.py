@@ -1,0 +1,149 @@
+"""MLA prefill for the vllm_metax platform: vLLM's `MLAPrefillBackend` contract over FlashInfer's
+ragged prefill (fa2 on MetaX and Ampere; fa3 on Hopper), registered under vLLM's FLASHINFER prefill
+name, which upstream reserves for Blackwell's cutlass kernel.
+
+vLLM's MLA layer calls it for the new tokens of each prefill (causal) and, for prompts that
+continue cached context, once per workspace-sized context chunk (non-causal); it merges the
+chunks by their natural-log LSE, which this backend converts from FlashInfer's base 2.
+Plans are made from host index pointers where vLLM gives them (no device sync for the new
+tokens); a backend value FlashInfer refuses here falls back to fa2 for good, with one warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from vllm.utils.gpu_sync_debug import gpu_sync_allowed
+from vllm.v1.attention.backends.mla.prefill.base import MLADimensions, MLAPrefillBackend
+from vllm.v1.attention.backends.utils import log2_lse_to_ln
+
+from vllm_metax.backend import device_backends
+from vllm_metax.ops.flashinfer_mla import BackendRefused, make_workspace
+from vllm_metax.ops.flashinfer_prefill import MLAPrefillKernel, prefill_available
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.model_executor.layers.attention.mla_attention import MLACommonPrefillMetadata
+    from vllm.platforms.interface import DeviceCapability
+
+logger = logging.getLogger(__name__)
+
+NAME = "FLASHINFER"            # the vLLM prefill enum member this class is registered under
+_WORKSPACES: dict = {}
+
+
+def _workspace(device: torch.device) -> torch.Tensor:
+    """One prefill workspace per device: layers run one after another, the plan is shared."""
+    key = str(device)
+    if key not in _WORKSPACES:
+        _WORKSPACES[key] = make_workspace(device)
+    return _WORKSPACES[key]
+
+
+def prefill_backend_value() -> str:
+    """The FlashInfer backend value prefill plans with on this device: fa3 on Hopper, fa2
+    elsewhere (MetaX's FlashInfer build has fa2 only)."""
+    allowed, default = device_backends()
+    return default if default in allowed and default != "auto" else "fa2"
+
+
+class FlashInferMLAPrefillBackend(MLAPrefillBackend):
+    """Dense MLA prefill (new tokens and chunked context) on FlashInfer's ragged prefill."""
+
+    # FlashInfer's ragged prefill compiles a module per (head_dim_qk, head_dim_vo): DeepSeek's MLA
+    # (V2, V2-Lite, V3, R1, Kimi-K2) up-projects to 128 nope + 64 rope and 128-wide values.
+    supported_mla_dimensions: ClassVar[list[MLADimensions]] = [
+        MLADimensions(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+    ]
+
+    @staticmethod
+    def get_name() -> str:
+        return NAME
+
+    @classmethod
+    def supports_compute_capability(cls, device_capability: "DeviceCapability | None") -> bool:
+        return device_capability is not None and device_capability.major >= 8
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return prefill_available()[0]
+
+    def __init__(self, num_heads: int, scale: float, kv_lora_rank: int, qk_nope_head_dim: int,
+                 qk_rope_head_dim: int, v_head_dim: int, vllm_config: "VllmConfig") -> None:
+        super().__init__(num_heads=num_heads, scale=scale, kv_lora_rank=kv_lora_rank,
+                         qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim,
+                         v_head_dim=v_head_dim, vllm_config=vllm_config)
+        self.backend = prefill_backend_value()
+        self._main: MLAPrefillKernel | None = None
+        self._chunks: list[MLAPrefillKernel] = []
+
+    def supports_out(self) -> bool:
+        return True                 # planned with head_dim_vo = v_head_dim: unpadded output
+
+    def _kernel(self, index: int | None, device: torch.device) -> MLAPrefillKernel:
+        if index is None:
+            if self._main is None or self._main.backend != self.backend:
+                self._main = MLAPrefillKernel(_workspace(device), self.backend)
+            return self._main
+        # each context chunk keeps its own plan for the whole step; they share one workspace
+        # with the main plan, as vLLM's FlashInfer prefill does (runs are sequential)
+        while len(self._chunks) <= index:
+            self._chunks.append(MLAPrefillKernel(_workspace(device), self.backend))
+        if self._chunks[index].backend != self.backend:
+            self._chunks[index] = MLAPrefillKernel(_workspace(device), self.backend)
+        return self._chunks[index]
+
+    def _plan(self, index, qo_indptr, kv_indptr, causal, q_dtype, out_dtype, device):
+        head_dim_qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        while True:
+            kernel = self._kernel(index, device)
+            try:
+                with gpu_sync_allowed():    # FlashInfer copies device index pointers to the host
+                    kernel.plan(qo_indptr, kv_indptr, self.num_heads, head_dim_qk, self.v_head_dim,
+                                causal, self.scale, q_dtype, out_dtype)
+                return
+            except BackendRefused as e:
+                if self.backend == "fa2":
+                    raise
+                logger.warning("vllm_metax MLA prefill: FlashInfer backend %r cannot plan here "
+                               "(%s); using 'fa2'", self.backend, e.reason)
+                self.backend = "fa2"
+
+    def prepare_metadata(self, prefill_metadata: "MLACommonPrefillMetadata") -> None:
+        super().prepare_metadata(prefill_metadata)
+        qsl = prefill_metadata.query_start_loc
+        device = qsl.device
+        q_dtype = prefill_metadata.q_data_type or self.vllm_config.model_config.dtype
+        out_dtype = prefill_metadata.output_dtype or q_dtype
+        lens = prefill_metadata.query_lens_cpu
+        if lens is not None:        # host index pointers: no device sync for the new tokens
+            qo_indptr = torch.zeros(lens.shape[0] + 1, dtype=torch.int32)
+            torch.cumsum(lens, 0, out=qo_indptr[1:])
+        else:
+            qo_indptr = qsl
+        self._plan(None, qo_indptr, qo_indptr, True, q_dtype, out_dtype, device)
+        chunked = prefill_metadata.chunked_context
+        if chunked is not None:
+            for chunk in chunked.chunks:
+                self._plan(chunk.index, chunk.query_start_loc, chunk.cu_seq_lens, False, q_dtype,
+                           out_dtype, device)
+
+    def run_prefill_new_tokens(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               return_softmax_lse: bool, out: torch.Tensor | None = None,
+                               output_scale: torch.Tensor | None = None):
+        if output_scale is not None:
+            raise NotImplementedError("FlashInfer MLA prefill does not write quantized output")
+        assert self._main is not None, "prefill was not planned"
+        ret = self._main.run(q, k, v, out=out, return_lse=return_softmax_lse)
+        if return_softmax_lse:
+            o, lse = ret
+            return o, log2_lse_to_ln(lse.transpose(0, 1))
+        return ret
+
+    def run_prefill_context_chunk(self, chunk, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                  out: torch.Tensor | None = None):
+        o, lse = self._chunks[chunk.index].run(q, k, v, out=out, return_lse=True)
+        return o, log2_lse_to_ln(lse.transpose(0, 1))

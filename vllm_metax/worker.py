@@ -1,0 +1,19 @@
+"""The GPU worker on the metax platform: vLLM's own, refusing to start without the compiled ops
+serving needs, with an error that names them (instead of the first missing `torch.ops._C...`
+attribute deep in the model runner)."""
+
+from __future__ import annotations
+
+from vllm.v1.worker.gpu_worker import Worker
+
+from vllm_metax.kernels import MissingKernelsError, missing_kernels_message
+
+
+class MetaxWorker(Worker):
+    def init_device(self):
+        from vllm_metax.platform import compiled_ops
+
+        report = compiled_ops()
+        if report.missing:
+            raise MissingKernelsError(missing_kernels_message(report))
+        return super().init_device()
