@@ -95,6 +95,28 @@ def _entry_point_check() -> Check:
     return Check("vLLM entry point", OK, "metax = vllm_metax:register")
 
 
+def _clash_check() -> Check:
+    from vllm_metax.distribution import clash_message, other_owners
+
+    message = clash_message(other_owners())
+    if message:
+        return Check("vllm_metax package", WARN, message)
+    return Check("vllm_metax package", OK, "installed by mla-tune only")
+
+
+def _compiled_ops_check(dev) -> Check:
+    """Where vLLM's compiled ops would come from (read from package metadata, nothing loaded)."""
+    sources = []
+    if dev.is_metax and importlib.util.find_spec("mcoplib") is not None:
+        sources.append("mcoplib (MetaX)")
+    if _vllm_has_file("vllm/_C_stable_libtorch"):
+        sources.append("vllm/_C_stable_libtorch")
+    if not sources:
+        want = "MetaX's mcoplib" if dev.is_metax else "vllm==0.33.0's vllm/_C_stable_libtorch"
+        return Check("compiled ops", NO, f"none installed: serving needs {want}")
+    return Check("compiled ops", OK, ", ".join(sources))
+
+
 def _vllm_check() -> Check:
     v = _version("vllm")
     if v is None:
@@ -213,10 +235,14 @@ def diagnose(model: str | None = None, tp_size: int = 1, probe: bool = False) ->
               "sm_count": dev.sm_count,
               "capability": ".".join(map(str, dev.capability)) if dev.capability else None}
     env = ", ".join(f"{k}={os.environ[k]}" for k in (FORCE_ENV, FOLDER_ENV, STRICT_ENV) if k in os.environ)
-    checks = [_entry_point_check(), _vllm_check(),
+    checks = [_entry_point_check(), _clash_check(), _vllm_check(), _compiled_ops_check(dev),
               Check("environment", OK, env or f"none of {FORCE_ENV}, {FOLDER_ENV}, {STRICT_ENV} set")]
     fi = flashinfer_available()
     checks.append(Check("flashinfer", OK if fi[0] else NO, fi[1]))
+    from vllm_metax.ops.flashinfer_prefill import prefill_available
+    pf = prefill_available()
+    checks.append(Check("MLA prefill", OK if pf[0] else WARN,
+                        pf[1] if pf[0] else f"{pf[1]}: vLLM's torch prefill (slow) instead"))
 
     tuned, tuned_order = _tuned_config(dev.name, dims)
     from vllm_metax.backend import mla_backend_order
