@@ -373,6 +373,7 @@ def run_workers(config, gpus: Sequence[str], observer=None, poll_s: float = POLL
     `workers` (WorkerReport per GPU)."""
     from mla_tune.backends import family_targets
     from mla_tune.sweep import SweepError, run_sweep, seed_studies
+    t0 = time.monotonic()
     seed_studies(config)              # before any worker runs: no study is seeded by a worker that dies
     tmp = Path(tempfile.mkdtemp(prefix="mla-tune-workers-"))
     procs = []
@@ -405,11 +406,15 @@ def run_workers(config, gpus: Sequence[str], observer=None, poll_s: float = POLL
         if all(r.returncode not in (0, None) for r in reports):
             tail = (tmp / "worker0.log").read_text(errors="replace").strip().splitlines()[-1:] or [""]
             raise SweepError(f"every worker failed (worker 0 exited {reports[0].returncode}: {tail[0]})")
-        outcome = run_sweep(replace(config, gpus=None, role="final"), observer)
+        held = _HeldSummary(observer)
+        outcome = run_sweep(replace(config, gpus=None, role="final"), held)
         outcome.workers = reports
         outcome.measured += sum(r.measured for r in reports)
         outcome.cached = max(0, outcome.cached - sum(r.measured for r in reports))
         outcome.faults += sum(r.faults for r in reports)
+        outcome.seconds = time.monotonic() - t0
+        if observer is not None:
+            observer.on_done(outcome)        # with the workers' counts in it
         return outcome
     finally:
         for _, p in procs:
@@ -419,6 +424,18 @@ def run_workers(config, gpus: Sequence[str], observer=None, poll_s: float = POLL
         for f in tmp.iterdir():
             f.unlink()
         tmp.rmdir()
+
+
+class _HeldSummary:
+    """Passes every event of the final pass on but the last, which waits for the workers' counts."""
+
+    def __init__(self, observer):
+        self._observer = observer
+
+    def __getattr__(self, name):
+        if name == "on_done" or self._observer is None:
+            return lambda *a, **k: None
+        return getattr(self._observer, name)
 
 
 def _worker_main(payload: str, report: str) -> int:

@@ -18,6 +18,7 @@ SweepObserver (the CLI's draws a rich progress bar).
 from __future__ import annotations
 
 import math
+import os
 import re
 import statistics
 import time
@@ -285,6 +286,7 @@ class SweepOutcome:
     emitted: Path | None = None
     emit_note: str = ""
     stopped_early: int = 0                                # buckets cut by a budget
+    workers: list = field(default_factory=list)           # distributed.WorkerReport, with --gpus
 
     @property
     def valid_trials(self) -> int:
@@ -502,6 +504,10 @@ class _Measurer:
         if self.run_id is None:     # a rerun that measures nothing adds no run record
             from mla_tune.environment import capture_environment
             env = capture_environment(self.plan.kind, self.config.command)
+            if self.config.role == "worker" or os.environ.get("CUDA_VISIBLE_DEVICES"):
+                # workers of one host differ by GPU: their run records say which
+                env["cuda_visible_devices"] = os.environ.get("CUDA_VISIBLE_DEVICES")
+                env["worker"] = f"{self.config.worker_index + 1}/{self.config.worker_count} pid {os.getpid()}"
             if self.plan.kind == "gpu":
                 env.update(ceilings_in_subprocess())
             self.run_id = self.store.add_run(env)
