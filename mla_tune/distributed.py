@@ -203,6 +203,9 @@ class SharedBucket:
         except optuna.exceptions.DuplicatedStudyError:
             self.study = optuna.load_study(study_name=self.name, storage=self.storage, sampler=sampler)
             created = False
+        # the study's own storage from here on: optuna wraps an RDBStorage in a cache that must
+        # see every trial this process touches
+        self.storage = self.study._storage
         if created:
             self.study.set_user_attr("uid", uuid.uuid4().hex)
             self.study.set_user_attr("seeding", self.worker)
@@ -383,8 +386,10 @@ def run_workers(config, gpus: Sequence[str], observer=None, poll_s: float = POLL
                            role="worker")
             payload = tmp / f"worker{i}.pkl"
             with open(payload, "wb") as f:
-                pickle.dump({"config": wcfg, "families": family_targets()}, f)
+                pickle.dump({"config": wcfg, "families": family_targets(), "path": sys.path}, f)
             env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
+            # each worker its share of the host's cores: torch's thread pools would fight otherwise
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // len(gpus))))
             log = open(tmp / f"worker{i}.log", "wb")
             p = subprocess.Popen([sys.executable, "-m", "mla_tune.distributed", str(payload),
                                   str(tmp / f"worker{i}.json")], env=env, stdout=log,
@@ -403,9 +408,13 @@ def run_workers(config, gpus: Sequence[str], observer=None, poll_s: float = POLL
             except (OSError, ValueError):
                 pass
             reports.append(r)
-        if all(r.returncode not in (0, None) for r in reports):
-            tail = (tmp / "worker0.log").read_text(errors="replace").strip().splitlines()[-1:] or [""]
-            raise SweepError(f"every worker failed (worker 0 exited {reports[0].returncode}: {tail[0]})")
+        errors = [i for i, r in enumerate(reports) if r.returncode and r.returncode > 0]
+        if errors and all(r.returncode for r in reports):
+            # no worker finished and one failed by itself (not killed): that failure is the news
+            i = errors[0]
+            tail = (tmp / f"worker{i}.log").read_text(errors="replace").strip().splitlines()[-1:] or [""]
+            raise SweepError(f"every worker failed (worker on GPU {reports[i].gpu} exited "
+                             f"{reports[i].returncode}: {tail[0]})")
         held = _HeldSummary(observer)
         outcome = run_sweep(replace(config, gpus=None, role="final"), held)
         outcome.workers = reports
@@ -443,6 +452,7 @@ def _worker_main(payload: str, report: str) -> int:
     from mla_tune.sweep import run_sweep
     with open(payload, "rb") as f:
         job = pickle.load(f)
+    sys.path[:0] = [p for p in job["path"] if p not in sys.path]   # the launcher's modules too
     for name, target in job["families"].items():
         register_family(name, target)
     out = run_sweep(job["config"])
