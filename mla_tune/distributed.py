@@ -191,11 +191,12 @@ class SharedBucket:
     uid: str = ""
     created: bool = False               # this process created (and seeded) the study
 
-    def open(self, seed: Sequence, attrs: dict, wait_s: float = SEED_WAIT_S) -> bool:
+    def open(self, seed: Sequence, attrs: dict, wait_s: float = SEED_WAIT_S, sampler=None) -> bool:
         """Create the study and enqueue `seed` (True), or load the one another process created
-        and wait until it is seeded (False); a creator that died while seeding is taken over."""
+        and wait until it is seeded (False); a creator that died while seeding is taken over.
+        `sampler`: TPE's for a TPE bucket (a grid's trials are all enqueued)."""
         optuna = _quiet_optuna()
-        sampler = optuna.samplers.RandomSampler(seed=0)   # enqueued parameters decide every trial
+        sampler = sampler or optuna.samplers.RandomSampler(seed=0)
         try:
             self.study = optuna.create_study(study_name=self.name, storage=self.storage,
                                              sampler=sampler, direction="minimize")
@@ -280,7 +281,9 @@ class SharedBucket:
         got: list[Claim] = []
         page = None
         for t in self._trials((TrialState.WAITING,)):
-            c = self._candidate(t.user_attrs.get("candidate", ""))
+            if "candidate" not in t.user_attrs:
+                continue    # a TPE search's own enqueued proposal: its `ask` takes it
+            c = self._candidate(t.user_attrs["candidate"])
             if page is not None and c.page_size != page:
                 break       # one claimed batch is one interleaved comparison on one KV layout
             try:
@@ -319,11 +322,46 @@ class SharedBucket:
                 self.heartbeat.release(claim.trial_id)
 
     def counts(self) -> dict:
+        """Trials waiting for a worker (a candidate to measure) and trials being measured."""
         from optuna.trial import TrialState
         out = {"waiting": 0, "running": 0}
         for t in self._trials((TrialState.WAITING, TrialState.RUNNING)):
-            out["waiting" if t.state == TrialState.WAITING else "running"] += 1
+            if t.state == TrialState.RUNNING:
+                out["running"] += 1
+            elif "candidate" in t.user_attrs:
+                out["waiting"] += 1
         return out
+
+    # ------------------------------------------------------------ a TPE search's side
+    def take(self, trial, candidate) -> bool:
+        """Whether this worker measures `candidate` for `trial` (a TPE proposal it asked for):
+        not when another live trial of the study holds the same candidate. The candidate is
+        written to the trial before the others are read, so of two workers proposing one
+        candidate at once at least one sees the other: it is never measured twice."""
+        from optuna.trial import TrialState
+        self.storage.set_trial_user_attr(trial._trial_id, "candidate", candidate.key)
+        self.storage.set_trial_user_attr(trial._trial_id, "worker", self.worker)
+        if self.heartbeat is not None:
+            self.heartbeat.hold(trial._trial_id)
+        for t in self._trials((TrialState.WAITING, TrialState.RUNNING, TrialState.COMPLETE,
+                               TrialState.PRUNED)):
+            if t._trial_id != trial._trial_id and t.user_attrs.get("candidate") == candidate.key \
+                    and not t.user_attrs.get("duplicate"):
+                return False
+        return True
+
+    def release(self, trial) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.release(trial._trial_id)
+
+    def known(self) -> dict:
+        """candidate key -> Evaluation of what the study's workers finished (cached for us)."""
+        from mla_tune.search import Evaluation
+        return {k: Evaluation(self._candidate(k), v, True, reason, tid)
+                for k, (v, reason, tid) in self.finished().items()}
+
+    def claim_key(self, candidate) -> str:
+        return f"{self.uid}|{candidate.key}"
 
     def finished(self) -> dict:
         """candidate key -> (value or None, invalid reason, results-DB trial id) of every
@@ -332,7 +370,7 @@ class SharedBucket:
         out = {}
         for t in self._trials((TrialState.COMPLETE, TrialState.PRUNED)):
             key = t.user_attrs.get("candidate")
-            if key and key not in out:
+            if key and key not in out and not t.user_attrs.get("duplicate"):
                 out[key] = (t.value if t.state == TrialState.COMPLETE else None,
                             t.user_attrs.get("invalid_reason"), t.user_attrs.get("results_trial_id"))
         return out

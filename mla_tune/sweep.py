@@ -411,16 +411,23 @@ def _open_storage(config: SweepConfig, plan: SweepPlan):
 
 def _shared_bucket(storage, config: SweepConfig, plan: SweepPlan, p: PlannedBucket, backends: dict,
                    device_name: str, heartbeat=None):
-    """Bucket p's study in the shared storage, created and seeded with its grid (in measuring
-    order, cut to its budget) if no other process has done so."""
+    """Bucket p's study in the shared storage, created and seeded if no other process has done
+    so: with its grid (in measuring order, cut to its budget), or for TPE with the family
+    defaults (TPE proposes the rest)."""
     from mla_tune.distributed import SharedBucket
+    from mla_tune.search import tpe_sampler
     declared = _space_for(p.bucket, backends, config.page_sizes, {})
-    name = f"{_study_name(config, p.bucket, declared)} | {device_name}"
+    name = f"{_study_name(config, p.bucket, declared)} | {p.mode} | {device_name}"
     pol = config.policy(None)
-    seed = p.space.grid_order(by_page=p.budget >= len(p.space), first_page=pol.first_page)[:p.budget]
+    if p.mode == "grid":
+        seed, sampler = p.space.grid_order(by_page=p.budget >= len(p.space),
+                                           first_page=pol.first_page)[:p.budget], None
+    else:
+        seed, sampler = p.space.defaults[:p.budget], tpe_sampler(pol.seed, len(p.space))
     grace = 2.0 * (config.heartbeat_s or 10) + 10.0
     sb = SharedBucket(storage, name, declared, heartbeat=heartbeat, grace_s=grace)
-    sb.created = sb.open(seed, {"mode": "grid", "space_size": len(p.space), "device_name": device_name})
+    sb.created = sb.open(seed, {"mode": p.mode, "space_size": len(p.space),
+                                "device_name": device_name}, sampler=sampler)
     return sb
 
 
@@ -668,24 +675,21 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
                 evaluate = measurer.evaluator(p, policy)
                 obs.on_bucket(p)
                 t0 = time.monotonic()
-                if storage is not None and p.mode == "grid" and len(p.space):
+                if storage is not None and len(p.space):
                     sb = _shared_bucket(storage, config, plan, p, ctx["backends"], device_name,
                                         heartbeat)
-                    so = SearchOutcome("grid", len(p.space), p.budget)
-                    _claim_and_measure(sb, so, evaluate, policy)
+                    if p.mode == "grid":
+                        so = SearchOutcome("grid", len(p.space), p.budget)
+                        _claim_and_measure(sb, so, evaluate, policy)
+                    else:   # optuna's distributed TPE: every worker asks the one study
+                        so = search(p.space, evaluate, policy, shared=sb)
                     results[i] = BucketOutcome(p, so, time.monotonic() - t0)
                     if sb.counts()["running"]:      # other workers hold some of its trials
                         shared[i] = sb
                         continue
                     _add_finished_elsewhere(sb, so, outcome)
                 else:
-                    # TPE (or no storage): a study of this search's own, which no other sweep
-                    # touches (TPE proposals are this process's; the results DB answers repeats)
-                    name = _study_name(config, p.bucket)
-                    if storage is not None:
-                        import uuid
-                        name += f" | {device_name} | run {uuid.uuid4().hex[:8]}"
-                    so = search(p.space, evaluate, policy, name, storage)
+                    so = search(p.space, evaluate, policy, _study_name(config, p.bucket), None)
                     results[i] = BucketOutcome(p, so, time.monotonic() - t0)
                 outcome.stopped_early += so.stopped == "time budget"
                 obs.on_bucket_done(results[i])
@@ -758,8 +762,10 @@ def _add_finished_elsewhere(sb, so: SearchOutcome, outcome: SweepOutcome) -> Non
         if key not in have:
             so.evaluations.append(Evaluation(sb._candidate(key), value, True, reason, tid))
             outcome.cached += 1
-    so.stopped = "time budget" if sb.counts()["waiting"] else (
-        "complete" if so.budget >= so.space_size else "trial budget")
+    if sb.counts()["waiting"]:
+        so.stopped = "time budget"
+    elif so.mode == "grid":
+        so.stopped = "complete" if so.budget >= so.space_size else "trial budget"
 
 
 def _note_best(best: list, ev: Evaluation) -> None:

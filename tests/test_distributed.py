@@ -104,10 +104,12 @@ def test_a_dead_claimants_trial_is_failed_and_enqueued_again(tmp_path):
 SMALL = ["--batches", "1,2,4", "--contexts", "64,128", "--samples", "3", "--warmup", "1", "--no-emit", "-q"]
 
 
-def test_two_sweeps_on_one_db_both_finish_and_store_each_trial_once(tmp_path):
-    # the reported bug: each start deleted the other's study; one died with KeyError
+@pytest.mark.parametrize("mode", ["grid", "tpe"])
+def test_two_sweeps_on_one_db_both_finish_and_store_each_trial_once(tmp_path, mode):
+    # the reported bug: each start deleted the other's study; one died with KeyError. TPE: both
+    # ask one shared study (optuna's distributed TPE); a proposal another holds is not measured
     db = tmp_path / "results.db"
-    args = ["sweep", "--db", str(db), *SMALL]
+    args = ["sweep", "--db", str(db), "--mode", mode, *SMALL]
     ps = [cli(*args, cwd=tmp_path) for _ in range(2)]
     outs = [p.communicate(timeout=300)[0] for p in ps]
     assert [p.returncode for p in ps] == [0, 0], outs
@@ -115,6 +117,13 @@ def test_two_sweeps_on_one_db_both_finish_and_store_each_trial_once(tmp_path):
     assert len(rows) == 18 and len(set(rows)) == 18               # 6 buckets x 3 pages, once each
     measured = [int(" ".join(o.split()).split(" trials measured")[0].split()[-1]) for o in outs]
     assert sum(measured) == 18, outs
+    import optuna
+    storage = open_storage(tmp_path / "results.optuna.log")
+    studies = optuna.get_all_study_summaries(storage)
+    assert len(studies) == 6 and all(f"| {mode} | cpu" in s.study_name for s in studies)
+    for st in studies:          # each study knows all three candidates of its bucket, measured
+        trials = optuna.load_study(study_name=st.study_name, storage=storage).trials
+        assert len({t.user_attrs["candidate"] for t in trials if t.state.name == "COMPLETE"}) == 3
 
 
 def test_gpus_runs_one_worker_per_gpu_and_emits_once(tmp_path):
@@ -160,7 +169,8 @@ def _kill_a_worker_mid_run(tmp_path: Path, storage_spec: str, extra=()) -> tuple
     db = tmp_path / "results.db"
     args = ["sweep", "--db", str(db), "--family", "sleepy", "--gpus", "0,1", "--storage", storage_spec,
             "--batches", "1,2,4", "--contexts", "64", "--samples", "3", "--warmup", "1",
-            "--no-emit", "-q", *extra] + [x for p in (1, 4, 16, 64) for x in ("--page-size", str(p))]
+            "--no-emit", "-q", "--isolation", "inline", *extra] + [x for p in (1, 4, 16, 64)
+                                                               for x in ("--page-size", str(p))]
     p = cli(*args, env={"MLA_TUNE_TEST_PAUSE": "0.6"}, cwd=tmp_path)
     storage = open_storage(storage_spec)
     victim = None
