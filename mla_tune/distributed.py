@@ -7,8 +7,9 @@
     run_workers(config, gpus, observer)   one worker process per GPU, then the final pass
 
 A bucket's study is the work queue, in optuna's own terms: its creator (study names are unique in
-the storage, so exactly one process creates it) enqueues every candidate to measure as a WAITING
-trial with the candidate key as a user attribute, then marks the study seeded. A worker claims a
+the storage, so exactly one process creates it) enqueues every candidate to measure (a grid's
+whole space; for TPE the family defaults, the rest TPE proposes) as a WAITING trial with the
+candidate key as a user attribute, then marks the study seeded. A worker claims a
 trial by moving it from WAITING to RUNNING through the storage (`set_trial_state_values`, which
 optuna's own `Study.ask` uses to pop enqueued trials: of two workers, one wins), so each trial is
 measured by one worker. A claimed trial carries a heartbeat (RDBStorage) and the worker's host and
@@ -17,6 +18,8 @@ RetryHeartbeatStaleTrialCallback (the heartbeat for RDB storages; a dead pid on 
 journal file, which has no heartbeat), and another worker measures it. Each stored trial carries
 its claim (`<study uid>|<candidate>`): a claim is stored once in a results DB, however many
 workers answered it (a worker thought dead that was only slow), and `mla-tune merge` keeps it once.
+A TPE bucket is optuna's distributed TPE: every worker asks the one study (constant liar on), and a
+proposal whose candidate another live trial already holds is pruned as a duplicate (`take`).
 """
 
 from __future__ import annotations
@@ -405,6 +408,7 @@ class WorkerReport:
     measured: int = 0
     cached: int = 0
     faults: int = 0
+    error: str = ""              # the last line a failed worker wrote
 
 
 def run_workers(config, gpus: Sequence[str], observer=None, poll_s: float = POLL_S):
@@ -445,14 +449,16 @@ def run_workers(config, gpus: Sequence[str], observer=None, poll_s: float = POLL
                 r.__dict__.update(json.loads((tmp / f"worker{i}.json").read_text()))
             except (OSError, ValueError):
                 pass
+            if r.returncode and r.returncode > 0:      # failed by itself, not killed
+                lines = (tmp / f"worker{i}.log").read_text(errors="replace").strip().splitlines()
+                r.error = lines[-1][:300] if lines else ""
             reports.append(r)
         errors = [i for i, r in enumerate(reports) if r.returncode and r.returncode > 0]
         if errors and all(r.returncode for r in reports):
             # no worker finished and one failed by itself (not killed): that failure is the news
-            i = errors[0]
-            tail = (tmp / f"worker{i}.log").read_text(errors="replace").strip().splitlines()[-1:] or [""]
-            raise SweepError(f"every worker failed (worker on GPU {reports[i].gpu} exited "
-                             f"{reports[i].returncode}: {tail[0]})")
+            r = reports[errors[0]]
+            raise SweepError(f"every worker failed (worker on GPU {r.gpu} exited {r.returncode}: "
+                             f"{r.error})")
         held = _HeldSummary(observer)
         outcome = run_sweep(replace(config, gpus=None, role="final"), held)
         outcome.workers = reports

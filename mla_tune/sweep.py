@@ -432,7 +432,7 @@ def _shared_bucket(storage, config: SweepConfig, plan: SweepPlan, p: PlannedBuck
 
 
 def seed_studies(config: SweepConfig) -> int:
-    """Create and seed every grid bucket's shared study (what `--gpus` does before its workers
+    """Create and seed every bucket's shared study (what `--gpus` does before its workers
     start); the number of studies this call created."""
     from mla_tune.roofline import workload_bytes, workload_flops
     from mla_tune.store import ResultsStore
@@ -450,7 +450,7 @@ def seed_studies(config: SweepConfig) -> int:
         raise SweepInputError("several workers need a shared optuna storage (--storage or a journal)")
     device_name = _device_name(plan.device)
     return sum(_shared_bucket(storage, config, plan, p, ctx["backends"], device_name).created
-               for p in plan.buckets if p.mode == "grid" and len(p.space))
+               for p in plan.buckets if len(p.space))
 
 
 def _tag_remeasure(config: SweepConfig) -> None:

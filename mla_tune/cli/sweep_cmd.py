@@ -189,7 +189,8 @@ def print_summary(outcome) -> None:
                       f" (already measured), {o.faults} crashed or timed out"
                       f" ({o.restarts} worker restarts), {o.seconds:.1f} s")
     for w in getattr(o, "workers", None) or ():
-        state = "done" if w.returncode == 0 else f"[yellow]exited {w.returncode}[/]"
+        state = "done" if w.returncode == 0 else f"[yellow]exited {w.returncode}[/]" + (
+            f" ({escape(w.error)})" if w.error else "")
         console.print(f"worker GPU {escape(w.gpu)} (pid {w.pid}): {state}, {w.measured} measured",
                       highlight=False)
     if o.stopped_early:
