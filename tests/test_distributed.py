@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from mla_tune.backends.base import Candidate
 from mla_tune.cli import app
-from mla_tune.distributed import SharedBucket, open_storage, parse_gpus
+from mla_tune.distributed import Heartbeat, SharedBucket, open_storage, parse_gpus
 from mla_tune.search import SearchSpace
 from mla_tune.store import ResultsStore
 
@@ -264,7 +264,7 @@ def postgres_url():
 
 
 @pytest.mark.slow
-def test_postgres_shared_storage_killed_worker_retried_by_heartbeat(tmp_path, postgres_url):
+def test_postgres_shared_storage_killed_worker_retried(tmp_path, postgres_url):
     out = _kill_a_worker_mid_run(tmp_path, postgres_url, ["--heartbeat", "1"])
     _check_retried_and_once(*out)
     # the studies live in the server, one per bucket, every trial finished or failed
@@ -302,3 +302,40 @@ def test_parse_gpus():
     assert parse_gpus("4") == ["4"]
     with pytest.raises(ValueError):
         parse_gpus("")
+
+
+def _heartbeat_decides(url: str) -> None:
+    """A claim on another host (no pid to look at) lives while its heartbeat beats; once it
+    stops, optuna fails the trial after the grace period and the retry callback enqueues it."""
+    from optuna.trial import TrialState
+    storage = open_storage(url, heartbeat_s=1)
+    cands = [Candidate("reference", "torch", 16)]
+    space = SearchSpace.build(cands, cands)
+    beat = Heartbeat(storage, 1)
+    far = SharedBucket(storage, "hb", space, heartbeat=beat, worker="another-host:4242", grace_s=600)
+    far.open(cands, {})
+    [held] = far.claim(1)
+    here = SharedBucket(storage, "hb", space, grace_s=600)
+    here.open(cands, {})
+    time.sleep(3.5)                                   # past the 2 s grace: the beats keep it alive
+    here.fail_stale()
+    states = {t.number: t.state for t in here.study.get_trials(deepcopy=False)}
+    assert states == {held.number: TrialState.RUNNING}
+    beat.close()                                      # the far worker is gone
+    time.sleep(3.5)
+    here.fail_stale()
+    trials = here.study.get_trials(deepcopy=False)
+    assert trials[held.number].state == TrialState.FAIL
+    [retry] = [t for t in trials if t.system_attrs.get("failed_trial") == held.number]
+    assert retry.state == TrialState.WAITING and retry.user_attrs["candidate"] == cands[0].key
+    assert [c.candidate.key for c in here.claim(1)] == [cands[0].key]
+
+
+@pytest.mark.slow
+def test_rdb_heartbeat_fails_a_silent_claim_and_retries_it_sqlite(tmp_path):
+    _heartbeat_decides(f"sqlite:///{tmp_path / 'optuna.db'}")
+
+
+@pytest.mark.slow
+def test_rdb_heartbeat_fails_a_silent_claim_and_retries_it_postgres(postgres_url):
+    _heartbeat_decides(postgres_url)
