@@ -183,6 +183,18 @@ class ResultsStore:
         self.close()
 
     @property
+    def db_uid(self) -> str:
+        """This DB's identity, made once (a copy keeps it): a sweep's studies in a journal file
+        belong to one results DB, so a new DB next to an old journal starts afresh."""
+        row = self.db.execute(f"select value from {META_TABLE} where key = 'db_uid'").fetchone()
+        if row:
+            return row[0]
+        with self.db.conn:
+            self.db.conn.execute(f"insert or ignore into {META_TABLE} (key, value) values ('db_uid', ?)",
+                                 [uuid.uuid4().hex])
+        return self.db.execute(f"select value from {META_TABLE} where key = 'db_uid'").fetchone()[0]
+
+    @property
     def schema_version(self) -> int:
         return int(self.db[META_TABLE].get("schema_version")["value"])
 

@@ -248,6 +248,7 @@ class SweepPlan:
     journal: Path | None = None
     replay: bool = False
     storage: str = ""              # a shared RDB storage, password hidden ("" for a journal file)
+    db_uid: str = ""               # with a journal file: the results DB its studies belong to
 
     @property
     def planned_trials(self) -> int:
@@ -397,7 +398,7 @@ def plan_sweep(config: SweepConfig, store=None) -> tuple[SweepPlan, dict]:
     elif config.journal is not False:
         journal = Path(config.journal) if config.journal else journal_path_for(config.db)
     plan = SweepPlan(device, kind, list(backends), skipped, planned, note, Path(config.db), journal,
-                     storage=storage)
+                     storage=storage, db_uid=store.db_uid if journal is not None and store is not None else "")
     return plan, {"backends": backends, "refused": refused}
 
 
@@ -418,6 +419,8 @@ def _shared_bucket(storage, config: SweepConfig, plan: SweepPlan, p: PlannedBuck
     from mla_tune.search import tpe_sampler
     declared = _space_for(p.bucket, backends, config.page_sizes, {})
     name = f"{_study_name(config, p.bucket, declared)} | {p.mode} | {device_name}"
+    if plan.db_uid:     # a journal serves the workers of one results DB, and only that DB
+        name += f" | db {plan.db_uid[:12]}"
     pol = config.policy(None)
     if p.mode == "grid":
         seed, sampler = p.space.grid_order(by_page=p.budget >= len(p.space),
