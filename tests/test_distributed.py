@@ -135,10 +135,14 @@ def test_gpus_runs_one_worker_per_gpu_and_emits_once(tmp_path):
     assert "3 worker processes" in out and "18 trials measured, 0 answered" in " ".join(out.split())
     rows = stored(db)
     assert len(rows) == 18 and len(set(rows)) == 18
+    import re
+    done = re.findall(r"worker GPU (\d) \(pid \d+\): done, (\d+) measured", " ".join(out.split()))
+    assert sorted(g for g, _ in done) == ["0", "1", "2"] and sum(int(n) for _, n in done) == 18, out
     with ResultsStore(db, create=False) as s:
         runs = s.runs()
-    assert sorted(r["cuda_visible_devices"] for r in runs) == ["0", "1", "2"][:len(runs)]
-    assert len(runs) >= 2                                         # the work was shared
+    # one run record per worker that measured, each saying which GPU it had
+    gpus = [r["cuda_visible_devices"] for r in runs]
+    assert sorted(gpus) == sorted(g for g, n in done if int(n)) and len(set(gpus)) == len(gpus)
     assert [f.name for f in (tmp_path / "cfg").iterdir()] == ["device_name=cpu.json"]
     # a rerun: every study is finished, nothing is measured again
     p = cli("sweep", "--db", str(db), "--gpus", "0,1", *SMALL, cwd=tmp_path)
