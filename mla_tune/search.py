@@ -282,7 +282,7 @@ def journal_storage(path):
     return JournalStorage(JournalFileBackend(str(path)))
 
 
-def _tpe_sampler(seed: int, n: int):
+def tpe_sampler(seed: int, n: int):
     import optuna
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -295,10 +295,13 @@ EvaluateBatch = Callable[[list[Candidate]], list[Evaluation]]
 
 
 def search(space: SearchSpace, evaluate: EvaluateBatch, policy: SearchPolicy,
-           study_name: str = "bucket", storage=None) -> SearchOutcome:
+           study_name: str = "bucket", storage=None, shared=None) -> SearchOutcome:
     """Search one bucket; `evaluate(candidates)` returns one Evaluation per candidate, in order.
 
     The optuna study `study_name` in `storage` (None: in memory) is replaced by this search's.
+    With `shared` (a distributed.SharedBucket, its study open with the TPE sampler), the search
+    joins that study instead: what other workers finished counts as evaluated, and a candidate
+    another worker holds is not measured here (`shared.take`).
     """
     import optuna
 
@@ -308,12 +311,15 @@ def search(space: SearchSpace, evaluate: EvaluateBatch, policy: SearchPolicy,
         return out
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        sampler = (_tpe_sampler(policy.seed, len(space)) if mode == "tpe"
-                   else optuna.samplers.RandomSampler(seed=policy.seed))
-        study = open_study(study_name, storage, sampler)
-        study.set_user_attr("mode", mode)
-        study.set_user_attr("space_size", len(space))
-        run = _Run(space, evaluate, policy, study, out)
+        if shared is not None:
+            study = shared.study
+        else:
+            sampler = (tpe_sampler(policy.seed, len(space)) if mode == "tpe"
+                       else optuna.samplers.RandomSampler(seed=policy.seed))
+            study = open_study(study_name, storage, sampler)
+            study.set_user_attr("mode", mode)
+            study.set_user_attr("space_size", len(space))
+        run = _Run(space, evaluate, policy, study, out, shared)
         run.grid() if mode == "grid" else run.tpe()
     return out
 
@@ -322,9 +328,10 @@ class _Run:
     """One bucket's search in progress: the study, what has been evaluated, the outcome."""
 
     def __init__(self, space: SearchSpace, evaluate: EvaluateBatch, policy: SearchPolicy, study,
-                 out: SearchOutcome):
+                 out: SearchOutcome, shared=None):
         self.space, self.evaluate, self.policy, self.study, self.out = space, evaluate, policy, study, out
-        self.seen: dict[str, Evaluation] = {}
+        self.shared = shared
+        self.seen: dict[str, Evaluation] = dict(shared.known()) if shared is not None else {}
         self.rng = random.Random(policy.seed)
 
     def time_left(self) -> bool:
@@ -350,6 +357,8 @@ class _Run:
 
     def run(self, pairs: list) -> list[Evaluation]:
         """Evaluate the new candidates among (trial, candidate) pairs; tell every trial."""
+        if self.shared is not None:
+            return self._run_shared(pairs)
         fresh = list({c.key: c for _, c in pairs if c.key not in self.seen}.values())
         evs = self.evaluate(fresh) if fresh else []
         if len(evs) != len(fresh):
@@ -359,6 +368,39 @@ class _Run:
             self.out.evaluations.append(ev)
         for trial, c in pairs:
             self.tell(trial, self.seen[c.key])
+        return evs
+
+    def _run_shared(self, pairs: list) -> list[Evaluation]:
+        """run() in a study other workers share: their results first, then what is new and not
+        held by another worker; a trial whose candidate another worker measures right now is
+        pruned as a duplicate."""
+        from optuna.trial import TrialState
+        for key, ev in self.shared.known().items():
+            self.seen.setdefault(key, ev)
+        mine: dict[str, tuple] = {}
+        for trial, c in pairs:
+            if c.key not in self.seen and c.key not in mine and self.shared.take(trial, c):
+                mine[c.key] = (trial, c)
+        cands = [c for _, c in mine.values()]
+        evs = self.evaluate(cands, [self.shared.claim_key(c) for c in cands]) if cands else []
+        if len(evs) != len(cands):
+            raise RuntimeError("evaluate() must return one Evaluation per candidate")
+        for ev in evs:
+            self.seen[ev.candidate.key] = ev
+            self.out.evaluations.append(ev)
+        for trial, c in pairs:
+            try:
+                if c.key in self.seen:
+                    self.tell(trial, self.seen[c.key])
+                else:
+                    trial.set_user_attr("duplicate", True)
+                    self.study.tell(trial, state=TrialState.PRUNED)
+            except (ValueError, RuntimeError):
+                pass    # failed as stale meanwhile (a slow worker): its retry is answered by the claim
+            finally:
+                self.shared.release(trial)
+        if pairs and not cands:
+            time.sleep(0.2)     # everything proposed is being measured elsewhere: let it finish
         return evs
 
     def grid(self) -> None:
@@ -383,8 +425,9 @@ class _Run:
         """The defaults, then TPE proposals in batches of policy.tpe_batch, then page twins."""
         from optuna.trial import TrialState
         space, out, policy, seen = self.space, self.out, self.policy, self.seen
-        for d in space.defaults[:out.budget]:
-            self.study.enqueue_trial(space.params_of(d), skip_if_exists=False)
+        if self.shared is None:     # a shared study was seeded with them by its creator
+            for d in space.defaults[:out.budget]:
+                self.study.enqueue_trial(space.params_of(d), skip_if_exists=False)
         best, since_best, pruned = math.inf, 0, 0
         while True:
             unseen = len(space) - len(seen)

@@ -8,17 +8,19 @@ killed sweep loses at most the trial in flight.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sqlite3
 import statistics
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
 import sqlite_utils
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 META_TABLE = "mla_tune_meta"
 INVALID_REASONS = ("compile", "runtime", "wrong_result", "unsupported", "timeout", "crash")
 STATUSES = ("ok", "invalid")
@@ -61,7 +63,31 @@ def _m2_trial_is_default(db: sqlite_utils.Database) -> None:
     db["trials"].add_column("is_default", int)
 
 
-MIGRATIONS = [_m1_initial, _m2_trial_is_default]   # index i brings the schema from version i to i + 1
+def row_uid(table: str, row: dict) -> str:
+    """A stable identity for a run or trial stored before uids existed: a hash of its content and
+    id, so two copies of one DB agree (a merge of a copy adds nothing)."""
+    keys = (("id", "started_at", "kind", "device_name", "host", "command", "torch", "python")
+            if table == "runs" else
+            ("id", "run_id", "workload_id", "candidate", "status", "started_at", "finished_at", "sweep"))
+    text = json.dumps([table] + [row.get(k) for k in keys], default=str)
+    return hashlib.sha1(text.encode()).hexdigest()
+
+
+def _m3_uids_and_claims(db: sqlite_utils.Database) -> None:
+    # runs and trials get an identity that survives copying between DBs (`mla-tune merge`), and a
+    # trial the key of the shared-study claim it answered (one stored trial per claim, however
+    # many workers raced for it)
+    db["runs"].add_column("uid", str)
+    db["trials"].add_column("uid", str)
+    db["trials"].add_column("claim", str)
+    for table in ("runs", "trials"):
+        db.conn.executemany(f"update {table} set uid = ? where id = ?",
+                            [(row_uid(table, r), r["id"]) for r in db[table].rows])
+        db[table].create_index(["uid"], unique=True)
+    db["trials"].create_index(["claim"], unique=True)   # NULLs (no shared study) never collide
+
+
+MIGRATIONS = [_m1_initial, _m2_trial_is_default, _m3_uids_and_claims]   # index i brings the schema from version i to i + 1
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
 
@@ -131,10 +157,21 @@ class ResultsStore:
             self.db.enable_wal()
             for i in range(version, SCHEMA_VERSION):
                 with self.db.conn:   # one transaction per migration step
+                    # several sweeps may open a new DB at once: the write lock first, then
+                    # look again whether another process has applied this step meanwhile
+                    self.db.conn.execute("begin immediate")
+                    if self._stored_version() > i:
+                        continue
                     MIGRATIONS[i](self.db)
                     self.db[META_TABLE].upsert({"key": "schema_version", "value": str(i + 1)}, pk="key")
         elif self.db.journal_mode != "wal":
             self.db.enable_wal()
+
+    def _stored_version(self) -> int:
+        if META_TABLE not in self.db.table_names():
+            return 0
+        row = self.db.execute(f"select value from {META_TABLE} where key='schema_version'").fetchone()
+        return int(row[0]) if row else 0
 
     def close(self) -> None:
         self.db.close()
@@ -144,6 +181,18 @@ class ResultsStore:
 
     def __exit__(self, *exc):
         self.close()
+
+    @property
+    def db_uid(self) -> str:
+        """This DB's identity, made once (a copy keeps it): a sweep's studies in a journal file
+        belong to one results DB, so a new DB next to an old journal starts afresh."""
+        row = self.db.execute(f"select value from {META_TABLE} where key = 'db_uid'").fetchone()
+        if row:
+            return row[0]
+        with self.db.conn:
+            self.db.conn.execute(f"insert or ignore into {META_TABLE} (key, value) values ('db_uid', ?)",
+                                 [uuid.uuid4().hex])
+        return self.db.execute(f"select value from {META_TABLE} where key = 'db_uid'").fetchone()[0]
 
     @property
     def schema_version(self) -> int:
@@ -157,12 +206,14 @@ class ResultsStore:
         if extra:
             row["notes"] = json.dumps(extra, default=str)
         row.setdefault("started_at", _now())
+        row.setdefault("uid", uuid.uuid4().hex)
         with self.db.conn:
             return self.db["runs"].insert(row).last_pk
 
     def workload_id(self, workload, bytes_: int, flops: int) -> int:
         key = dict(workload.key)
         with self.db.conn:
+            self.db.conn.execute("begin immediate")   # another sweep may be adding it right now
             rows = list(self.db["workloads"].rows_where(
                 " and ".join(f"[{k}] = ?" for k in key), list(key.values()), limit=1))
             if rows:
@@ -175,8 +226,11 @@ class ResultsStore:
                   samples: dict[str, list[float]] | None = None, invalid_reason: str | None = None,
                   message: str = "", compile_s: float | None = None,
                   max_rel_error: float | None = None, sweep: str = "",
-                  started_at: str | None = None, is_default: bool | None = None) -> int:
-        """Store one finished trial and its samples in one transaction."""
+                  started_at: str | None = None, is_default: bool | None = None,
+                  claim: str | None = None) -> int:
+        """Store one finished trial and its samples in one transaction. A trial answering a
+        shared-study `claim` that is already stored is not stored again: the stored one's id
+        comes back."""
         if status not in STATUSES:
             raise ValueError(f"status {status!r} not in {STATUSES}")
         if status == "invalid" and invalid_reason not in INVALID_REASONS:
@@ -189,12 +243,15 @@ class ResultsStore:
             "message": (message or "")[:2000], "compile_s": compile_s, "max_rel_error": max_rel_error,
             "started_at": started_at or _now(), "finished_at": _now(),
             "is_default": None if is_default is None else int(bool(is_default)),
+            "uid": uuid.uuid4().hex, "claim": claim,
         }
         conn = self.db.conn
         with conn:   # the trial and its samples commit together or not at all
             cur = conn.execute(
-                f"insert into trials ({', '.join(row)}) values ({', '.join('?' * len(row))})",
+                f"insert or ignore into trials ({', '.join(row)}) values ({', '.join('?' * len(row))})",
                 list(row.values()))
+            if cur.rowcount == 0:    # this claim was answered by another worker already
+                return conn.execute("select id from trials where claim = ?", [claim]).fetchone()[0]
             tid = cur.lastrowid
             conn.executemany(
                 "insert into samples (trial_id, metric, idx, value) values (?, ?, ?, ?)",
@@ -207,6 +264,14 @@ class ResultsStore:
         return [r[0] for r in self.db.execute(
             "select value from samples where trial_id = ? and metric = ? order by idx",
             [trial_id, metric]).fetchall()]
+
+    def claimed(self, claims: list[str]) -> dict[str, dict]:
+        """claim -> the stored trial row (with samples) that answered it, for the given claims."""
+        claims = [c for c in claims if c]
+        if not claims:
+            return {}
+        rows = self.trials(f"t.claim in ({','.join('?' * len(claims))})", claims)
+        return {r["claim"]: r for r in rows}
 
     def finished_candidates(self, workload_id: int, sweep: str | None = None) -> dict[str, dict]:
         """candidate key -> latest trial row, for resume."""

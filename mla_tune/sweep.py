@@ -18,6 +18,7 @@ SweepObserver (the CLI's draws a rich progress bar).
 from __future__ import annotations
 
 import math
+import os
 import re
 import statistics
 import time
@@ -191,6 +192,13 @@ class SweepConfig:
     emit: bool = True
     configs_dir: Path = Path("configs")
     command: str = ""
+    storage: str | None = None          # shared optuna storage: RDB URL or journal file (None: journal)
+    heartbeat_s: int | None = None      # RDB storages: heartbeat of a claimed trial
+    gpus: Sequence[str] | None = None   # one worker process per GPU (mla_tune.distributed)
+    worker_index: int = 0
+    worker_count: int = 1
+    role: str = "single"                # single | worker (measures only) | final (after workers)
+    study_tag: str = ""                 # set once per --remeasure launch: fresh studies for it
 
     def policy(self, deadline: float | None) -> SearchPolicy:
         return SearchPolicy(self.mode, self.grid_max, self.max_trials, deadline, self.patience,
@@ -239,6 +247,8 @@ class SweepPlan:
     db: Path | None = None
     journal: Path | None = None
     replay: bool = False
+    storage: str = ""              # a shared RDB storage, password hidden ("" for a journal file)
+    db_uid: str = ""               # with a journal file: the results DB its studies belong to
 
     @property
     def planned_trials(self) -> int:
@@ -277,6 +287,7 @@ class SweepOutcome:
     emitted: Path | None = None
     emit_note: str = ""
     stopped_early: int = 0                                # buckets cut by a budget
+    workers: list = field(default_factory=list)           # distributed.WorkerReport, with --gpus
 
     @property
     def valid_trials(self) -> int:
@@ -348,9 +359,17 @@ def _value(row_or_result_samples: dict | None, ok: bool) -> float | None:
     return float(statistics.median(xs)) if ok and xs else None
 
 
-def _study_name(config: SweepConfig, b: Bucket) -> str:
+def _study_name(config: SweepConfig, b: Bucket, space: SearchSpace | None = None) -> str:
+    """The bucket's optuna study. With `space` (the bucket's declared candidates, before any
+    refusal learnt on this machine), the shared study's name: a fingerprint of that space, so a
+    sweep over other page sizes or families is another study, and the --remeasure tag."""
     w = b.workload
-    return f"{config.name} | {b.label} | {w.q_dtype}/{w.kv_dtype} | seed {w.seed}"
+    name = f"{config.name} | {b.label} | {w.q_dtype}/{w.kv_dtype} | seed {w.seed}"
+    if space is None:
+        return name
+    import hashlib
+    digest = hashlib.sha1("\n".join(sorted(c.key for c in space.candidates)).encode()).hexdigest()
+    return f"{name} | space {digest[:10]}" + (f" | {config.study_tag}" if config.study_tag else "")
 
 
 def plan_sweep(config: SweepConfig, store=None) -> tuple[SweepPlan, dict]:
@@ -369,11 +388,79 @@ def plan_sweep(config: SweepConfig, store=None) -> tuple[SweepPlan, dict]:
         mode = pol.resolve_mode(len(space))
         planned.append(PlannedBucket(b, space, mode, pol.budget(len(space), mode) if len(space) else 0,
                                      index=i))
-    journal = None
-    if config.journal is not False:
+    journal, storage = None, ""
+    if config.storage:
+        from mla_tune.distributed import _redact, is_rdb_url
+        if is_rdb_url(config.storage):
+            storage = _redact(config.storage)
+        else:
+            journal = Path(config.storage)
+    elif config.journal is not False:
         journal = Path(config.journal) if config.journal else journal_path_for(config.db)
-    plan = SweepPlan(device, kind, list(backends), skipped, planned, note, Path(config.db), journal)
+    plan = SweepPlan(device, kind, list(backends), skipped, planned, note, Path(config.db), journal,
+                     storage=storage, db_uid=store.db_uid if journal is not None and store is not None else "")
     return plan, {"backends": backends, "refused": refused}
+
+
+def _open_storage(config: SweepConfig, plan: SweepPlan):
+    """The optuna storage the plan's studies live in (None: in memory)."""
+    from mla_tune.distributed import open_storage
+    if config.storage:
+        return open_storage(config.storage, config.heartbeat_s)
+    return open_storage(plan.journal) if plan.journal else None
+
+
+def _shared_bucket(storage, config: SweepConfig, plan: SweepPlan, p: PlannedBucket, backends: dict,
+                   device_name: str, heartbeat=None):
+    """Bucket p's study in the shared storage, created and seeded if no other process has done
+    so: with its grid (in measuring order, cut to its budget), or for TPE with the family
+    defaults (TPE proposes the rest)."""
+    from mla_tune.distributed import SharedBucket
+    from mla_tune.search import tpe_sampler
+    declared = _space_for(p.bucket, backends, config.page_sizes, {})
+    name = f"{_study_name(config, p.bucket, declared)} | {p.mode} | {device_name}"
+    if plan.db_uid:     # a journal serves the workers of one results DB, and only that DB
+        name += f" | db {plan.db_uid[:12]}"
+    pol = config.policy(None)
+    if p.mode == "grid":
+        seed, sampler = p.space.grid_order(by_page=p.budget >= len(p.space),
+                                           first_page=pol.first_page)[:p.budget], None
+    else:
+        seed, sampler = p.space.defaults[:p.budget], tpe_sampler(pol.seed, len(p.space))
+    grace = 2.0 * (config.heartbeat_s or 10) + 10.0
+    sb = SharedBucket(storage, name, declared, heartbeat=heartbeat, grace_s=grace)
+    sb.created = sb.open(seed, {"mode": p.mode, "space_size": len(p.space),
+                                "device_name": device_name}, sampler=sampler)
+    return sb
+
+
+def seed_studies(config: SweepConfig) -> int:
+    """Create and seed every bucket's shared study (what `--gpus` does before its workers
+    start); the number of studies this call created."""
+    from mla_tune.roofline import workload_bytes, workload_flops
+    from mla_tune.store import ResultsStore
+    _tag_remeasure(config)
+    with ResultsStore(config.db) as store:
+        plan, ctx = plan_sweep(config, store)
+        if not plan.families:
+            why = "; ".join(f"{f}: {r}" for f, r in plan.skipped.items())
+            raise SweepError(f"no kernel family can run on {plan.device} ({why})")
+        for p in plan.buckets:
+            w = p.bucket.workload
+            p.workload_id = store.workload_id(w, workload_bytes(w), workload_flops(w))
+    storage = _open_storage(config, plan)
+    if storage is None:
+        raise SweepInputError("several workers need a shared optuna storage (--storage or a journal)")
+    device_name = _device_name(plan.device)
+    return sum(_shared_bucket(storage, config, plan, p, ctx["backends"], device_name).created
+               for p in plan.buckets if len(p.space))
+
+
+def _tag_remeasure(config: SweepConfig) -> None:
+    # --remeasure measures everything again: in studies of its own, shared by this launch's workers
+    if config.remeasure and not config.study_tag:
+        import uuid
+        config.study_tag = f"remeasure {time.strftime('%Y%m%dT%H%M%S')} {uuid.uuid4().hex[:6]}"
 
 
 def _device_name(device: str) -> str:
@@ -427,6 +514,10 @@ class _Measurer:
         if self.run_id is None:     # a rerun that measures nothing adds no run record
             from mla_tune.environment import capture_environment
             env = capture_environment(self.plan.kind, self.config.command)
+            if self.config.role == "worker" or os.environ.get("CUDA_VISIBLE_DEVICES"):
+                # workers of one host differ by GPU: their run records say which
+                env["cuda_visible_devices"] = os.environ.get("CUDA_VISIBLE_DEVICES")
+                env["worker"] = f"{self.config.worker_index + 1}/{self.config.worker_count} pid {os.getpid()}"
             if self.plan.kind == "gpu":
                 env.update(ceilings_in_subprocess())
             self.run_id = self.store.add_run(env)
@@ -439,11 +530,15 @@ class _Measurer:
         best: list = [None]
         w = p.bucket.workload
 
-        def evaluate(cands: list[Candidate]) -> list[Evaluation]:
+        def evaluate(cands: list[Candidate], claims: list[str] | None = None) -> list[Evaluation]:
             evs: dict[str, Evaluation] = {}
             todo = []
+            claim_of = dict(zip((c.key for c in cands), claims or ()))
+            # a claim another worker on this DB stored already (its worker was failed as dead
+            # after storing it): answered, not measured again
+            stored = self.store.claimed(list(claim_of.values())) if claim_of else {}
             for c in cands:
-                row = cache.get(c.key)
+                row = stored.get(claim_of.get(c.key)) or cache.get(c.key)
                 if row is None:
                     todo.append(c)
                     continue
@@ -468,7 +563,7 @@ class _Measurer:
                     run_id, p.workload_id, c, r.status, r.samples or None,
                     invalid_reason=r.invalid_reason, message=r.message, compile_s=r.compile_s,
                     max_rel_error=r.max_rel_error, sweep=self.config.name, started_at=started,
-                    is_default=c in p.space.defaults)
+                    is_default=c in p.space.defaults, claim=claim_of.get(c.key))
                 ok = r.status == "ok"
                 ev = Evaluation(c, _value(r.samples, ok), False, r.invalid_reason, tid)
                 if ok and ev.value is None:
@@ -524,9 +619,18 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
     from mla_tune.store import ResultsStore
     from mla_tune.worker import make_runner
 
+    if config.gpus:
+        from mla_tune.distributed import run_workers
+        return run_workers(config, list(config.gpus), observer)
+    from mla_tune.roofline import workload_bytes, workload_flops
+    from mla_tune.store import ResultsStore
+    from mla_tune.worker import make_runner
+
     obs = observer or SweepObserver()
     t_start = time.monotonic()
+    _tag_remeasure(config)
     store = ResultsStore(config.db)
+    heartbeat = None
     try:
         plan, ctx = plan_sweep(config, store)
         if not plan.families:
@@ -540,7 +644,11 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
         settings = config.settings or MeasureSettings(device=plan.device, warmup=d.warmup,
                                                       samples=d.samples)
         settings = replace(settings, device=plan.device)
-        storage = journal_storage(plan.journal) if plan.journal else None
+        storage = _open_storage(config, plan)
+        if storage is not None:
+            from mla_tune.distributed import Heartbeat, _heartbeat_on
+            if _heartbeat_on(storage):
+                heartbeat = Heartbeat(storage, storage.get_heartbeat_interval())
         outcome = SweepOutcome(plan)
         obs.on_start(plan)
         refused = ctx["refused"]
@@ -549,28 +657,70 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
         measurer = _Measurer(store, runner, plan, config, outcome, obs, refused, device_name)
         end = (time.monotonic() + config.time_budget_s) if config.time_budget_s else None
         weights = [bucket_weight(p) for p in plan.buckets]
+        n = len(plan.buckets)
+        # workers start at different buckets, so that they meet only where work is left
+        first = (config.worker_index * n) // max(1, config.worker_count)
+        order = list(range(first, n)) + list(range(first))
+        results: dict = {}          # bucket index -> BucketOutcome
+        shared: dict = {}           # bucket index -> SharedBucket not finished by this pass
         try:
-            for i, p in enumerate(plan.buckets):
+            for k, i in enumerate(order):
+                p = plan.buckets[i]
                 if len(refused) != n_refused:   # refusals learnt in earlier buckets apply here
                     n_refused = len(refused)
                     p.space = _space_for(p.bucket, ctx["backends"], config.page_sizes, refused)
                     p.mode = config.policy(None).resolve_mode(len(p.space))
                     p.budget = config.policy(None).budget(len(p.space), p.mode) if len(p.space) else 0
+                left = [weights[j] for j in order[k:]]
                 share = None if end is None else \
-                    time.monotonic() + budget_share(max(0.0, end - time.monotonic()), weights[i:])
+                    time.monotonic() + budget_share(max(0.0, end - time.monotonic()), left)
                 policy = config.policy(share)
                 evaluate = measurer.evaluator(p, policy)
                 obs.on_bucket(p)
                 t0 = time.monotonic()
-                so = search(p.space, evaluate, policy, _study_name(config, p.bucket), storage)
-                bo = BucketOutcome(p, so, time.monotonic() - t0)
+                if storage is not None and len(p.space):
+                    sb = _shared_bucket(storage, config, plan, p, ctx["backends"], device_name,
+                                        heartbeat)
+                    if p.mode == "grid":
+                        so = SearchOutcome("grid", len(p.space), p.budget)
+                        _claim_and_measure(sb, so, evaluate, policy)
+                    else:   # optuna's distributed TPE: every worker asks the one study
+                        so = search(p.space, evaluate, policy, shared=sb)
+                    results[i] = BucketOutcome(p, so, time.monotonic() - t0)
+                    if sb.counts()["running"]:      # other workers hold some of its trials
+                        shared[i] = sb
+                        continue
+                    _add_finished_elsewhere(sb, so, outcome)
+                else:
+                    so = search(p.space, evaluate, policy, _study_name(config, p.bucket), None)
+                    results[i] = BucketOutcome(p, so, time.monotonic() - t0)
                 outcome.stopped_early += so.stopped == "time budget"
-                outcome.buckets.append(bo)
-                obs.on_bucket_done(bo)
+                obs.on_bucket_done(results[i])
+            # what other workers hold: wait for it, and measure it here if its worker dies
+            while shared:
+                if end is not None and time.monotonic() > end:
+                    break
+                time.sleep(POLL_S)
+                for i, sb in list(shared.items()):
+                    bo = results[i]
+                    pol = config.policy(end)
+                    _claim_and_measure(sb, bo.search, measurer.evaluator(bo.planned, pol), pol)
+                    if not sb.counts()["running"]:
+                        del shared[i]
+                        _add_finished_elsewhere(sb, bo.search, outcome)
+                        obs.on_bucket_done(bo)
+            for i, sb in shared.items():   # the time budget ran out while others measured
+                _add_finished_elsewhere(sb, results[i].search, outcome)
+                outcome.stopped_early += 1
+                obs.on_bucket_done(results[i])
+            outcome.buckets = [results[i] for i in sorted(results)]
         finally:
             outcome.faults = getattr(runner, "faults", 0)
             outcome.restarts = getattr(runner, "restarts", 0)
             runner.close()
+        if config.role == "worker":       # the launcher chooses and emits, once, after its workers
+            outcome.seconds = time.monotonic() - t_start
+            return outcome
         outcome.rows = _rows_for(store, [p.workload_id for p in plan.buckets], device_name)
         outcome.choice = _choose(outcome.rows, config, device_name)
         if config.emit and outcome.choice is not None:
@@ -579,7 +729,46 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
         obs.on_done(outcome)
         return outcome
     finally:
+        if heartbeat is not None:
+            heartbeat.close()
         store.close()
+
+
+POLL_S = 0.5     # how often a worker looks again at trials that other workers hold
+
+
+def _claim_and_measure(sb, so: SearchOutcome, evaluate, policy: SearchPolicy) -> None:
+    """Claim batches of bucket `sb`'s waiting trials and measure them, until none is left or the
+    policy's deadline passes; every evaluation goes to `so` and back to the study."""
+    while True:
+        if policy.deadline is not None and time.monotonic() >= policy.deadline:
+            if sb.counts()["waiting"]:
+                so.stopped = "time budget"
+            return
+        sb.fail_stale()          # a dead worker's trial is waiting again (optuna's retry)
+        claims = sb.claim(policy.batch)
+        if not claims:
+            return
+        evs = evaluate([c.candidate for c in claims], [c.key(sb.uid) for c in claims])
+        so.proposals += len(claims)
+        for c, ev in zip(claims, evs):
+            sb.finish(c, ev)
+            so.evaluations.append(ev)
+
+
+def _add_finished_elsewhere(sb, so: SearchOutcome, outcome: SweepOutcome) -> None:
+    """The bucket's candidates that other workers (or an earlier run) finished, as evaluations
+    answered from the shared study, so the outcome covers the whole bucket."""
+    from mla_tune.backends.base import Candidate
+    have = {e.candidate.key for e in so.evaluations}
+    for key, (value, reason, tid) in sb.finished().items():
+        if key not in have:
+            so.evaluations.append(Evaluation(sb._candidate(key), value, True, reason, tid))
+            outcome.cached += 1
+    if sb.counts()["waiting"]:
+        so.stopped = "time budget"
+    elif so.mode == "grid":
+        so.stopped = "complete" if so.budget >= so.space_size else "trial budget"
 
 
 def _note_best(best: list, ev: Evaluation) -> None:

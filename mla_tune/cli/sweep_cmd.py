@@ -54,6 +54,8 @@ class RichObserver:
         if plan.journal:
             console.print(f"optuna study: {escape(str(plan.journal))} "
                           f"(view with `optuna-dashboard {escape(str(plan.journal))}`)")
+        elif getattr(plan, "storage", ""):
+            console.print(f"optuna storage: {escape(plan.storage)} (shared with every worker on it)")
         self.progress = Progress(
             SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
             TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
@@ -100,6 +102,10 @@ class RichObserver:
         if self.progress is not None:
             self.progress.stop()
             self.progress = None
+
+    def on_workers(self, workers) -> None:
+        console.print(f"{len(workers)} worker processes: " + ", ".join(
+            f"GPU {escape(g)} (pid {pid})" for g, pid in workers), highlight=False)
 
     def on_done(self, outcome) -> None:
         self.close()
@@ -182,6 +188,11 @@ def print_summary(outcome) -> None:
         console.print(f"{o.measured} trials measured, {o.cached} answered from {escape(str(o.plan.db))}"
                       f" (already measured), {o.faults} crashed or timed out"
                       f" ({o.restarts} worker restarts), {o.seconds:.1f} s")
+    for w in getattr(o, "workers", None) or ():
+        state = "done" if w.returncode == 0 else f"[yellow]exited {w.returncode}[/]" + (
+            f" ({escape(w.error)})" if w.error else "")
+        console.print(f"worker GPU {escape(w.gpu)} (pid {w.pid}): {state}, {w.measured} measured",
+                      highlight=False)
     if o.stopped_early:
         console.print(f"[yellow]time budget reached: {o.stopped_early} buckets were not searched "
                       "to the end; rerun the same command to continue[/]")
@@ -278,6 +289,14 @@ def sweep(
     no_emit: bool = typer.Option(False, "--no-emit", help="do not write the tuned config"),
     journal: Optional[Path] = typer.Option(None, "--journal", help="optuna journal file "
                                            "(default: next to the DB, <db>.optuna.log)"),
+    gpus: Optional[str] = typer.Option(None, "--gpus", help="one worker process per GPU, e.g. 0,1,2,3 "
+                                       "or all (each with CUDA_VISIBLE_DEVICES set to its GPU); "
+                                       "they share the optuna storage, each candidate measured once"),
+    storage: Optional[str] = typer.Option(None, "--storage", help="optuna storage shared by workers: "
+                                          "postgresql://user:pw@host/db for several hosts, or a "
+                                          "journal file (default: <db>.optuna.log)"),
+    heartbeat: int = typer.Option(10, "--heartbeat", help="RDB storage: seconds between heartbeats "
+                                  "of a claimed trial; a trial silent for 2x this is retried elsewhere"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
 ):
     """Measure each bucket's candidates, store every trial, choose winners, emit the config."""
@@ -297,18 +316,31 @@ def sweep(
         fail(f"--min-ratio must be >= 1, got {min_ratio}")
     if tp and any(t < 1 for t in tp):
         fail(f"--tp must be positive, got {tp}")
+    if heartbeat < 1:
+        fail(f"--heartbeat must be at least 1 s, got {heartbeat}")
+    if storage is not None and journal is not None:
+        fail("--storage and --journal exclude each other (a journal file is a --storage)")
+    from mla_tune.distributed import StorageError, parse_gpus
+    try:
+        gpu_list = parse_gpus(gpus) if gpus is not None else None
+    except ValueError as e:
+        fail(str(e))
+    if gpu_list and replay is not None:
+        fail("--gpus measures; --replay measures nothing: use one of them")
     try:
         workload_mix = WorkloadMix.from_file(str(mix)) if mix else None
         kw = dict(db=db, families=family, mode=mode, grid_max=grid_max, max_trials=trials,
                   patience=patience or None, seed=seed, isolation=isolation, remeasure=remeasure,
                   name=name, journal=journal, mix=workload_mix, min_ratio=min_ratio,
-                  emit=not no_emit, configs_dir=configs_dir,
+                  emit=not no_emit, configs_dir=configs_dir, storage=storage,
+                  heartbeat_s=heartbeat, gpus=gpu_list,
                   command=" ".join(shlex.quote(a) for a in ["mla-tune"] + sys.argv[1:]))
         observer = RichObserver(quiet)
         if replay is not None:
             if not replay.exists():
                 fail(f"no results DB at {replay} to replay")
-            config = SweepConfig(buckets=[], **{**kw, "emit": False, "journal": False})
+            config = SweepConfig(buckets=[], **{**kw, "emit": False, "journal": False,
+                                                "storage": None})
             outcome = replay_sweep(replay, config, observer, device_name=device_name,
                                    where=_bucket_filter(model, tp, batches, contexts, q_len))
         else:
@@ -322,7 +354,7 @@ def sweep(
                 observer.close()      # Ctrl-C or an error: leave the terminal clean
     except SweepError as e:       # SweepInputError (a ValueError) is bad input: exit 2
         fail(str(e), EXIT_USER_ERROR if isinstance(e, ValueError) else EXIT_FAILURE)
-    except (ValueError, ProblemError, StoreError) as e:
+    except (ValueError, ProblemError, StoreError, StorageError) as e:
         fail(str(e))
     if not outcome.valid_trials and not any(r["status"] == "ok" for r in outcome.rows):
         fail("no candidate produced a valid measurement", EXIT_FAILURE)
