@@ -106,13 +106,17 @@ class Reference:
     """A torch forward of the tiny model from its safetensors (full causal attention, no KV
     cache), in float32 by default; `logits(seq)` gives the next-token logits at every position."""
 
-    def __init__(self, model_dir: Path, device="cuda", dtype=None):
+    def __init__(self, model_dir: Path, device="cuda", dtype=None, scale_dim: int | None = None,
+                 window: int | None = None):
         import torch
         from safetensors.torch import load_file
 
         self.torch = torch
         self.dtype = dtype or torch.float32
         self.device = device
+        # negative controls: the softmax scale of a wrong head dim; keys beyond a window dropped
+        self.scale = (scale_dim or CONFIG["qk_nope_head_dim"] + CONFIG["qk_rope_head_dim"]) ** -0.5
+        self.window = window
         self.w = {k: t.to(device, self.dtype) for k, t in
                   load_file(str(model_dir / "model.safetensors")).items()}
         rope = CONFIG["qk_rope_head_dim"]
@@ -138,6 +142,8 @@ class Reference:
         pos = torch.arange(t, device=self.device)
         x = w["model.embed_tokens.weight"][torch.tensor(ids, device=self.device)]
         mask = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
+        if self.window is not None:
+            mask &= ~torch.ones(t, t, dtype=torch.bool, device=self.device).tril(-self.window)
         with torch.no_grad():
             for i in range(c["num_hidden_layers"]):
                 p = f"model.layers.{i}."
@@ -149,7 +155,7 @@ class Reference:
                 q = torch.cat((q[..., :nope], self._rotate(q[..., nope:], pos)), -1)
                 kv = (kv_c @ w[p + "self_attn.kv_b_proj.weight"].T).view(t, heads, nope + v)
                 k = torch.cat((kv[..., :nope], k_pe.expand(t, heads, rope)), -1)
-                s = torch.einsum("qhd,khd->hqk", q, k).float() * (nope + rope) ** -0.5
+                s = torch.einsum("qhd,khd->hqk", q, k).float() * self.scale
                 s = s.masked_fill(~mask, float("-inf")).softmax(-1).to(self.dtype)
                 o = torch.einsum("hqk,khd->qhd", s, kv[..., nope:]).reshape(t, heads * v)
                 x = x + o @ w[p + "self_attn.o_proj.weight"].T
@@ -186,6 +192,17 @@ def analyze(results: dict, model_dir: Path, device: str) -> dict:
     out = {"reference_tokens": fp32,
            "bf16_reference": {"equal_tokens": sum(a == b for x, y in zip(yard_tokens, fp32) for a, b in zip(x, y)),
                               "max_deficit": max(max(d) for d in yard)}}
+    # what the check says of attention that is wrong the way a broken backend would be: the
+    # 1/sqrt(576) scale (kv_lora_rank + rope instead of nope + rope), or a context chunk lost
+    # (keys more than one 256-token step back unseen); both in bf16, like the engine
+    controls = {"scale_1/sqrt(576)": dict(scale_dim=CONFIG["kv_lora_rank"] + CONFIG["qk_rope_head_dim"]),
+                f"context_window_{STEP_TOKENS}": dict(window=STEP_TOKENS)}
+    out["negative_controls"] = {}
+    for cname, kw in controls.items():
+        bad = Reference(model_dir, device, torch.bfloat16, **kw)
+        d = [x for p in ps for x in ref.deficits(p, bad.greedy(p))]
+        out["negative_controls"][cname] = {"max_deficit": max(d), "argmax_agree": sum(x == 0.0 for x in d),
+                                           "tokens": len(d)}
     for name, rec in results["runs"].items():
         if "tokens" not in rec:
             continue
@@ -346,7 +363,12 @@ def write_results(results: dict, out: Path) -> None:
                      f"{tf['equal_to_greedy_reference']}/{tf['tokens']} | {tf['argmax_agree']}/{tf['tokens']} | "
                      f"{tf['max_deficit']:.3f} |")
     lines.append("")
-    lines.append(f"verdict: {'PASS' if verdict(results) else 'FAIL'}")
+    for cname, c in results["analysis"].get("negative_controls", {}).items():
+        lines.append(f"negative control {cname} (bf16 torch, wrong on purpose): teacher-forced argmax "
+                     f"{c['argmax_agree']}/{c['tokens']}, max deficit {c['max_deficit']:.3f}")
+    lines.append("")
+    lines.append(f"verdict: {'PASS' if verdict(results) else 'FAIL'} (limit: max deficit <= "
+                 f"{2 * max(an['max_deficit'], 0.05):.3f}, twice the bf16 reference's)")
     (out / "serve_e2e.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
