@@ -92,8 +92,11 @@ def test_ragged_decode_through_vllm_classes(model_root, backend, page_size):
         out2, _ = impl.forward_mqa((qn, qp), kv2, md2, None)
         assert relative_error(out2, _reference(qn, qp, kv2, bt2, l2)) < TOL, step
     kernel = builder._kernels[backend]
-    assert kernel.fast_replans >= 2, "later steps did not use the fast re-plan"
     assert not md2.decode.paged.compact, "eager steps should hand FlashInfer the block table itself"
+    if kernel.api == "keyword":          # FlashInfer 0.7; the flat 0.2.x API plans publicly
+        assert kernel.fast_replans >= 2, "later steps did not use the fast re-plan"
+    else:
+        assert kernel.fast_replans == 0
 
 
 @pytest.mark.parametrize("backend", ["fa3", "fa2"])
@@ -158,7 +161,10 @@ def test_full_cudagraph_capture_and_replay(model_root):
         ref2 = _reference(static_q[..., :512], static_q[..., 512:], static_kv, bt2, lens2)
         assert relative_error(captured_out, ref2) < TOL, seed
     kernel = next(iter(builder._graph_kernels.values()))
-    assert kernel.fast_replans >= 3
+    if kernel.api == "keyword":          # FlashInfer 0.7; the flat 0.2.x API plans publicly
+        assert kernel.fast_replans >= 3
+    else:
+        assert kernel.fast_replans == 0
 
 
 def test_vllm_selects_flashinfer_mla_here(model_root):
