@@ -48,8 +48,8 @@ from vllm_metax.ops.flashinfer_mla import (
     BackendRefused,
     GraphBuffers,
     MLADecodeKernel,
+    device_workspace,
     flashinfer_available,
-    make_workspace,
 )
 from vllm_metax.ops.paged_metadata import PagedMetadata, build_paged_metadata
 from vllm_metax.tuned_config import ModelEntry
@@ -116,15 +116,9 @@ class PlanChoice:
         return "fa2"
 
 
-_WORKSPACES: dict = {}
-
-
 def shared_workspace(device: torch.device) -> torch.Tensor:
-    """One float workspace per device for every wrapper (they run one after another)."""
-    key = str(device)
-    if key not in _WORKSPACES:
-        _WORKSPACES[key] = make_workspace(device)
-    return _WORKSPACES[key]
+    """The decode float workspace of this device, shared by every decode wrapper."""
+    return device_workspace(device, "decode")
 
 
 # ---------------------------------------------------------------------------- vLLM classes

@@ -21,7 +21,7 @@ from vllm.v1.attention.backends.mla.prefill.base import MLADimensions, MLAPrefil
 from vllm.v1.attention.backends.utils import log2_lse_to_ln
 
 from vllm_metax.backend import device_backends
-from vllm_metax.ops.flashinfer_mla import BackendRefused, make_workspace
+from vllm_metax.ops.flashinfer_mla import BackendRefused, device_workspace
 from vllm_metax.ops.flashinfer_prefill import MLAPrefillKernel, prefill_available
 
 if TYPE_CHECKING:
@@ -32,15 +32,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 NAME = "FLASHINFER"            # the vLLM prefill enum member this class is registered under
-_WORKSPACES: dict = {}
 
 
 def _workspace(device: torch.device) -> torch.Tensor:
-    """One prefill workspace per device: layers run one after another, the plan is shared."""
-    key = str(device)
-    if key not in _WORKSPACES:
-        _WORKSPACES[key] = make_workspace(device)
-    return _WORKSPACES[key]
+    return device_workspace(device, "prefill")
 
 
 def prefill_backend_value() -> str:

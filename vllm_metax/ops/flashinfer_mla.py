@@ -199,6 +199,18 @@ def make_workspace(device: torch.device | str, nbytes: int = WORKSPACE_BYTES) ->
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
+_DEVICE_WORKSPACES: dict = {}
+
+
+def device_workspace(device: torch.device | str, purpose: str) -> torch.Tensor:
+    """One float workspace per device and purpose ("decode", "prefill"), shared by every wrapper
+    of that purpose: the layers of a step run one after another on one stream."""
+    key = (str(device), purpose)
+    if key not in _DEVICE_WORKSPACES:
+        _DEVICE_WORKSPACES[key] = make_workspace(device)
+    return _DEVICE_WORKSPACES[key]
+
+
 @dataclass
 class GraphBuffers:
     """Persistent device metadata buffers a CUDA-graph wrapper plans into (fixed batch size).
