@@ -153,6 +153,16 @@ def detect_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+GPU_DB = Path("results.db")
+CPU_DB = Path("results-cpu.db")     # the CPU reference's numbers never mix with a GPU's
+
+
+def default_db(device: str | None = None) -> Path:
+    """The results DB a sweep (and report, emit) uses when none is named: results.db on a GPU,
+    results-cpu.db without CUDA (the CPU torch reference is not a serving device)."""
+    return GPU_DB if str(device or detect_device()).startswith("cuda") else CPU_DB
+
+
 def journal_path_for(db: str | Path) -> Path:
     """Where the optuna study of a DB lives: results.db -> results.optuna.log (optuna-dashboard)."""
     db = Path(db)
