@@ -363,6 +363,9 @@ def choose(rows: Iterable[dict], mix: WorkloadMix | None = None, *, device_name:
             raise ValueError(f"trials of several devices ({', '.join(map(str, devices))}); name one")
         device_name = devices[0] if devices else ""
     rows = [r for r in rows if r.get("device_name") == device_name]
+    if mix is not None and mix.weights and rows:
+        mix.check_covers({(r["batch_size"], r["context_len"]) for r in rows},
+                         f"the buckets measured on {device_name or 'this device'}")
     kinds = sorted({r.get("run_kind") or "" for r in rows})
     notes: list[str] = []
     groups: dict = {}

@@ -55,7 +55,8 @@ class FloatRange:
 
     @property
     def typer(self) -> dict:
-        return {"min": self.lo, "max": self.hi, "min_open": self.lo_open}
+        # typer has no open bounds, and click lets NaN through any range: check() refuses both
+        return {"min": self.lo, "max": self.hi}
 
     def check(self, name: str, v) -> float:
         if isinstance(v, bool) or not isinstance(v, (int, float)):

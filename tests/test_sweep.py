@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from cli_support import run_main
 from typer.testing import CliRunner
 
 import sweep_families
@@ -294,30 +296,31 @@ def test_tpe_mode_live_on_the_cpu(tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--tp", "3"], "does not divide"),
     (["--batches", "abc"], "bad size list"),
-    (["--mode", "fast"], "--mode must be one of"),
-    (["--isolation", "threads"], "--isolation must be one of"),
-    (["--samples", "1"], "--samples must be"),
+    (["--mode", "fast"], "'fast' is not one of 'auto', 'grid', 'tpe'"),
+    (["--isolation", "threads"], "'threads' is not one of 'auto', 'process', 'inline'"),
+    (["--samples", "1"], "'--samples': Input should be greater than or equal to 2"),
     (["--time-budget", "5x"], "bad duration"),
     (["--family", "nope"], "unknown kernel family"),
     (["--model", "gpt-5"], "unknown model"),
-    (["--q-len", "4096", "--contexts", "1024"], "q_len"),
+    (["--q-len", "512", "--contexts", "256"], "q_len"),
     (["--mix", "/nonexistent.csv"], "cannot read workload mix"),
     (["--replay", "/nonexistent.db"], "no results DB"),
     (["--min-ratio", "0.5"], "--min-ratio"),
 ])
 def test_bad_flags_give_one_line_and_exit_2(tmp_path, flags, message):
-    res = runner.invoke(app, ["sweep", "--db", str(tmp_path / "r.db"), *flags])
-    assert res.exit_code == 2, res.output
+    db = [] if flags[0] == "--replay" else ["--db", str(tmp_path / "r.db")]
+    res = run_main(["sweep", *db, *flags])
+    assert res.code == 2 and res.exception is None, res.output
     assert message in res.output and one_line(res.output), res.output
     assert "Traceback" not in res.output
-    assert not (tmp_path / "r.db").exists() or flags[0] in ("--family",)
+    assert not (tmp_path / "r.db").exists()        # refused before anything is written
 
 
 def test_not_a_db_is_left_untouched(tmp_path):
     p = tmp_path / "notes.db"
     p.write_text("my notes\n")
     res = runner.invoke(app, ["sweep", "--db", str(p)])
-    assert res.exit_code == 2 and "not a SQLite file" in res.output and one_line(res.output)
+    assert res.exit_code == 2 and "not an mla-tune results DB" in res.output and one_line(res.output)
     assert p.read_text() == "my notes\n"
 
 

@@ -34,12 +34,11 @@ def fail(message: str, code: int = EXIT_USER_ERROR):
 
 def given(ctx, *names: str) -> list[str]:
     """Which of these parameters the user set on the command line (not left at their default)."""
-    import click
     out = []
     for n in names:
         src = ctx.get_parameter_source(n)
-        if src is not None and src not in (click.core.ParameterSource.DEFAULT,
-                                           click.core.ParameterSource.DEFAULT_MAP):
+        # by name: typer >= 0.20 vendors its own click, whose enum is not click's
+        if src is not None and getattr(src, "name", "") not in ("DEFAULT", "DEFAULT_MAP"):
             out.append(n)
     return out
 
