@@ -146,6 +146,9 @@ def build_tuned_config(store, flt: ReportFilter = ReportFilter(), mix: WorkloadM
     rows = select_trials(store, flt)
     device = pick_device(rows, flt.device)
     rows = [r for r in rows if r["device_name"] == device]
+    if mix is not None and mix.weights:     # the config's page size must see every weight
+        mix.check_covers({(r["batch_size"], r["context_len"]) for r in rows},
+                         f"the buckets measured on {device}")
     choice = choosing.choose(rows, mix, device_name=device, **choose_kw)
     run_ids = {r["run_id"] for r in choosing.latest_trials(rows)}
     runs = [r for r in store.runs() if r["id"] in run_ids]

@@ -237,6 +237,8 @@ def build_report(store, flt: ReportFilter = ReportFilter(), mix: WorkloadMix | N
                  **choose_kw) -> Report:
     """The report of the trials `flt` selects; winners by `mla_tune.choose` under `mix`."""
     rows = select_trials(store, flt)
+    if mix is not None and mix.weights:
+        mix.check_covers({(r["batch_size"], r["context_len"]) for r in rows}, "the selected trials")
     latest = choosing.latest_trials(rows)
     runs = {r["id"]: r for r in store.runs()}
     by_device: dict = {}

@@ -121,7 +121,12 @@ class ResultsStore:
                 raise StoreError(f"{self.path} is not a SQLite file, so not a results DB; left untouched")
         try:
             if self.readonly:
-                uri = self.path.resolve().as_uri() + "?mode=ro"
+                # mode=ro on a WAL database still creates <db>-wal and <db>-shm beside it and
+                # leaves them behind; with no writer around (no -wal file) read it as immutable,
+                # which touches nothing. A writer's -wal holds committed trials: then read
+                # through it (its side files exist already).
+                wal = self.path.with_name(self.path.name + "-wal").exists()
+                uri = self.path.resolve().as_uri() + ("?mode=ro" if wal else "?mode=ro&immutable=1")
                 conn = sqlite3.connect(uri, uri=True, timeout=30)
             else:
                 conn = sqlite3.connect(str(self.path), timeout=30)

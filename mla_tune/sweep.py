@@ -576,7 +576,7 @@ def check_sweep_config(config: SweepConfig) -> SweepConfig:
     if config.mix is not None:
         config.mix.check_covers({(b.workload.batch_size, b.workload.context_len)
                                  for b in config.buckets}, "the sweep's buckets")
-    v.output_file(db, "--db", own=v.is_sqlite)
+    v.output_file(db, "--db", own=v.is_results_db)
     if config.journal is not False:
         journal = Path(config.journal) if config.journal else journal_path_for(db)
         v.output_file(journal, "--journal", own=v.is_optuna_journal)
@@ -787,6 +787,9 @@ def replay_sweep(source: str | Path, config: SweepConfig, observer: SweepObserve
                      planned, f"replaying {source}: nothing is measured", Path(source), None, True)
     if not planned:
         raise SweepInputError(f"none of the requested buckets is stored in {source}")
+    if config.mix is not None:       # before anything is shown: every weighted bucket is replayed
+        config.mix.check_covers({(p.bucket.workload.batch_size, p.bucket.workload.context_len)
+                                 for p in planned}, f"the buckets replayed from {source}")
     outcome = SweepOutcome(plan)
     obs.on_start(plan)
     visited: list = []

@@ -146,6 +146,26 @@ def int_list(text: str, kind: str, name: str) -> list[int]:
 
 # ---------------------------------------------------------------- files and paths
 
+def path_arg(text: str) -> Path:
+    """typer parser for a path option: an empty string is no path (typer's Path would make it
+    the current folder). What the path may be is checked by the rules below, where it is used."""
+    if not str(text).strip():
+        import typer
+        raise typer.BadParameter("an empty string is not a path")
+    return Path(text)
+
+
+def PathOption(*args, **kw):
+    """typer.Option for a path (empty refused, see path_arg)."""
+    import typer
+    return typer.Option(*args, parser=path_arg, **kw)
+
+
+def PathArgument(*args, **kw):
+    import typer
+    return typer.Argument(*args, parser=path_arg, **kw)
+
+
 def input_text(path: str | os.PathLike, what: str, max_bytes: int = MAX_MIX_BYTES) -> str:
     """The UTF-8 text of a regular input file (not a folder, device or pipe; bounded size)."""
     return tc.read_text_file(path, max_bytes, what, InputError)
@@ -164,6 +184,23 @@ def is_sqlite(path: Path) -> bool:
         with open(path, "rb") as f:
             return f.read(16) == b"SQLite format 3\x00"
     except OSError:
+        return False
+
+
+def is_results_db(path: Path) -> bool:
+    """An mla-tune results DB: SQLite holding the store's meta table (read without writing)."""
+    if not is_sqlite(path):
+        return False
+    import sqlite3
+    from mla_tune.store import META_TABLE
+    try:
+        conn = sqlite3.connect(Path(path).resolve().as_uri() + "?mode=ro&immutable=1", uri=True)
+        try:
+            return conn.execute("select 1 from sqlite_master where type = 'table' and name = ?",
+                                [META_TABLE]).fetchone() is not None
+        finally:
+            conn.close()
+    except sqlite3.Error:
         return False
 
 
@@ -205,7 +242,7 @@ def output_file(path: str | os.PathLike, what: str, own: Callable[[Path], bool] 
 
 
 def _own_text(own) -> str:
-    return {is_png: "a PNG", is_sqlite: "an mla-tune results DB (SQLite)",
+    return {is_png: "a PNG", is_sqlite: "a SQLite file", is_results_db: "an mla-tune results DB",
             is_optuna_journal: "an optuna journal"}.get(own, "this tool's output")
 
 

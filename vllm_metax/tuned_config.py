@@ -301,7 +301,7 @@ def _bucket(b, bw: str) -> Bucket:
     if ql > cl:
         raise TunedConfigError(f"{bw}: q_len {ql} is longer than context_len {cl}")
     best = b.get("best_family")
-    if best is not None and best not in fams:
+    if best is not None and (not isinstance(best, str) or best not in fams):
         raise TunedConfigError(f"{bw}: best_family {best!r} is not one of the bucket's families "
                                f"({', '.join(fams) or 'none'})")
     return Bucket(bs, cl, ql, fams, best)
@@ -423,7 +423,14 @@ def read_tuned_config(path: str | os.PathLike) -> TunedConfig:
         raise TunedConfigError(f"{p}: not valid JSON ({e.msg} at line {e.lineno})") from None
     except (ValueError, RecursionError) as e:   # ints past Python's digit limit, NaN/Infinity
         raise TunedConfigError(f"{p}: not a tuned config ({str(e).splitlines()[0][:120]})") from None
-    cfg = parse_tuned_config(data, str(p))
+    try:
+        cfg = parse_tuned_config(data, str(p))
+    except TunedConfigError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError, RecursionError) as e:
+        # a shape the checks above did not foresee is still the file's fault, not the reader's
+        raise TunedConfigError(f"{p}: not a tuned config ({type(e).__name__}: "
+                               f"{str(e).splitlines()[0][:120] if str(e) else ''})") from None
     cfg.path = str(p)
     return cfg
 

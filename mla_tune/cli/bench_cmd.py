@@ -11,7 +11,7 @@ from typing import List, Optional
 import typer
 
 from mla_tune.cli.app import UserError, app, console, given
-from mla_tune.validate import INT
+from mla_tune.validate import INT, PathOption
 
 
 def bench_workloads(model: str | None, heads: int | None, tp: int, batches: list[int],
@@ -114,7 +114,7 @@ def bench(
     device: Optional[Device] = typer.Option(None, help="cuda or cpu (default: cuda when available)"),
     check: bool = typer.Option(True, help="Correctness gate against the torch reference"),
     ceilings: bool = typer.Option(True, help="Measure copy/matmul ceilings for %-of-floor (CUDA only)"),
-    db: Path = typer.Option(Path("results.db"), help="Results DB to store trials in", dir_okay=False),
+    db: Path = PathOption(Path("results.db"), help="Results DB to store trials in"),
     no_store: bool = typer.Option(False, "--no-store", help="Do not write the results DB"),
     format: BenchFormat = typer.Option(BenchFormat.table, "--format", help="table or json"),
 ):
@@ -122,7 +122,7 @@ def bench(
     from mla_tune.backends import Candidate, check_candidate
     from mla_tune.measure import MeasureSettings
     from mla_tune.problem import RAGGED_KINDS
-    from mla_tune.validate import check_kv_tokens, int_list, is_sqlite, output_file
+    from mla_tune.validate import check_kv_tokens, int_list, is_results_db, output_file
 
     if heads is not None and given(ctx, "model", "tp"):
         raise UserError(f"--heads replaces --model/--tp; drop {', '.join('--' + n for n in given(ctx, 'model', 'tp'))}")
@@ -139,7 +139,7 @@ def bench(
     batches, contexts = int_list(batch, "batch", "--batch"), int_list(context, "context", "--context")
     check_kv_tokens(max(batches), max(contexts))
     if not no_store:
-        output_file(db, "--db", own=is_sqlite)
+        output_file(db, "--db", own=is_results_db)
     import torch
     dev = device.value if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
     if dev.startswith("cuda") and not torch.cuda.is_available():

@@ -11,7 +11,7 @@ import typer
 
 from mla_tune.cli.app import app, console, err_console, fail, given
 from mla_tune.render import OutputFormat
-from mla_tune.validate import INT
+from mla_tune.validate import INT, PathArgument, PathOption
 
 FORMAT_HELP = "Output: table (rich), json, csv or markdown"
 DB_HELP = ("Results DB to read, opened read-only (default: results.db, or results-cpu.db on a "
@@ -62,21 +62,20 @@ def _filter(device, model, run):
 
 @app.command("report")
 def report(
-    db: Optional[Path] = typer.Option(None, "--db", help=DB_HELP),
+    db: Optional[Path] = PathOption(None, "--db", help=DB_HELP),
     format: OutputFormat = typer.Option(OutputFormat.table, "--format", "-f", help=FORMAT_HELP,
                                         case_sensitive=False),
     full: bool = typer.Option(False, "--full", help="table/markdown: every candidate of every "
                               "workload, the runs and the per-bucket verdicts (default: the "
                               "one-screen summary; json and csv always carry everything)"),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Also write plots to this PNG (a new "
-                                        "file or an earlier plot; never anything else)",
-                                        dir_okay=False),
+    plot: Optional[Path] = PathOption(None, "--plot", help="Also write plots to this PNG (a new "
+                                        "file or an earlier plot; never anything else)"),
     device: Optional[str] = typer.Option(None, "--device",
                                          help="Only this device ('NVIDIA H200' or NVIDIA_H200)"),
     model: Optional[str] = typer.Option(None, "--model", help="Only this model preset (e.g. deepseek-v3)"),
     run: Optional[List[int]] = typer.Option(None, "--run", help="Only these run ids (repeat the option)",
                                             **INT["run"].typer),
-    mix: Optional[Path] = typer.Option(None, "--mix", help="Workload mix CSV (batch,context,weight) "
+    mix: Optional[Path] = PathOption(None, "--mix", help="Workload mix CSV (batch,context,weight) "
                                        "weighting the global choice; default uniform"),
 ):
     """The best kernel per bucket and the global choice (page size, backend order) with its reason;
@@ -103,16 +102,15 @@ def report(
 @app.command("emit")
 def emit(
     ctx: typer.Context,
-    db: Optional[Path] = typer.Option(None, "--db", help=DB_HELP),
-    out: Path = typer.Option(Path("configs"), "--out", help="Folder for device_name=<device>.json",
-                             file_okay=False),
+    db: Optional[Path] = PathOption(None, "--db", help=DB_HELP),
+    out: Path = PathOption(Path("configs"), "--out", help="Folder for device_name=<device>.json"),
     device: Optional[str] = typer.Option(None, "--device", help="Device to emit for (default: the "
                                          "only one measured, else this machine's)"),
     all_devices: bool = typer.Option(False, "--all-devices", help="One file per measured device"),
     model: Optional[str] = typer.Option(None, "--model", help="Only this model preset"),
     run: Optional[List[int]] = typer.Option(None, "--run", help="Only these run ids (repeat the option)",
                                             **INT["run"].typer),
-    mix: Optional[Path] = typer.Option(None, "--mix", help="Workload mix CSV (batch,context,weight)"),
+    mix: Optional[Path] = PathOption(None, "--mix", help="Workload mix CSV (batch,context,weight)"),
 ):
     """Write the tuned config(s) the vllm_metax plugin loads, from the measurements in the DB.
     A CPU-reference config goes into the packaged configs/ only with an explicit --out."""
@@ -155,7 +153,7 @@ def _lookup(text: Optional[str]):
 
 @app.command("show")
 def show(
-    file: Path = typer.Argument(..., help="A tuned config, e.g. configs/device_name=NVIDIA_H200.json"),
+    file: Path = PathArgument(..., help="A tuned config, e.g. configs/device_name=NVIDIA_H200.json"),
     device: Optional[str] = typer.Option(None, "--device", help="The device it must be for "
                                          "(default: this machine's accelerator, if it has one)"),
     format: OutputFormat = typer.Option(OutputFormat.table, "--format", "-f", help=FORMAT_HELP,

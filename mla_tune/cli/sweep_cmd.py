@@ -18,7 +18,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColum
 from rich.table import Table
 
 from mla_tune.cli.app import EXIT_FAILURE, EXIT_USER_ERROR, app, console, fail, given
-from mla_tune.validate import FLOAT, INT
+from mla_tune.validate import FLOAT, INT, PathOption
 
 EPILOG = ("Exit codes: 0 done; 1 nothing could be measured (no kernel family runs here, or no "
           "valid trial); 2 bad input (flags, files, DB); 130 interrupted (finished trials are "
@@ -241,9 +241,8 @@ REPLAY_ONLY = ("device_name",)
 @app.command("sweep", help=HELP, epilog=EPILOG)
 def sweep(
     ctx: typer.Context,
-    db: Optional[Path] = typer.Option(None, "--db", help="results DB (SQLite) to store every trial "
-                                      "in (default: results.db; without CUDA results-cpu.db)",
-                                      dir_okay=False),
+    db: Optional[Path] = PathOption(None, "--db", help="results DB (SQLite) to store every trial "
+                                      "in (default: results.db; without CUDA results-cpu.db)"),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="model preset (heads, MLA dims; "
                                         "default deepseek-v3)"),
     tp: Optional[List[int]] = typer.Option(None, "--tp", help="tensor-parallel size; repeat for several "
@@ -283,25 +282,24 @@ def sweep(
                                         "worker process replaced after a crash or hang; inline: in "
                                         "this process; auto: process unless only the CPU reference runs"),
     remeasure: bool = typer.Option(False, "--remeasure", help="measure again what the DB already holds"),
-    replay: Optional[Path] = typer.Option(None, "--replay", help="run the search over this DB's stored "
-                                          "measurements instead of measuring (no GPU needed)",
-                                          dir_okay=False),
+    replay: Optional[Path] = PathOption(None, "--replay", help="run the search over this DB's stored "
+                                          "measurements instead of measuring (no GPU needed)"),
     device_name: Optional[str] = typer.Option(None, "--device-name", help="replay: the device whose "
                                               "trials to use when the DB holds several"),
-    mix: Optional[Path] = typer.Option(None, "--mix", help="CSV of batch,context,weight rows: the "
+    mix: Optional[Path] = PathOption(None, "--mix", help="CSV of batch,context,weight rows: the "
                                        "workload mix the page size is chosen for (default uniform); "
-                                       "every row must be a swept bucket", dir_okay=False),
+                                       "every row must be a swept bucket"),
     min_ratio: float = typer.Option(1.05, "--min-ratio", help="smallest speed-up that displaces a default",
                                     **FLOAT["min_ratio"].typer),
     seed: int = typer.Option(0, "--seed", help="sampler seed", **INT["seed"].typer),
     name: str = typer.Option("sweep", "--name", help="label stored with each trial and the optuna study"),
-    configs_dir: Path = typer.Option(Path("configs"), "--configs-dir", help="where the tuned config "
-                                     "goes", file_okay=False),
+    configs_dir: Path = PathOption(Path("configs"), "--configs-dir", help="where the tuned config "
+                                     "goes"),
     emit: Optional[bool] = typer.Option(None, "--emit/--no-emit", help="write the tuned config "
                                         "(default: on a GPU yes; without CUDA no: the CPU reference "
                                         "is not a serving device)"),
-    journal: Optional[Path] = typer.Option(None, "--journal", help="optuna journal file "
-                                           "(default: next to the DB, <db>.optuna.log)", dir_okay=False),
+    journal: Optional[Path] = PathOption(None, "--journal", help="optuna journal file "
+                                           "(default: next to the DB, <db>.optuna.log)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
 ):
     """Measure each bucket's candidates, store every trial, choose winners, emit the config."""
