@@ -94,6 +94,18 @@ def stats_of(values: list[float]) -> Stats | None:
                  statistics.stdev(v) if len(v) > 1 else 0.0, q[0], q[2], v[0])
 
 
+def readonly_uri(path: str | Path) -> str:
+    """A SQLite URI that reads `path` without writing anything, side files included.
+
+    mode=ro on a WAL database still creates <db>-wal and <db>-shm beside it and leaves them
+    behind; with no writer around (no -wal file) the file is read as immutable, which touches
+    nothing. A writer's (or a killed sweep's) -wal holds committed trials: then read through it
+    (its side files exist already)."""
+    p = Path(path)
+    wal = p.with_name(p.name + "-wal").exists()
+    return p.resolve().as_uri() + ("?mode=ro" if wal else "?mode=ro&immutable=1")
+
+
 class ResultsStore:
     """Open (or create) a results DB. Raises StoreError, never alters a foreign or newer file.
 
@@ -121,13 +133,7 @@ class ResultsStore:
                 raise StoreError(f"{self.path} is not a SQLite file, so not a results DB; left untouched")
         try:
             if self.readonly:
-                # mode=ro on a WAL database still creates <db>-wal and <db>-shm beside it and
-                # leaves them behind; with no writer around (no -wal file) read it as immutable,
-                # which touches nothing. A writer's -wal holds committed trials: then read
-                # through it (its side files exist already).
-                wal = self.path.with_name(self.path.name + "-wal").exists()
-                uri = self.path.resolve().as_uri() + ("?mode=ro" if wal else "?mode=ro&immutable=1")
-                conn = sqlite3.connect(uri, uri=True, timeout=30)
+                conn = sqlite3.connect(readonly_uri(self.path), uri=True, timeout=30)
             else:
                 conn = sqlite3.connect(str(self.path), timeout=30)
             self.db = sqlite_utils.Database(conn)

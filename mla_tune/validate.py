@@ -192,9 +192,9 @@ def is_results_db(path: Path) -> bool:
     if not is_sqlite(path):
         return False
     import sqlite3
-    from mla_tune.store import META_TABLE
+    from mla_tune.store import META_TABLE, readonly_uri
     try:
-        conn = sqlite3.connect(Path(path).resolve().as_uri() + "?mode=ro&immutable=1", uri=True)
+        conn = sqlite3.connect(readonly_uri(path), uri=True, timeout=30)
         try:
             return conn.execute("select 1 from sqlite_master where type = 'table' and name = ?",
                                 [META_TABLE]).fetchone() is not None
