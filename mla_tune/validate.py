@@ -129,21 +129,6 @@ def check_kv_tokens(batch: int, context: int) -> None:
                          f"step is more than {MAX_KV_TOKENS} (the KV cache would not fit)")
 
 
-def int_list(text: str, kind: str, name: str) -> list[int]:
-    """'1,4,16' -> [1, 4, 16], each value checked against the kind's range."""
-    parts = [x.strip() for x in str(text).split(",")]
-    if not text.strip() or any(not p for p in parts):
-        raise InputError(f"{name} takes comma-separated integers, got {text!r}")
-    if len(parts) > MAX_LIST:
-        raise InputError(f"{name}: at most {MAX_LIST} values, got {len(parts)}")
-    vals = []
-    for p in parts:
-        if not p.lstrip("+").isdigit() or len(p) > 20:
-            raise InputError(f"{name} takes comma-separated positive integers, got {text[:80]!r}")
-        vals.append(INT[kind].check(name, int(p)))
-    return list(dict.fromkeys(vals))
-
-
 # ---------------------------------------------------------------- files and paths
 
 def path_arg(text: str) -> Path:

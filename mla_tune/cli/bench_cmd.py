@@ -102,8 +102,8 @@ def bench(
     heads: Optional[int] = typer.Option(None, help="Custom model with this many heads per rank (R=512, P=64) instead of --model/--tp",
                                         **INT["heads"].typer),
     tp: int = typer.Option(1, help="Tensor-parallel size: heads per rank = model heads / tp", **INT["tp"].typer),
-    batch: str = typer.Option("32", help="Batch sizes, comma-separated"),
-    context: str = typer.Option("4096", help="Context lengths (KV tokens per request), comma-separated"),
+    batch: str = typer.Option("32", help="Batch sizes: '1,4,16' or '1-128' (powers of two)"),
+    context: str = typer.Option("4096", help="Context lengths (KV tokens per request): '1024,4K' or '1K-32K'"),
     q_len: int = typer.Option(1, "--q-len", help="Query tokens per request (>1: speculative decode, causal)",
                               **INT["q_len"].typer),
     ragged: str = typer.Option("uniform", help="Length distribution: uniform, uniform-random, lognormal"),
@@ -122,7 +122,7 @@ def bench(
     from mla_tune.backends import Candidate, check_candidate
     from mla_tune.measure import MeasureSettings
     from mla_tune.problem import RAGGED_KINDS
-    from mla_tune.validate import check_kv_tokens, int_list, is_results_db, output_file
+    from mla_tune.validate import check_kv_tokens, is_results_db, output_file
 
     if heads is not None and given(ctx, "model", "tp"):
         raise UserError(f"--heads replaces --model/--tp; drop {', '.join('--' + n for n in given(ctx, 'model', 'tp'))}")
@@ -136,7 +136,11 @@ def bench(
         cands = list(dict.fromkeys(check_candidate(Candidate.parse(c)) for c in candidates))
     except ValueError as e:
         raise UserError(str(e)) from None
-    batches, contexts = int_list(batch, "batch", "--batch"), int_list(context, "context", "--context")
+    from mla_tune.sweep import parse_sizes     # the one size-list rule, sweep's syntax
+    try:
+        batches, contexts = parse_sizes(batch, "batch"), parse_sizes(context, "context")
+    except ValueError as e:
+        raise UserError(f"--batch/--context: {e}") from None
     check_kv_tokens(max(batches), max(contexts))
     if not no_store:
         output_file(db, "--db", own=is_results_db)
