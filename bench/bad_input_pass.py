@@ -166,12 +166,13 @@ def cases(w: Path) -> list[list[str]]:
                    ("--time-budget", "-5"), ("--time-budget", "5y"), ("--time-budget", "1e9h"),
                    ("--name", ""), ("--name", "a\nb"), ("--model", " "), ("--family", ""),
                    ("--ragged", "UNIFORM"), ("--kv-dtype", "float32"), ("--mode", "Grid"),
-                   ("--device-name", H200), ("--db", "results.db.png"), ("--db", "bin"),
+                   ("--device-name", H200), ("--db", "bin"),
                    ("--db", "blank.sqlite"), ("--db", "dir"), ("--db", "h200.json"),
                    ("--journal", "journal.log"), ("--journal", "results.db"), ("--journal", "dir"),
                    ("--journal", "/no/such/dir/j.log"), ("--mix", "unswept.csv"),
                    ("--mix", "neg.csv"), ("--mix", "big.csv"), ("--emit", None),
-                   ("--configs-dir", "bin"), ("--emit --configs-dir", "/no/such/dir/c")]:
+                   ("--configs-dir", "bin"), ("--configs-dir", "c"), ("--no-emit --configs-dir", "c"),
+                   ("--emit --configs-dir", "/no/such/dir/c"), ("--emit --configs-dir", "bin")]:
         args = s + opt.split() + ([] if v is None else [v])
         c.append(args)
     for extra in (["--samples", "4"], ["--db", "x.db"], ["--no-emit"], ["--journal", "j.log"],

@@ -122,7 +122,8 @@ def _cases(w: Path) -> list[list[str]]:
     for cand in ["reference/torch/p0", "reference/torch/p3", "reference/torch/p" + "9" * 40,
                  "flashinfer/fa9/p64", "triton/triton/p64/num_kv_splits=0", "triton/triton/p64",
                  "triton/triton/p64/num_kv_splits=" + "9" * 5000, "reference/torch/p16/k=v",
-                 "nofamily/x/p16", "nonsense", "/", "reference//p16", "flashinfer/fa3/p-1"]:
+                 "nofamily/x/p16", "nonsense", "/", "reference//p16", "flashinfer/fa3/p-1",
+                 "flashinfer/auto/p64/backend=fa3"]:
         cases.append(["bench", cand, "--device", "cpu", "--no-store", "--heads", "2"])
     for opt in ("--batch", "--context"):
         for v in ["0", "-1", "", ",", "1,,2", "x", "9" * 5000, "100000000"]:
@@ -174,6 +175,8 @@ def _cases(w: Path) -> list[list[str]]:
     for m in ["binary.bin", "nan.csv", "notswept.csv", "zero.csv", "hugeint.csv", "folder"]:
         cases.append(sweep + ["--mix", str(w / m)])
     cases.append(sweep + ["--emit"])                       # CPU config without a folder named
+    cases.append(sweep + ["--configs-dir", str(w / "o")])  # ignored: --no-emit
+    cases.append([a for a in sweep if a != "--no-emit"] + ["--configs-dir", str(w / "o")])
     cases.append(sweep + ["--emit", "--configs-dir", str(w / "good.json")])
     cases.append(sweep + ["--emit", "--configs-dir", "/nonexistent-mla-tune-dir/c"])
     for p in paths_bad_in:

@@ -80,7 +80,7 @@ def cpu_sweep(tmp_path_factory):
     """One default `mla-tune sweep` on the CPU (reference family, worker process)."""
     d = tmp_path_factory.mktemp("cpu")
     db = d / "results.db"
-    res = runner.invoke(app, ["sweep", "--db", str(db), "--configs-dir", str(d / "configs")])
+    res = runner.invoke(app, ["sweep", "--db", str(db)])
     return d, db, res
 
 
@@ -106,9 +106,21 @@ def test_cpu_sweep_end_to_end(cpu_sweep):
     assert len(studies) == 4 and all(len(s.trials) == 3 for s in studies)
     assert all(s.user_attrs["mode"] == "grid" for s in studies)
     assert all(s.trials[0].user_attrs["candidate"].startswith("reference/torch/") for s in studies)
-    cfgs = list((d / "configs").glob("*.json"))
-    if cfgs:                                                   # emitted when mla_tune.emit is there
-        assert json.loads(cfgs[0].read_text())["device_name"] == "cpu"
+    # the CPU is not a serving device: no tuned config unless asked for, and the output says so
+    assert "no tuned config written: the CPU reference is not a serving device" in out
+    assert not list(Path.cwd().glob("configs/device_name=cpu.json"))
+
+
+def test_cpu_sweep_emits_only_when_asked(cpu_sweep, tmp_path):
+    d, db, _ = cpu_sweep
+    res = runner.invoke(app, ["sweep", "--db", str(db), "--emit", "--configs-dir",
+                              str(tmp_path / "configs"), "-q"])
+    assert res.exit_code == 0, res.output
+    assert "0 trials measured, 12 answered" in " ".join(res.output.split())
+    (cfg,) = (tmp_path / "configs").glob("*.json")
+    assert json.loads(cfg.read_text())["device_name"] == "cpu"
+    res = run_main(["sweep", "--db", str(db), "--emit", "-q"])      # no folder named: refused
+    assert res.code == 2 and "--configs-dir" in res.stderr
 
 
 def test_rerun_measures_nothing_twice(cpu_sweep):

@@ -39,7 +39,10 @@ def check_candidate(c: Candidate) -> Candidate:
         if c.backend != "torch" or c.params:
             raise ValueError(f"{c.key!r}: the reference family is reference/torch/p<page>, no knobs")
     elif c.family in ("flashinfer", "triton"):
-        params = dict(c.params) if c.family == "triton" else {**c.params, "backend": c.backend}
+        if c.family == "flashinfer" and c.params:
+            raise ValueError(f"{c.key!r}: a flashinfer candidate has no knobs (its backend is the "
+                             "second part: flashinfer/<backend>/p<page>)")
+        params = dict(c.params) if c.family == "triton" else {"backend": c.backend}
         if c.family == "triton":
             if c.backend != tc.TRITON_BACKEND:
                 raise ValueError(f"{c.key!r}: the triton family's backend is {tc.TRITON_BACKEND!r}")

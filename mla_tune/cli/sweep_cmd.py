@@ -333,6 +333,10 @@ def sweep(
             if emit and cpu and not given(ctx, "configs_dir"):
                 fail("--emit without CUDA writes the CPU reference's config: name the folder with "
                      "--configs-dir (the packaged configs/ are for serving devices)")
+            if given(ctx, "configs_dir") and not (emit if emit is not None else not cpu):
+                fail("--configs-dir applies only when the sweep writes a tuned config: "
+                     + ("add --emit (without CUDA none is written by default)" if cpu and emit is None
+                        else "drop --no-emit"))
             config = build_config(model=model if model is not None else "deepseek-v3", tp_sizes=tp,
                                   batches=batches, contexts=contexts, q_lens=q_len or (1,),
                                   ragged=ragged, q_dtype=q_dtype, kv_dtype=kv_dtype,
