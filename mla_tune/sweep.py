@@ -536,6 +536,18 @@ def budget_share(seconds_left: float, weights: Sequence[float]) -> float:
     return seconds_left * (weights[0] / total if total > 0 else 1.0 / max(1, len(weights)))
 
 
+def check_search_settings(config: SweepConfig) -> None:
+    """The search and choice settings a live sweep and a replay share, each by its rule."""
+    from mla_tune import validate as v
+    v.check_int("seed", config.seed, "--seed")
+    v.check_int("grid_max", config.grid_max, "--grid-max")
+    if config.max_trials is not None:
+        v.check_int("trials", config.max_trials, "--trials")
+    if config.patience is not None:
+        v.check_int("patience", config.patience, "--patience")
+    v.check_float("min_ratio", config.min_ratio, "--min-ratio")
+
+
 def check_sweep_config(config: SweepConfig) -> SweepConfig:
     """Every value and path of a live sweep checked against its rule (mla_tune.validate), the
     device defaults filled in (DB, emit); raises before the sweep writes anything: no DB row, no
@@ -544,14 +556,8 @@ def check_sweep_config(config: SweepConfig) -> SweepConfig:
     device = config.device or detect_device()
     db = Path(config.db) if config.db is not None else default_db(device)
     emit = config.emit if config.emit is not None else device.startswith("cuda")
+    check_search_settings(config)
     v.check_name("--name", config.name)
-    v.check_int("seed", config.seed, "--seed")
-    v.check_int("grid_max", config.grid_max, "--grid-max")
-    if config.max_trials is not None:
-        v.check_int("trials", config.max_trials, "--trials")
-    if config.patience is not None:
-        v.check_int("patience", config.patience, "--patience")
-    v.check_float("min_ratio", config.min_ratio, "--min-ratio")
     v.check_float("timeout", config.timeout_s, "--timeout")
     v.check_float("time_budget", config.time_budget_s, "--time-budget")
     if not config.page_sizes:
@@ -747,6 +753,7 @@ def replay_sweep(source: str | Path, config: SweepConfig, observer: SweepObserve
 
     obs = observer or SweepObserver()
     t_start = time.monotonic()
+    check_search_settings(config)
     with ResultsStore(source, create=False) as store:
         rows = latest_trials(store.trials())
     devices = sorted({r["device_name"] for r in rows})

@@ -183,7 +183,8 @@ def _cases(w: Path) -> list[list[str]]:
         cases.append(["sweep", "--replay", p, "-q"])
     for extra in (["--db", str(w / "x.db")], ["--samples", "5"], ["--page-size", "16"],
                   ["--journal", str(w / "j.log")], ["--emit"], ["--mix", str(w / "notswept.csv")],
-                  ["--seed", "-1"], ["--batches", "0"]):
+                  ["--seed", "-1"], ["--batches", "0"], ["--min-ratio", "nan"],
+                  ["--trials", "0"], ["--model", ""], ["--tp", "0"]):
         cases.append(["sweep", "--replay", db, "-q", "--device-name", H200] + extra)
     # ---- the app itself
     cases += [["nosuchcommand"], ["report", "--bogus"], ["sweep", "--tp"]]
@@ -281,12 +282,11 @@ def _paths(doc, prefix=()):
             yield from _paths(v, prefix + (i,))
 
 
-_JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(min_value=-(10 ** 40), max_value=10 ** 40)
-    | st.floats(allow_nan=False) | st.text(max_size=12)
-    | st.sampled_from([0, 1, 3, 64, 257, 2 ** 63, "64", "fa3", "auto", "FLASHINFER_MLA", "../x"]),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
-    max_leaves=6)
+_LEAF = (st.none() | st.booleans() | st.integers(min_value=-(10 ** 40), max_value=10 ** 40)
+         | st.floats(allow_nan=False) | st.text(max_size=12)
+         | st.sampled_from([0, 1, 3, 64, 257, 2 ** 63, "64", "fa3", "auto", "FLASHINFER_MLA", "../x"]))
+# a value put anywhere in a good config: a leaf, or a small list or object of leaves
+_JSON = _LEAF | st.lists(_LEAF, max_size=3) | st.dictionaries(st.text(max_size=8), _LEAF, max_size=3)
 
 
 @pytest.fixture(scope="module")

@@ -198,8 +198,11 @@ def print_summary(outcome) -> None:
 def _bucket_filter(model, tp, batches, contexts, q_len):
     """Replay: which stored buckets to search (flags given narrow them; none given: all)."""
     from mla_tune.sweep import parse_sizes
-    want_b = set(parse_sizes(batches)) if batches else None
-    want_c = set(parse_sizes(contexts)) if contexts else None
+    from mla_tune.validate import check_name
+    if model is not None:
+        check_name("--model", model)
+    want_b = set(parse_sizes(batches, "batch")) if batches is not None else None
+    want_c = set(parse_sizes(contexts, "context")) if contexts is not None else None
 
     def keep(b) -> bool:
         w = b.workload
