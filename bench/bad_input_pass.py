@@ -178,7 +178,8 @@ def cases(w: Path) -> list[list[str]]:
     for extra in (["--samples", "4"], ["--db", "x.db"], ["--no-emit"], ["--journal", "j.log"],
                   ["--family", "reference"], ["--time-budget", "9m"], ["--remeasure"],
                   ["--mix", "unswept.csv"], ["--page-size", "16"], ["--device-name", "cpu"],
-                  ["--batches", "0"], ["--seed", "-1"]):
+                  ["--batches", "0"], ["--seed", "-1"], ["--min-ratio", "nan"], ["--trials", "0"],
+                  ["--model", ""], ["--contexts", "1K-"], ["--configs-dir", "c"]):
         c.append(["sweep", "--replay", db, "-q"] + extra)
     for p in ["bin", "dir", "blank.sqlite", "nope.db", "/dev/zero"]:
         c.append(["sweep", "--replay", p, "-q"])

@@ -14,6 +14,8 @@ import json
 import logging
 import math
 import os
+import re
+import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -366,10 +368,9 @@ def read_text_file(path: str | os.PathLike, max_bytes: int, what: str = "file",
         st = p.stat()
     except OSError as e:
         raise error(f"{p}: cannot read {what}: {e.strerror or e}") from None
-    import stat as _stat
-    if _stat.S_ISDIR(st.st_mode):
+    if stat.S_ISDIR(st.st_mode):
         raise error(f"{p}: is a folder, not a {what}")
-    if not _stat.S_ISREG(st.st_mode):
+    if not stat.S_ISREG(st.st_mode):
         raise error(f"{p}: is not a regular file (a device, pipe or socket), not a {what}")
     if st.st_size > max_bytes:
         raise error(f"{p}: {st.st_size} bytes is too large for a {what} (at most {max_bytes})")
@@ -389,24 +390,20 @@ def read_text_file(path: str | os.PathLike, max_bytes: int, what: str = "file",
     return text
 
 
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_JSON_BRACKET = re.compile(r"[\[\]{}]")
+
+
 def _json_depth_ok(text: str, limit: int) -> bool:
-    depth = deepest = 0
-    in_str = esc = False
-    for ch in text:
-        if in_str:
-            if esc:
-                esc = False
-            elif ch == "\\":
-                esc = True
-            elif ch == '"':
-                in_str = False
-        elif ch == '"':
-            in_str = True
-        elif ch in "[{":
+    """Whether JSON text nests at most `limit` levels (strings skipped; checked before parsing
+    so that no depth can reach the decoder's or the renderers' recursion limits)."""
+    depth = 0
+    for m in _JSON_BRACKET.finditer(_JSON_STRING.sub("", text)):
+        if m.group() in "[{":
             depth += 1
             if depth > limit:
                 return False
-        elif ch in "]}":
+        else:
             depth -= 1
     return True
 
