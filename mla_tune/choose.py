@@ -365,6 +365,13 @@ def choose(rows: Iterable[dict], mix: WorkloadMix | None = None, *, device_name:
     rows = [r for r in rows if r.get("device_name") == device_name]
     kinds = sorted({r.get("run_kind") or "" for r in rows})
     notes: list[str] = []
+    if mix is not None and mix.weights and rows:
+        measured = {(r["batch_size"], r["context_len"]) for r in rows}
+        missing = sorted(k for k, x in mix.weights.items() if x > 0 and k not in measured)
+        if missing:
+            notes.append(f"{len(missing)} weighted bucket(s) of the mix not measured on "
+                         f"{device_name or 'this device'} count for nothing: "
+                         + ", ".join(f"B{b} L{c}" for b, c in missing[:5]))
     groups: dict = {}
     for r in rows:
         g = (r["model"], r["num_heads"], r["kv_lora_rank"], r["qk_rope_head_dim"], r["q_dtype"],

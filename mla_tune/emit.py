@@ -146,6 +146,9 @@ def build_tuned_config(store, flt: ReportFilter = ReportFilter(), mix: WorkloadM
     rows = select_trials(store, flt)
     device = pick_device(rows, flt.device)
     rows = [r for r in rows if r["device_name"] == device]
+    if mix is not None and mix.weights:     # the config's page size must see every weight
+        mix.check_covers({(r["batch_size"], r["context_len"]) for r in rows},
+                         f"the buckets measured on {device}")
     choice = choosing.choose(rows, mix, device_name=device, **choose_kw)
     run_ids = {r["run_id"] for r in choosing.latest_trials(rows)}
     runs = [r for r in store.runs() if r["id"] in run_ids]
@@ -154,7 +157,7 @@ def build_tuned_config(store, flt: ReportFilter = ReportFilter(), mix: WorkloadM
 
 def emit_config(source, out_dir: str | Path = "configs", *, store=None, device: str | None = None,
                 model: str | None = None, runs=(), mix: WorkloadMix | None = None,
-                **choose_kw) -> Path:
+                cpu_ok: bool = False, **choose_kw) -> Path:
     """Write configs/device_name=<device>.json and return its path.
 
     `source` is a ResultsStore: the choice is made here from its trials (filtered by device,
@@ -172,6 +175,11 @@ def emit_config(source, out_dir: str | Path = "configs", *, store=None, device: 
                                      mix, **{**rules, **choose_kw})
     else:
         cfg = build_tuned_config(source, ReportFilter(device, model, tuple(runs)), mix, **choose_kw)
+    from mla_tune.validate import is_packaged_configs
+    if not cpu_ok and device_key(cfg.device_name) == "cpu" and is_packaged_configs(out_dir):
+        raise EmitError(f"not writing the CPU reference's config into the packaged {out_dir} (the "
+                        "vLLM plugin loads it; the CPU is not a serving device): name the folder "
+                        "explicitly (--out) to write it anyway")
     return tc.write_tuned_config(cfg, out_dir)
 
 
@@ -188,11 +196,11 @@ def config_summary(cfg: tc.TunedConfig) -> list[str]:
 
 
 def emit_all(store, out_dir: str | Path = "configs", *, model: str | None = None, runs=(),
-             mix: WorkloadMix | None = None, **choose_kw) -> list[Path]:
+             mix: WorkloadMix | None = None, cpu_ok: bool = False, **choose_kw) -> list[Path]:
     """One file per device measured in the selection."""
     rows = select_trials(store, ReportFilter(None, model, tuple(runs)))
-    return [emit_config(store, out_dir, device=d, model=model, runs=runs, mix=mix, **choose_kw)
-            for d in devices_in(rows)]
+    return [emit_config(store, out_dir, device=d, model=model, runs=runs, mix=mix, cpu_ok=cpu_ok,
+                        **choose_kw) for d in devices_in(rows)]
 
 
 __all__ = ["EmitError", "ReportError", "build_tuned_config", "config_from_choice", "config_summary",

@@ -79,11 +79,15 @@ def plot_report(report: Report, path: str | Path, dpi: int = 110) -> Path:
     """Write the report's plots to one PNG; returns the path."""
     import matplotlib.pyplot as plt
 
+    from mla_tune.validate import InputError, is_png, make_parent, output_file
+
+    path = output_file(path, "plot", own=is_png, suffix=".png")   # never over a DB or a folder
     fig = report_figure(report)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     try:
+        make_parent(path)
         fig.savefig(path, dpi=dpi, format="png")
+    except OSError as e:
+        raise InputError(f"cannot write plot {path}: {e.strerror or e}") from None
     finally:
         plt.close(fig)
     return path

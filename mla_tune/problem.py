@@ -94,10 +94,12 @@ def custom_model(num_heads: int, kv_lora_rank: int = 512, qk_rope_head_dim: int 
                  qk_nope_head_dim: int = 128, rope_scaling_factor: float = 1.0,
                  mscale_all_dim: float = 0.0) -> ModelDims:
     """A model given by its dims rather than a preset name."""
-    for label, v in (("num_heads", num_heads), ("kv_lora_rank", kv_lora_rank),
-                     ("qk_rope_head_dim", qk_rope_head_dim), ("qk_nope_head_dim", qk_nope_head_dim)):
-        if v < 1:
-            raise ProblemError(f"{label} must be positive, got {v}")
+    from vllm_metax.tuned_config import MAX_HEAD_DIM, MAX_HEADS
+    for label, v, hi in (("num_heads", num_heads, MAX_HEADS), ("kv_lora_rank", kv_lora_rank, MAX_HEAD_DIM),
+                         ("qk_rope_head_dim", qk_rope_head_dim, MAX_HEAD_DIM),
+                         ("qk_nope_head_dim", qk_nope_head_dim, MAX_HEAD_DIM)):
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi:
+            raise ProblemError(f"{label} must be an integer in 1..{hi}, got {v!r}")
     return ModelDims(f"custom-h{num_heads}-r{kv_lora_rank}-p{qk_rope_head_dim}", num_heads,
                      kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, 128,
                      rope_scaling_factor, mscale_all_dim)
@@ -125,12 +127,18 @@ class Workload:
     model: str = "custom"
 
     def __post_init__(self):
-        if self.batch_size < 1:
-            raise ProblemError(f"batch size must be >= 1, got {self.batch_size}")
-        if self.context_len < 1:
-            raise ProblemError(f"context length must be >= 1, got {self.context_len}")
-        if self.q_len < 1 or self.q_len > self.context_len:
+        from mla_tune.validate import INT, MAX_KV_TOKENS
+        for label, kind, v in (("batch size", "batch", self.batch_size),
+                               ("context length", "context", self.context_len),
+                               ("q_len", "q_len", self.q_len), ("heads per rank", "heads", self.num_heads)):
+            r = INT[kind]
+            if isinstance(v, bool) or not isinstance(v, int) or not r.lo <= v <= r.hi:
+                raise ProblemError(f"{label} must be in {r.lo}..{r.hi}, got {v!r}")
+        if self.q_len > self.context_len:
             raise ProblemError(f"q_len must be in [1, context_len], got {self.q_len}")
+        if self.batch_size * self.context_len > MAX_KV_TOKENS:
+            raise ProblemError(f"batch {self.batch_size} x context {self.context_len} is more than "
+                               f"{MAX_KV_TOKENS} KV tokens in one step (the KV cache would not fit)")
         if self.ragged not in RAGGED_KINDS:
             raise ProblemError(f"unknown length distribution {self.ragged!r}; one of {RAGGED_KINDS}")
         for d in (self.q_dtype, self.kv_dtype):
@@ -208,32 +216,55 @@ class WorkloadMix:
         return float(self.weights.get((batch, context), 0.0))
 
     @classmethod
-    def from_rows(cls, rows: Sequence[tuple[int, int, float]]) -> "WorkloadMix":
+    def from_rows(cls, rows: Sequence[tuple[int, int, float]], source: str = "workload mix") -> "WorkloadMix":
+        from mla_tune.validate import FLOAT, INT, InputError
         w = {}
         for b, c, x in rows:
-            if x < 0:
-                raise ProblemError(f"negative weight {x} for batch {b}, context {c}")
+            try:
+                INT["batch"].check("batch", b)
+                INT["context"].check("context", c)
+                FLOAT["weight"].check("weight", x)
+            except InputError as e:
+                raise ProblemError(f"{source}: batch {b}, context {c}, weight {x}: {e}") from None
+            if (b, c) in w:
+                raise ProblemError(f"{source}: batch {b}, context {c} appears twice")
             w[(int(b), int(c))] = float(x)
         if not w or sum(w.values()) <= 0:
-            raise ProblemError("a workload mix needs at least one positive weight")
+            raise ProblemError(f"{source}: a workload mix needs at least one positive weight")
         return cls(w)
 
     @classmethod
     def from_file(cls, path: str) -> "WorkloadMix":
         """Read (batch, context, weight) rows from a CSV file (header optional)."""
         import csv
+        from mla_tune.validate import InputError, input_text
+        try:
+            text = input_text(path, "workload mix CSV")
+        except InputError as e:
+            raise ProblemError(f"cannot read workload mix: {e}") from None
         rows = []
         try:
-            with open(path, newline="") as f:
-                for i, row in enumerate(csv.reader(f)):
-                    if not row or row[0].strip().startswith("#"):
-                        continue
-                    try:
-                        rows.append((int(row[0]), int(row[1]), float(row[2])))
-                    except (ValueError, IndexError):
-                        if i == 0:
-                            continue  # header
-                        raise ProblemError(f"{path}:{i + 1}: expected batch,context,weight; got {row}")
-        except OSError as e:
-            raise ProblemError(f"cannot read workload mix {path}: {e.strerror}") from None
-        return cls.from_rows(rows)
+            for i, row in enumerate(csv.reader(text.splitlines())):
+                if not row or not "".join(row).strip() or row[0].strip().startswith("#"):
+                    continue
+                try:
+                    if len(row) != 3 or any(len(x) > 40 for x in row):
+                        raise ValueError
+                    rows.append((int(row[0]), int(row[1]), float(row[2])))
+                except ValueError:
+                    if i == 0 and not any(x.strip().lstrip("+-").replace(".", "", 1).isdigit() for x in row):
+                        continue  # header
+                    raise ProblemError(f"{path}:{i + 1}: expected batch,context,weight; got "
+                                       f"{','.join(row)[:80]!r}") from None
+        except csv.Error as e:
+            raise ProblemError(f"{path}: not a CSV file ({e})") from None
+        return cls.from_rows(rows, str(path))
+
+    def check_covers(self, buckets, where: str = "the measured buckets") -> None:
+        """Raise ProblemError if a weighted (batch, context) is not among `buckets`: its weight
+        would silently count for nothing."""
+        missing = sorted(k for k, x in self.weights.items() if x > 0 and k not in set(buckets))
+        if missing:
+            shown = ", ".join(f"batch {b} context {c}" for b, c in missing[:5])
+            raise ProblemError(f"workload mix weights {len(missing)} bucket(s) not in {where}: "
+                               f"{shown}{' ...' if len(missing) > 5 else ''}")

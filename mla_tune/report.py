@@ -42,6 +42,15 @@ class ReportFilter:
     model: str | None = None         # model preset name as stored ("deepseek-v3")
     runs: tuple = ()                 # run ids
 
+    def __post_init__(self):
+        from mla_tune.validate import check_int, check_name
+        if self.device is not None:
+            check_name("--device", self.device)
+        if self.model is not None:
+            check_name("--model", self.model)
+        for r in self.runs:
+            check_int("run", r, "--run")
+
     def where(self) -> tuple[str, list]:
         """A WHERE clause over ResultsStore.trials()'s aliases (t trials, w workloads, r runs)."""
         clauses, args = [], []
@@ -228,6 +237,8 @@ def build_report(store, flt: ReportFilter = ReportFilter(), mix: WorkloadMix | N
                  **choose_kw) -> Report:
     """The report of the trials `flt` selects; winners by `mla_tune.choose` under `mix`."""
     rows = select_trials(store, flt)
+    if mix is not None and mix.weights:
+        mix.check_covers({(r["batch_size"], r["context_len"]) for r in rows}, "the selected trials")
     latest = choosing.latest_trials(rows)
     runs = {r["id"]: r for r in store.runs()}
     by_device: dict = {}
@@ -470,6 +481,49 @@ def report_tables(report: Report) -> list[Table]:
     return tables
 
 
+_FAMILY_ABBR = {"flashinfer": "fi", "triton": "tr", "reference": "ref"}
+
+
+def _best_cell(b) -> str | None:
+    v = b.families.get(b.best_family) if b.best_family else None
+    if v is None or v.chosen is None or v.time_us is None:
+        return None
+    star = "*" if v.significant else ""
+    return f"{_FAMILY_ABBR.get(b.best_family, b.best_family)} {v.time_us:.1f}{star}"
+
+
+def summary_tables(report: Report) -> list[Table]:
+    """The one-screen view: per model entry the fastest family and its time in every bucket
+    (batch x context), then the global choice with its reason. `report_tables` has everything."""
+    tables = []
+    for d in report.devices:
+        title = _device_title(d)
+        for m in d.choice.models:
+            contexts = sorted({b.context_len for b in m.buckets})
+            rows = sorted({(b.q_len, b.batch_size) for b in m.buckets})
+            cells = {(b.q_len, b.batch_size, b.context_len): _best_cell(b) for b in m.buckets}
+            show_q = any(q != 1 for q, _ in rows)
+            cols = [Column("batch")] + ([Column("q")] if show_q else []) + [
+                Column(f"L{c}", justify="right") for c in contexts]
+            page = f"page {m.page_size}" if m.page_size is not None else "no page chosen"
+            t = Table(f"{title} · {entry_title(m)}: fastest per bucket, us ({page})", cols,
+                      caption="fi = FlashInfer, tr = Triton MLA, ref = torch reference; * = the "
+                              "tuned choice beat its family default significantly")
+            for q, bsz in rows:
+                t.add(bsz, *([q] if show_q else []), *[cells.get((q, bsz, c)) for c in contexts])
+            tables.append(t)
+        t = Table(f"{title}: verdict", GLOBAL_COLUMNS,
+                  caption=f"{len(d.workloads)} workloads, {sum(len(w.lines) for w in d.workloads)} "
+                          "candidate lines: `mla-tune report --full` lists them"
+                          + ("; " + "; ".join(d.choice.notes) if d.choice.notes else ""))
+        for m in d.choice.models:
+            order = " > ".join(m.backend_order) or (
+                " > ".join(m.family_order) + " (no vLLM attention backend measured)")
+            t.add(entry_title(m), m.page_size, order, f"{m.page_reason}. {m.order_reason}")
+        tables.append(t)
+    return tables
+
+
 def _bucket_table(d: DeviceReport, m, views: list, title: str) -> Table:
     page = f"page {m.page_size}" if m.page_size is not None else "no page chosen"
     t = Table(f"{title} · {entry_title(m)}: best per bucket ({page})", BUCKET_COLUMNS)
@@ -508,18 +562,20 @@ def report_csv(report: Report) -> str:
     return to_csv(t)
 
 
-def render_report(report: Report, fmt: str | OutputFormat) -> str | list:
-    """json, csv, markdown -> text; table -> a list of rich renderables."""
+def render_report(report: Report, fmt: str | OutputFormat, full: bool = False) -> str | list:
+    """json, csv, markdown -> text; table -> a list of rich renderables. Table and markdown show
+    the one-screen summary unless `full`; json and csv always carry every line."""
     fmt = OutputFormat(fmt)
     if fmt is OutputFormat.json:
         return to_json_text(report.to_json())
     if fmt is OutputFormat.csv:
         return report_csv(report)
+    tables = report_tables(report) if full else summary_tables(report)
     if fmt is OutputFormat.markdown:
-        return to_markdown(report_tables(report), heading=f"mla-tune report: {report.db} "
-                                                          f"({report.filter.describe()})")
+        return to_markdown(tables, heading=f"mla-tune report: {report.db} "
+                                           f"({report.filter.describe()})")
     from mla_tune.render import to_rich
-    return to_rich(report_tables(report))
+    return to_rich(tables)
 
 
 # ---------------------------------------------------------------- the tuned-config view (`show`)

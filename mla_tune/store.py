@@ -120,25 +120,51 @@ def stats_of(values: list[float]) -> Stats | None:
                  statistics.stdev(v) if len(v) > 1 else 0.0, q[0], q[2], v[0])
 
 
+def readonly_uri(path: str | Path) -> str:
+    """A SQLite URI that reads `path` without writing anything, side files included.
+
+    mode=ro on a WAL database still creates <db>-wal and <db>-shm beside it and leaves them
+    behind; with no writer around (no -wal file) the file is read as immutable, which touches
+    nothing. A writer's (or a killed sweep's) -wal holds committed trials: then read through it
+    (its side files exist already)."""
+    p = Path(path)
+    wal = p.with_name(p.name + "-wal").exists()
+    return p.resolve().as_uri() + ("?mode=ro" if wal else "?mode=ro&immutable=1")
+
+
 class ResultsStore:
-    """Open (or create) a results DB. Raises StoreError, never alters a foreign or newer file."""
+    """Open (or create) a results DB. Raises StoreError, never alters a foreign or newer file.
+
+    `create=False` opens an existing DB read-only (SQLite mode=ro): reading never writes, not
+    even a schema or a journal-mode change."""
 
     def __init__(self, path: str | Path, create: bool = True):
         self.path = Path(path)
+        self.readonly = not create
         if self.path.is_dir():
             raise StoreError(f"{self.path} is a directory, not a results DB")
+        if self.path.exists() and not self.path.is_file():
+            raise StoreError(f"{self.path} is not a regular file, so not a results DB; left untouched")
         exists = self.path.exists() and self.path.stat().st_size > 0
         if not exists and not create:
-            raise StoreError(f"no results DB at {self.path} (run `mla-tune sweep` first)")
+            what = "an empty file" if self.path.exists() else "no results DB"
+            raise StoreError(f"{what} at {self.path} (run `mla-tune sweep` first)")
         if exists:
-            with open(self.path, "rb") as f:
-                if f.read(16) != b"SQLite format 3\x00":
-                    raise StoreError(f"{self.path} is not a SQLite file, so not a results DB; left untouched")
+            try:
+                with open(self.path, "rb") as f:
+                    head = f.read(16)
+            except OSError as e:
+                raise StoreError(f"cannot read {self.path}: {e.strerror or e}") from None
+            if head != b"SQLite format 3\x00":
+                raise StoreError(f"{self.path} is not a SQLite file, so not a results DB; left untouched")
         try:
-            conn = sqlite3.connect(str(self.path), timeout=30)
+            if self.readonly:
+                conn = sqlite3.connect(readonly_uri(self.path), uri=True, timeout=30)
+            else:
+                conn = sqlite3.connect(str(self.path), timeout=30)
             self.db = sqlite_utils.Database(conn)
             self._check_or_migrate(exists)
-        except sqlite3.DatabaseError as e:
+        except sqlite3.Error as e:
             raise StoreError(f"{self.path} cannot be read as a results DB ({e}); left untouched") from None
 
     def _check_or_migrate(self, existed: bool) -> None:
@@ -149,10 +175,20 @@ class ResultsStore:
         version = 0
         if META_TABLE in tables:
             row = self.db.execute(f"select value from {META_TABLE} where key='schema_version'").fetchone()
-            version = int(row[0]) if row else 0
+            try:
+                version = int(row[0]) if row else 0
+            except (TypeError, ValueError):
+                raise StoreError(f"{self.path} has an unreadable schema version {str(row[0])[:40]!r}; "
+                                 "left untouched") from None
         if version > SCHEMA_VERSION:
             raise StoreError(f"{self.path} has schema version {version}, newer than this mla-tune "
                              f"understands ({SCHEMA_VERSION}); upgrade mla-tune. Left untouched")
+        if self.readonly:
+            if version < SCHEMA_VERSION:
+                raise StoreError(f"{self.path} is not an mla-tune results DB of schema "
+                                 f"{SCHEMA_VERSION} (found {version or 'no schema'}); reading "
+                                 "commands leave it untouched (a sweep into it upgrades it)")
+            return
         if version < SCHEMA_VERSION:
             self.db.enable_wal()
             for i in range(version, SCHEMA_VERSION):

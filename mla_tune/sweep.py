@@ -88,7 +88,7 @@ def plan_buckets(model: ModelDims, tp_sizes: Sequence[int], batch_sizes: Sequenc
     return out
 
 
-_SIZE = re.compile(r"^\s*(\d+)\s*([kKmM]?)\s*$")
+_SIZE = re.compile(r"^\s*(\d{1,12})\s*([kKmM]?)\s*$")
 
 
 def _size(text: str) -> int:
@@ -98,19 +98,32 @@ def _size(text: str) -> int:
     return int(m.group(1)) * {"": 1, "k": 1024, "m": 1024 * 1024}[m.group(2).lower()]
 
 
-def parse_sizes(text: str) -> list[int]:
-    """'1-128' (powers of two from 1 to 128), '1K-32K', '1,4,16' or '4096' -> sorted sizes."""
+def parse_sizes(text: str, kind: str | None = None) -> list[int]:
+    """'1-128' (powers of two from 1 to 128), '1K-32K', '1,4,16' or '4096' -> sorted sizes; with
+    `kind` ("batch", "context") each is checked against that kind's range."""
+    from mla_tune.validate import MAX_LIST, INT, InputError
     try:
         text = text.strip()
         if "-" in text or ":" in text:
             lo, hi = re.split(r"[-:]", text, maxsplit=1)
-            return log2_grid(_size(lo), _size(hi))
-        values = sorted({_size(t) for t in text.split(",") if t.strip()})
-        if not values or values[0] < 1:
+            lo_v, hi_v = _size(lo), _size(hi)
+            if kind and hi_v > INT[kind].hi:
+                raise ValueError(f"{kind} sizes must be in {INT[kind].lo}..{INT[kind].hi}")
+            return log2_grid(lo_v, hi_v)
+        parts = text.split(",")
+        if not text or any(not t.strip() for t in parts):
+            raise ValueError("empty entry")
+        if len(parts) > MAX_LIST:
+            raise ValueError(f"at most {MAX_LIST} values")
+        values = sorted({_size(t) for t in parts})
+        if values[0] < 1:
             raise ValueError("sizes must be positive")
+        if kind:
+            for x in values:
+                INT[kind].check(f"{kind} size", x)
         return values
-    except (ValueError, ProblemError) as e:
-        raise ValueError(f"bad size list {text!r}: {e}") from None
+    except (ValueError, ProblemError, InputError) as e:
+        raise ValueError(f"bad size list {text[:80]!r}: {e}") from None
 
 
 def parse_duration(text: str) -> float:
@@ -154,6 +167,16 @@ def detect_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+GPU_DB = Path("results.db")
+CPU_DB = Path("results-cpu.db")     # the CPU reference's numbers never mix with a GPU's
+
+
+def default_db(device: str | None = None) -> Path:
+    """The results DB a sweep (and report, emit) uses when none is named: results.db on a GPU,
+    results-cpu.db without CUDA (the CPU torch reference is not a serving device)."""
+    return GPU_DB if str(device or detect_device()).startswith("cuda") else CPU_DB
+
+
 def journal_path_for(db: str | Path) -> Path:
     """Where the optuna study of a DB lives: results.db -> results.optuna.log (optuna-dashboard)."""
     db = Path(db)
@@ -166,10 +189,11 @@ def journal_path_for(db: str | Path) -> Path:
 class SweepConfig:
     """What to sweep and how. `families=None` picks by device (GPU: flashinfer + triton; CPU: the
     reference); `time_budget_s=0` and `max_trials=None` mean no limit; `journal=None` puts the
-    optuna study next to the DB (False: keep it in memory)."""
+    optuna study next to the DB (False: keep it in memory); `db=None` is default_db(device) and
+    `emit=None` emits on a GPU only (the CPU reference is not a serving device)."""
 
     buckets: list
-    db: Path = Path("results.db")
+    db: Path | None = None               # None: default_db(device)
     families: Sequence[str] | None = None
     page_sizes: Sequence[int] = (1, 16, 64)
     device: str | None = None
@@ -189,7 +213,7 @@ class SweepConfig:
     mix: WorkloadMix | None = None
     min_ratio: float = 1.05
     p_threshold: float = 0.002
-    emit: bool = True
+    emit: bool | None = None             # None: on a GPU yes, for the CPU reference no
     configs_dir: Path = Path("configs")
     command: str = ""
     storage: str | None = None          # shared optuna storage: RDB URL or journal file (None: journal)
@@ -388,6 +412,7 @@ def plan_sweep(config: SweepConfig, store=None) -> tuple[SweepPlan, dict]:
         mode = pol.resolve_mode(len(space))
         planned.append(PlannedBucket(b, space, mode, pol.budget(len(space), mode) if len(space) else 0,
                                      index=i))
+    db = Path(config.db) if config.db is not None else default_db(device)
     journal, storage = None, ""
     if config.storage:
         from mla_tune.distributed import _redact, is_rdb_url
@@ -396,8 +421,8 @@ def plan_sweep(config: SweepConfig, store=None) -> tuple[SweepPlan, dict]:
         else:
             journal = Path(config.storage)
     elif config.journal is not False:
-        journal = Path(config.journal) if config.journal else journal_path_for(config.db)
-    plan = SweepPlan(device, kind, list(backends), skipped, planned, note, Path(config.db), journal,
+        journal = Path(config.journal) if config.journal else journal_path_for(db)
+    plan = SweepPlan(device, kind, list(backends), skipped, planned, note, db, journal,
                      storage=storage, db_uid=store.db_uid if journal is not None and store is not None else "")
     return plan, {"backends": backends, "refused": refused}
 
@@ -606,6 +631,65 @@ def budget_share(seconds_left: float, weights: Sequence[float]) -> float:
     return seconds_left * (weights[0] / total if total > 0 else 1.0 / max(1, len(weights)))
 
 
+def check_search_settings(config: SweepConfig) -> None:
+    """The search and choice settings a live sweep and a replay share, each by its rule."""
+    from mla_tune import validate as v
+    v.check_int("seed", config.seed, "--seed")
+    v.check_int("grid_max", config.grid_max, "--grid-max")
+    if config.max_trials is not None:
+        v.check_int("trials", config.max_trials, "--trials")
+    if config.patience is not None:
+        v.check_int("patience", config.patience, "--patience")
+    v.check_float("min_ratio", config.min_ratio, "--min-ratio")
+
+
+def check_sweep_config(config: SweepConfig) -> SweepConfig:
+    """Every value and path of a live sweep checked against its rule (mla_tune.validate), the
+    device defaults filled in (DB, emit); raises before the sweep writes anything: no DB row, no
+    journal, no config. Returns the config with `device`, `db` and `emit` resolved."""
+    from mla_tune import validate as v
+    device = config.device or detect_device()
+    db = Path(config.db) if config.db is not None else default_db(device)
+    emit = config.emit if config.emit is not None else device.startswith("cuda")
+    check_search_settings(config)
+    v.check_name("--name", config.name)
+    v.check_float("timeout", config.timeout_s, "--timeout")
+    v.check_float("time_budget", config.time_budget_s, "--time-budget")
+    if not config.page_sizes:
+        raise v.InputError("no page size to sweep")
+    for p in config.page_sizes:
+        v.check_page_size(p, "--page-size")
+    if config.settings is not None:
+        v.check_int("samples", config.settings.samples, "--samples")
+        v.check_int("warmup", config.settings.warmup, "--warmup")
+    if len(config.buckets) > v.MAX_BUCKETS:
+        raise v.InputError(f"{len(config.buckets)} buckets is more than one sweep takes "
+                           f"({v.MAX_BUCKETS}); split it")
+    if not config.buckets:
+        raise v.InputError("no bucket to sweep")
+    if config.families is not None:
+        from mla_tune.backends import family_names
+        names = list(config.families)
+        unknown = [n for n in names if n not in family_names()]
+        if not names or unknown:
+            raise SweepInputError(f"unknown kernel family {', '.join(map(repr, unknown or ['']))}; "
+                                  f"known: {', '.join(family_names())}")
+    if config.mix is not None:
+        config.mix.check_covers({(b.workload.batch_size, b.workload.context_len)
+                                 for b in config.buckets}, "the sweep's buckets")
+    v.output_file(db, "--db", own=v.is_results_db)
+    if config.journal is not False:
+        journal = Path(config.journal) if config.journal else journal_path_for(db)
+        v.output_file(journal, "--journal", own=v.is_optuna_journal)
+    if emit:
+        v.output_folder(config.configs_dir, "--configs-dir")
+    backends, skipped = resolve_families(config.families, device)
+    if not backends:
+        why = "; ".join(f"{f}: {r}" for f, r in skipped.items())
+        raise SweepError(f"no kernel family can run on {device} ({why})")
+    return replace(config, device=device, db=db, emit=emit)
+
+
 def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> SweepOutcome:
     """Search every bucket, measuring what the store does not hold yet and committing each trial
     as its batch returns; then choose winners over the swept buckets' trials and emit the config.
@@ -628,6 +712,7 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
 
     obs = observer or SweepObserver()
     t_start = time.monotonic()
+    config = check_sweep_config(config)      # every input checked before anything is written
     _tag_remeasure(config)
     store = ResultsStore(config.db)
     heartbeat = None
@@ -725,6 +810,10 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
         outcome.choice = _choose(outcome.rows, config, device_name)
         if config.emit and outcome.choice is not None:
             outcome.emitted, outcome.emit_note = emit_tuned_config(outcome, config, store)
+        elif outcome.choice is not None and plan.kind == "cpu-reference":
+            outcome.emit_note = (f"no tuned config written: the CPU reference is not a serving "
+                                 f"device (--emit --configs-dir DIR writes one); the trials are "
+                                 f"in {config.db}")
         outcome.seconds = time.monotonic() - t_start
         obs.on_done(outcome)
         return outcome
@@ -813,7 +902,8 @@ def emit_tuned_config(outcome: SweepOutcome, config: SweepConfig, store=None) ->
     if fn is None:
         return None, "mla_tune.emit has no emit_config: no tuned config written"
     try:
-        path = fn(outcome.choice, config.configs_dir, store=store, mix=config.mix)
+        # config.emit is True here: for the CPU reference that was asked for explicitly
+        path = fn(outcome.choice, config.configs_dir, store=store, mix=config.mix, cpu_ok=True)
     except Exception as e:  # noqa: BLE001 - the trials are stored; the config can be emitted later
         return None, (f"no tuned config written ({type(e).__name__}: {e}); the trials are stored: "
                       f"`mla-tune emit --db {config.db}` writes it later")
@@ -852,6 +942,7 @@ def replay_sweep(source: str | Path, config: SweepConfig, observer: SweepObserve
 
     obs = observer or SweepObserver()
     t_start = time.monotonic()
+    check_search_settings(config)
     with ResultsStore(source, create=False) as store:
         rows = latest_trials(store.trials())
     devices = sorted({r["device_name"] for r in rows})
@@ -892,6 +983,9 @@ def replay_sweep(source: str | Path, config: SweepConfig, observer: SweepObserve
                      planned, f"replaying {source}: nothing is measured", Path(source), None, True)
     if not planned:
         raise SweepInputError(f"none of the requested buckets is stored in {source}")
+    if config.mix is not None:       # before anything is shown: every weighted bucket is replayed
+        config.mix.check_covers({(p.bucket.workload.batch_size, p.bucket.workload.context_len)
+                                 for p in planned}, f"the buckets replayed from {source}")
     outcome = SweepOutcome(plan)
     obs.on_start(plan)
     visited: list = []
@@ -950,11 +1044,14 @@ def build_config(*, model: str = "deepseek-v3", tp_sizes: Sequence[int] | None =
                  device: str | None = None, samples: int | None = None, warmup: int | None = None,
                  timeout_s: float | None = None, time_budget: str | None = None,
                  **kw) -> SweepConfig:
-    """A SweepConfig from command-line style values, device defaults filling the gaps.
+    """A SweepConfig from command-line style values, device defaults filling the gaps (results
+    DB: default_db(device); tuned config emitted on a GPU only, unless `emit` says).
 
     Raises ValueError / ProblemError with a one-line message for anything invalid.
     """
     device = device or detect_device()
+    if kw.get("db") is None:
+        kw["db"] = default_db(device)
     d = default_space(device)
     dims = model_preset(model)
     if ragged not in RAGGED_KINDS:
@@ -962,24 +1059,30 @@ def build_config(*, model: str = "deepseek-v3", tp_sizes: Sequence[int] | None =
     for dt in (q_dtype, kv_dtype):
         if dt not in DTYPES:
             raise ValueError(f"unsupported dtype {dt!r}; one of {', '.join(DTYPES)}")
-    if any(q < 1 for q in q_lens):
-        raise ValueError("q_len must be >= 1")
+    from mla_tune.validate import check_int, check_page_size
+    for q in q_lens:
+        check_int("q_len", q, "--q-len")
+    for t in tp_sizes or ():
+        check_int("tp", t, "--tp")
     pages = tuple(page_sizes) if page_sizes else d.page_sizes
-    if any(p < 1 for p in pages):
-        raise ValueError(f"page sizes must be positive, got {list(pages)}")
+    for p in pages:
+        check_page_size(p, "--page-size")
     buckets = plan_buckets(dims, tuple(tp_sizes) if tp_sizes else d.tp_sizes,
-                           parse_sizes(batches) if batches else d.batch_sizes,
-                           parse_sizes(contexts) if contexts else d.context_lens,
+                           parse_sizes(batches, "batch") if batches is not None else d.batch_sizes,
+                           parse_sizes(contexts, "context") if contexts is not None else d.context_lens,
                            tuple(sorted(set(q_lens))) or (1,), ragged, q_dtype, kv_dtype)
     s = samples if samples is not None else d.samples
     if s < 2:
         raise ValueError(f"--samples must be >= 2 (the significance test needs samples), got {s}")
     settings = MeasureSettings(device=device, warmup=warmup if warmup is not None else d.warmup,
                                samples=s)
+    if warmup is not None:
+        check_int("warmup", warmup, "--warmup")
     budget = parse_duration(time_budget) if time_budget is not None else d.time_budget_s
     timeout = timeout_s if timeout_s is not None else d.timeout_s
-    if timeout <= 0:
-        raise ValueError(f"--timeout must be positive, got {timeout}")
+    from mla_tune.validate import check_float
+    check_float("timeout", timeout, "--timeout")
+    check_float("time_budget", budget, "--time-budget")
     return SweepConfig(buckets=buckets, page_sizes=pages, device=device, settings=settings,
                        timeout_s=timeout, time_budget_s=budget, **kw)
 
@@ -998,6 +1101,6 @@ def estimate_note(plan: SweepPlan) -> str:
 __all__ = ["Bucket", "BucketOutcome", "CPU_REFERENCE_NOTE", "DefaultSpace", "PlannedBucket",
            "SweepConfig", "SweepError", "SweepInputError", "SweepObserver", "SweepOutcome", "SweepPlan",
            "build_config", "default_space", "detect_device", "emit_tuned_config", "estimate_note",
-           "journal_path_for", "parse_duration", "parse_sizes", "plan_buckets", "plan_sweep",
+           "journal_path_for", "check_sweep_config", "default_db", "parse_duration", "parse_sizes", "plan_buckets", "plan_sweep",
            "replay_sweep", "resolve_families", "run_sweep", "stored_buckets"]
 

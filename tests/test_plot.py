@@ -59,7 +59,7 @@ def test_png_opens(fx, tmp_path):
     import matplotlib.image as mpimg
 
     with ResultsStore(fx.path) as s:
-        path = plot_report(build_report(s), tmp_path / "out" / "report.png")
+        path = plot_report(build_report(s), tmp_path / "report.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     img = mpimg.imread(path)
     assert img.shape[0] > 1000 and img.shape[1] > 1500      # three devices, stacked

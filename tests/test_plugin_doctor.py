@@ -48,7 +48,8 @@ def metax(host, tmp_path):
     mod.mxSmlGetDeviceInfo = lambda i: types.SimpleNamespace(deviceName=b"MetaX C500")
     host.setitem(sys.modules, "pymxsml", mod)
     _detect_device.cache_clear()
-    entry = tc.ModelEntry(tc.ModelDims(16, 512, 64), 32, ["TRITON_MLA", "FLASHINFER_MLA"], [],
+    entry = tc.ModelEntry(tc.ModelDims(16, 512, 64), 32, ["TRITON_MLA", "FLASHINFER_MLA"],
+                          [tc.Bucket(8, 4096, 1, {"flashinfer": tc.FamilyChoice({"backend": "fa2"})}, "flashinfer")],
                           "deepseek-v3", 8)
     tc.write_tuned_config(tc.TunedConfig("MetaX C500", {}, [entry]), tmp_path)
     host.setenv(tc.FOLDER_ENV, str(tmp_path))

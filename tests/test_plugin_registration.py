@@ -105,7 +105,8 @@ def test_simulated_metax_host_activates_unforced_and_finds_its_config(metax_host
     from vllm_metax.backend import device_backends
     assert device_backends() == (("fa2",), "fa2")      # MetaX's FlashInfer: fa3 is no choice
 
-    entry = tc.ModelEntry(tc.ModelDims(16, 512, 64), 32, ["FLASHINFER_MLA"], [])
+    entry = tc.ModelEntry(tc.ModelDims(16, 512, 64), 32, ["FLASHINFER_MLA"],
+                          [tc.Bucket(8, 4096, 1, {"flashinfer": tc.FamilyChoice({"backend": "fa2"})}, "flashinfer")])
     tc.write_tuned_config(tc.TunedConfig("MetaX C500", {}, [entry]), tmp_path)
     metax_host.setenv(tc.FOLDER_ENV, str(tmp_path))
     res = tc.resolve_tuned_config(dev.name)

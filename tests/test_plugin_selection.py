@@ -59,7 +59,7 @@ def _select(platform, vllm_config, backend=None, **kw):
 
 
 def _tuned(tmp_path, monkeypatch, order, page_size=64, dims=DIMS, device=H200.name):
-    entry = tc.ModelEntry(dims, page_size, order, [])
+    entry = tc.ModelEntry(dims, page_size, order, [tc.Bucket(8, 4096, 1, {"flashinfer": tc.FamilyChoice({"backend": "fa2"})}, "flashinfer")])
     tc.write_tuned_config(tc.TunedConfig(device, {"test": True}, [entry]), tmp_path)
     monkeypatch.setenv(tc.FOLDER_ENV, str(tmp_path))
     tc.clear_cache()

@@ -77,8 +77,19 @@ def test_workload_mix_file(tmp_path):
     mix = WorkloadMix.from_file(str(f))
     assert mix.weight(1, 1024) == 3 and mix.weight(2, 2) == 0
     f.write_text("1,1024,x\n2,3,4\n")
-    mix2 = WorkloadMix.from_file(str(f))   # first line treated as a header
-    assert mix2.weight(2, 3) == 4
+    with pytest.raises(ProblemError, match="mix.csv:1: expected batch,context,weight"):
+        WorkloadMix.from_file(str(f))      # a header has no numbers: this is a bad row
+    for bad, why in (("1,1024,nan\n", "weight"), ("1,1024,inf\n", "weight"),
+                     ("1,1024,-1\n", "weight"), ("0,1024,1\n", "batch"),
+                     ("1," + "9" * 5000 + ",1\n", "expected"), ("1,1024,1\n1,1024,2\n", "twice")):
+        f.write_text(bad)
+        with pytest.raises(ProblemError, match=why):
+            WorkloadMix.from_file(str(f))
+    f.write_bytes(b"\xff\xfe1,2,3\n")
+    with pytest.raises(ProblemError, match="not UTF-8"):
+        WorkloadMix.from_file(str(f))
+    with pytest.raises(ProblemError, match="not a regular file"):
+        WorkloadMix.from_file("/dev/zero")
     f.write_text("1,2,3\nbad\n")
     with pytest.raises(ProblemError, match="expected batch,context,weight"):
         WorkloadMix.from_file(str(f))

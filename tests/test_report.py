@@ -118,7 +118,7 @@ def test_latest_trial_counts_and_older_ones_are_noted(fx):
     (w,) = [w for w in d.workloads if (w.batch_size, w.context_len) == (1, 1024)]
     fa2 = [c for c in w.lines if c.candidate == "flashinfer/fa2/p64"]
     assert len(fa2) == 1 and fa2[0].trial_id == tid and fa2[0].median_us == 5.0
-    assert "older trial(s)" in render_report(rep, "markdown")
+    assert "older trial(s)" in render_report(rep, "markdown", full=True)
 
 
 def test_empty_db_says_so(tmp_path):
@@ -134,7 +134,7 @@ def _cli(*args):
 
 
 def test_cli_table(fx):
-    res = _cli("--db", fx.path)
+    res = _cli("--db", fx.path, "--full")
     assert res.exit_code == 0, res.output
     out = res.stdout
     for text in ("NVIDIA H200: runs", "candidates per workload", "best per bucket (page 64)",
@@ -177,7 +177,7 @@ def test_cli_csv(fx):
 
 
 def test_cli_markdown(fx):
-    res = _cli("--db", fx.path, "--format", "markdown", "--model", "deepseek-v3")
+    res = _cli("--db", fx.path, "--format", "markdown", "--model", "deepseek-v3", "--full")
     assert res.exit_code == 0, res.output
     md = res.stdout
     assert md.startswith("# mla-tune report")

@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from cli_support import run_main
 from typer.testing import CliRunner
 
 import sweep_families
@@ -78,7 +80,7 @@ def cpu_sweep(tmp_path_factory):
     """One default `mla-tune sweep` on the CPU (reference family, worker process)."""
     d = tmp_path_factory.mktemp("cpu")
     db = d / "results.db"
-    res = runner.invoke(app, ["sweep", "--db", str(db), "--configs-dir", str(d / "configs")])
+    res = runner.invoke(app, ["sweep", "--db", str(db)])
     return d, db, res
 
 
@@ -104,9 +106,21 @@ def test_cpu_sweep_end_to_end(cpu_sweep):
     assert len(studies) == 4 and all(len(s.trials) == 3 for s in studies)
     assert all(s.user_attrs["mode"] == "grid" for s in studies)
     assert all(s.trials[0].user_attrs["candidate"].startswith("reference/torch/") for s in studies)
-    cfgs = list((d / "configs").glob("*.json"))
-    if cfgs:                                                   # emitted when mla_tune.emit is there
-        assert json.loads(cfgs[0].read_text())["device_name"] == "cpu"
+    # the CPU is not a serving device: no tuned config unless asked for, and the output says so
+    assert "no tuned config written: the CPU reference is not a serving device" in out
+    assert not list(Path.cwd().glob("configs/device_name=cpu.json"))
+
+
+def test_cpu_sweep_emits_only_when_asked(cpu_sweep, tmp_path):
+    d, db, _ = cpu_sweep
+    res = runner.invoke(app, ["sweep", "--db", str(db), "--emit", "--configs-dir",
+                              str(tmp_path / "configs"), "-q"])
+    assert res.exit_code == 0, res.output
+    assert "0 trials measured, 12 answered" in " ".join(res.output.split())
+    (cfg,) = (tmp_path / "configs").glob("*.json")
+    assert json.loads(cfg.read_text())["device_name"] == "cpu"
+    res = run_main(["sweep", "--db", str(db), "--emit", "-q"])      # no folder named: refused
+    assert res.code == 2 and "--configs-dir" in res.stderr
 
 
 def test_rerun_measures_nothing_twice(cpu_sweep):
@@ -294,30 +308,31 @@ def test_tpe_mode_live_on_the_cpu(tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--tp", "3"], "does not divide"),
     (["--batches", "abc"], "bad size list"),
-    (["--mode", "fast"], "--mode must be one of"),
-    (["--isolation", "threads"], "--isolation must be one of"),
-    (["--samples", "1"], "--samples must be"),
+    (["--mode", "fast"], "'fast' is not one of 'auto', 'grid', 'tpe'"),
+    (["--isolation", "threads"], "'threads' is not one of 'auto', 'process', 'inline'"),
+    (["--samples", "1"], "'--samples': Input should be greater than or equal to 2"),
     (["--time-budget", "5x"], "bad duration"),
     (["--family", "nope"], "unknown kernel family"),
     (["--model", "gpt-5"], "unknown model"),
-    (["--q-len", "4096", "--contexts", "1024"], "q_len"),
+    (["--q-len", "512", "--contexts", "256"], "q_len"),
     (["--mix", "/nonexistent.csv"], "cannot read workload mix"),
     (["--replay", "/nonexistent.db"], "no results DB"),
     (["--min-ratio", "0.5"], "--min-ratio"),
 ])
 def test_bad_flags_give_one_line_and_exit_2(tmp_path, flags, message):
-    res = runner.invoke(app, ["sweep", "--db", str(tmp_path / "r.db"), *flags])
-    assert res.exit_code == 2, res.output
+    db = [] if flags[0] == "--replay" else ["--db", str(tmp_path / "r.db")]
+    res = run_main(["sweep", *db, *flags])
+    assert res.code == 2 and res.exception is None, res.output
     assert message in res.output and one_line(res.output), res.output
     assert "Traceback" not in res.output
-    assert not (tmp_path / "r.db").exists() or flags[0] in ("--family",)
+    assert not (tmp_path / "r.db").exists()        # refused before anything is written
 
 
 def test_not_a_db_is_left_untouched(tmp_path):
     p = tmp_path / "notes.db"
     p.write_text("my notes\n")
     res = runner.invoke(app, ["sweep", "--db", str(p)])
-    assert res.exit_code == 2 and "not a SQLite file" in res.output and one_line(res.output)
+    assert res.exit_code == 2 and "not an mla-tune results DB" in res.output and one_line(res.output)
     assert p.read_text() == "my notes\n"
 
 

@@ -48,7 +48,7 @@ def test_roundtrip_and_lookup(tmp_path):
     (lambda d: "not json {", "not valid JSON"),
     (lambda d: {**d, "schema_version": 99}, "schema_version 99 is not supported"),
     (lambda d: {k: v for k, v in d.items() if k != "device_name"}, "missing field 'device_name'"),
-    (lambda d: {**d, "models": [{**d["models"][0], "global": {"page_size": 0, "backend_order": ["TRITON_MLA"]}}]}, "page_size must be positive"),
+    (lambda d: {**d, "models": [{**d["models"][0], "global": {"page_size": 0, "backend_order": ["TRITON_MLA"]}}]}, "page_size must be one of 1, 2, 4"),
     (lambda d: {**d, "models": [{**d["models"][0], "global": {"page_size": 16, "backend_order": ["NOPE"]}}]}, "backend_order"),
     (lambda d: [1, 2], "top level must be a JSON object"),
 ])

@@ -14,6 +14,8 @@ import json
 import logging
 import math
 import os
+import re
+import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -27,12 +29,44 @@ PACKAGED_FOLDER = Path(os.environ.get(PACKAGED_ENV) or Path(__file__).resolve().
 ATTENTION_BACKENDS = ("FLASHINFER_MLA", "TRITON_MLA", "FLASHMLA")
 FAMILIES = ("flashinfer", "triton")
 
+# What a value may be, for the reader here and for every mla-tune input (mla_tune/validate.py uses
+# these same bounds): a value outside them is refused, never clamped.
+PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # KV block sizes: powers of two up to vLLM's largest
+# Every backend value any FlashInfer MLA wrapper has been seen to accept; "auto" and "cute-dsl"
+# are policies/aliases that resolve to one concrete backend at plan time.
+FLASHINFER_BACKENDS = ("auto", "fa2", "fa3", "cutlass", "cutile", "trtllm-gen", "xqa", "cute-dsl",
+                       "cute-dsl-monolithic", "cute-dsl-modular")
+TRITON_BACKEND = "triton"
+MAX_KV_SPLITS = 256            # vLLM's Triton MLA decode: num_kv_splits in 1..256
+MAX_BATCH = 65536              # requests in one decode step
+MAX_CONTEXT = 1 << 22          # KV tokens per request (4M; DeepSeek-V3 serves 160K)
+MAX_Q_LEN = 1024               # query tokens per request in one step (speculative decode)
+MAX_HEADS = 1024               # attention heads per rank
+MAX_HEAD_DIM = 4096            # kv_lora_rank, qk_rope_head_dim
+DTYPES = ("bfloat16", "float16")
+MAX_NAME = 200                 # device and model names: characters
+MAX_CONFIG_BYTES = 64 << 20    # a tuned config is ~60 KB; anything near this is not one
+MAX_JSON_DEPTH = 64
+
 
 class TunedConfigError(ValueError):
     """A tuned-config file that cannot be used; the message names the file and the problem."""
 
 
+def check_device_name(name, where: str = "device name") -> str:
+    """A device name as vLLM and file names use it: printable, no path separators, bounded."""
+    if not isinstance(name, str):
+        raise TunedConfigError(f"{where} should be a string, got {type(name).__name__}")
+    n = name.strip()
+    if not n or len(n) > MAX_NAME or not n.isprintable() or any(ch in n for ch in "/\\") \
+            or n in (".", "..") or n.startswith("."):
+        raise TunedConfigError(f"{where} {name[:80]!r} is not a device name (1-{MAX_NAME} printable "
+                               "characters, no path separators, not starting with '.')")
+    return name
+
+
 def config_filename(device_name: str) -> str:
+    check_device_name(device_name)
     return f"device_name={device_name.strip().replace(' ', '_')}.json"
 
 
@@ -164,14 +198,28 @@ class TunedConfig:
 
 # ---------------------------------------------------------------- parsing and validation
 
+def _type_name(v) -> str:
+    return "null" if v is None else type(v).__name__
+
+
 def _need(d: dict, key: str, typ, where: str):
-    if not isinstance(d, dict) or key not in d:
+    if not isinstance(d, dict):
+        raise TunedConfigError(f"{where}: should be an object, got {_type_name(d)}")
+    if key not in d:
         raise TunedConfigError(f"{where}: missing field {key!r}")
     v = d[key]
     if typ is float and isinstance(v, int) and not isinstance(v, bool):
         v = float(v)
     if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
-        raise TunedConfigError(f"{where}: field {key!r} should be {typ.__name__}, got {type(v).__name__}")
+        raise TunedConfigError(f"{where}: field {key!r} should be {typ.__name__}, got {_type_name(v)}")
+    return v
+
+
+def _int_in(d: dict, key: str, lo: int, hi: int, where: str) -> int:
+    v = _need(d, key, int, where)
+    if not lo <= v <= hi:
+        shown = v if abs(v) < 10 ** 12 else f"a {len(str(abs(v)))}-digit number"
+        raise TunedConfigError(f"{where}: field {key!r} must be in {lo}..{hi}, got {shown}")
     return v
 
 
@@ -184,81 +232,273 @@ def _opt_float(d: dict, key: str, where: str) -> float | None:
     return float(v)
 
 
+def _opt_str(d: dict, key: str, where: str, default=None):
+    v = d.get(key, default)
+    if v is not None and not isinstance(v, str):
+        raise TunedConfigError(f"{where}: field {key!r} should be a string, got {_type_name(v)}")
+    return v
+
+
+def _bool(d: dict, key: str, where: str) -> bool:
+    v = d.get(key, False)
+    if not isinstance(v, bool):
+        raise TunedConfigError(f"{where}: field {key!r} should be true or false, got {_type_name(v)}")
+    return v
+
+
+def check_page_size(v, where: str = "page_size") -> int:
+    """A KV page (vLLM block) size: one of PAGE_SIZES."""
+    if isinstance(v, bool) or not isinstance(v, int) or v not in PAGE_SIZES:
+        shown = v if not isinstance(v, int) or abs(v) < 10 ** 12 else f"a {len(str(abs(v)))}-digit number"
+        raise TunedConfigError(f"{where} must be one of {', '.join(map(str, PAGE_SIZES))}, got {shown!r}")
+    return v
+
+
+def check_params(family: str, params: dict, where: str) -> dict:
+    """A family's plan-time parameters: known keys with known values only."""
+    if family == "flashinfer":
+        known = {"backend"}
+        if params.get("backend") not in FLASHINFER_BACKENDS:
+            raise TunedConfigError(f"{where}: params.backend must be one of "
+                                   f"{', '.join(FLASHINFER_BACKENDS)}, got {params.get('backend')!r}")
+    else:
+        known = {"backend", "num_kv_splits", "rule"}
+        if params.get("backend", TRITON_BACKEND) != TRITON_BACKEND:
+            raise TunedConfigError(f"{where}: params.backend must be {TRITON_BACKEND!r}, "
+                                   f"got {params.get('backend')!r}")
+        _int_in(params, "num_kv_splits", 1, MAX_KV_SPLITS, where + ".params")
+        if params.get("rule", "vllm") != "vllm":
+            raise TunedConfigError(f"{where}: params.rule must be 'vllm', got {params.get('rule')!r}")
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise TunedConfigError(f"{where}: unknown parameter {', '.join(map(repr, unknown))} for "
+                               f"family {family!r} (known: {', '.join(sorted(known))})")
+    return params
+
+
+def _dims(d: dict, where: str) -> ModelDims:
+    dtypes = []
+    for k in ("q_dtype", "kv_dtype"):
+        v = d.get(k, "bfloat16")
+        if v not in DTYPES:
+            raise TunedConfigError(f"{where}: {k} must be one of {', '.join(DTYPES)}, got {v!r}")
+        dtypes.append(v)
+    return ModelDims(_int_in(d, "num_heads", 1, MAX_HEADS, where),
+                     _int_in(d, "kv_lora_rank", 1, MAX_HEAD_DIM, where),
+                     _int_in(d, "qk_rope_head_dim", 1, MAX_HEAD_DIM, where), *dtypes)
+
+
+def _bucket(b, bw: str) -> Bucket:
+    fams = {}
+    for fam, c in _need(b, "families", dict, bw).items():
+        if fam not in FAMILIES:
+            raise TunedConfigError(f"{bw}: unknown kernel family {fam!r} (known: {', '.join(FAMILIES)})")
+        fw = f"{bw}.families.{fam}"
+        params = check_params(fam, _need(c, "params", dict, fw), fw)
+        fams[fam] = FamilyChoice(params, _opt_float(c, "time_us", fw),
+                                 _opt_float(c, "default_time_us", fw), _bool(c, "significant", fw))
+    bs = _int_in(b, "batch_size", 1, MAX_BATCH, bw)
+    cl = _int_in(b, "context_len", 1, MAX_CONTEXT, bw)
+    ql = _int_in(b, "q_len", 1, MAX_Q_LEN, bw)
+    if ql > cl:
+        raise TunedConfigError(f"{bw}: q_len {ql} is longer than context_len {cl}")
+    best = b.get("best_family")
+    if best is not None and (not isinstance(best, str) or best not in fams):
+        raise TunedConfigError(f"{bw}: best_family {best!r} is not one of the bucket's families "
+                               f"({', '.join(fams) or 'none'})")
+    return Bucket(bs, cl, ql, fams, best)
+
+
+def _entry(m, where: str) -> ModelEntry:
+    dims = _dims(_need(m, "dims", dict, where), where + ".dims")
+    g = _need(m, "global", dict, where)
+    page_size = check_page_size(_need(g, "page_size", int, where + ".global"), where + ".global: page_size")
+    order = _need(g, "backend_order", list, where + ".global")
+    unknown = [b for b in order if not isinstance(b, str) or b not in ATTENTION_BACKENDS]
+    if not order or unknown or len(set(order)) != len(order):
+        raise TunedConfigError(f"{where}.global: backend_order must list some of "
+                               f"{ATTENTION_BACKENDS} once each, got {str(order)[:200]}")
+    raw = _need(m, "buckets", list, where)
+    if not raw:
+        raise TunedConfigError(f"{where}: buckets is empty (an entry without buckets tunes nothing)")
+    buckets, seen = [], set()
+    for j, b in enumerate(raw):
+        bucket = _bucket(b, f"{where}.buckets[{j}]")
+        key = (bucket.batch_size, bucket.context_len, bucket.q_len)
+        if key in seen:
+            raise TunedConfigError(f"{where}.buckets[{j}]: bucket batch {key[0]}, context {key[1]}, "
+                                   f"q_len {key[2]} appears twice")
+        seen.add(key)
+        buckets.append(bucket)
+    tp = m.get("tp_size")
+    if tp is not None:
+        tp = _int_in(m, "tp_size", 1, MAX_HEADS, where)
+    model = _opt_str(m, "model", where)
+    if model is not None and (not model.strip() or len(model) > MAX_NAME):
+        raise TunedConfigError(f"{where}: model must be 1-{MAX_NAME} characters, got {model[:80]!r}")
+    return ModelEntry(dims, page_size, order, buckets, model, tp, _opt_str(g, "reason", where, ""))
+
+
 def parse_tuned_config(data, source: str = "<config>") -> TunedConfig:
     """Validate a decoded JSON document; raise TunedConfigError with one clear message."""
     if not isinstance(data, dict):
         raise TunedConfigError(f"{source}: top level must be a JSON object")
     version = _need(data, "schema_version", int, source)
     if version != SCHEMA_VERSION:
+        shown = version if abs(version) < 10 ** 12 else "a huge number"
         raise TunedConfigError(
-            f"{source}: schema_version {version} is not supported (this reader knows {SCHEMA_VERSION})")
-    device = _need(data, "device_name", str, source)
+            f"{source}: schema_version {shown} is not supported (this reader knows {SCHEMA_VERSION})")
+    device = check_device_name(_need(data, "device_name", str, source), f"{source}: device_name")
     provenance = _need(data, "provenance", dict, source)
-    models = []
+    models, seen = [], set()
     for i, m in enumerate(_need(data, "models", list, source)):
-        where = f"{source}: models[{i}]"
-        d = _need(m, "dims", dict, where)
-        try:
-            dims = ModelDims(_need(d, "num_heads", int, where), _need(d, "kv_lora_rank", int, where),
-                             _need(d, "qk_rope_head_dim", int, where),
-                             d.get("q_dtype", "bfloat16"), d.get("kv_dtype", "bfloat16"))
-        except TypeError as e:
-            raise TunedConfigError(f"{where}: bad dims: {e}") from None
-        g = _need(m, "global", dict, where)
-        page_size = _need(g, "page_size", int, where + ".global")
-        if page_size < 1:
-            raise TunedConfigError(f"{where}.global: page_size must be positive, got {page_size}")
-        order = _need(g, "backend_order", list, where + ".global")
-        unknown = [b for b in order if b not in ATTENTION_BACKENDS]
-        if not order or unknown:
-            raise TunedConfigError(
-                f"{where}.global: backend_order must list some of {ATTENTION_BACKENDS}, got {order}")
-        buckets = []
-        for j, b in enumerate(_need(m, "buckets", list, where)):
-            bw = f"{where}.buckets[{j}]"
-            fams = {}
-            for fam, c in _need(b, "families", dict, bw).items():
-                if fam not in FAMILIES:
-                    raise TunedConfigError(f"{bw}: unknown kernel family {fam!r}")
-                fw = f"{bw}.families.{fam}"
-                fams[fam] = FamilyChoice(_need(c, "params", dict, fw), _opt_float(c, "time_us", fw),
-                                         _opt_float(c, "default_time_us", fw),
-                                         bool(c.get("significant", False)))
-            bs, cl, ql = (_need(b, k, int, bw) for k in ("batch_size", "context_len", "q_len"))
-            if min(bs, cl, ql) < 1:
-                raise TunedConfigError(f"{bw}: batch_size, context_len and q_len must be positive")
-            buckets.append(Bucket(bs, cl, ql, fams, b.get("best_family")))
-        models.append(ModelEntry(dims, page_size, order, buckets, m.get("model"), m.get("tp_size"),
-                                 g.get("reason", "")))
+        entry = _entry(m, f"{source}: models[{i}]")
+        if entry.dims in seen:
+            raise TunedConfigError(f"{source}: models[{i}]: a second entry for the same dims")
+        seen.add(entry.dims)
+        models.append(entry)
     return TunedConfig(device, provenance, models, version)
 
 
-def read_tuned_config(path: str | os.PathLike) -> TunedConfig:
-    """Read and validate one file."""
+def read_text_file(path: str | os.PathLike, max_bytes: int, what: str = "file",
+                   error: type = TunedConfigError) -> str:
+    """The UTF-8 text of a regular file of at most max_bytes; anything else raises `error`."""
     p = Path(path)
     try:
-        text = p.read_text()
+        st = p.stat()
     except OSError as e:
-        raise TunedConfigError(f"{p}: cannot read: {e.strerror or e}") from None
+        raise error(f"{p}: cannot read {what}: {e.strerror or e}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise error(f"{p}: is a folder, not a {what}")
+    if not stat.S_ISREG(st.st_mode):
+        raise error(f"{p}: is not a regular file (a device, pipe or socket), not a {what}")
+    if st.st_size > max_bytes:
+        raise error(f"{p}: {st.st_size} bytes is too large for a {what} (at most {max_bytes})")
     try:
-        data = json.loads(text)
+        with open(p, "rb") as f:
+            raw = f.read(max_bytes + 1)
+    except OSError as e:
+        raise error(f"{p}: cannot read {what}: {e.strerror or e}") from None
+    if len(raw) > max_bytes:
+        raise error(f"{p}: too large for a {what} (at most {max_bytes} bytes)")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise error(f"{p}: not UTF-8 text (byte {e.start}), so not a {what}") from None
+    if "\x00" in text:
+        raise error(f"{p}: holds NUL bytes, so not a {what}")
+    return text
+
+
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_JSON_BRACKET = re.compile(r"[\[\]{}]")
+
+
+def _json_depth_ok(text: str, limit: int) -> bool:
+    """Whether JSON text nests at most `limit` levels (strings skipped; checked before parsing
+    so that no depth can reach the decoder's or the renderers' recursion limits)."""
+    depth = 0
+    for m in _JSON_BRACKET.finditer(_JSON_STRING.sub("", text)):
+        if m.group() in "[{":
+            depth += 1
+            if depth > limit:
+                return False
+        else:
+            depth -= 1
+    return True
+
+
+def read_tuned_config(path: str | os.PathLike) -> TunedConfig:
+    """Read and validate one file; any problem with it raises TunedConfigError, nothing else."""
+    p = Path(path)
+    text = read_text_file(p, MAX_CONFIG_BYTES, "tuned config")
+    if not _json_depth_ok(text, MAX_JSON_DEPTH):
+        raise TunedConfigError(f"{p}: JSON nested deeper than {MAX_JSON_DEPTH} levels, not a tuned config")
+    try:
+        data = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as e:
         raise TunedConfigError(f"{p}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    cfg = parse_tuned_config(data, str(p))
+    except (ValueError, RecursionError) as e:   # ints past Python's digit limit, NaN/Infinity
+        raise TunedConfigError(f"{p}: not a tuned config ({str(e).splitlines()[0][:120]})") from None
+    try:
+        cfg = parse_tuned_config(data, str(p))
+    except TunedConfigError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError, RecursionError) as e:
+        # a shape the checks above did not foresee is still the file's fault, not the reader's
+        raise TunedConfigError(f"{p}: not a tuned config ({type(e).__name__}: "
+                               f"{str(e).splitlines()[0][:120] if str(e) else ''})") from None
     cfg.path = str(p)
     return cfg
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def creatable_folder(folder: str | os.PathLike, named: bool = True) -> str | None:
+    """Why `folder` cannot be made or written into, or None. A folder the user named is made when
+    its parent exists; missing folders above it only inside the working directory (never
+    implicitly elsewhere, e.g. at the filesystem root). `named=False`: the folder is the parent of
+    a named file, so it too is made only inside the working directory."""
+    f = Path(folder)
+    if f.exists() and not f.is_dir():
+        return f"{f} exists and is not a folder"
+    if f.is_dir():
+        return None if os.access(f, os.W_OK | os.X_OK) else f"{f} is not writable"
+    cwd = Path.cwd().resolve()
+    target = f.resolve() if f.is_absolute() else (cwd / f).resolve()
+    inside = cwd == target or cwd in target.parents
+    if not inside and not (named and target.parent.is_dir()):
+        return (f"folder {target.parent if named else target} does not exist and is outside the "
+                "working directory: create it first (mla-tune makes missing folders only below the "
+                "working directory)")
+    parent = target.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is not a folder, so {f} cannot be made"
+    return None if os.access(parent, os.W_OK | os.X_OK) else f"{parent} is not writable"
+
+
+def is_own_config(path: str | os.PathLike) -> bool:
+    """Whether an existing file is a tuned config (what the writer may replace)."""
+    try:
+        data = json.loads(read_text_file(path, MAX_CONFIG_BYTES, "tuned config"))
+    except (TunedConfigError, ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and "schema_version" in data and "device_name" in data
+
+
+def check_config_target(cfg_device: str, folder: str | os.PathLike) -> Path:
+    """Where write_tuned_config would write, refused (TunedConfigError) when it must not: a folder
+    it may not make, or a file there that is not a tuned config."""
+    why = creatable_folder(folder)
+    if why:
+        raise TunedConfigError(why)
+    path = Path(folder) / config_filename(cfg_device)
+    if os.path.lexists(path) and (not path.is_file() or path.is_symlink() or not is_own_config(path)):
+        raise TunedConfigError(f"{path} exists and is not a tuned config; left untouched "
+                               "(move it away or write elsewhere)")
+    return path
 
 
 def write_tuned_config(cfg: TunedConfig, folder: str | os.PathLike) -> Path:
     """Write atomically to folder/device_name=<name>.json (validated by a round trip first)."""
     data = cfg.to_json()
     parse_tuned_config(json.loads(json.dumps(data)), "<new config>")
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / config_filename(cfg.device_name)
+    path = check_config_target(cfg.device_name, folder)
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise TunedConfigError(f"cannot write {path}: {e.strerror or e}") from None
     return path
 
 
@@ -287,13 +527,21 @@ def strict_mode() -> bool:
 
 
 def resolve_tuned_config(device_name: str) -> Resolution:
-    """Find, read and validate this device's file. Never raises unless strict mode is on."""
-    name = config_filename(device_name)
+    """Find, read and validate this device's file. Never raises unless strict mode is on.
+
+    A file (or anything else) named like the config that cannot be used is reported, not skipped;
+    strict mode raises for it, the lenient mode returns no config and says why."""
+    try:
+        name = config_filename(device_name)
+    except TunedConfigError as e:
+        if strict_mode():
+            raise
+        return Resolution(None, None, f"ignored (using defaults): {e}")
     tried = []
     for folder, why in search_folders():
         path = folder / name
         tried.append(str(path))
-        if not path.is_file():
+        if not os.path.lexists(path):
             continue
         try:
             cfg = read_tuned_config(path)

@@ -28,6 +28,33 @@ def family_targets() -> dict[str, str]:
     return dict(_FAMILIES)
 
 
+def check_candidate(c: Candidate) -> Candidate:
+    """Refuse (ValueError) a candidate its family would not understand: an unknown family, a
+    backend or knob the family does not have, a knob value out of range. Families registered by
+    tests have no rule beyond the page size."""
+    from vllm_metax import tuned_config as tc
+    if c.family not in _FAMILIES:
+        raise ValueError(f"unknown kernel family {c.family!r} in {c.key!r}; known: {', '.join(_FAMILIES)}")
+    if c.family == "reference":
+        if c.backend != "torch" or c.params:
+            raise ValueError(f"{c.key!r}: the reference family is reference/torch/p<page>, no knobs")
+    elif c.family in ("flashinfer", "triton"):
+        if c.family == "flashinfer" and c.params:
+            raise ValueError(f"{c.key!r}: a flashinfer candidate has no knobs (its backend is the "
+                             "second part: flashinfer/<backend>/p<page>)")
+        params = dict(c.params) if c.family == "triton" else {"backend": c.backend}
+        if c.family == "triton":
+            if c.backend != tc.TRITON_BACKEND:
+                raise ValueError(f"{c.key!r}: the triton family's backend is {tc.TRITON_BACKEND!r}")
+            if "num_kv_splits" not in params:
+                raise ValueError(f"{c.key!r}: a triton candidate names num_kv_splits=N")
+        try:
+            tc.check_params(c.family, params, f"candidate {c.key!r}")
+        except tc.TunedConfigError as e:
+            raise ValueError(str(e)) from None
+    return c
+
+
 def get_backend(family: str) -> Backend:
     """Instantiate a family by name; unknown names raise KeyError with the known ones."""
     if family not in _FAMILIES:

@@ -8,7 +8,6 @@ raises CandidateInvalid with one of the store's invalidity reasons, never crashe
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, runtime_checkable
 
@@ -37,18 +36,27 @@ class Candidate:
 
     @classmethod
     def parse(cls, text: str) -> "Candidate":
-        """Inverse of `key`: 'flashinfer/fa3/p64' or 'triton/triton/p16/num_kv_splits=8'."""
+        """Inverse of `key`: 'flashinfer/fa3/p64' or 'triton/triton/p16/num_kv_splits=8'.
+        The page size must be one the plugin can serve (vllm_metax.tuned_config.PAGE_SIZES)."""
+        from mla_tune.validate import InputError, check_page_size
         parts = text.strip().split("/")
-        if len(parts) < 3 or not parts[2].startswith("p") or not parts[2][1:].isdigit():
-            raise ValueError(f"bad candidate {text!r}; expected family/backend/p<page_size>[/k=v,...]")
+        if (len(parts) < 3 or not parts[0] or not parts[1] or not parts[2].startswith("p")
+                or not parts[2][1:].isdigit() or len(parts[2]) > 12):
+            raise ValueError(f"bad candidate {text[:80]!r}; expected family/backend/p<page_size>[/k=v,...]")
+        try:
+            page = check_page_size(int(parts[2][1:]), f"candidate {text[:80]!r}: page size")
+        except InputError as e:
+            raise ValueError(str(e)) from None
         params = {}
         if len(parts) > 3:
             for kv in "/".join(parts[3:]).split(","):
                 k, _, v = kv.partition("=")
-                if not _:
-                    raise ValueError(f"bad knob {kv!r} in {text!r}; expected key=value")
-                params[k] = json.loads(v) if v.lstrip("-").isdigit() else v
-        return cls(parts[0], parts[1], int(parts[2][1:]), params)
+                if not _ or not k or not v:
+                    raise ValueError(f"bad knob {kv[:40]!r} in {text[:80]!r}; expected key=value")
+                if k in params:
+                    raise ValueError(f"knob {k!r} given twice in {text[:80]!r}")
+                params[k] = int(v) if v.lstrip("-").isdigit() and len(v) < 19 else v
+        return cls(parts[0], parts[1], page, params)
 
 
 @dataclass(frozen=True)

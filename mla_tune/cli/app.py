@@ -32,11 +32,23 @@ def fail(message: str, code: int = EXIT_USER_ERROR):
     raise typer.Exit(code)
 
 
+def given(ctx, *names: str) -> list[str]:
+    """Which of these parameters the user set on the command line (not left at their default)."""
+    out = []
+    for n in names:
+        src = ctx.get_parameter_source(n)
+        # by name: typer >= 0.20 vendors its own click, whose enum is not click's
+        if src is not None and getattr(src, "name", "") not in ("DEFAULT", "DEFAULT_MAP"):
+            out.append(n)
+    return out
+
+
 def _known_errors() -> tuple:
     from mla_tune.problem import ProblemError
     from mla_tune.store import StoreError
+    from mla_tune.validate import InputError
     from vllm_metax.tuned_config import TunedConfigError
-    return (UserError, ProblemError, StoreError, TunedConfigError)
+    return (UserError, ProblemError, StoreError, TunedConfigError, InputError)
 
 
 def main() -> None:

@@ -4,21 +4,14 @@ every trial (raw samples included) in the results DB."""
 from __future__ import annotations
 
 import json
+from enum import Enum
+from pathlib import Path
 from typing import List, Optional
 
 import typer
 
-from mla_tune.cli.app import UserError, app, console
-
-
-def _ints(text: str, what: str) -> list[int]:
-    try:
-        vals = [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise UserError(f"--{what} takes comma-separated integers, got {text!r}") from None
-    if not vals or any(v < 1 for v in vals):
-        raise UserError(f"--{what} needs positive integers, got {text!r}")
-    return vals
+from mla_tune.cli.app import UserError, app, console, given
+from mla_tune.validate import INT, PathOption
 
 
 def bench_workloads(model: str | None, heads: int | None, tp: int, batches: list[int],
@@ -91,50 +84,73 @@ def _fmt(v, spec: str, none: str = "-") -> str:
     return none if v is None else format(v, spec)
 
 
+class BenchFormat(str, Enum):
+    table = "table"
+    json = "json"
+
+
+class Device(str, Enum):
+    cuda = "cuda"
+    cpu = "cpu"
+
+
 @app.command("bench")
 def bench(
+    ctx: typer.Context,
     candidates: List[str] = typer.Argument(..., help="Candidates as family/backend/p<page>[/k=v], e.g. flashinfer/fa3/p64"),
     model: str = typer.Option("deepseek-v3", help="Model preset (mla_tune/data/models.json)"),
-    heads: Optional[int] = typer.Option(None, help="Custom model with this many heads per rank (R=512, P=64) instead of --model/--tp"),
-    tp: int = typer.Option(1, help="Tensor-parallel size: heads per rank = model heads / tp"),
-    batch: str = typer.Option("32", help="Batch sizes, comma-separated"),
-    context: str = typer.Option("4096", help="Context lengths (KV tokens per request), comma-separated"),
-    q_len: int = typer.Option(1, "--q-len", help="Query tokens per request (>1: speculative decode, causal)"),
+    heads: Optional[int] = typer.Option(None, help="Custom model with this many heads per rank (R=512, P=64) instead of --model/--tp",
+                                        **INT["heads"].typer),
+    tp: int = typer.Option(1, help="Tensor-parallel size: heads per rank = model heads / tp", **INT["tp"].typer),
+    batch: str = typer.Option("32", help="Batch sizes: '1,4,16' or '1-128' (powers of two)"),
+    context: str = typer.Option("4096", help="Context lengths (KV tokens per request): '1024,4K' or '1K-32K'"),
+    q_len: int = typer.Option(1, "--q-len", help="Query tokens per request (>1: speculative decode, causal)",
+                              **INT["q_len"].typer),
     ragged: str = typer.Option("uniform", help="Length distribution: uniform, uniform-random, lognormal"),
-    samples: int = typer.Option(100, help="Kernel samples per candidate"),
-    rounds: int = typer.Option(5, help="Interleaving rounds (samples are split over them)"),
-    warmup: int = typer.Option(5, help="Warm-up runs after compile"),
-    plan_samples: int = typer.Option(50, help="Host plan() samples per candidate"),
-    device: Optional[str] = typer.Option(None, help="cuda or cpu (default: cuda when available)"),
+    samples: int = typer.Option(100, help="Kernel samples per candidate", **INT["bench_samples"].typer),
+    rounds: int = typer.Option(5, help="Interleaving rounds (samples are split over them)", **INT["rounds"].typer),
+    warmup: int = typer.Option(5, help="Warm-up runs after compile", **INT["warmup"].typer),
+    plan_samples: int = typer.Option(50, help="Host plan() samples per candidate", **INT["plan_samples"].typer),
+    device: Optional[Device] = typer.Option(None, help="cuda or cpu (default: cuda when available)"),
     check: bool = typer.Option(True, help="Correctness gate against the torch reference"),
     ceilings: bool = typer.Option(True, help="Measure copy/matmul ceilings for %-of-floor (CUDA only)"),
-    db: str = typer.Option("results.db", help="Results DB to store trials in"),
+    db: Path = PathOption(Path("results.db"), help="Results DB to store trials in"),
     no_store: bool = typer.Option(False, "--no-store", help="Do not write the results DB"),
-    format: str = typer.Option("table", "--format", help="table or json"),
+    format: BenchFormat = typer.Option(BenchFormat.table, "--format", help="table or json"),
 ):
     """Measure the given candidates directly (no search) and print median, spread, % of floor, plan time."""
-    import torch
-
-    from mla_tune.backends import Candidate
+    from mla_tune.backends import Candidate, check_candidate
     from mla_tune.measure import MeasureSettings
     from mla_tune.problem import RAGGED_KINDS
+    from mla_tune.validate import check_kv_tokens, is_results_db, output_file
 
-    if format not in ("table", "json"):
-        raise UserError(f"--format must be table or json, got {format!r}")
+    if heads is not None and given(ctx, "model", "tp"):
+        raise UserError(f"--heads replaces --model/--tp; drop {', '.join('--' + n for n in given(ctx, 'model', 'tp'))}")
+    if no_store and given(ctx, "db"):
+        raise UserError("--no-store and --db exclude each other")
     if ragged not in RAGGED_KINDS:
         raise UserError(f"--ragged must be one of {', '.join(RAGGED_KINDS)}, got {ragged!r}")
-    for label, v in (("samples", samples), ("rounds", rounds)):
-        if v < 1:
-            raise UserError(f"--{label} must be >= 1, got {v}")
+    if samples < rounds and given(ctx, "rounds"):
+        raise UserError(f"--samples {samples} cannot be split over --rounds {rounds}")
     try:
-        cands = list(dict.fromkeys(Candidate.parse(c) for c in candidates))
+        cands = list(dict.fromkeys(check_candidate(Candidate.parse(c)) for c in candidates))
     except ValueError as e:
         raise UserError(str(e)) from None
-    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    from mla_tune.sweep import parse_sizes     # the one size-list rule, sweep's syntax
+    try:
+        batches, contexts = parse_sizes(batch, "batch"), parse_sizes(context, "context")
+    except ValueError as e:
+        raise UserError(f"--batch/--context: {e}") from None
+    check_kv_tokens(max(batches), max(contexts))
+    if not no_store:
+        output_file(db, "--db", own=is_results_db)
+    import torch
+    dev = device.value if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
     if dev.startswith("cuda") and not torch.cuda.is_available():
         raise UserError("--device cuda but torch sees no CUDA device")
-    workloads = bench_workloads(model, heads, tp, _ints(batch, "batch"), _ints(context, "context"),
-                                q_len, ragged)
+    if not dev.startswith("cuda") and given(ctx, "ceilings"):
+        raise UserError("--ceilings/--no-ceilings apply to CUDA only")
+    workloads = bench_workloads(model, heads, tp, batches, contexts, q_len, ragged)
     settings = MeasureSettings(device=dev, warmup=warmup, samples=samples, plan_samples=plan_samples,
                                check=check)
     ceil = None
@@ -146,7 +162,7 @@ def bench(
             ceil = {k: v for k, v in measure_ceilings(dev).items() if k in ("copy_gbps", "matmul_tflops")}
     rows = run_bench(cands, workloads, settings, rounds, None if no_store else db, ceil,
                      command="mla-tune bench " + " ".join(candidates))
-    if format == "json":
+    if format == BenchFormat.json:
         console.print_json(json.dumps({"ceilings": ceil, "trials": rows}, default=str))
         return
     from rich.table import Table

@@ -8,6 +8,7 @@ import typer
 
 from mla_tune.cli.app import app, console, fail
 from mla_tune.render import OutputFormat
+from mla_tune.validate import INT
 
 FORMAT_HELP = "Output: table (rich), json, csv or markdown"
 
@@ -16,7 +17,8 @@ FORMAT_HELP = "Output: table (rich), json, csv or markdown"
 def doctor(
     model: Optional[str] = typer.Option(None, "--model", help="Model preset to look up in the tuned "
                                         "config (e.g. deepseek-v3)"),
-    tp: int = typer.Option(1, "--tp", min=1, help="Tensor-parallel size the model is served at"),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel size the model is served at",
+                           **INT["tp"].typer),
     probe: bool = typer.Option(False, "--probe", help="Plan and run each FlashInfer backend once on "
                                "this GPU (the first run of each compiles, ~20 s)"),
     format: OutputFormat = typer.Option(OutputFormat.table, "--format", "-f", help=FORMAT_HELP,
@@ -29,9 +31,12 @@ def doctor(
     from mla_tune.render import to_csv, to_json_text, to_markdown, to_rich
     from vllm_metax.tuned_config import TunedConfigError
 
+    from mla_tune.validate import InputError, check_name
     try:
+        if model is not None:
+            check_name("--model", model)
         report = diagnose(model, tp, probe)
-    except (ProblemError, TunedConfigError) as e:
+    except (ProblemError, TunedConfigError, InputError) as e:
         fail(str(e))
     if format == OutputFormat.json:
         typer.echo(to_json_text(report.to_json()))

@@ -1,5 +1,6 @@
 """`mla-tune report`, `mla-tune emit`, `mla-tune show`: thin glue over mla_tune.report,
-mla_tune.plot and mla_tune.emit. Every read command speaks the same --format vocabulary."""
+mla_tune.plot and mla_tune.emit. Every read command speaks the same --format vocabulary, opens the
+results DB read-only, and checks every output path before it starts."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ from typing import List, Optional
 
 import typer
 
-from mla_tune.cli.app import app, console, err_console, fail
+from mla_tune.cli.app import app, console, err_console, fail, given
 from mla_tune.render import OutputFormat
+from mla_tune.validate import INT, PathArgument, PathOption
 
 FORMAT_HELP = "Output: table (rich), json, csv or markdown"
+DB_HELP = ("Results DB to read, opened read-only (default: results.db, or results-cpu.db on a "
+           "machine without CUDA, where `mla-tune sweep` puts the CPU reference)")
 
 
 def _known():
@@ -19,13 +23,21 @@ def _known():
     from mla_tune.problem import ProblemError
     from mla_tune.report import ReportError
     from mla_tune.store import StoreError
+    from mla_tune.validate import InputError
     from vllm_metax.tuned_config import TunedConfigError
-    return (EmitError, ReportError, StoreError, TunedConfigError, ProblemError)
+    return (EmitError, ReportError, StoreError, TunedConfigError, ProblemError, InputError)
 
 
-def _open_store(db: str):
+def _db_path(db: Optional[Path]) -> Path:
+    if db is not None:
+        return db
+    from mla_tune.sweep import default_db
+    return default_db()
+
+
+def _open_store(db: Path):
     from mla_tune.store import ResultsStore
-    return ResultsStore(db, create=False)      # reading never creates a DB
+    return ResultsStore(db, create=False)      # read-only: reading never creates or alters a DB
 
 
 def _mix(path: Optional[Path]):
@@ -43,26 +55,41 @@ def _print(out) -> None:
             console.print(r)
 
 
+def _filter(device, model, run):
+    from mla_tune.report import ReportFilter
+    return ReportFilter(device, model, tuple(run or ()))
+
+
 @app.command("report")
 def report(
-    db: str = typer.Option("results.db", "--db", help="Results DB to read (any machine's)"),
+    db: Optional[Path] = PathOption(None, "--db", help=DB_HELP),
     format: OutputFormat = typer.Option(OutputFormat.table, "--format", "-f", help=FORMAT_HELP,
                                         case_sensitive=False),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Also write plots to this PNG",
-                                        dir_okay=False),
+    full: bool = typer.Option(False, "--full", help="table/markdown: every candidate of every "
+                              "workload, the runs and the per-bucket verdicts (default: the "
+                              "one-screen summary; json and csv always carry everything)"),
+    plot: Optional[Path] = PathOption(None, "--plot", help="Also write plots to this PNG (a new "
+                                        "file or an earlier plot; never anything else)"),
     device: Optional[str] = typer.Option(None, "--device",
                                          help="Only this device ('NVIDIA H200' or NVIDIA_H200)"),
     model: Optional[str] = typer.Option(None, "--model", help="Only this model preset (e.g. deepseek-v3)"),
-    run: Optional[List[int]] = typer.Option(None, "--run", help="Only these run ids (repeat the option)"),
-    mix: Optional[Path] = typer.Option(None, "--mix", help="Workload mix CSV (batch,context,weight) "
-                                                           "weighting the global choice; default uniform"),
+    run: Optional[List[int]] = typer.Option(None, "--run", help="Only these run ids (repeat the option)",
+                                            **INT["run"].typer),
+    mix: Optional[Path] = PathOption(None, "--mix", help="Workload mix CSV (batch,context,weight) "
+                                       "weighting the global choice; default uniform"),
 ):
-    """Per workload the candidates side by side, the best per bucket, the global choice and why."""
-    from mla_tune.report import ReportFilter, build_report, render_report
+    """The best kernel per bucket and the global choice (page size, backend order) with its reason;
+    --full for every candidate."""
+    from mla_tune.report import build_report, render_report
+    from mla_tune.validate import is_png, output_file
     try:
-        with _open_store(db) as store:
-            rep = build_report(store, ReportFilter(device, model, tuple(run or ())), _mix(mix))
-        _print(render_report(rep, format))
+        if plot is not None:
+            output_file(plot, "--plot", own=is_png, suffix=".png")   # before anything runs
+        flt = _filter(device, model, run)
+        w = _mix(mix)
+        with _open_store(_db_path(db)) as store:
+            rep = build_report(store, flt, w)
+        _print(render_report(rep, format, full=full))
         if plot is not None:
             from mla_tune.plot import plot_report
             path = plot_report(rep, plot)
@@ -74,27 +101,34 @@ def report(
 
 @app.command("emit")
 def emit(
-    db: str = typer.Option("results.db", "--db", help="Results DB to read"),
-    out: Path = typer.Option(Path("configs"), "--out", help="Folder for device_name=<device>.json",
-                             file_okay=False),
+    ctx: typer.Context,
+    db: Optional[Path] = PathOption(None, "--db", help=DB_HELP),
+    out: Path = PathOption(Path("configs"), "--out", help="Folder for device_name=<device>.json"),
     device: Optional[str] = typer.Option(None, "--device", help="Device to emit for (default: the "
                                          "only one measured, else this machine's)"),
     all_devices: bool = typer.Option(False, "--all-devices", help="One file per measured device"),
     model: Optional[str] = typer.Option(None, "--model", help="Only this model preset"),
-    run: Optional[List[int]] = typer.Option(None, "--run", help="Only these run ids (repeat the option)"),
-    mix: Optional[Path] = typer.Option(None, "--mix", help="Workload mix CSV (batch,context,weight)"),
+    run: Optional[List[int]] = typer.Option(None, "--run", help="Only these run ids (repeat the option)",
+                                            **INT["run"].typer),
+    mix: Optional[Path] = PathOption(None, "--mix", help="Workload mix CSV (batch,context,weight)"),
 ):
-    """Write the tuned config(s) the vllm_metax plugin loads, from the measurements in the DB."""
+    """Write the tuned config(s) the vllm_metax plugin loads, from the measurements in the DB.
+    A CPU-reference config goes into the packaged configs/ only with an explicit --out."""
     from mla_tune.emit import config_summary, emit_all, emit_config
+    from mla_tune.validate import output_folder
     from vllm_metax.tuned_config import read_tuned_config
-    if all_devices and device:
+    if all_devices and device is not None:
         fail("--device and --all-devices exclude each other")
     try:
-        with _open_store(db) as store:
-            w = _mix(mix)
-            runs = tuple(run or ())
-            paths = (emit_all(store, out, model=model, runs=runs, mix=w) if all_devices else
-                     [emit_config(store, out, device=device, model=model, runs=runs, mix=w)])
+        output_folder(out, "--out")
+        flt = _filter(device, model, run)
+        w = _mix(mix)
+        cpu_ok = given(ctx, "out")
+        with _open_store(_db_path(db)) as store:
+            paths = (emit_all(store, out, model=flt.model, runs=flt.runs, mix=w, cpu_ok=cpu_ok)
+                     if all_devices else
+                     [emit_config(store, out, device=flt.device, model=flt.model, runs=flt.runs,
+                                  mix=w, cpu_ok=cpu_ok)])
         for p in paths:
             for line in config_summary(read_tuned_config(p)):
                 console.print(line, highlight=False, markup=False)
@@ -105,18 +139,21 @@ def emit(
 def _lookup(text: Optional[str]):
     if text is None:
         return None
+    from mla_tune.validate import InputError, check_int
+    parts = text.split(",")
     try:
-        vals = [int(x) for x in text.split(",")]
-    except ValueError:
-        vals = []
-    if len(vals) not in (2, 3) or min(vals) < 1:
-        fail(f"--lookup takes BATCH,CONTEXT[,Q_LEN] as positive integers, got {text!r}")
+        if len(parts) not in (2, 3) or not all(p.strip().isdigit() and len(p.strip()) < 20 for p in parts):
+            raise InputError("")
+        vals = [check_int(k, int(p), "--lookup " + k.replace("_", " "))
+                for k, p in zip(("batch", "context", "q_len"), parts)]
+    except InputError as e:
+        fail(str(e) or f"--lookup takes BATCH,CONTEXT[,Q_LEN] as positive integers, got {text!r}")
     return (vals[0], vals[1], vals[2] if len(vals) == 3 else 1)
 
 
 @app.command("show")
 def show(
-    file: Path = typer.Argument(..., help="A tuned config, e.g. configs/device_name=NVIDIA_H200.json"),
+    file: Path = PathArgument(..., help="A tuned config, e.g. configs/device_name=NVIDIA_H200.json"),
     device: Optional[str] = typer.Option(None, "--device", help="The device it must be for "
                                          "(default: this machine's accelerator, if it has one)"),
     format: OutputFormat = typer.Option(OutputFormat.table, "--format", "-f", help=FORMAT_HELP,
@@ -126,9 +163,11 @@ def show(
 ):
     """Validate a tuned config as the plugin reads it, and print it."""
     from mla_tune.report import check_config_device, render_config
-    from vllm_metax.tuned_config import read_tuned_config
+    from vllm_metax.tuned_config import check_device_name, read_tuned_config
     req = _lookup(lookup)
     try:
+        if device is not None:
+            check_device_name(device, "--device")
         cfg = read_tuned_config(file)
         check_config_device(cfg, file, device)
         _print(render_config(cfg, format, req))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+from enum import Enum
 from pathlib import Path
 from typing import List, Optional
 
@@ -16,7 +17,8 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColum
                            TimeElapsedColumn, TimeRemainingColumn)
 from rich.table import Table
 
-from mla_tune.cli.app import EXIT_FAILURE, EXIT_USER_ERROR, app, console, fail
+from mla_tune.cli.app import EXIT_FAILURE, EXIT_USER_ERROR, app, console, fail, given
+from mla_tune.validate import FLOAT, INT, PathOption
 
 EPILOG = ("Exit codes: 0 done; 1 nothing could be measured (no kernel family runs here, or no "
           "valid trial); 2 bad input (flags, files, DB); 130 interrupted (finished trials are "
@@ -207,8 +209,11 @@ def print_summary(outcome) -> None:
 def _bucket_filter(model, tp, batches, contexts, q_len):
     """Replay: which stored buckets to search (flags given narrow them; none given: all)."""
     from mla_tune.sweep import parse_sizes
-    want_b = set(parse_sizes(batches)) if batches else None
-    want_c = set(parse_sizes(contexts)) if contexts else None
+    from mla_tune.validate import check_name
+    if model is not None:
+        check_name("--model", model)
+    want_b = set(parse_sizes(batches, "batch")) if batches is not None else None
+    want_c = set(parse_sizes(contexts, "context")) if contexts is not None else None
 
     def keep(b) -> bool:
         w = b.workload
@@ -219,16 +224,16 @@ def _bucket_filter(model, tp, batches, contexts, q_len):
     return keep
 
 
-_CHOICES = {
-    "mode": ("auto", "grid", "tpe"),
-    "isolation": ("auto", "process", "inline"),
-}
+class Mode(str, Enum):
+    auto = "auto"
+    grid = "grid"
+    tpe = "tpe"
 
 
-def _choice(name: str, value: str) -> str:
-    if value not in _CHOICES[name]:
-        fail(f"--{name} must be one of {', '.join(_CHOICES[name])}, got {value!r}")
-    return value
+class Isolation(str, Enum):
+    auto = "auto"
+    process = "process"
+    inline = "inline"
 
 
 HELP = (
@@ -236,58 +241,78 @@ HELP = (
     "Buckets are batch x context (log2 steps) x q_len at each --tp; each is searched with optuna "
     "(grid when small, TPE when large) in a crash-safe worker process. A challenger displaces a "
     "family default only with Mann-Whitney p < 0.002 and --min-ratio.\n\n"
+    "Without CUDA it measures the CPU torch reference into results-cpu.db and emits no tuned "
+    "config (the CPU is not a serving device) unless --emit.\n\n"
     "Rerun the same command to resume: nothing already in the DB is measured again (unless "
     "--remeasure). --replay runs the search over a DB's stored measurements instead (no GPU).")
+
+# flags that only a live sweep uses, and the one only a replay uses: given to the other, refused
+LIVE_ONLY = ("db", "ragged", "q_dtype", "kv_dtype", "page_size", "family", "time_budget", "timeout",
+             "samples", "warmup", "isolation", "remeasure", "configs_dir", "emit", "journal", "name")
+REPLAY_ONLY = ("device_name",)
 
 
 @app.command("sweep", help=HELP, epilog=EPILOG)
 def sweep(
-    db: Path = typer.Option(Path("results.db"), "--db", help="results DB (SQLite) to store every trial in"),
+    ctx: typer.Context,
+    db: Optional[Path] = PathOption(None, "--db", help="results DB (SQLite) to store every trial "
+                                      "in (default: results.db; without CUDA results-cpu.db)"),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="model preset (heads, MLA dims; "
                                         "default deepseek-v3)"),
     tp: Optional[List[int]] = typer.Option(None, "--tp", help="tensor-parallel size; repeat for several "
-                                           "(default: GPU 1 and 8, CPU 8)"),
+                                           "(default: GPU 1 and 8, CPU 8)", **INT["tp"].typer),
     batches: Optional[str] = typer.Option(None, "--batches", help="batch sizes: '1-128' (powers of two) "
                                           "or '1,4,16' (default: GPU 1-128, CPU 1,4)"),
     contexts: Optional[str] = typer.Option(None, "--contexts", help="context lengths: '1K-32K' (powers "
                                            "of two) or '1024,4096' (default: GPU 1K-32K, CPU 256,1024)"),
     q_len: Optional[List[int]] = typer.Option(None, "--q-len", help="query tokens per request; repeat "
-                                              "(q_len > 1 = speculative decode, causal; default 1)"),
+                                              "(q_len > 1 = speculative decode, causal; default 1)",
+                                              **INT["q_len"].typer),
     ragged: str = typer.Option("uniform", "--ragged", help="context lengths: uniform, uniform-random, lognormal"),
     q_dtype: str = typer.Option("bfloat16", "--q-dtype"),
     kv_dtype: str = typer.Option("bfloat16", "--kv-dtype"),
-    page_size: Optional[List[int]] = typer.Option(None, "--page-size", help="KV page sizes; repeat "
-                                                  "(default 1, 16, 64)"),
+    page_size: Optional[List[int]] = typer.Option(None, "--page-size", help="KV page sizes (powers of "
+                                                  "two, 1-256); repeat (default 1, 16, 64)"),
     family: Optional[List[str]] = typer.Option(None, "--family", help="kernel families; repeat "
                                                "(default: GPU flashinfer + triton, CPU reference)"),
-    mode: str = typer.Option("auto", "--mode", help="auto (grid when the space is small), grid, tpe"),
-    grid_max: int = typer.Option(64, "--grid-max", help="auto: largest space searched exhaustively"),
+    mode: Mode = typer.Option(Mode.auto, "--mode", help="auto (grid when the space is small), grid, tpe"),
+    grid_max: int = typer.Option(64, "--grid-max", help="auto: largest space searched exhaustively",
+                                 **INT["grid_max"].typer),
     trials: Optional[int] = typer.Option(None, "--trials", help="most candidates evaluated per bucket "
-                                         "(default: grid all, TPE a quarter of the space)"),
+                                         "(default: grid all, TPE a quarter of the space)",
+                                         **INT["trials"].typer),
     patience: int = typer.Option(32, "--patience", help="TPE: stop a bucket after this many new trials "
-                                 "without improvement (0: never)"),
+                                 "without improvement (0: never)", **INT["patience"].typer),
     time_budget: Optional[str] = typer.Option(None, "--time-budget", help="wall-time budget: 600, 9m, "
                                               "1h (default: GPU 9m, CPU none; 0: none)"),
     timeout: Optional[float] = typer.Option(None, "--timeout", help="seconds one candidate may take "
-                                            "(JIT included) before it counts as hung"),
-    samples: Optional[int] = typer.Option(None, "--samples", help="kernel samples per candidate"),
-    warmup: Optional[int] = typer.Option(None, "--warmup", help="warm-up runs per candidate"),
-    isolation: str = typer.Option("auto", "--isolation", help="process: measure in a worker process "
-                                  "replaced after a crash or hang; inline: in this process; auto: "
-                                  "process unless only the CPU reference runs"),
+                                            "(JIT included) before it counts as hung",
+                                            **FLOAT["timeout"].typer),
+    samples: Optional[int] = typer.Option(None, "--samples", help="kernel samples per candidate",
+                                          **INT["samples"].typer),
+    warmup: Optional[int] = typer.Option(None, "--warmup", help="warm-up runs per candidate",
+                                         **INT["warmup"].typer),
+    isolation: Isolation = typer.Option(Isolation.auto, "--isolation", help="process: measure in a "
+                                        "worker process replaced after a crash or hang; inline: in "
+                                        "this process; auto: process unless only the CPU reference runs"),
     remeasure: bool = typer.Option(False, "--remeasure", help="measure again what the DB already holds"),
-    replay: Optional[Path] = typer.Option(None, "--replay", help="run the search over this DB's stored "
+    replay: Optional[Path] = PathOption(None, "--replay", help="run the search over this DB's stored "
                                           "measurements instead of measuring (no GPU needed)"),
     device_name: Optional[str] = typer.Option(None, "--device-name", help="replay: the device whose "
                                               "trials to use when the DB holds several"),
-    mix: Optional[Path] = typer.Option(None, "--mix", help="CSV of batch,context,weight rows: the "
-                                       "workload mix the page size is chosen for (default uniform)"),
-    min_ratio: float = typer.Option(1.05, "--min-ratio", help="smallest speed-up that displaces a default"),
-    seed: int = typer.Option(0, "--seed", help="sampler seed"),
+    mix: Optional[Path] = PathOption(None, "--mix", help="CSV of batch,context,weight rows: the "
+                                       "workload mix the page size is chosen for (default uniform); "
+                                       "every row must be a swept bucket"),
+    min_ratio: float = typer.Option(1.05, "--min-ratio", help="smallest speed-up that displaces a default",
+                                    **FLOAT["min_ratio"].typer),
+    seed: int = typer.Option(0, "--seed", help="sampler seed", **INT["seed"].typer),
     name: str = typer.Option("sweep", "--name", help="label stored with each trial and the optuna study"),
-    configs_dir: Path = typer.Option(Path("configs"), "--configs-dir", help="where the tuned config goes"),
-    no_emit: bool = typer.Option(False, "--no-emit", help="do not write the tuned config"),
-    journal: Optional[Path] = typer.Option(None, "--journal", help="optuna journal file "
+    configs_dir: Path = PathOption(Path("configs"), "--configs-dir", help="where the tuned config "
+                                     "goes"),
+    emit: Optional[bool] = typer.Option(None, "--emit/--no-emit", help="write the tuned config "
+                                        "(default: on a GPU yes; without CUDA no: the CPU reference "
+                                        "is not a serving device)"),
+    journal: Optional[Path] = PathOption(None, "--journal", help="optuna journal file "
                                            "(default: next to the DB, <db>.optuna.log)"),
     gpus: Optional[str] = typer.Option(None, "--gpus", help="one worker process per GPU, e.g. 0,1,2,3 "
                                        "or all (each with CUDA_VISIBLE_DEVICES set to its GPU); "
@@ -302,20 +327,16 @@ def sweep(
     """Measure each bucket's candidates, store every trial, choose winners, emit the config."""
     from mla_tune.problem import ProblemError, WorkloadMix
     from mla_tune.store import StoreError
-    from mla_tune.sweep import SweepConfig, SweepError, build_config, replay_sweep, run_sweep
+    from mla_tune.sweep import (SweepConfig, SweepError, build_config, default_db, detect_device,
+                                replay_sweep, run_sweep)
+    from mla_tune.validate import InputError
 
-    _choice("mode", mode)
-    _choice("isolation", isolation)
-    for label, v in (("grid-max", grid_max), ("trials", trials if trials is not None else 1),
-                     ("samples", samples if samples is not None else 2)):
-        if v < 1:
-            fail(f"--{label} must be positive, got {v}")
-    if patience < 0:
-        fail(f"--patience must be >= 0, got {patience}")
-    if min_ratio < 1.0:
-        fail(f"--min-ratio must be >= 1, got {min_ratio}")
-    if tp and any(t < 1 for t in tp):
-        fail(f"--tp must be positive, got {tp}")
+    ignored = given(ctx, *(LIVE_ONLY if replay is not None else REPLAY_ONLY))
+    if ignored:
+        what = "a replay (it measures and writes nothing)" if replay is not None else "a live sweep"
+        flags = ", ".join("--" + n.replace("_", "-") for n in ignored)
+        fail(f"{flags} {'does' if len(ignored) == 1 else 'do'} not apply to {what}; "
+             f"{'drop --replay' if replay is not None else 'add --replay DB'} or the flag")
     if heartbeat < 1:
         fail(f"--heartbeat must be at least 1 s, got {heartbeat}")
     if storage is not None and journal is not None:
@@ -329,33 +350,42 @@ def sweep(
         fail("--gpus measures; --replay measures nothing: use one of them")
     try:
         workload_mix = WorkloadMix.from_file(str(mix)) if mix else None
-        kw = dict(db=db, families=family, mode=mode, grid_max=grid_max, max_trials=trials,
-                  patience=patience or None, seed=seed, isolation=isolation, remeasure=remeasure,
-                  name=name, journal=journal, mix=workload_mix, min_ratio=min_ratio,
-                  emit=not no_emit, configs_dir=configs_dir, storage=storage,
+        kw = dict(families=family, mode=mode.value, grid_max=grid_max, max_trials=trials,
+                  patience=patience or None, seed=seed, isolation=isolation.value,
+                  remeasure=remeasure, name=name, journal=journal, mix=workload_mix,
+                  min_ratio=min_ratio, configs_dir=configs_dir, storage=storage,
                   heartbeat_s=heartbeat, gpus=gpu_list,
                   command=" ".join(shlex.quote(a) for a in ["mla-tune"] + sys.argv[1:]))
         observer = RichObserver(quiet)
         if replay is not None:
-            if not replay.exists():
-                fail(f"no results DB at {replay} to replay")
             config = SweepConfig(buckets=[], **{**kw, "emit": False, "journal": False,
                                                 "storage": None})
             outcome = replay_sweep(replay, config, observer, device_name=device_name,
                                    where=_bucket_filter(model, tp, batches, contexts, q_len))
         else:
-            config = build_config(model=model or "deepseek-v3", tp_sizes=tp, batches=batches, contexts=contexts,
-                                  q_lens=q_len or (1,), ragged=ragged, q_dtype=q_dtype,
-                                  kv_dtype=kv_dtype, page_sizes=page_size, samples=samples,
-                                  warmup=warmup, timeout_s=timeout, time_budget=time_budget, **kw)
+            device = detect_device()
+            cpu = not device.startswith("cuda")
+            if emit and cpu and not given(ctx, "configs_dir"):
+                fail("--emit without CUDA writes the CPU reference's config: name the folder with "
+                     "--configs-dir (the packaged configs/ are for serving devices)")
+            if given(ctx, "configs_dir") and not (emit if emit is not None else not cpu):
+                fail("--configs-dir applies only when the sweep writes a tuned config: "
+                     + ("add --emit (without CUDA none is written by default)" if cpu and emit is None
+                        else "drop --no-emit"))
+            config = build_config(model=model if model is not None else "deepseek-v3", tp_sizes=tp,
+                                  batches=batches, contexts=contexts, q_lens=q_len or (1,),
+                                  ragged=ragged, q_dtype=q_dtype, kv_dtype=kv_dtype,
+                                  page_sizes=page_size, samples=samples, warmup=warmup,
+                                  timeout_s=timeout, time_budget=time_budget, device=device,
+                                  db=db if db is not None else default_db(device),
+                                  emit=emit if emit is not None else not cpu, **kw)
             try:
                 outcome = run_sweep(config, observer)
             finally:
                 observer.close()      # Ctrl-C or an error: leave the terminal clean
     except SweepError as e:       # SweepInputError (a ValueError) is bad input: exit 2
         fail(str(e), EXIT_USER_ERROR if isinstance(e, ValueError) else EXIT_FAILURE)
-    except (ValueError, ProblemError, StoreError, StorageError) as e:
+    except (ValueError, ProblemError, StoreError, StorageError, InputError) as e:
         fail(str(e))
     if not outcome.valid_trials and not any(r["status"] == "ok" for r in outcome.rows):
         fail("no candidate produced a valid measurement", EXIT_FAILURE)
-

@@ -34,6 +34,7 @@ import torch
 
 from vllm_metax.ops import mla_schedule as ms
 from vllm_metax.ops.paged_metadata import PagedMetadata
+from vllm_metax.tuned_config import FLASHINFER_BACKENDS
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +42,9 @@ API_KEYWORD = "keyword"
 API_FLAT = "flat"
 API_FORMS = (API_KEYWORD, API_FLAT)
 
-# Every backend value any FlashInfer MLA wrapper has been seen to accept; "auto" and "cute-dsl"
-# are policies/aliases that resolve to one concrete backend at plan time.
-KNOWN_BACKENDS = ("auto", "fa2", "fa3", "cutlass", "cutile", "trtllm-gen", "xqa", "cute-dsl",
-                  "cute-dsl-monolithic", "cute-dsl-modular")
+# Every backend value any FlashInfer MLA wrapper has been seen to accept (the tuned-config schema
+# holds the list); "auto" and "cute-dsl" are policies/aliases that resolve at plan time.
+KNOWN_BACKENDS = FLASHINFER_BACKENDS
 ALIAS_BACKENDS = ("auto", "cute-dsl")
 # Backends whose 0.7 plan requires the packed [..., ckv+kpe] layout (adjacent views are zero-copy);
 # fa2/fa3 take independent split tensors natively.
