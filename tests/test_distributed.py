@@ -128,7 +128,7 @@ def test_two_sweeps_on_one_db_both_finish_and_store_each_trial_once(tmp_path, mo
 
 def test_gpus_runs_one_worker_per_gpu_and_emits_once(tmp_path):
     db = tmp_path / "results.db"
-    p = cli("sweep", "--db", str(db), "--gpus", "0,1,2", "--configs-dir", str(tmp_path / "cfg"),
+    p = cli("sweep", "--db", str(db), "--gpus", "0,1,2", "--emit", "--configs-dir", str(tmp_path / "cfg"),
             *[a for a in SMALL if a != "--no-emit"], cwd=tmp_path)
     out = p.communicate(timeout=300)[0]
     assert p.returncode == 0, out
