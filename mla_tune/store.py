@@ -184,24 +184,35 @@ class ResultsStore:
             raise StoreError(f"{self.path} has schema version {version}, newer than this mla-tune "
                              f"understands ({SCHEMA_VERSION}); upgrade mla-tune. Left untouched")
         if self.readonly:
-            if version < SCHEMA_VERSION:
+            if version == 0:
                 raise StoreError(f"{self.path} is not an mla-tune results DB of schema "
-                                 f"{SCHEMA_VERSION} (found {version or 'no schema'}); reading "
-                                 "commands leave it untouched (a sweep into it upgrades it)")
+                                 f"{SCHEMA_VERSION} (found no schema); reading commands leave it "
+                                 "untouched")
+            if version < SCHEMA_VERSION:
+                # an older DB (the shipped results.db is schema 2): read an upgraded copy in
+                # memory, never the file (a sweep into it upgrades the file)
+                mem = sqlite3.connect(":memory:")
+                self.db.conn.backup(mem)
+                self.db.conn.close()
+                self.db = sqlite_utils.Database(mem)
+                self._migrate(version)
             return
         if version < SCHEMA_VERSION:
             self.db.enable_wal()
-            for i in range(version, SCHEMA_VERSION):
-                with self.db.conn:   # one transaction per migration step
-                    # several sweeps may open a new DB at once: the write lock first, then
-                    # look again whether another process has applied this step meanwhile
-                    self.db.conn.execute("begin immediate")
-                    if self._stored_version() > i:
-                        continue
-                    MIGRATIONS[i](self.db)
-                    self.db[META_TABLE].upsert({"key": "schema_version", "value": str(i + 1)}, pk="key")
+            self._migrate(version)
         elif self.db.journal_mode != "wal":
             self.db.enable_wal()
+
+    def _migrate(self, version: int) -> None:
+        for i in range(version, SCHEMA_VERSION):
+            with self.db.conn:   # one transaction per migration step
+                # several sweeps may open a new DB at once: the write lock first, then
+                # look again whether another process has applied this step meanwhile
+                self.db.conn.execute("begin immediate")
+                if self._stored_version() > i:
+                    continue
+                MIGRATIONS[i](self.db)
+                self.db[META_TABLE].upsert({"key": "schema_version", "value": str(i + 1)}, pk="key")
 
     def _stored_version(self) -> int:
         if META_TABLE not in self.db.table_names():

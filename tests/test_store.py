@@ -103,3 +103,24 @@ def test_candidate_key_roundtrip():
     for bad in ("flashinfer", "flashinfer/fa3/64", "a/b/p16/novalue"):
         with pytest.raises(ValueError):
             Candidate.parse(bad)
+
+
+def test_an_older_schema_is_read_through_an_upgraded_copy_and_left_byte_for_byte(tmp_path):
+    """The shipped results.db is schema 2: reading commands see it upgraded (in memory) and the
+    file, its folder and its side files stay as they were."""
+    import hashlib
+    import shutil
+    from pathlib import Path
+    src = Path(__file__).resolve().parent.parent / "results.db"
+    db = tmp_path / "old.db"
+    shutil.copy(src, db)
+    with sqlite3.connect(db) as c:
+        old = int(c.execute("select value from mla_tune_meta where key='schema_version'").fetchone()[0])
+    assert old < SCHEMA_VERSION
+    before = hashlib.sha256(db.read_bytes()).hexdigest()
+    s = ResultsStore(db, create=False)
+    assert s._stored_version() == SCHEMA_VERSION
+    assert s.db["trials"].count > 3000
+    s.close()
+    assert hashlib.sha256(db.read_bytes()).hexdigest() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.db"]
