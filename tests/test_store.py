@@ -114,8 +114,10 @@ def test_an_older_schema_is_read_through_an_upgraded_copy_and_left_byte_for_byte
     src = Path(__file__).resolve().parent.parent / "results.db"
     db = tmp_path / "old.db"
     shutil.copy(src, db)
-    with sqlite3.connect(db) as c:
-        old = int(c.execute("select value from mla_tune_meta where key='schema_version'").fetchone()[0])
+    from mla_tune.store import readonly_uri
+    c = sqlite3.connect(readonly_uri(db), uri=True)
+    old = int(c.execute("select value from mla_tune_meta where key='schema_version'").fetchone()[0])
+    c.close()
     assert old < SCHEMA_VERSION
     before = hashlib.sha256(db.read_bytes()).hexdigest()
     s = ResultsStore(db, create=False)
