@@ -282,7 +282,7 @@ def test_simulated_metax_keeps_fa3_out(fb, base_config, tmp_path, monkeypatch):
 
     for mod in (backend_pkg, P):
         monkeypatch.setattr(mod, "detect_device", lambda: METAX)
-    assert fb.device_backends() == (("fa2",), "fa2")
+    assert backend_pkg.device_backends() == (("fa2",), "fa2")
     _tuned(tmp_path, monkeypatch, {(1, 64, 1): "fa3", (8, 4096, 1): "fa3"}, device=METAX.name)
     builder = ps.make_builder(_config(base_config))
     assert builder.choice.entry is not None          # MetaX_C500.json was found and read
