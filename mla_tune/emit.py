@@ -92,7 +92,9 @@ def _bucket(b: choosing.BucketChoice) -> tc.Bucket:
                                       bool(v.significant))
     best = b.best_family if b.best_family in fams else (
         min(fams, key=lambda f: fams[f].time_us or float("inf")) if fams else None)
-    return tc.Bucket(b.batch_size, b.context_len, b.q_len, fams, best)
+    # keyed by the context the plugin looks a batch up by (the mean per-request length): the
+    # bucket's context for uniform lengths, the measured lengths' mean for ragged ones
+    return tc.Bucket(b.batch_size, b.lookup_context or b.context_len, b.q_len, fams, best)
 
 
 def model_entries(choice: choosing.Choice, notes: list[str]) -> list[tc.ModelEntry]:

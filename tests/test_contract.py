@@ -150,7 +150,7 @@ def _vllm_rule(context: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _mixed_sweep(path: Path) -> Path:
+def _mixed_sweep(path: Path, ragged: str = "uniform") -> Path:
     """fa2 beats the fa3 baseline at batch 1; 32 Triton splits beat vLLM's rule at batch <= 4
     below 8K (at 8K, batch 32 and wherever the rule gives 32, the rule stays)."""
     model = custom_model(ps.NUM_HEADS, ps.KV_LORA_RANK, ps.ROPE_DIM)
@@ -159,7 +159,7 @@ def _mixed_sweep(path: Path) -> Path:
                              "capability": "9.0", "flashinfer": "0.7.2.post1"})
         for b in BATCHES:
             for c in CONTEXTS:
-                wl = workload_for(model, 1, b, c)
+                wl = workload_for(model, 1, b, c, ragged=ragged, seed=5)
                 wid = store.workload_id(wl, 0.0, 0.0)
                 fa3 = 10.0 + b * c / 2000
                 rule = _vllm_rule(c)
@@ -209,3 +209,29 @@ def test_a_ragged_batch_finds_the_same_bucket_in_both_families(plugin, model_roo
     assert _step(tr, lens, PAGE).num_kv_splits == 32
     # and a uniform batch at 8K is served with vLLM's rule
     assert _step(tr, [8192] * 4, PAGE).num_kv_splits is None
+
+
+def test_a_ragged_sweep_is_keyed_by_the_lookup_statistic(plugin, model_root, tmp_path):
+    """Buckets measured with ragged lengths are written under the context the plugin computes
+    from those very lengths, so serving the measured batch finds its own bucket."""
+    db = _mixed_sweep(tmp_path / "ragged.db", ragged="uniform-random")
+    with ResultsStore(db, create=False) as store:
+        path = emit_config(store, plugin)
+    (entry,) = json.loads(path.read_text())["models"]
+    fi, tr = _builders(model_root, ps.NUM_HEADS, PAGE)
+    model = custom_model(ps.NUM_HEADS, ps.KV_LORA_RANK, ps.ROPE_DIM)
+    cfg_entry = tc.load_tuned_config(DEVICE).models[0]
+    written = {(b["batch_size"], b["context_len"]): b for b in entry["buckets"]}
+    moved = 0
+    for b in BATCHES:
+        for c in CONTEXTS:
+            lens = workload_for(model, 1, b, c, ragged="uniform-random", seed=5).seq_lens
+            key = (b, decisions.bucket_context(lens))
+            assert key in written, (b, c)
+            moved += key[1] != c
+            found = cfg_entry.lookup(b, key[1])
+            assert found.exact
+            params = written[key]["families"]
+            assert _step(fi, lens, PAGE).backend == params["flashinfer"]["params"]["backend"]
+            assert _step(tr, lens, PAGE).num_kv_splits == _expected_splits(params["triton"]["params"])
+    assert moved >= 6          # ragged means are not the nominal contexts: the keys really moved
