@@ -153,7 +153,7 @@ def test_block_size_from_the_tuned_config(platform, base_config, tmp_path, monke
     _tuned(tmp_path, monkeypatch, ["FLASHINFER_MLA"], page_size=64)
     vc = _fresh_config(base_config)                  # VllmConfig calls check_and_update_config
     assert vc.cache_config.block_size == 64 and not vc.cache_config.user_specified_block_size
-    assert vc.parallel_config.worker_cls == "vllm.v1.worker.gpu_worker.Worker"
+    assert vc.parallel_config.worker_cls == "vllm_metax.worker.MetaxWorker"   # the platform's worker
     # vLLM re-picks the size after model load when the user did not set one; it must stay 64
     from vllm_metax.backend.flashinfer_mla import FlashInferMLABackend
     assert platform._preferred_block_size_for_backends([FlashInferMLABackend], 16, vc) == 64
