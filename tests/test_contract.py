@@ -235,3 +235,33 @@ def test_a_ragged_sweep_is_keyed_by_the_lookup_statistic(plugin, model_root, tmp
             assert _step(fi, lens, PAGE).backend == params["flashinfer"]["params"]["backend"]
             assert _step(tr, lens, PAGE).num_kv_splits == _expected_splits(params["triton"]["params"])
     assert moved >= 6          # ragged means are not the nominal contexts: the keys really moved
+
+
+# ---------------------------------------------------------------- the measured set
+
+@pytest.mark.parametrize("dev", [
+    H200,
+    DeviceInfo("MetaX C500", "pymxsml", True, 104, (8, 0)),
+    DeviceInfo("NVIDIA A100", "torch", False, 108, (8, 0)),
+    DeviceInfo("NVIDIA B200", "torch", False, 148, (10, 0)),
+], ids=lambda d: d.name)
+def test_the_tuner_measures_what_the_plugin_may_plan_and_its_untuned_default(dev, monkeypatch):
+    """On every kind of device, the FlashInfer family's space is exactly the values the plugin's
+    builder may plan, and its baseline is what the plugin plans without a tuned config."""
+    import flashinfer_fakes as fakes
+    import vllm_metax.backend as backend_pkg
+    from mla_tune.backends.flashinfer import FlashInferBackend
+    from vllm_metax import device as device_mod
+    from vllm_metax.backend.flashinfer_mla import PlanChoice
+    from vllm_metax.ops import flashinfer_mla as op
+
+    fakes.install(monkeypatch, fakes.keyword_module(op.KNOWN_BACKENDS))   # accepts every value
+    monkeypatch.setattr(device_mod, "detect_device", lambda: dev)
+    monkeypatch.setattr(backend_pkg, "detect_device", lambda: dev)
+    wl = workload_for(custom_model(16), 1, 4, 1024)
+    tuner = FlashInferBackend()
+    measured = {c.backend for c in tuner.space(wl, [64])}
+    served = PlanChoice(None, backend_pkg.flashinfer_backends())
+    assert measured == set(served.allowed) and decisions.AUTO not in measured
+    assert tuner.default_candidate(wl).backend == served.for_step(4, 1024) == served.default
+    assert served.default == ("fa3" if dev is H200 else "fa2")
