@@ -91,13 +91,14 @@ def _write_tuned_config(folder: Path, device_name: str, heads: tuple) -> None:
 
 
 def measure_lookup() -> dict:
-    from vllm_metax import tuned_config as tc
+    from vllm_metax import decisions, tuned_config as tc
     from vllm_metax.backend.flashinfer_mla import PlanChoice
 
     with tempfile.TemporaryDirectory() as d:
         _write_tuned_config(Path(d), "bench", (16,))
         cfg = tc.read_tuned_config(Path(d) / tc.config_filename("bench"))
-    choice = PlanChoice(cfg.entry_for(tc.ModelDims(16, 512, 64)), ("fa3", "fa2"), "fa3")
+    choice = PlanChoice(cfg.entry_for(tc.ModelDims(16, 512, 64)),
+                        decisions.flashinfer_backends(False, (9, 0)))
     args = [(b, c) for b in (1, 3, 32, 100, 128) for c in (70, 1000, 4096, 5000, 60000)]
     n = 20000
     t0 = time.perf_counter_ns()

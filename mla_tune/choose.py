@@ -123,6 +123,9 @@ class BucketChoice:
     families: dict                  # family -> Verdict at the model entry's page size
     best_family: str | None         # fastest chosen candidate among `families`
     per_page: dict = field(default_factory=dict, repr=False)   # page -> family -> Verdict
+    # the context the plugin finds this bucket by: `vllm_metax.decisions.bucket_context` of the
+    # measured per-request lengths (context_len itself for uniform lengths)
+    lookup_context: int | None = None
 
     @property
     def time_us(self) -> float | None:
@@ -306,6 +309,13 @@ def _workload_of(row: dict):
         return None
 
 
+def _lookup_context(rows: list) -> int | None:
+    """The plugin's lookup statistic over the lengths a bucket was measured with."""
+    from vllm_metax.decisions import bucket_context
+    wl = _workload_of(rows[0]) if rows else None
+    return bucket_context(wl.seq_lens) if wl is not None else None
+
+
 def _tp_size(model: str, heads_per_rank: int) -> int | None:
     from mla_tune.problem import ProblemError, model_preset
     try:
@@ -472,7 +482,8 @@ def _choose_model(device_name, g, rows, mix, p_threshold, min_ratio, default_pag
             if k == bk:
                 per_page.setdefault(p, {})[f] = v
         buckets.append(BucketChoice(bk[0], bk[1], bk[2], weights.get(bk, 0.0), fams,
-                                    min(timed)[1] if timed else None, per_page))
+                                    min(timed)[1] if timed else None, per_page,
+                                    _lookup_context(per_bucket[bk])))
     return ModelChoice(device_name, model, _tp_size(model, heads), heads, lora_rank, rope, q_dt, kv_dt,
                        ragged, page, page_reason, family_order,
                        tuple(ATTENTION_BACKEND[f] for f in family_order if f in ATTENTION_BACKEND),

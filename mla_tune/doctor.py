@@ -213,10 +213,10 @@ def model_dims(model: str | None, tp_size: int, dtype: str = "bfloat16"):
     if model is None:
         return None
     from mla_tune.problem import model_preset
-    from vllm_metax.tuned_config import ModelDims
+    from vllm_metax.decisions import model_key
 
     m = model_preset(model)
-    return ModelDims(m.heads_per_rank(tp_size), m.kv_lora_rank, m.qk_rope_head_dim, dtype, dtype)
+    return model_key(m.heads_per_rank(tp_size), m.kv_lora_rank, m.qk_rope_head_dim, dtype, dtype)
 
 
 def diagnose(model: str | None = None, tp_size: int = 1, probe: bool = False) -> Doctor:

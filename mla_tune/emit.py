@@ -15,7 +15,7 @@ from pathlib import Path
 from mla_tune import choose as choosing
 from mla_tune.problem import WorkloadMix
 from mla_tune.report import CPU_KIND, ReportError, ReportFilter, device_key, select_trials
-from vllm_metax import tuned_config as tc
+from vllm_metax import decisions, tuned_config as tc
 
 CPU_NOTE = ("measured with the CPU torch reference (no GPU): the page size exercises the pipeline; "
             "no kernel-family choices, backend order is the schema's listing, not a measurement")
@@ -83,12 +83,18 @@ def provenance(device_name: str, runs: list[dict], choice: choosing.Choice, resu
 def _bucket(b: choosing.BucketChoice) -> tc.Bucket:
     fams = {}
     for f, v in b.families.items():
-        if f in tc.FAMILIES and v.chosen is not None:
-            fams[f] = tc.FamilyChoice(dict(v.chosen.plan_params), v.time_us, v.default_time_us,
+        if f not in tc.FAMILIES or v.chosen is None:
+            continue
+        # written as the plugin reads it: the family's typed choice, "keep vLLM's rule" included
+        typed = decisions.family_choice(f, v.chosen.plan_params)
+        if typed is not None:
+            fams[f] = tc.FamilyChoice(typed.to_params(), v.time_us, v.default_time_us,
                                       bool(v.significant))
     best = b.best_family if b.best_family in fams else (
         min(fams, key=lambda f: fams[f].time_us or float("inf")) if fams else None)
-    return tc.Bucket(b.batch_size, b.context_len, b.q_len, fams, best)
+    # keyed by the context the plugin looks a batch up by (the mean per-request length): the
+    # bucket's context for uniform lengths, the measured lengths' mean for ragged ones
+    return tc.Bucket(b.batch_size, b.lookup_context or b.context_len, b.q_len, fams, best)
 
 
 def model_entries(choice: choosing.Choice, notes: list[str]) -> list[tc.ModelEntry]:
@@ -105,7 +111,8 @@ def model_entries(choice: choosing.Choice, notes: list[str]) -> list[tc.ModelEnt
         if m.page_size is None:
             notes.append(f"{label}: no valid candidate, not written")
             continue
-        dims = tc.ModelDims(m.num_heads, m.kv_lora_rank, m.qk_rope_head_dim, m.q_dtype, m.kv_dtype)
+        dims = decisions.model_key(m.num_heads, m.kv_lora_rank, m.qk_rope_head_dim, m.q_dtype,
+                                   m.kv_dtype)
         if dims in by_dims:
             notes.append(f"{label}: same dims as {by_dims[dims].model} "
                          f"({by_dims[dims].reason.split(';')[0]}...), not written")

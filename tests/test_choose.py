@@ -174,17 +174,21 @@ def test_latest_trial_wins(db):
     assert v.chosen.key == "flashinfer/auto/p64" and v.best.key == "flashinfer/auto/p64"
 
 
-def test_default_named_by_backend_when_unmarked(db):
-    # rows written without the is_default mark (older DBs, `mla-tune bench`)
+def test_default_named_by_backend_when_unmarked(db, monkeypatch):
+    # rows written without the is_default mark (older DBs, `mla-tune bench` on the GPU host): the
+    # family names its default, for FlashInfer what the plugin plans untuned on this device
+    from vllm_metax import device as device_mod
+    monkeypatch.setattr(device_mod, "detect_device",
+                        lambda: device_mod.DeviceInfo("NVIDIA H200", "torch", False, 132, (9, 0)))
     w = workload_for(V3, 8, 1, 1024)
     wid = db.store.workload_id(w, 1, 1)
     db.store.add_trial(db.run, wid, Candidate("reference", "torch", 16), "ok", {"kernel_us": samples(5.0)})
-    db.store.add_trial(db.run, wid, Candidate("flashinfer", "auto", 16), "ok", {"kernel_us": samples(9.0)})
-    db.store.add_trial(db.run, wid, Candidate("flashinfer", "fa3", 16), "ok", {"kernel_us": samples(6.0)})
+    db.store.add_trial(db.run, wid, Candidate("flashinfer", "fa3", 16), "ok", {"kernel_us": samples(9.0)})
+    db.store.add_trial(db.run, wid, Candidate("flashinfer", "fa2", 16), "ok", {"kernel_us": samples(6.0)})
     ch = db.choice()
     assert verdict(ch, 1, 1024, "reference").default.key == "reference/torch/p16"
     fi = verdict(ch, 1, 1024, "flashinfer")
-    assert fi.default.key == "flashinfer/auto/p16" and fi.chosen.key == "flashinfer/fa3/p16"
+    assert fi.default.key == "flashinfer/fa3/p16" and fi.chosen.key == "flashinfer/fa2/p16"
     assert verdict(db.choice(default_of=None), 1, 1024, "flashinfer").default is None
 
 

@@ -27,13 +27,20 @@ def test_registry_gives_the_flashinfer_family():
     assert get_backend("flashinfer").family == "flashinfer"
 
 
-def test_space_is_every_concrete_backend_times_page_size(monkeypatch):
+def test_space_is_what_the_plugin_may_plan_times_page_size(monkeypatch):
     fakes.install(monkeypatch, fakes.keyword_module(("auto", "fa2", "fa3", "cute-dsl", "xqa")))
     _device(monkeypatch)
     keys = [c.key for c in FlashInferBackend().space(_wl(), [1, 64])]
-    assert keys == ["flashinfer/fa2/p1", "flashinfer/fa2/p64", "flashinfer/fa3/p1", "flashinfer/fa3/p64",
-                    "flashinfer/xqa/p1", "flashinfer/xqa/p64"]
+    assert keys == ["flashinfer/fa3/p1", "flashinfer/fa3/p64", "flashinfer/fa2/p1", "flashinfer/fa2/p64"]
     assert all(not c.params for c in FlashInferBackend().space(_wl(), [16]))
+
+
+def test_blackwell_space_is_fa2_only_as_the_plugin_serves(monkeypatch):
+    # the plugin plans fa2 off Hopper: xqa/trtllm-gen winners would be served as fa2
+    fakes.install(monkeypatch, fakes.keyword_module(("auto", "fa2", "fa3", "cutlass", "trtllm-gen")))
+    _device(monkeypatch, "NVIDIA B200", cap=(10, 0))
+    assert [c.key for c in FlashInferBackend().space(_wl(), [64])] == ["flashinfer/fa2/p64"]
+    assert FlashInferBackend().default_candidate(_wl()).key == "flashinfer/fa2/p64"
 
 
 def test_metax_space_has_no_fa3(monkeypatch):
@@ -50,9 +57,14 @@ def test_space_empty_without_flashinfer(monkeypatch):
     assert FlashInferBackend().space(_wl(), [16]) == []
 
 
-def test_default_candidate_is_auto_page_64():
-    assert FlashInferBackend().default_candidate(_wl()).key == "flashinfer/auto/p64"
-    assert FlashInferBackend().default_candidate(_wl(), 16).key == "flashinfer/auto/p16"
+def test_default_candidate_is_what_the_plugin_plans_untuned(monkeypatch):
+    _device(monkeypatch)
+    assert FlashInferBackend().default_candidate(_wl()).key == "flashinfer/fa3/p64"
+    assert FlashInferBackend().default_candidate(_wl(), 16).key == "flashinfer/fa3/p16"
+    _device(monkeypatch, "MetaX C500", metax=True, cap=(8, 0))
+    assert FlashInferBackend().default_candidate(_wl()).key == "flashinfer/fa2/p64"    # never auto
+    _device(monkeypatch, "NVIDIA A100", cap=(8, 0))
+    assert FlashInferBackend().default_candidate(_wl()).key == "flashinfer/fa2/p64"
 
 
 def test_unavailable_off_cuda():

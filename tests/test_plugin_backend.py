@@ -282,13 +282,27 @@ def test_simulated_metax_keeps_fa3_out(fb, base_config, tmp_path, monkeypatch):
 
     for mod in (backend_pkg, P):
         monkeypatch.setattr(mod, "detect_device", lambda: METAX)
-    assert fb.device_backends() == (("fa2",), "fa2")
+    assert backend_pkg.device_backends() == (("fa2",), "fa2")
     _tuned(tmp_path, monkeypatch, {(1, 64, 1): "fa3", (8, 4096, 1): "fa3"}, device=METAX.name)
     builder = ps.make_builder(_config(base_config))
     assert builder.choice.entry is not None          # MetaX_C500.json was found and read
     md, *_ = _decode(builder, [60])
     assert md.backend == "fa2"
     assert [k.backend for k in ps.RecordingKernel.instances] == ["fa2"]
+
+
+def test_values_the_device_does_not_run_plan_the_default_with_one_warning(fb, base_config, tmp_path,
+                                                                        monkeypatch, caplog):
+    # "auto" (the baseline of configs written before the tuner measured the device default) is
+    # the default by name; a Blackwell-only value is not served, and the log says so once
+    _tuned(tmp_path, monkeypatch, {(1, 64, 1): "auto", (1, 4096, 1): "xqa", (8, 64, 1): "fa2"})
+    with caplog.at_level("WARNING", logger="vllm_metax.backend.flashinfer_mla"):
+        builder = ps.make_builder(_config(base_config))
+        chosen = [_decode(builder, lens)[0].backend for lens in ([60], [4000], [70] * 8, [60])]
+    assert chosen == ["fa3", "fa3", "fa2", "fa3"]
+    warnings = [r.getMessage() for r in caplog.records if "does not run" in r.getMessage()]
+    assert len(warnings) == 1 and "xqa" in warnings[0] and "auto" not in warnings[0]
+    assert "auto" not in {k.backend for k in ps.RecordingKernel.instances}
 
 
 def test_no_config_uses_the_device_default(fb, base_config):

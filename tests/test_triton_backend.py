@@ -87,6 +87,30 @@ def test_tuned_splits_miss_keeps_vllms_rule(tm, tmp_path, monkeypatch):
     assert nocfg.choose(1, 1024) is None and "no tuned config" in nocfg.why
 
 
+def test_a_bucket_that_kept_vllms_rule_is_served_with_vllms_rule(tm, tmp_path, monkeypatch):
+    # what emit writes where vLLM's rule stayed: the count the rule gave at the bucket's length
+    buckets = [tc.Bucket(1, 1024, 1, {"triton": tc.FamilyChoice({"backend": "triton", "num_kv_splits": 32})}),
+               tc.Bucket(1, 4096, 1, {"triton": tc.FamilyChoice(
+                   {"backend": "triton", "num_kv_splits": 256, "rule": "vllm"})})]
+    cfg = tc.TunedConfig(DEVICE, {"test": True}, [tc.ModelEntry(DIMS, 64, ["TRITON_MLA"], buckets)])
+    tc.write_tuned_config(cfg, tmp_path)
+    monkeypatch.setenv(tc.FOLDER_ENV, str(tmp_path))
+    ts = tm.TunedSplits.load(DIMS, DEVICE)
+    assert ts.choose(1, 1024) == 32
+    assert ts.choose(1, 4096) is None and ts.choose(1, 6000) is None     # not a frozen 256
+    assert ts.max_splits == 32                  # the rule's counts need no extra workspace
+
+
+def test_only_rule_buckets_is_vllms_rule_everywhere(tm, tmp_path, monkeypatch):
+    buckets = [tc.Bucket(1, 1024, 1, {"triton": tc.FamilyChoice({"num_kv_splits": 2, "rule": "vllm"})})]
+    tc.write_tuned_config(tc.TunedConfig(DEVICE, {}, [tc.ModelEntry(DIMS, 64, ["TRITON_MLA"], buckets)]),
+                          tmp_path)
+    monkeypatch.setenv(tc.FOLDER_ENV, str(tmp_path))
+    ts = tm.TunedSplits.load(DIMS, DEVICE)
+    assert ts.max_splits is None and ts.choose(1, 1024) is None
+    assert "vLLM's rule" in ts.why
+
+
 def test_entry_without_triton_choices_is_a_miss(tm, tmp_path, monkeypatch):
     _config(tmp_path, monkeypatch, family="flashinfer")
     ts = tm.TunedSplits.load(DIMS, DEVICE)

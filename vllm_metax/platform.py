@@ -21,7 +21,8 @@ from vllm.platforms.interface import DeviceCapability, Platform, PlatformEnum
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
 from vllm_metax import FLASHINFER_MLA_CLASS, FLASHINFER_MLA_PREFILL_CLASS, TRITON_MLA_CLASS
-from vllm_metax.backend import dtype_name, kv_dtype_name, mla_backend_order, model_dims, tuned_entry
+from vllm_metax import decisions
+from vllm_metax.backend import mla_backend_order, model_dims, tuned_entry
 from vllm_metax.device import FORCE_ENV, detect_device
 from vllm_metax.tuned_config import FOLDER_ENV, PACKAGED_ENV, STRICT_ENV
 
@@ -329,9 +330,8 @@ class MetaxPlatform(Platform):
         dims = model_dims(vllm_config, num_heads) if vllm_config is not None else None
         if dims is None:
             return None
-        kv = kv_dtype_name(attn_selector_config.kv_cache_dtype, attn_selector_config.dtype)
-        dims = type(dims)(dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim,
-                          dtype_name(attn_selector_config.dtype), kv)
+        dims = decisions.model_key(dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim,
+                                   attn_selector_config.dtype, attn_selector_config.kv_cache_dtype)
         return tuned_entry(cls.get_device_name(), dims)
 
     @classmethod

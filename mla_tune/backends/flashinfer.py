@@ -16,13 +16,15 @@ cut, so candidates carry no params and the space is backend x page size:
 * trtllm-gen / xqa: splits from the SM count inside the backend; SM100+/SM120 only.
 * cutlass / cutile: dense page-table kernels with fixed tiling; SM100-class devices.
 * auto / cute-dsl: policies/aliases that resolve to one of the above at plan time; they are not
-  separate candidates (auto is the untuned default, measured as such by the sweep).
+  candidates.
 * page size: any positive KV block size; fa2/fa3 compile one module per dtype/head-dim, not per
   page size, so every page size costs no extra JIT.
 
-Off SM90 (and on MetaX, whose FlashInfer build has no Hopper kernels) fa3 is left out of the space;
-everything else is tried and a refusal is stored as invalid("unsupported") with FlashInfer's
-message.
+What this device may run, and the untuned default, are the plugin's rule
+(`vllm_metax.decisions.flashinfer_backends`): fa3 and fa2 on Hopper (default fa3), fa2 on MetaX
+and everywhere else. The space is those values the installed FlashInfer accepts, and the default
+candidate is what the plugin plans without a tuned config, so the tuner measures exactly what the
+plugin may serve. A refusal is stored as invalid("unsupported") with FlashInfer's message.
 """
 
 from __future__ import annotations
@@ -36,13 +38,18 @@ from mla_tune.problem import Workload
 from mla_tune.problem_data import torch_dtype
 
 FAMILY = "flashinfer"
-DEFAULT_BACKEND = "auto"       # what an untuned server passes (FlashInfer's own default)
 DEFAULT_PAGE_SIZE = 64
 
 
 def _op():
     from vllm_metax.ops import flashinfer_mla
     return flashinfer_mla
+
+
+def device_backends():
+    """The plugin's FlashInfer backend rule for the visible device."""
+    from vllm_metax.decisions import device_flashinfer_backends
+    return device_flashinfer_backends()
 
 
 class FlashInferBackend:
@@ -67,23 +74,21 @@ class FlashInferBackend:
         return Availability(ok, why)
 
     def backends(self) -> tuple:
-        """Concrete backend values of the installed FlashInfer, as this device may run them."""
+        """The backend values the plugin may plan on this device that the installed FlashInfer
+        accepts, in the plugin's order."""
         op = _op()
         try:
-            values = op.concrete_backends()
+            accepted = set(op.concrete_backends())
         except op.FlashInferUnavailable:
             return ()
-        from vllm_metax.device import detect_device
-        dev = detect_device()
-        if dev.is_metax or (dev.capability is not None and dev.capability[0] != 9):
-            values = tuple(b for b in values if b != "fa3")
-        return values
+        return tuple(b for b in device_backends().allowed if b in accepted)
 
     def space(self, workload: Workload, page_sizes: list[int]) -> list[Candidate]:
         return [Candidate(self.family, b, p) for b in self.backends() for p in page_sizes]
 
     def default_candidate(self, workload: Workload, page_size: int = DEFAULT_PAGE_SIZE) -> Candidate:
-        return Candidate(self.family, DEFAULT_BACKEND, page_size)
+        """What the plugin plans without a tuned config (fa3 on Hopper, fa2 elsewhere)."""
+        return Candidate(self.family, device_backends().default, page_size)
 
     def prepare(self, workload: Workload, candidate: Candidate, problem) -> Prepared:
         """Plan the candidate over `problem` (first plan JIT-compiles: `compile_s`)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+from vllm_metax import decisions
 from vllm_metax.device import detect_device
 from vllm_metax.tuned_config import ModelDims, ModelEntry, load_tuned_config
 
@@ -26,14 +27,12 @@ def mla_backend_order(tuned_order: list[str] | None = None) -> tuple[list[str], 
 
 def dtype_name(dtype) -> str:
     """torch.bfloat16 -> "bfloat16" (the tuned-config spelling)."""
-    return str(dtype).removeprefix("torch.")
+    return decisions.dtype_name(dtype)
 
 
 def kv_dtype_name(cache_dtype: str | None, model_dtype) -> str:
     """vLLM's cache_dtype ("auto", "bfloat16", "fp8", ...) in the tuned-config spelling."""
-    if cache_dtype in (None, "auto"):
-        return dtype_name(model_dtype)
-    return str(cache_dtype)
+    return decisions.dtype_name(cache_dtype, model_dtype)
 
 
 def model_dims(vllm_config, num_heads: int | None = None) -> ModelDims | None:
@@ -48,9 +47,8 @@ def model_dims(vllm_config, num_heads: int | None = None) -> ModelDims | None:
         if num_heads is None:
             num_heads = model_config.get_num_attention_heads(vllm_config.parallel_config)
         cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
-        return ModelDims(int(num_heads), int(mla.kv_lora_rank), int(mla.qk_rope_head_dim),
-                         dtype_name(model_config.dtype),
-                         kv_dtype_name(cache_dtype, model_config.dtype))
+        return decisions.model_key(num_heads, mla.kv_lora_rank, mla.qk_rope_head_dim,
+                                   model_config.dtype, cache_dtype)
     except Exception as e:  # an odd model config must not stop vLLM: no tuned entry then
         logger.debug("vllm_metax MLA: cannot derive model dims: %s", e)
         return None
@@ -65,15 +63,13 @@ def tuned_entry(device_name: str, dims: ModelDims | None) -> ModelEntry | None:
 
 
 def device_backends() -> tuple[tuple[str, ...], str]:
-    """(FlashInfer MLA backend values that may plan here, the default) for the visible device.
+    """(FlashInfer MLA backend values that may plan here, the default) for the visible device:
+    `vllm_metax.decisions.flashinfer_backends`, the rule the tuner measures by too."""
+    fb = flashinfer_backends()
+    return fb.allowed, fb.default
 
-    MetaX's FlashInfer build runs fa2 only (and "auto" could pick fa3 from an SM number that means
-    nothing there); Hopper runs fa2 and fa3, where fa3 measured faster at every shape; other
-    CUDA GPUs of compute capability 8.x run fa2.
-    """
+
+def flashinfer_backends() -> decisions.FlashInferBackends:
+    """This device's FlashInfer MLA backend values, default and fallback (`decisions`' rule)."""
     dev = detect_device()
-    if dev.is_metax:
-        return ("fa2",), "fa2"
-    if dev.capability is not None and dev.capability[0] == 9:
-        return ("fa3", "fa2", "auto"), "fa3"
-    return ("fa2", "auto"), "fa2"
+    return decisions.flashinfer_backends(dev.is_metax, dev.capability)

@@ -43,7 +43,8 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 
-from vllm_metax.backend import device_backends, model_dims, tuned_entry
+from vllm_metax import decisions
+from vllm_metax.backend import flashinfer_backends, model_dims, tuned_entry
 from vllm_metax.ops.flashinfer_mla import (
     BackendRefused,
     GraphBuffers,
@@ -66,24 +67,43 @@ _GRAPH_STRIDED_MAX_PAGES = 1 << 21
 
 class PlanChoice:
     """Which FlashInfer backend value plans a decode step: the tuned bucket's choice when it may
-    run here, else the device default. Lookups cost a few microseconds, no I/O."""
+    run here, else the device default (`decisions.FlashInferBackends.serve`). Lookups cost a few
+    microseconds, no I/O."""
 
-    def __init__(self, entry: ModelEntry | None, allowed: tuple[str, ...], default: str):
+    def __init__(self, entry: ModelEntry | None, backends: decisions.FlashInferBackends):
         self.entry = entry
-        self.allowed = set(allowed)
-        self.default = default
+        self.backends = backends
         self._graph: dict = {}
+        self._warn_unservable()
 
-    def _bucket_backend(self, bucket) -> str | None:
-        choice = bucket.families.get(FAMILY)
-        return choice.params.get("backend") if choice is not None else None
+    @property
+    def default(self) -> str:
+        return self.backends.default
+
+    @property
+    def allowed(self) -> tuple:
+        return self.backends.allowed
+
+    def _warn_unservable(self) -> None:
+        if self.entry is None:
+            return
+        named = {c.backend for b in self.entry.buckets
+                 if (c := decisions.bucket_choice(b, FAMILY)) is not None}
+        unservable = sorted(named - set(self.allowed) - {decisions.AUTO})
+        if unservable:
+            logger.warning("vllm_metax MLA: the tuned config names FlashInfer backend(s) %s, which "
+                           "this device does not run (it runs %s); those buckets plan %r",
+                           ", ".join(unservable), ", ".join(self.allowed), self.default)
+
+    def for_bucket(self, bucket) -> str:
+        return self.backends.serve(decisions.bucket_choice(bucket, FAMILY))
 
     def for_step(self, batch_size: int, context_len: int, q_len: int = 1) -> str:
+        """`context_len` is `decisions.bucket_context` of the batch's sequence lengths."""
         if self.entry is None:
             return self.default
         found = self.entry.lookup(batch_size, context_len, q_len)
-        backend = self._bucket_backend(found.bucket) if found is not None else None
-        return backend if backend in self.allowed else self.default
+        return self.for_bucket(found.bucket) if found is not None else self.default
 
     def for_graph(self, batch_size: int, q_len: int = 1) -> str:
         """A captured graph fixes its kernel for every context: the choice most buckets of the
@@ -99,21 +119,19 @@ class PlanChoice:
         found = self.entry.lookup(batch_size, 1, q_len)
         b, q = found.bucket.batch_size, found.bucket.q_len
         votes = collections.Counter(
-            self._bucket_backend(x) for x in self.entry.buckets if x.batch_size == b and x.q_len == q)
-        for backend, _ in votes.most_common():
-            if backend in self.allowed:
-                return backend
-        return self.default
+            self.for_bucket(x) for x in self.entry.buckets if x.batch_size == b and x.q_len == q)
+        return votes.most_common(1)[0][0] if votes else self.default
 
     def refuse(self, backend: str, reason: str) -> str:
         """FlashInfer refused `backend` here: never choose it again; returns the fallback."""
+        fallback = self.backends.fallback
         logger.warning("vllm_metax MLA: FlashInfer backend %r cannot plan here (%s); using %r",
-                       backend, reason, "fa2")
-        self.allowed.discard(backend)
+                       backend, reason, fallback)
+        allowed = tuple(b for b in self.allowed if b != backend) or (fallback,)
+        default = fallback if self.default == backend else self.default
+        self.backends = decisions.FlashInferBackends(allowed, default, fallback)
         self._graph.clear()
-        if self.default == backend:
-            self.default = "fa2"
-        return "fa2"
+        return fallback
 
 
 def shared_workspace(device: torch.device) -> torch.Tensor:
@@ -173,10 +191,9 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder[FlashInferMLAMetadat
         self.max_pages_per_req = -(-self.model_config.max_model_len // page)
 
         from vllm.platforms import current_platform
-        allowed, default = device_backends()
         entry = tuned_entry(current_platform.get_device_name(),
                             model_dims(vllm_config, self.num_heads))
-        self.choice = PlanChoice(entry, allowed, default)
+        self.choice = PlanChoice(entry, flashinfer_backends())
         self._kernels: dict[str, MLADecodeKernel] = {}
         self._graph_kernels: dict[tuple, MLADecodeKernel] = {}
         self._graph_buffers: dict[tuple, GraphBuffers] = {}
@@ -239,7 +256,7 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder[FlashInferMLAMetadat
                               dtype=np.int32)
         graph = self._use_graph(num_decodes, num_decode_tokens)
         backend = (self.choice.for_graph(num_decodes, q_len) if graph
-                   else self.choice.for_step(num_decodes, int(np.add.reduce(seq_lens)) // num_decodes, q_len))
+                   else self.choice.for_step(num_decodes, decisions.bucket_context(seq_lens), q_len))
         block_table = block_table_tensor[:num_decodes]
         # The block table itself is the page list (strided metadata, nothing launched) wherever
         # the fast re-plan takes it; into a graph's buffer it is copied whole, so there only
@@ -257,7 +274,7 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder[FlashInferMLAMetadat
                             return_lse=self.plan_lse)
                 break
             except BackendRefused as e:
-                if backend == "fa2":
+                if backend == self.choice.backends.fallback:
                     raise
                 backend = self.choice.refuse(backend, e.reason)
         return FlashInferMLADecodeMetadata(

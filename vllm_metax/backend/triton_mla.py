@@ -2,10 +2,12 @@
 
 vLLM's TritonMLAImpl picks num_kv_splits with a fixed rule (next_power_of_2(max_seq_len // 512),
 capped at 2 x SM count), too coarse at small batch. Here the metadata builder (once per step, the
-"plan") looks the decode batch up in the tuned config's Triton choices and records num_kv_splits
-in the decode metadata; the impl hands that to vLLM's own forward_mqa. On a miss (no config, no
-entry for these dims, no Triton choice in the bucket, a context more than 2x from the nearest
-tuned one) the metadata carries None and vLLM's rule applies unchanged.
+"plan") looks the decode batch up in the tuned config's Triton choices (by the mean sequence
+length, `vllm_metax.decisions.bucket_context`, as for FlashInfer and as the tuner measured) and
+records num_kv_splits in the decode metadata; the impl hands that to vLLM's own forward_mqa. Where
+the bucket kept vLLM's rule (`"rule": "vllm"`), and on a miss (no config, no entry for these dims,
+no Triton choice in the bucket, a context more than 2x from the nearest tuned one), the metadata
+carries None and vLLM's rule applies unchanged, for the batch's own max_seq_len.
 
 vLLM computes the split count inside forward_mqa through its module function
 `_compute_num_kv_splits`; this module wraps that function once so that, only while one of our
@@ -31,7 +33,7 @@ from vllm.v1.attention.backends.mla.triton_mla import (
 )
 from vllm.v1.worker.workspace import current_workspace_manager, is_workspace_manager_initialized
 
-from vllm_metax import tuned_config
+from vllm_metax import decisions, tuned_config
 from vllm_metax.device import detect_device
 
 logger = logging.getLogger(__name__)
@@ -64,11 +66,7 @@ vllm_num_kv_splits = _install_split_hook()
 
 # ------------------------------------------------------------------ tuned choice per step
 
-def dtype_name(dtype, model_dtype=None) -> str:
-    """'bfloat16' for torch.bfloat16 or "bfloat16"; "auto" means the model's dtype."""
-    if dtype == "auto" or dtype is None:
-        dtype = model_dtype
-    return str(dtype).removeprefix("torch.")
+dtype_name = decisions.dtype_name
 
 
 class TunedSplits:
@@ -82,10 +80,9 @@ class TunedSplits:
 
     def _values(self):
         for b in (self.entry.buckets if self.entry else ()):
-            choice = b.families.get(FAMILY)
-            n = choice.params.get("num_kv_splits") if choice else None
-            if isinstance(n, int) and not isinstance(n, bool) and n >= 1:
-                yield n
+            choice = decisions.bucket_choice(b, FAMILY)
+            if choice is not None and choice.served_splits is not None:
+                yield choice.served_splits
 
     @classmethod
     def load(cls, dims: tuned_config.ModelDims, device_name: str | None = None) -> "TunedSplits":
@@ -99,30 +96,31 @@ class TunedSplits:
             return cls(None, f"{cfg.path}: no entry for {dims}")
         out = cls(entry, f"{cfg.path}")
         if out.max_splits is None:
-            out.why = f"{cfg.path}: the entry for {dims} has no Triton choices"
+            out.why = f"{cfg.path}: the entry for {dims} has no Triton choices but vLLM's rule"
         return out
 
-    def choose(self, batch_size: int, max_seq_len: int, q_len: int = 1) -> int | None:
-        """The tuned num_kv_splits for this decode batch, or None to keep vLLM's rule."""
+    def choose(self, batch_size: int, context_len: int, q_len: int = 1) -> int | None:
+        """The tuned num_kv_splits for this decode batch, or None to keep vLLM's rule (a bucket
+        that kept vLLM's rule, or a miss). `context_len` is `decisions.bucket_context` of the
+        batch's sequence lengths, as for FlashInfer."""
         if self.max_splits is None or batch_size < 1:
             return None
-        key = (batch_size, max_seq_len, q_len)
+        key = (batch_size, context_len, q_len)
         if self._memo is not None and self._memo[0] == key:   # every layer of a step asks the same
             return self._memo[1]
-        n = self._lookup(batch_size, max_seq_len, q_len)
+        n = self._lookup(batch_size, context_len, q_len)
         self._memo = (key, n)
         return n
 
-    def _lookup(self, batch_size: int, max_seq_len: int, q_len: int) -> int | None:
-        found = self.entry.lookup(batch_size, max(max_seq_len, 1), q_len)
+    def _lookup(self, batch_size: int, context_len: int, q_len: int) -> int | None:
+        found = self.entry.lookup(batch_size, max(context_len, 1), q_len)
         if found is None:
             return None
-        ratio = max(max_seq_len, 1) / found.bucket.context_len
+        ratio = max(context_len, 1) / found.bucket.context_len
         if not (1 / MAX_CONTEXT_RATIO <= ratio <= MAX_CONTEXT_RATIO):
             return None          # splits tuned for a very different length would mis-chunk
-        choice = found.bucket.families.get(FAMILY)
-        n = choice.params.get("num_kv_splits") if choice else None
-        return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else None
+        choice = decisions.bucket_choice(found.bucket, FAMILY)
+        return choice.served_splits if choice is not None else None
 
 
 def reserve_tuned_workspace(max_decode_rows: int, q_num_heads: int, kv_lora_rank: int,
@@ -150,17 +148,38 @@ class MetaxTritonMLAMetadataBuilder(TritonMLAMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         heads = self.num_heads * self.dcp_world_size      # forward_mqa sees DCP-gathered heads
-        model_dtype = vllm_config.model_config.dtype
-        dims = tuned_config.ModelDims(
-            heads, self.mla_dims.kv_lora_rank, self.mla_dims.qk_rope_head_dim,
-            dtype_name(model_dtype), dtype_name(getattr(kv_cache_spec, "dtype", None), model_dtype))
+        dims = decisions.model_key(heads, self.mla_dims.kv_lora_rank,
+                                   self.mla_dims.qk_rope_head_dim, vllm_config.model_config.dtype,
+                                   getattr(kv_cache_spec, "dtype", None))
         self.tuned_splits = TunedSplits.load(dims)
+        self._common = None
         if self.tuned_splits.max_splits is None:
             logger.info("vllm_metax TRITON_MLA: vLLM's num_kv_splits rule (%s)", self.tuned_splits.why)
         else:
             logger.info("vllm_metax TRITON_MLA: tuned num_kv_splits from %s", self.tuned_splits.why)
         reserve_tuned_workspace(vllm_config.scheduler_config.max_num_seqs * self.reorder_batch_threshold,
                                 heads, self.mla_dims.kv_lora_rank, self.tuned_splits.max_splits)
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        # _build_decode gets device seq_lens only; the lookup statistic needs the host lengths
+        self._common = common_attn_metadata
+        try:
+            return super().build(common_prefix_len, common_attn_metadata, fast_build)
+        finally:
+            self._common = None
+
+    def _host_seq_lens(self, seq_lens_device: torch.Tensor, num_decodes: int):
+        """The decode rows' lengths on the host: vLLM's CPU upper bound (exact outside async
+        speculative decoding, where it is off by the drafts, nothing on a log2 lookup), else one
+        device copy."""
+        common = getattr(self, "_common", None)
+        lens = None
+        if common is not None:
+            lens = (common.dcp_local_seq_lens_cpu_upper_bound if self.dcp_world_size > 1
+                    else common.seq_lens_cpu_upper_bound)
+        if lens is None:
+            return seq_lens_device[:num_decodes].to("cpu")
+        return lens[:num_decodes]
 
     def _build_decode(
         self,
@@ -179,19 +198,23 @@ class MetaxTritonMLAMetadataBuilder(TritonMLAMetadataBuilder):
             block_table=block_table_tensor,
             seq_lens=seq_lens_device,
             dcp_tot_seq_lens=dcp_tot_seq_lens_device,
-            num_kv_splits=self.tuned_splits.choose(num_decodes, max_seq_len, q_len),
+            num_kv_splits=self._tuned_splits_for(seq_lens_device, num_decodes, q_len),
         )
+
+    def _tuned_splits_for(self, seq_lens_device, num_decodes: int, q_len: int) -> int | None:
+        if self.tuned_splits.max_splits is None or num_decodes < 1:
+            return None          # no tuned counts: no host lengths needed
+        lens = self._host_seq_lens(seq_lens_device, num_decodes)
+        return self.tuned_splits.choose(num_decodes, decisions.bucket_context(lens), q_len)
 
 
 class MetaxTritonMLAImpl(TritonMLAImpl):
     def reserve_workspace(self) -> None:
         super().reserve_workspace()
         cfg = self._vllm_config
-        model_dtype = cfg.model_config.dtype
         heads = self.num_heads * self.dcp_world_size
-        dims = tuned_config.ModelDims(heads, self.kv_lora_rank, self.qk_rope_head_dim,
-                                      dtype_name(model_dtype),
-                                      dtype_name(self.kv_cache_dtype, model_dtype))
+        dims = decisions.model_key(heads, self.kv_lora_rank, self.qk_rope_head_dim,
+                                   cfg.model_config.dtype, self.kv_cache_dtype)
         reserve_tuned_workspace(cfg.scheduler_config.max_num_seqs * max_decode_query_len(cfg),
                                 heads, self.kv_lora_rank, TunedSplits.load(dims).max_splits)
 

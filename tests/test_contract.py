@@ -1,0 +1,267 @@
+"""What is tuned is what is served: `mla-tune emit` over a stored sweep writes a tuned config, and
+the plugin's own metadata builders (FLASHINFER_MLA with a recording kernel, TRITON_MLA), driven
+through vLLM's MLA `build()` with that very file, plan for every bucket what the file says: the
+FlashInfer backend value, the Triton split count, or vLLM's split rule where the bucket kept it.
+
+Two stored sweeps: a temporary copy of the shipped results.db (the H200 sweep behind
+configs/device_name=NVIDIA_H200.json: 96 buckets, 28 of them keeping vLLM's Triton rule) and a
+small sweep written through ResultsStore in which fa2 beats the tuner's fa3 baseline in some
+buckets and Triton's tuned count beats vLLM's rule in some.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import plugin_support as ps
+from mla_tune.backends.base import Candidate
+from mla_tune.emit import emit_config
+from mla_tune.problem import custom_model, workload_for
+from mla_tune.store import ResultsStore
+from vllm_metax import decisions
+from vllm_metax import tuned_config as tc
+from vllm_metax.device import DeviceInfo
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYER = "model.layers.0.self_attn.attn"
+H200 = DeviceInfo("NVIDIA H200", "torch", False, 132, (9, 0))
+
+
+@pytest.fixture(scope="module")
+def model_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("contract-model")
+
+
+@pytest.fixture
+def plugin(monkeypatch, tmp_path):
+    """The plugin on a pretend H200, FlashInfer's wrapper replaced by the recording kernel."""
+    import vllm_metax.backend as backend_pkg
+    import vllm_metax.backend.flashinfer_mla as fb
+    import vllm_metax.backend.triton_mla as tm
+    import vllm_metax.platform as P
+
+    ps.ensure_metax_platform()
+    ps.RecordingKernel.instances.clear()
+    monkeypatch.setattr(fb, "MLADecodeKernel", ps.RecordingKernel)
+    monkeypatch.setattr(fb, "shared_workspace", lambda device: torch.empty(16, dtype=torch.uint8))
+    for mod in (backend_pkg, P, tm):
+        monkeypatch.setattr(mod, "detect_device", lambda: H200)
+    monkeypatch.setenv(tc.FOLDER_ENV, str(tmp_path / "configs"))
+    tc.clear_cache()
+    yield tmp_path / "configs"
+    tc.clear_cache()
+
+
+def _builders(model_root, heads: int, page: int):
+    """The plugin's FLASHINFER_MLA and TRITON_MLA metadata builders for a model of `heads` heads,
+    constructed as vLLM's model runner constructs them."""
+    from vllm.config import set_current_vllm_config
+
+    from vllm_metax.backend.flashinfer_mla import FlashInferMLABackend
+    from vllm_metax.backend.triton_mla import MetaxTritonMLABackend
+
+    vc = ps.make_vllm_config(model_root, block_size=page, num_attention_heads=heads,
+                             num_key_value_heads=heads)
+    vc.compilation_config.static_forward_context[LAYER] = ps.stand_in_layer()
+    spec = ps.kv_cache_spec(vc)
+    with set_current_vllm_config(vc):
+        fi = FlashInferMLABackend.get_builder_cls()(spec, [LAYER], vc, torch.device("cpu"))
+        tr = MetaxTritonMLABackend.get_builder_cls()(spec, [LAYER], vc, torch.device("cpu"))
+    return fi, tr
+
+
+def _step(builder, seq_lens, page):
+    """One decode step through vLLM's MLA build(): the decode metadata the builder planned."""
+    _, _, common, _ = ps.ragged_batch(seq_lens, page)
+    return builder.build(0, common).decode
+
+
+def _expected_splits(params: dict) -> int | None:
+    """What the file says the Triton kernel runs: its count, or None (vLLM's rule)."""
+    return None if params.get("rule") == "vllm" else params["num_kv_splits"]
+
+
+def _check_every_bucket(entry: dict, fi, tr, page: int, flashinfer_expected) -> dict:
+    seen = {"flashinfer": [], "triton": []}
+    for b in entry["buckets"]:
+        lens = [b["context_len"]] * b["batch_size"]         # the bucket as the tuner measured it
+        md = _step(fi, lens, page)
+        want = flashinfer_expected(b["families"]["flashinfer"]["params"]["backend"])
+        assert md.backend == want, b
+        assert isinstance(md.kernel, ps.RecordingKernel) and md.kernel.backend == want
+        assert md.kernel.plans[-1]["meta"].kv_len.tolist() == lens     # this step, planned there
+        seen["flashinfer"].append(want)
+        splits = _step(tr, lens, page).num_kv_splits
+        assert splits == _expected_splits(b["families"]["triton"]["params"]), b
+        seen["triton"].append(splits)
+    return seen
+
+
+# ---------------------------------------------------------------- the shipped H200 sweep
+
+def test_emit_of_the_shipped_sweep_is_served_bucket_for_bucket(plugin, model_root, tmp_path):
+    db = tmp_path / "results.db"
+    shutil.copy(ROOT / "results.db", db)
+    with ResultsStore(db, create=False) as store:
+        path = emit_config(store, plugin, device=H200.name)
+    data = json.loads(path.read_text())
+    # the file emit writes today is the one shipped (same choices in every bucket)
+    shipped = json.loads((ROOT / "configs" / "device_name=NVIDIA_H200.json").read_text())
+    assert [[b["families"] for b in m["buckets"]] for m in data["models"]] == \
+        [[b["families"] for b in m["buckets"]] for m in shipped["models"]]
+    rule_buckets = 0
+    for entry in data["models"]:
+        page = entry["global"]["page_size"]
+        fi, tr = _builders(model_root, entry["dims"]["num_heads"], page)
+        assert fi.choice.entry is not None and tr.tuned_splits.entry is not None
+        # "auto" was that sweep's untuned baseline; on SM90 FlashInfer's auto is fa3, and fa3 is
+        # what the plugin plans untuned
+        seen = _check_every_bucket(entry, fi, tr, page,
+                                   lambda v: "fa3" if v == decisions.AUTO else v)
+        assert len(seen["triton"]) == 48
+        rule_buckets += seen["triton"].count(None)
+        assert any(n is not None for n in seen["triton"])
+    assert rule_buckets == 28          # served with vLLM's rule, not the count frozen in the file
+
+
+# ---------------------------------------------------------------- a sweep with mixed winners
+
+DEVICE = H200.name
+PAGE = 64
+BATCHES = (1, 4, 32)
+CONTEXTS = (512, 2048, 8192)
+
+
+def _samples(base: float) -> list[float]:
+    pattern = [1.00, 1.01, 0.99, 1.02, 0.98, 1.00, 1.03, 0.995, 1.005, 1.01, 0.99, 1.06]
+    return [round(base * p, 4) for p in pattern]
+
+
+def _vllm_rule(context: int) -> int:
+    """vLLM 0.33's _compute_num_kv_splits without the SM cap: next_power_of_2(L // 512)."""
+    n = max(1, context // 512)
+    return 1 << (n - 1).bit_length()
+
+
+def _mixed_sweep(path: Path, ragged: str = "uniform") -> Path:
+    """fa2 beats the fa3 baseline at batch 1; 32 Triton splits beat vLLM's rule at batch <= 4
+    below 8K (at 8K, batch 32 and wherever the rule gives 32, the rule stays)."""
+    model = custom_model(ps.NUM_HEADS, ps.KV_LORA_RANK, ps.ROPE_DIM)
+    with ResultsStore(path) as store:
+        run = store.add_run({"kind": "gpu", "device_name": DEVICE, "sm_count": 132,
+                             "capability": "9.0", "flashinfer": "0.7.2.post1"})
+        for b in BATCHES:
+            for c in CONTEXTS:
+                wl = workload_for(model, 1, b, c, ragged=ragged, seed=5)
+                wid = store.workload_id(wl, 0.0, 0.0)
+                fa3 = 10.0 + b * c / 2000
+                rule = _vllm_rule(c)
+                trials = [
+                    (f"flashinfer/fa3/p{PAGE}", fa3, True),
+                    (f"flashinfer/fa2/p{PAGE}", fa3 * (0.7 if b == 1 else 1.3), False),
+                    (f"triton/triton/p{PAGE}/num_kv_splits={rule},rule=vllm", 3 * fa3, True),
+                ]
+                if rule != 32:
+                    trials.append((f"triton/triton/p{PAGE}/num_kv_splits=32",
+                                   3 * fa3 * (0.6 if b <= 4 and c < 8192 else 1.4), False))
+                for key, t, default in trials:
+                    store.add_trial(run, wid, Candidate.parse(key), "ok",
+                                    {"kernel_us": _samples(t)}, is_default=default)
+    return path
+
+
+def test_emit_of_a_mixed_sweep_is_served_bucket_for_bucket(plugin, model_root, tmp_path):
+    db = _mixed_sweep(tmp_path / "mixed.db")
+    with ResultsStore(db, create=False) as store:
+        path = emit_config(store, plugin)
+    (entry,) = json.loads(path.read_text())["models"]
+    assert len(entry["buckets"]) == 9
+    fi, tr = _builders(model_root, ps.NUM_HEADS, PAGE)
+    seen = _check_every_bucket(entry, fi, tr, PAGE, lambda v: v)
+    # the file really says different things in different buckets, and each was served
+    assert seen["flashinfer"].count("fa2") == 3 and seen["flashinfer"].count("fa3") == 6
+    assert seen["triton"].count(32) == 4 and seen["triton"].count(None) == 5
+
+
+def test_a_ragged_batch_finds_the_same_bucket_in_both_families(plugin, model_root, tmp_path):
+    db = _mixed_sweep(tmp_path / "mixed.db")
+    with ResultsStore(db, create=False) as store:
+        emit_config(store, plugin)
+    fi, tr = _builders(model_root, ps.NUM_HEADS, PAGE)
+    # batch 4, mean 2048 (the tuner's per-request bucket context), longest 6656: both families
+    # look up (4, 2048), where Triton's 32 splits won; by the longest request Triton would land
+    # on (4, 8192), which kept vLLM's rule
+    lens = [512, 512, 512, 6656]
+    assert decisions.bucket_context(lens) == 2048
+    entry = tc.load_tuned_config(DEVICE).models[0]
+    bucket = entry.lookup(4, 2048).bucket
+    assert (bucket.batch_size, bucket.context_len) == (4, 2048)
+    assert bucket.families["triton"].params == {"backend": "triton", "num_kv_splits": 32}
+    assert entry.lookup(4, 8192).bucket.families["triton"].params.get("rule") == "vllm"
+    assert _step(fi, lens, PAGE).backend == bucket.families["flashinfer"].params["backend"]
+    assert _step(tr, lens, PAGE).num_kv_splits == 32
+    # and a uniform batch at 8K is served with vLLM's rule
+    assert _step(tr, [8192] * 4, PAGE).num_kv_splits is None
+
+
+def test_a_ragged_sweep_is_keyed_by_the_lookup_statistic(plugin, model_root, tmp_path):
+    """Buckets measured with ragged lengths are written under the context the plugin computes
+    from those very lengths, so serving the measured batch finds its own bucket."""
+    db = _mixed_sweep(tmp_path / "ragged.db", ragged="uniform-random")
+    with ResultsStore(db, create=False) as store:
+        path = emit_config(store, plugin)
+    (entry,) = json.loads(path.read_text())["models"]
+    fi, tr = _builders(model_root, ps.NUM_HEADS, PAGE)
+    model = custom_model(ps.NUM_HEADS, ps.KV_LORA_RANK, ps.ROPE_DIM)
+    cfg_entry = tc.load_tuned_config(DEVICE).models[0]
+    written = {(b["batch_size"], b["context_len"]): b for b in entry["buckets"]}
+    moved = 0
+    for b in BATCHES:
+        for c in CONTEXTS:
+            lens = workload_for(model, 1, b, c, ragged="uniform-random", seed=5).seq_lens
+            key = (b, decisions.bucket_context(lens))
+            assert key in written, (b, c)
+            moved += key[1] != c
+            found = cfg_entry.lookup(b, key[1])
+            assert found.exact
+            params = written[key]["families"]
+            assert _step(fi, lens, PAGE).backend == params["flashinfer"]["params"]["backend"]
+            assert _step(tr, lens, PAGE).num_kv_splits == _expected_splits(params["triton"]["params"])
+    assert moved >= 6          # ragged means are not the nominal contexts: the keys really moved
+
+
+# ---------------------------------------------------------------- the measured set
+
+@pytest.mark.parametrize("dev", [
+    H200,
+    DeviceInfo("MetaX C500", "pymxsml", True, 104, (8, 0)),
+    DeviceInfo("NVIDIA A100", "torch", False, 108, (8, 0)),
+    DeviceInfo("NVIDIA B200", "torch", False, 148, (10, 0)),
+], ids=lambda d: d.name)
+def test_the_tuner_measures_what_the_plugin_may_plan_and_its_untuned_default(dev, monkeypatch):
+    """On every kind of device, the FlashInfer family's space is exactly the values the plugin's
+    builder may plan, and its baseline is what the plugin plans without a tuned config."""
+    import flashinfer_fakes as fakes
+    import vllm_metax.backend as backend_pkg
+    from mla_tune.backends.flashinfer import FlashInferBackend
+    from vllm_metax import device as device_mod
+    from vllm_metax.backend.flashinfer_mla import PlanChoice
+    from vllm_metax.ops import flashinfer_mla as op
+
+    fakes.install(monkeypatch, fakes.keyword_module(op.KNOWN_BACKENDS))   # accepts every value
+    monkeypatch.setattr(device_mod, "detect_device", lambda: dev)
+    monkeypatch.setattr(backend_pkg, "detect_device", lambda: dev)
+    wl = workload_for(custom_model(16), 1, 4, 1024)
+    tuner = FlashInferBackend()
+    measured = {c.backend for c in tuner.space(wl, [64])}
+    served = PlanChoice(None, backend_pkg.flashinfer_backends())
+    assert measured == set(served.allowed) and decisions.AUTO not in measured
+    assert tuner.default_candidate(wl).backend == served.for_step(4, 1024) == served.default
+    assert served.default == ("fa3" if dev is H200 else "fa2")

@@ -1,0 +1,161 @@
+"""What the tuner measures and the plugin serves, decided in one place (vllm-free, stdlib only).
+
+Both sides import this module, so they cannot drift apart:
+
+* which FlashInfer MLA backend values a device may run, its untuned default and the fallback
+  after a refusal (`flashinfer_backends`): the tuner's search space and baseline, the plugin's
+  plan-time choices;
+* the tuned-config model key (`model_key`): one `ModelDims`, with one dtype spelling;
+* the lookup statistic (`bucket_context`): a batch's per-request KV lengths -> the bucket context
+  the tuner measured (the mean; a uniform bucket of context c has every length c);
+* what each kernel family's stored parameters mean (`FlashInferChoice`, `TritonChoice`), "keep
+  vLLM's rule" included, read by the plugin and written by `mla-tune emit`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from vllm_metax.tuned_config import ModelDims
+
+FLASHINFER = "flashinfer"
+TRITON = "triton"
+AUTO = "auto"               # FlashInfer's own policy value: never planned by the plugin
+FALLBACK_BACKEND = "fa2"    # what a refused backend falls back to: FlashInfer's generic SM80+ MLA
+VLLM_RULE = "vllm"          # TritonChoice params["rule"]: the split count is vLLM's own rule
+TRITON_BACKEND = "triton"   # the Triton family's one backend value (params["backend"])
+
+
+# ---------------------------------------------------------------- FlashInfer backend values
+
+@dataclass(frozen=True)
+class FlashInferBackends:
+    """The FlashInfer MLA backend values a device may plan (best first) and its untuned default."""
+
+    allowed: tuple
+    default: str
+    fallback: str = FALLBACK_BACKEND
+
+    def serve(self, choice: "FlashInferChoice | None") -> str:
+        """The value a decode step plans for a bucket's choice: the tuned value when this device
+        may run it, else the default (`auto`, the baseline of configs written before the tuner
+        measured the device default, is the default here)."""
+        if choice is not None and choice.backend in self.allowed:
+            return choice.backend
+        return self.default
+
+
+def flashinfer_backends(is_metax: bool, capability: tuple | None) -> FlashInferBackends:
+    """Hopper (SM90): fa3 (faster at every measured shape) and fa2; MetaX, whose FlashInfer build
+    has fa2 only, and every other CUDA GPU: fa2. `auto` is never a choice: on MetaX it could
+    pick fa3 from an SM number that means nothing there, elsewhere it is the default under
+    another name. The Blackwell-only values (cutlass, trtllm-gen, xqa, cute-dsl) have never run
+    through the plugin's decode path, so neither side offers them."""
+    if not is_metax and capability is not None and capability[0] == 9:
+        return FlashInferBackends(("fa3", "fa2"), "fa3")
+    return FlashInferBackends(("fa2",), "fa2")
+
+
+def device_flashinfer_backends() -> FlashInferBackends:
+    """`flashinfer_backends` for the visible device (vllm_metax.device, cached per process)."""
+    from vllm_metax.device import detect_device
+    dev = detect_device()
+    return flashinfer_backends(dev.is_metax, dev.capability)
+
+
+# ---------------------------------------------------------------- the model key
+
+def dtype_name(dtype, model_dtype=None) -> str:
+    """The tuned-config spelling of a dtype: torch.bfloat16 or "bfloat16" -> "bfloat16";
+    "auto" or None (vLLM's cache_dtype default) -> the model's dtype."""
+    if dtype is None or dtype == "auto":
+        dtype = model_dtype
+    return str(dtype).removeprefix("torch.")
+
+
+def model_key(num_heads: int, kv_lora_rank: int, qk_rope_head_dim: int, q_dtype,
+              kv_dtype=None) -> ModelDims:
+    """The tuned-config key of a model entry: heads per rank (what the kernel sees), ranks and
+    dtypes (`kv_dtype` "auto"/None means `q_dtype`)."""
+    q = dtype_name(q_dtype)
+    return ModelDims(int(num_heads), int(kv_lora_rank), int(qk_rope_head_dim), q,
+                     dtype_name(kv_dtype, q))
+
+
+# ---------------------------------------------------------------- the lookup statistic
+
+def bucket_context(seq_lens: Sequence[int]) -> int:
+    """A decode batch's per-request KV lengths -> the context a tuned bucket is looked up by: the
+    mean length (a uniform bucket of context c has every length c; a ragged bucket's lengths have
+    mean about c). Works on lists, tuples, numpy arrays and torch CPU tensors."""
+    n = len(seq_lens)
+    if n == 0:
+        return 1
+    total = int(sum(seq_lens)) if not hasattr(seq_lens, "sum") else int(seq_lens.sum())
+    return max(1, total // n)
+
+
+# ---------------------------------------------------------------- per-family choices
+
+@dataclass(frozen=True)
+class FlashInferChoice:
+    """A FlashInfer bucket's choice: the backend value to plan."""
+
+    backend: str
+
+    def to_params(self) -> dict:
+        return {"backend": self.backend}
+
+
+@dataclass(frozen=True)
+class TritonChoice:
+    """A Triton bucket's choice: a tuned num_kv_splits, or vLLM's own rule (`vllm_rule`; then
+    `num_kv_splits` is what the rule gave at the bucket's length, kept for people)."""
+
+    num_kv_splits: int | None
+    vllm_rule: bool = False
+
+    @property
+    def served_splits(self) -> int | None:
+        """The split count to run; None: vLLM's rule for the batch at hand."""
+        return None if self.vllm_rule else self.num_kv_splits
+
+    def to_params(self) -> dict:
+        p = {"backend": TRITON_BACKEND, "num_kv_splits": self.num_kv_splits}
+        if self.vllm_rule:
+            p["rule"] = VLLM_RULE
+        return p
+
+
+def _positive_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def family_choice(family: str, params) -> FlashInferChoice | TritonChoice | None:
+    """A stored `params` dict (a tuned config's, or a measured candidate's plan parameters) as
+    its family's typed choice; None when it says nothing usable."""
+    if not isinstance(params, dict):
+        return None
+    if family == FLASHINFER:
+        b = params.get("backend")
+        return FlashInferChoice(b) if isinstance(b, str) and b else None
+    if family == TRITON:
+        n = params.get("num_kv_splits")
+        rule = params.get("rule") == VLLM_RULE
+        if rule:
+            return TritonChoice(n if _positive_int(n) else None, True)
+        return TritonChoice(n) if _positive_int(n) else None
+    return None
+
+
+def bucket_choice(bucket, family: str) -> FlashInferChoice | TritonChoice | None:
+    """The typed choice of `family` in a tuned_config.Bucket (None if it has none)."""
+    fc = bucket.families.get(family) if bucket is not None else None
+    return family_choice(family, fc.params) if fc is not None else None
+
+
+__all__ = ["AUTO", "FALLBACK_BACKEND", "FLASHINFER", "FlashInferBackends", "FlashInferChoice",
+           "TRITON", "TritonChoice", "VLLM_RULE", "bucket_choice", "bucket_context",
+           "device_flashinfer_backends", "dtype_name", "family_choice", "flashinfer_backends",
+           "model_key"]
