@@ -473,10 +473,7 @@ def report_tables(report: Report) -> list[Table]:
                   caption=f"rules: a challenger replaces a default only if Mann-Whitney p < "
                           f"{d.choice.p_threshold:g} and it is >= {d.choice.min_ratio:g}x faster; "
                           + ("; ".join(d.choice.notes) if d.choice.notes else "no warnings"))
-        for m in d.choice.models:
-            order = " > ".join(m.backend_order) or (
-                " > ".join(m.family_order) + " (no vLLM attention backend measured)")
-            t.add(entry_title(m), m.page_size, order, f"{m.page_reason}. {m.order_reason}")
+        _add_global_rows(t, d)
         tables.append(t)
     return tables
 
@@ -516,10 +513,7 @@ def summary_tables(report: Report) -> list[Table]:
                   caption=f"{len(d.workloads)} workloads, {sum(len(w.lines) for w in d.workloads)} "
                           "candidate lines: `mla-tune report --full` lists them"
                           + ("; " + "; ".join(d.choice.notes) if d.choice.notes else ""))
-        for m in d.choice.models:
-            order = " > ".join(m.backend_order) or (
-                " > ".join(m.family_order) + " (no vLLM attention backend measured)")
-            t.add(entry_title(m), m.page_size, order, f"{m.page_reason}. {m.order_reason}")
+        _add_global_rows(t, d)
         tables.append(t)
     return tables
 
@@ -712,3 +706,11 @@ def render_config(cfg, fmt: str | OutputFormat, lookup: tuple | None = None) -> 
         return to_markdown(tables, heading=f"tuned config {cfg.path or ''}".strip())
     from mla_tune.render import to_rich
     return to_rich(tables)
+
+
+def _add_global_rows(t: Table, d) -> None:
+    """One row per model entry: page size, attention-backend order and why."""
+    for m in d.choice.models:
+        order = " > ".join(m.backend_order) or (
+            " > ".join(m.family_order) + " (no vLLM attention backend measured)")
+        t.add(entry_title(m), m.page_size, order, f"{m.page_reason}. {m.order_reason}")
