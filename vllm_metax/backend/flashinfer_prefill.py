@@ -20,7 +20,7 @@ from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 from vllm.v1.attention.backends.mla.prefill.base import MLADimensions, MLAPrefillBackend
 from vllm.v1.attention.backends.utils import log2_lse_to_ln
 
-from vllm_metax.backend import device_backends
+from vllm_metax.backend import flashinfer_backends
 from vllm_metax.ops.flashinfer_mla import BackendRefused, device_workspace
 from vllm_metax.ops.flashinfer_prefill import MLAPrefillKernel, prefill_available
 
@@ -39,10 +39,9 @@ def _workspace(device: torch.device) -> torch.Tensor:
 
 
 def prefill_backend_value() -> str:
-    """The FlashInfer backend value prefill plans with on this device: fa3 on Hopper, fa2
-    elsewhere (MetaX's FlashInfer build has fa2 only)."""
-    allowed, default = device_backends()
-    return default if default in allowed and default != "auto" else "fa2"
+    """The FlashInfer backend value prefill plans with on this device: the decode default
+    (`vllm_metax.decisions`: fa3 on Hopper, fa2 elsewhere; MetaX's FlashInfer has fa2 only)."""
+    return flashinfer_backends().default
 
 
 class FlashInferMLAPrefillBackend(MLAPrefillBackend):
@@ -101,11 +100,12 @@ class FlashInferMLAPrefillBackend(MLAPrefillBackend):
                                 causal, self.scale, q_dtype, out_dtype)
                 return
             except BackendRefused as e:
-                if self.backend == "fa2":
+                fallback = flashinfer_backends().fallback
+                if self.backend == fallback:
                     raise
                 logger.warning("vllm_metax MLA prefill: FlashInfer backend %r cannot plan here "
-                               "(%s); using 'fa2'", self.backend, e.reason)
-                self.backend = "fa2"
+                               "(%s); using %r", self.backend, e.reason, fallback)
+                self.backend = fallback
 
     def prepare_metadata(self, prefill_metadata: "MLACommonPrefillMetadata") -> None:
         super().prepare_metadata(prefill_metadata)
