@@ -133,7 +133,7 @@ def measure_gpu(heads: int, base_config, rows: list, profile: bool = False,
     from vllm.config import CacheConfig, CompilationConfig, VllmConfig
 
     import plugin_support as ps
-    from vllm_metax.ops import flashinfer_mla as op
+    from vllm_metax.ops import fast_replan as fr, flashinfer_mla as op
     from vllm_metax.ops.paged_metadata import build_paged_metadata
 
     def config(graph):
@@ -165,7 +165,7 @@ def measure_gpu(heads: int, base_config, rows: list, profile: bool = False,
         via_op = _time(lambda: kernel.plan(meta, heads, 512, 64, PAGE, False, scale, torch.bfloat16,
                                            torch.bfloat16), 100)
         be = kernel.wrapper._planned_backend
-        native = _time(lambda: op._native_plan(be, meta, heads, 512, False), 200)
+        native = _time(lambda: fr.plan_schedule(be, meta, heads, 512, False), 200)
         paged = _time(lambda: build_paged_metadata(bt[:batch], lens, PAGE), 200)
         strided = _time(lambda: build_paged_metadata(bt[:batch], lens, PAGE, compact=False), 200)
 

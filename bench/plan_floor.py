@@ -126,7 +126,7 @@ def numpy_vs_native(rounds: int) -> list:
 def kernel_time_by_schedule() -> list:
     """GPU time of the decode kernel on FlashInfer's schedule vs the numpy one (same batch; the
     numpy schedule balances the clusters differently), and the difference of their outputs."""
-    from vllm_metax.ops import flashinfer_mla as op
+    from vllm_metax.ops import fast_replan as fr, flashinfer_mla as op
 
     rows = []
     for heads in (16, 128):
@@ -150,11 +150,11 @@ def kernel_time_by_schedule() -> list:
             kern.plan(meta.compacted(), *args)                     # public plan
             res = {}
             for name, cut in (("mlaplan", 1 << 30), ("numpy", 0)):
-                op._SCHEDULE_MIN_BATCH = cut
+                fr.SCHEDULE_MIN_BATCH = cut
                 kern.plan(meta, *args)                             # fast re-plan: learns, then numpy
-                before = dict(op.SCHEDULES)
+                before = dict(fr.SCHEDULES)
                 kern.plan(meta, *args)
-                assert op.SCHEDULES[name] == before[name] + 1, (name, op.SCHEDULES)
+                assert fr.SCHEDULES[name] == before[name] + 1, (name, fr.SCHEDULES)
                 out = kern.run(q[..., :512], q[..., 512:], kv[..., :512], kv[..., 512:])
                 times = []
                 for _ in range(7):
@@ -166,7 +166,7 @@ def kernel_time_by_schedule() -> list:
                     torch.cuda.synchronize()
                     times.append(a.elapsed_time(b) / 50 * 1e3)
                 res[name] = (statistics.median(times), min(times), max(times), out.float())
-            op._SCHEDULE_MIN_BATCH = 16
+            fr.SCHEDULE_MIN_BATCH = 16
             diff = float((res["numpy"][3] - res["mlaplan"][3]).norm() / res["mlaplan"][3].norm())
             rows.append({"heads": heads, "batch": batch, "lens": f"{lo}-{hi}",
                          "mlaplan_us": res["mlaplan"][0], "numpy_us": res["numpy"][0],

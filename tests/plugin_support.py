@@ -203,11 +203,11 @@ class RecordingKernel:
         return self.backend
 
     def plan(self, meta, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale,
-             q_dtype, kv_dtype, *, return_lse=False, layout=None):
+             q_dtype, kv_dtype, *, return_lse=False, layout=None, kv_chunk=None):
         self.plans.append(dict(meta=meta, num_heads=num_heads, head_dim_ckv=head_dim_ckv,
                                head_dim_kpe=head_dim_kpe, page_size=page_size, causal=causal,
                                sm_scale=sm_scale, q_dtype=q_dtype, kv_dtype=kv_dtype,
-                               return_lse=return_lse))
+                               return_lse=return_lse, kv_chunk=kv_chunk))
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse=False):
         p = self.plans[-1]

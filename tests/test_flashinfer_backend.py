@@ -31,15 +31,29 @@ def test_space_is_what_the_plugin_may_plan_times_page_size(monkeypatch):
     fakes.install(monkeypatch, fakes.keyword_module(("auto", "fa2", "fa3", "cute-dsl", "xqa")))
     _device(monkeypatch)
     keys = [c.key for c in FlashInferBackend().space(_wl(), [1, 64])]
-    assert keys == ["flashinfer/fa3/p1", "flashinfer/fa3/p64", "flashinfer/fa2/p1", "flashinfer/fa2/p64"]
-    assert all(not c.params for c in FlashInferBackend().space(_wl(), [16]))
+    chunks = ["x0.25", "x0.5", "x2", "x4", "none"]
+    assert keys == (["flashinfer/fa3/p1", "flashinfer/fa3/p64", "flashinfer/fa2/p1", "flashinfer/fa2/p64"]
+                    + [f"flashinfer/{b}/p64/kv_chunk={c}" for b in ("fa3", "fa2") for c in chunks])
+    # without the default page, the chunk variants sit at the first page given
+    assert {c.page_size for c in FlashInferBackend().space(_wl(), [16, 32]) if c.params} == {16}
+    # no fast re-plan, no chunking: the variants are not declared at all
+    assert all(not c.params for c in FlashInferBackend(fast_replan=False).space(_wl(), [64]))
+
+
+def test_the_flat_api_declares_no_chunk_variants(monkeypatch):
+    """MetaX's 0.2.x FlashInfer plans through its public plan() only: no schedule of ours."""
+    fakes.install(monkeypatch, fakes.flat_module())
+    _device(monkeypatch)
+    space = FlashInferBackend().space(_wl(), [64])
+    assert space and all(not c.params for c in space)
 
 
 def test_blackwell_space_is_fa2_only_as_the_plugin_serves(monkeypatch):
     # the plugin plans fa2 off Hopper: xqa/trtllm-gen winners would be served as fa2
     fakes.install(monkeypatch, fakes.keyword_module(("auto", "fa2", "fa3", "cutlass", "trtllm-gen")))
     _device(monkeypatch, "NVIDIA B200", cap=(10, 0))
-    assert [c.key for c in FlashInferBackend().space(_wl(), [64])] == ["flashinfer/fa2/p64"]
+    assert [c.key for c in FlashInferBackend().space(_wl(), [64]) if not c.params] == ["flashinfer/fa2/p64"]
+    assert {c.backend for c in FlashInferBackend().space(_wl(), [64])} == {"fa2"}
     assert FlashInferBackend().default_candidate(_wl()).key == "flashinfer/fa2/p64"
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tests import flashinfer_fakes as fakes
+from vllm_metax.ops import fast_replan as fr
 from vllm_metax.ops import flashinfer_mla as op
 from vllm_metax.ops.paged_metadata import build_paged_metadata
 
@@ -221,7 +222,7 @@ class _FakePlanned:
 
 def _fast_kernel(monkeypatch, graph_pages=None, batch=3):
     fakes.install(monkeypatch, fakes.keyword_module())
-    monkeypatch.setattr(op, "_sm_count", lambda device: 132)       # an H200's SM count
+    monkeypatch.setattr(fr, "sm_count", lambda device: 132)       # an H200's SM count
     gb = op.GraphBuffers.allocate(batch, graph_pages, "cpu") if graph_pages else None
     k = op.MLADecodeKernel(torch.empty(8, dtype=torch.uint8), "fa3", use_cuda_graph=gb is not None,
                            graph_buffers=gb)

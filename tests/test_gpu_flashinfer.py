@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from vllm_metax.ops import fast_replan as fr
 
 pytestmark = pytest.mark.gpu
 
@@ -278,7 +279,7 @@ def test_fast_replans_queued_behind_a_busy_gpu_keep_their_own_schedules(backend)
         outs.append(kern.run(q[..., :512], q[..., 512:], ckv, kpe))
     torch.cuda.synchronize()
     assert kern.fast_replans == len(steps)
-    assert any(r.waits for r in op._STAGING.values()), "the ring never had to wait: GPU was not busy"
+    assert any(r.waits for r in fr._STAGING.values()), "the ring never had to wait: GPU was not busy"
     for i, (seq, out) in enumerate(zip(steps, outs)):
         ref = mla_decode_reference(q[..., :512], q[..., 512:], ckv, kpe, bt, seq, scale)
         assert relative_error(out, ref) < 2e-2, (i, seq.tolist())
@@ -297,7 +298,7 @@ def test_numpy_schedule_runs_the_kernel_as_flashinfers_mlaplan_would(backend, he
     per request; causal 128-head steps never take the fast re-plan.)"""
     op = _fi()
     _needs_fast_path(op)
-    monkeypatch.setattr(op, "_LAYOUTS", {})        # step 0 plans publicly, step 1 natively (learns)
+    monkeypatch.setattr(fr, "_LAYOUTS", {})        # step 0 plans publicly, step 1 natively (learns)
     if backend == "fa3" and not _sm90():
         pytest.skip("fa3 needs SM90")
     from mla_tune.reference import mla_decode_reference, relative_error
@@ -317,15 +318,15 @@ def test_numpy_schedule_runs_the_kernel_as_flashinfers_mlaplan_would(backend, he
     kern = op.MLADecodeKernel(op.make_workspace("cuda"), backend, use_cuda_graph=graph, graph_buffers=gb)
     out = torch.empty(batch * q_len, heads, 512, dtype=torch.bfloat16, device="cuda")
     cap = None
-    numpy_before = op.SCHEDULES["numpy"]
+    numpy_before = fr.SCHEDULES["numpy"]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for i, seq in enumerate(steps):
         meta = build_paged_metadata(bt, seq, page, q_len, compact=False)
         kern.plan(meta, heads, 512, 64, page, causal, scale, torch.bfloat16, torch.bfloat16)
         be = kern.wrapper._planned_backend
-        key = op._layout_key(be, 512, q_len, heads)
+        key = fr._layout_key(be, 512, q_len, heads)
         if i > 0:
-            assert op._LAYOUTS.get(key) is not None, "layout not learnt from the first native plan"
+            assert fr._LAYOUTS.get(key) is not None, "layout not learnt from the first native plan"
             # what FlashInfer's MLAPlan makes of the same batch, into a scratch pinned buffer
             scratch = torch.empty_like(be._pin_memory_int_workspace_buffer)
             info, _ = be._cached_module._module.plan(
@@ -352,7 +353,7 @@ def test_numpy_schedule_runs_the_kernel_as_flashinfers_mlaplan_would(backend, he
         assert not out.isnan().any(), i
         assert relative_error(out, ref) < 2e-2, i
     assert kern.fast_replans == len(steps) - 1
-    assert op.SCHEDULES["numpy"] - numpy_before == len(steps) - 2, "later steps were planned by MLAPlan, not the numpy schedule"
+    assert fr.SCHEDULES["numpy"] - numpy_before == len(steps) - 2, "later steps were planned by MLAPlan, not the numpy schedule"
 
 
 def test_tuner_times_the_kernel_on_the_schedule_the_plugin_serves():
@@ -364,8 +365,8 @@ def test_tuner_times_the_kernel_on_the_schedule_the_plugin_serves():
     from mla_tune.backends import Candidate
     from mla_tune.backends.flashinfer import FlashInferBackend
     from mla_tune.measure import MeasureSettings, measure
-    before = op.SCHEDULES["numpy"]
+    before = fr.SCHEDULES["numpy"]
     r = measure(FlashInferBackend(), _workload(16, batch=64, context=2048),
                 Candidate("flashinfer", "fa2", 64), MeasureSettings(device="cuda", samples=5, plan_samples=0))
     assert r.status == "ok", r.message
-    assert op.SCHEDULES["numpy"] > before, "the timed kernel ran on MLAPlan's schedule"
+    assert fr.SCHEDULES["numpy"] > before, "the timed kernel ran on MLAPlan's schedule"

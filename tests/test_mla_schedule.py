@@ -221,9 +221,9 @@ def _meta(case):
 
 
 def test_layout_is_learnt_from_a_matching_native_plan_then_used(monkeypatch):
-    from vllm_metax.ops import flashinfer_mla as op
+    from vllm_metax.ops import fast_replan as op
     monkeypatch.setattr(op, "_LAYOUTS", {})
-    monkeypatch.setattr(op, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(op, "sm_count", lambda device: 132)
     cases = [c.values[0] for c in fixture_cases()]
     small, big = cases[1], cases[4]                            # H16 B6 and H16 B128: one cluster shape
     be = _Planned()
@@ -231,8 +231,9 @@ def test_layout_is_learnt_from_a_matching_native_plan_then_used(monkeypatch):
     ring = _Ring()
     host = ring.views[0]
     assert op._numpy_plan(be, _meta(small), 16, 512, False, ring) is None    # below the batch cut
-    plan_info, staged = op._numpy_plan(be, _meta(big), 16, 512, False, ring)
+    plan_info, staged, made_by = op._numpy_plan(be, _meta(big), 16, 512, False, ring)
     assert plan_info is small["plan_info"] and staged == 592464             # FlashInfer's own object
+    assert made_by == "numpy"
     got = ms.read_schedule(plan_info, host, 132)
     assert ms.same_schedule(got, ms.read_schedule(big["plan_info"], big["host"], 132)) is None
     # 128 heads is the 2-CTA cluster shape: not learnt yet, so MLAPlan plans it
@@ -240,15 +241,15 @@ def test_layout_is_learnt_from_a_matching_native_plan_then_used(monkeypatch):
 
 
 def test_a_disagreeing_native_plan_switches_the_numpy_schedule_off(monkeypatch, caplog):
-    from vllm_metax.ops import flashinfer_mla as op
+    from vllm_metax.ops import fast_replan as op
     monkeypatch.setattr(op, "_LAYOUTS", {})
-    monkeypatch.setattr(op, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(op, "sm_count", lambda device: 132)
     case = [c.values[0] for c in fixture_cases()][4]
     host = case["host"].copy()
     o = int(case["plan_info"][ms.PLAN_INFO_FIELDS.index("kv_end")]) // 4
     host[o] += 1                                               # MLAPlan would have cut a chunk elsewhere
     be = _Planned()
-    with caplog.at_level(logging.WARNING, logger="vllm_metax.ops.flashinfer_mla"):
+    with caplog.at_level(logging.WARNING, logger="vllm_metax.ops.fast_replan"):
         op._learn_layout(be, _meta(case), 16, 512, False, case["plan_info"], 592464, host)
     assert "differs from FlashInfer's MLAPlan" in caplog.text
     assert op._numpy_plan(be, _meta(case), 16, 512, False, _Ring()) is None
@@ -279,3 +280,125 @@ def test_consecutive_decode_steps_reuse_the_schedule_and_write_only_what_moved()
         holds = ours.structure
         assert np.array_equal(partial, full), step
     assert reused >= 30 and len(structures) >= 2, (reused, len(structures))
+
+
+# ------------------------------------------------------------------ tuned KV chunking
+
+def _simulate(sched, qo_indptr, kv_len, num_heads, rng, d=4):
+    """What the fa2/fa3 MLA kernel computes from `sched` (its contract as MLAPlan writes it),
+    in float64 on tiny vectors: every work item attends its tile's rows to its KV range, writing
+    the final rows (unsplit) or partial rows + LSE (split); every merge CTA combines a split
+    tile's partial rows at their stride. Returns (out, exact): the scheduled result and plain
+    softmax attention of the same numbers. Non-causal, one query token per request."""
+    batch = kv_len.shape[0]
+    rows = int(qo_indptr[-1]) * num_heads
+    q = rng.standard_normal((rows, d))
+    keys = [rng.standard_normal((int(n), d)) for n in kv_len]
+    vals = [rng.standard_normal((int(n), d)) for n in kv_len]
+    out = np.full((rows, d), np.nan)
+    n_part = 2 * sched.num_clusters * CTA * sched.cluster_size
+    part_o, part_lse = np.full((n_part, d), np.nan), np.full(n_part, np.nan)
+    w = sched.works
+    for i in range(sched.num_works):
+        r = int(np.searchsorted(qo_indptr, w["q_indptr"][i], side="right") - 1)
+        assert int(w["kv_len"][i]) == int(kv_len[r])
+        packed = int(w["q_len"][i]) * num_heads
+        n_rows = min(CTA * sched.cluster_size, packed - int(w["q_start"][i]))
+        s, e = int(w["kv_start"][i]), int(w["kv_end"][i])
+        for j in range(n_rows):
+            row = int(w["q_indptr"][i]) * num_heads + int(w["q_start"][i]) + j
+            logits = keys[r][s:e] @ q[row]
+            m = logits.max()
+            p = np.exp(logits - m)
+            o, lse = (p @ vals[r][s:e]) / p.sum(), m + np.log(p.sum())
+            if w["partial_indptr"][i] < 0:
+                assert np.isnan(out[row]).all(), "a final row written twice"
+                out[row] = o
+            else:
+                k = int(w["partial_indptr"][i]) + j
+                assert np.isnan(part_lse[k]), "a partial row written twice"
+                part_o[k], part_lse[k] = o, lse
+    mg = sched.merges
+    for m in range(sched.num_merges):
+        start, end = int(mg["merge_packed_offset_start"][m]), int(mg["merge_packed_offset_end"][m])
+        p0, p_end = int(mg["merge_partial_packed_offset_start"][m]), int(mg["merge_partial_packed_offset_end"][m])
+        stride = int(mg["merge_partial_stride"][m])
+        for j in range(end - start):
+            ks = list(range(p0 + j, p_end, stride))
+            lse = part_lse[ks]
+            assert not np.isnan(lse).any(), "a merge read a partial row nobody wrote"
+            wts = np.exp(lse - lse.max())
+            assert np.isnan(out[start + j]).all(), "a final row written twice"
+            out[start + j] = (wts[:, None] * part_o[ks]).sum(0) / wts.sum()
+    exact = np.empty_like(out)
+    for r in range(batch):
+        for h in range(num_heads):
+            row = int(qo_indptr[r]) * num_heads + h
+            logits = keys[r] @ q[row]
+            p = np.exp(logits - logits.max())
+            exact[row] = (p @ vals[r]) / p.sum()
+    return out, exact
+
+
+CTA = ms.CTA_TILE_Q
+
+
+@pytest.mark.parametrize("kv_chunk", [None, 0.25, 0.5, 2.0, 4.0, float("inf")])
+@pytest.mark.parametrize("heads,lens", [
+    (16, [3000]),                                  # one long request: split over many clusters
+    (16, [5, 700, 40, 2900, 128, 1]),              # ragged, a zero-work request included
+    (128, [900, 60, 2000]),                        # the 2-CTA cluster shape
+    (16, [300] * 40),                              # a batch that MLAPlan barely splits
+])
+def test_a_chunked_schedule_computes_the_attention_the_unchunked_one_does(kv_chunk, heads, lens):
+    """Every tuned kv_chunk gives a schedule the kernel's contract turns into exact attention:
+    each row's KV covered once, partial rows and merges consistent, chunks within the limit."""
+    num_sm = 16                                      # small: more splitting at these lengths
+    kv_len = np.array(lens, dtype=np.int32)
+    qo = np.arange(len(lens) + 1, dtype=np.int32)
+    kv_indptr = np.concatenate([[0], np.cumsum(-(-kv_len // 64))]).astype(np.int32)
+    sched = ms.mla_schedule(qo, kv_indptr, kv_len, heads, False, num_sm, q_len=1, kv_chunk=kv_chunk)
+    if sched is None:       # allowed only where the chunking overflows a buffer: say which
+        base = ms.mla_schedule(qo, kv_indptr, kv_len, heads, False, num_sm, q_len=1)
+        assert base is not None and kv_chunk is not None and kv_chunk < 1
+        return
+    base_limit = ms._kv_len_limit(int(kv_len.sum()), sched.num_clusters)
+    limit = ms.chunk_limit(base_limit, kv_chunk, int(kv_len.max()))
+    assert ((sched.works["kv_end"] - sched.works["kv_start"]) <= limit).all()
+    assert sched.num_merges <= num_sm
+    if kv_chunk == float("inf"):
+        assert sched.num_merges == 0 and sched.num_works == len(lens)
+    out, exact = _simulate(sched, qo, kv_len, heads, np.random.default_rng(0))
+    ok = kv_len > 0
+    rows_ok = np.repeat(ok, heads)
+    assert np.allclose(out[rows_ok], exact[rows_ok], atol=1e-12)
+
+
+def test_finer_chunks_make_more_work_items_and_coarser_fewer():
+    kv_len = np.array([5000, 3000, 7000, 100], dtype=np.int32)
+    qo = np.arange(5, dtype=np.int32)
+    kvi = np.concatenate([[0], np.cumsum(kv_len)]).astype(np.int32)
+    n = {c: ms.mla_schedule(qo, kvi, kv_len, 16, False, 132, q_len=1, kv_chunk=c).num_works
+         for c in (0.5, None, 2.0, float("inf"))}
+    assert n[0.5] > n[None] > n[2.0] > n[float("inf")] == 4
+
+
+def test_a_chunking_beyond_the_partial_buffer_is_refused_not_written():
+    """128 heads fill a 128-row tile per request: 2 x clusters tiles of partial rows is all the
+    float workspace holds. A quarter-size chunk over 66 long requests needs more: None (the
+    caller then plans untuned), never a schedule that writes past the buffer."""
+    kv_len = np.full(66, 4096, dtype=np.int32)
+    qo = np.arange(67, dtype=np.int32)
+    kvi = np.concatenate([[0], np.cumsum(kv_len)]).astype(np.int32)
+    assert ms.mla_schedule(qo, kvi, kv_len, 128, False, 132, q_len=1) is not None
+    assert ms.mla_schedule(qo, kvi, kv_len, 128, False, 132, q_len=1, kv_chunk=0.25) is None
+
+
+def test_chunk_limit_rounds_to_32_and_never_splits_at_infinity():
+    assert ms.chunk_limit(256, None, 10_000) == 256
+    assert ms.chunk_limit(256, 0.25, 10_000) == 64
+    assert ms.chunk_limit(192, 0.25, 10_000) == 64          # 48 rounded up to 32s
+    assert ms.chunk_limit(32, 0.25, 10_000) == 32           # never below 32 tokens
+    assert ms.chunk_limit(256, 4.0, 10_000) == 1024
+    assert ms.chunk_limit(256, float("inf"), 10_000) == 16384
+    assert ms.chunk_limit(256, float("inf"), 100) == 256

@@ -8,8 +8,8 @@ Both sides import this module, so they cannot drift apart:
 * the tuned-config model key (`model_key`): one `ModelDims`, with one dtype spelling;
 * the lookup statistic (`bucket_context`): a batch's per-request KV lengths -> the bucket context
   the tuner measured (the mean; a uniform bucket of context c has every length c);
-* what each kernel family's stored parameters mean (`FlashInferChoice`, `TritonChoice`), "keep
-  vLLM's rule" included, read by the plugin and written by `mla-tune emit`.
+* what each kernel family's stored parameters mean (`FlashInferChoice` with its KV chunking,
+  `TritonChoice`), "keep vLLM's rule" included, read by the plugin and written by `mla-tune emit`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from vllm_metax.tuned_config import ModelDims
+from vllm_metax.tuned_config import KV_CHUNKS, ModelDims
 
 FLASHINFER = "flashinfer"
 TRITON = "triton"
@@ -98,14 +98,34 @@ def bucket_context(seq_lens: Sequence[int]) -> int:
 
 # ---------------------------------------------------------------- per-family choices
 
+def kv_chunk_factor(kv_chunk: str | None) -> float | None:
+    """A stored kv_chunk ("x0.5", "none", ...; `tuned_config.KV_CHUNKS`) as the factor the
+    schedule scales MLAPlan's KV chunk limit by (`mla_schedule.chunk_limit`); None: MLAPlan's
+    own limit (absent, or a value this version does not know)."""
+    if kv_chunk == "none":
+        return float("inf")
+    if kv_chunk in KV_CHUNKS:
+        return float(kv_chunk[1:])
+    return None
+
+
 @dataclass(frozen=True)
 class FlashInferChoice:
-    """A FlashInfer bucket's choice: the backend value to plan."""
+    """A FlashInfer bucket's choice: the backend value to plan and its KV chunking (`kv_chunk`,
+    one of `tuned_config.KV_CHUNKS`; None: MLAPlan's own chunk limit)."""
 
     backend: str
+    kv_chunk: str | None = None
+
+    @property
+    def kv_chunk_factor(self) -> float | None:
+        return kv_chunk_factor(self.kv_chunk)
 
     def to_params(self) -> dict:
-        return {"backend": self.backend}
+        p = {"backend": self.backend}
+        if self.kv_chunk is not None:
+            p["kv_chunk"] = self.kv_chunk
+        return p
 
 
 @dataclass(frozen=True)
@@ -139,7 +159,10 @@ def family_choice(family: str, params) -> FlashInferChoice | TritonChoice | None
         return None
     if family == FLASHINFER:
         b = params.get("backend")
-        return FlashInferChoice(b) if isinstance(b, str) and b else None
+        if not isinstance(b, str) or not b:
+            return None
+        chunk = params.get("kv_chunk")
+        return FlashInferChoice(b, chunk if chunk in KV_CHUNKS else None)
     if family == TRITON:
         n = params.get("num_kv_splits")
         rule = params.get("rule") == VLLM_RULE
@@ -158,4 +181,4 @@ def bucket_choice(bucket, family: str) -> FlashInferChoice | TritonChoice | None
 __all__ = ["AUTO", "FALLBACK_BACKEND", "FLASHINFER", "FlashInferBackends", "FlashInferChoice",
            "TRITON", "TritonChoice", "VLLM_RULE", "bucket_choice", "bucket_context",
            "device_flashinfer_backends", "dtype_name", "family_choice", "flashinfer_backends",
-           "model_key"]
+           "kv_chunk_factor", "model_key"]

@@ -37,6 +37,9 @@ PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # KV block sizes: powers of two
 FLASHINFER_BACKENDS = ("auto", "fa2", "fa3", "cutlass", "cutile", "trtllm-gen", "xqa", "cute-dsl",
                        "cute-dsl-monolithic", "cute-dsl-modular")
 TRITON_BACKEND = "triton"
+# FlashInfer fa2/fa3 KV chunking (params.kv_chunk): the KV chunk limit of FlashInfer's MLAPlan
+# scaled by this factor ("none": never split a request's KV); absent = MLAPlan's own limit.
+KV_CHUNKS = ("x0.25", "x0.5", "x2", "x4", "none")
 MAX_KV_SPLITS = 256            # vLLM's Triton MLA decode: num_kv_splits in 1..256
 MAX_BATCH = 65536              # requests in one decode step
 MAX_CONTEXT = 1 << 22          # KV tokens per request (4M; DeepSeek-V3 serves 160K)
@@ -257,10 +260,13 @@ def check_page_size(v, where: str = "page_size") -> int:
 def check_params(family: str, params: dict, where: str) -> dict:
     """A family's plan-time parameters: known keys with known values only."""
     if family == "flashinfer":
-        known = {"backend"}
+        known = {"backend", "kv_chunk"}
         if params.get("backend") not in FLASHINFER_BACKENDS:
             raise TunedConfigError(f"{where}: params.backend must be one of "
                                    f"{', '.join(FLASHINFER_BACKENDS)}, got {params.get('backend')!r}")
+        if "kv_chunk" in params and params["kv_chunk"] not in KV_CHUNKS:
+            raise TunedConfigError(f"{where}: params.kv_chunk must be one of "
+                                   f"{', '.join(KV_CHUNKS)}, got {params['kv_chunk']!r}")
     else:
         known = {"backend", "num_kv_splits", "rule"}
         if params.get("backend", TRITON_BACKEND) != TRITON_BACKEND:

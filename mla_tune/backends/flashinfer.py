@@ -6,11 +6,19 @@ build_paged_metadata (vllm_metax/ops/paged_metadata.py) -> MLADecodeKernel.plan 
 
 Search space and "chunking" knobs (DESIGN.md section 3), read from flashinfer-python 0.7.2's
 wrapper code. None of the backends exposes a knob through the wrapper that changes how work is
-cut, so candidates carry no params and the space is backend x page size:
+cut; the plugin's own schedule does:
 
 * fa2 / fa3: the C++ MLAPlan picks the KV split itself (cluster size 1 or 2 from q_len*heads;
   kv_len_limit from the average work per cluster of SMs, rounded to 32/64/128/192/k*256); the
-  query tile is fixed at 64*cluster rows. No split size or query chunk is accepted by plan().
+  query tile is fixed at 64*cluster rows. plan() accepts no split size. The plugin's fast
+  re-plan computes the same schedule with numpy (`vllm_metax.ops.mla_schedule`), so the KV chunk
+  limit is ours: the knob `kv_chunk` (`vllm_metax.tuned_config.KV_CHUNKS`: MLAPlan's limit x
+  0.25/0.5/2/4, or "none": never split) is measured like any candidate, correctness gate
+  included. Without it the candidate is what the plugin plans untuned. Chunk variants are
+  declared at the default page size only (the chunking is per step, the page size global; the
+  search then measures the best point at the other page sizes); a variant the bucket's batch
+  cannot take (the finer chunks overflow FlashInfer's partial-output buffer) or a FlashInfer
+  without the fast re-plan (the 0.2.x API) is invalid("unsupported").
 * cute-dsl-monolithic / cute-dsl-modular: split_kv from the implementation's own heuristic
   (`_get_split_kv_and_workspace_size`), not a plan argument.
 * trtllm-gen / xqa: splits from the SM count inside the backend; SM100+/SM120 only.
@@ -36,9 +44,12 @@ import torch
 from mla_tune.backends.base import Availability, Candidate, CandidateInvalid, Prepared
 from mla_tune.problem import Workload
 from mla_tune.problem_data import torch_dtype
+from vllm_metax.decisions import kv_chunk_factor
+from vllm_metax.tuned_config import KV_CHUNKS
 
 FAMILY = "flashinfer"
 DEFAULT_PAGE_SIZE = 64
+CHUNKED_BACKENDS = ("fa2", "fa3")     # the backends whose schedule the plugin computes itself
 
 
 def _op():
@@ -56,13 +67,14 @@ class FlashInferBackend:
     family = FAMILY
 
     def __init__(self, api: str | None = None, workspace_bytes: int | None = None,
-                 fast_replan: bool = True):
+                 fast_replan: bool | None = None):
         """`api` forces the flat or keyword FlashInfer API form (tests); default: detected.
         `fast_replan` is MLADecodeKernel's (on, as the plugin runs it; off times FlashInfer's own
         plan())."""
         self.api = api
         self.workspace_bytes = workspace_bytes
-        self.fast_replan = fast_replan
+        from vllm_metax.ops.fast_replan import ENABLED
+        self.fast_replan = ENABLED if fast_replan is None else fast_replan
 
     # ------------------------------------------------------------------ protocol
     def available(self, device: str) -> Availability:
@@ -84,7 +96,20 @@ class FlashInferBackend:
         return tuple(b for b in device_backends().allowed if b in accepted)
 
     def space(self, workload: Workload, page_sizes: list[int]) -> list[Candidate]:
-        return [Candidate(self.family, b, p) for b in self.backends() for p in page_sizes]
+        backends = self.backends()
+        out = [Candidate(self.family, b, p) for b in backends for p in page_sizes]
+        page = DEFAULT_PAGE_SIZE if DEFAULT_PAGE_SIZE in page_sizes else (page_sizes or [None])[0]
+        if page is not None and self.fast_replan and self._keyword_api():
+            out += [Candidate(self.family, b, page, {"kv_chunk": c})
+                    for b in backends if b in CHUNKED_BACKENDS for c in KV_CHUNKS]
+        return out
+
+    def _keyword_api(self) -> bool:
+        op = _op()
+        try:
+            return self.api != op.API_FLAT and op.flashinfer_api().form == op.API_KEYWORD
+        except op.FlashInferUnavailable:
+            return False
 
     def default_candidate(self, workload: Workload, page_size: int = DEFAULT_PAGE_SIZE) -> Candidate:
         """What the plugin plans without a tuned config (fa3 on Hopper, fa2 elsewhere)."""
@@ -93,8 +118,15 @@ class FlashInferBackend:
     def prepare(self, workload: Workload, candidate: Candidate, problem) -> Prepared:
         """Plan the candidate over `problem` (first plan JIT-compiles: `compile_s`)."""
         op = _op()
-        if candidate.params:
-            raise CandidateInvalid("unsupported", f"FlashInfer MLA exposes no knobs; got {candidate.params}")
+        unknown = set(candidate.params) - {"kv_chunk"}
+        if unknown:
+            raise CandidateInvalid("unsupported", f"FlashInfer MLA has no knob {sorted(unknown)}; "
+                                   "its one knob is kv_chunk")
+        kv_chunk = candidate.params.get("kv_chunk")
+        factor = kv_chunk_factor(kv_chunk)
+        if kv_chunk is not None and factor is None:
+            raise CandidateInvalid("unsupported", f"kv_chunk must be one of {', '.join(KV_CHUNKS)}, "
+                                   f"got {kv_chunk!r}")
         try:
             api = op.flashinfer_api()
         except op.FlashInferUnavailable as e:
@@ -117,7 +149,8 @@ class FlashInferBackend:
             # exactly the plugin's per-step host work: block table -> CSR -> plan
             meta = build_paged_metadata(problem.block_table, problem.seq_lens_cpu,
                                         candidate.page_size, workload.q_len)
-            kernel.plan(meta, H, R, P, candidate.page_size, causal, workload.softmax_scale, q_dt, kv_dt)
+            kernel.plan(meta, H, R, P, candidate.page_size, causal, workload.softmax_scale, q_dt, kv_dt,
+                        kv_chunk=factor)
 
         t0 = time.perf_counter()
         try:
@@ -131,6 +164,12 @@ class FlashInferBackend:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         compile_s = time.perf_counter() - t0
+        if factor is not None:
+            # the chunked schedule comes from the fast re-plan (the second plan on, as served)
+            plan()
+            plan()
+            if kernel.last_schedule != "chunked":
+                raise CandidateInvalid("unsupported", _chunk_refusal(kernel, kv_chunk))
         out = torch.empty_like(problem.q_nope)
         args = (problem.q_nope, problem.q_pe, problem.ckv_cache, problem.kpe_cache)
 
@@ -146,6 +185,14 @@ class FlashInferBackend:
         # one workspace per candidate: interleaved candidates must not share scratch space
         op = _op()
         return op.make_workspace(device, self.workspace_bytes or op.WORKSPACE_BYTES)
+
+
+def _chunk_refusal(kernel, kv_chunk: str) -> str:
+    if not kernel.fast_replan or kernel.last_schedule == "public":
+        return (f"kv_chunk={kv_chunk} needs the fast re-plan (FlashInfer 0.7's fa2/fa3 with the "
+                "internals vllm_metax.ops.fast_replan uses; not VLLM_METAX_FAST_REPLAN=0)")
+    return (f"kv_chunk={kv_chunk} does not fit this batch (its schedule would exceed FlashInfer's "
+            "work-item, merge or partial-output buffers): the plugin plans it untuned")
 
 
 def _looks_like_compile_error(e: BaseException) -> bool:

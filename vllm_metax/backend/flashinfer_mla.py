@@ -100,10 +100,19 @@ class PlanChoice:
 
     def for_step(self, batch_size: int, context_len: int, q_len: int = 1) -> str:
         """`context_len` is `decisions.bucket_context` of the batch's sequence lengths."""
-        if self.entry is None:
-            return self.default
-        found = self.entry.lookup(batch_size, context_len, q_len)
-        return self.for_bucket(found.bucket) if found is not None else self.default
+        return self.step(batch_size, context_len, q_len)[0]
+
+    def step(self, batch_size: int, context_len: int, q_len: int = 1,
+             graph: bool = False) -> tuple[str, float | None]:
+        """(backend value, KV chunk factor) for one decode step: the nearest tuned bucket's.
+        A captured graph keeps its batch size's backend (`for_graph`); the chunking is only data
+        the step's plan writes, so it follows the bucket in graphs too. The chunk factor is the
+        bucket's only where the served backend is the one it was tuned for."""
+        found = None if self.entry is None else self.entry.lookup(batch_size, context_len, q_len)
+        typed = decisions.bucket_choice(found.bucket, FAMILY) if found is not None else None
+        backend = self.for_graph(batch_size, q_len) if graph else self.backends.serve(typed)
+        chunk = typed.kv_chunk_factor if typed is not None and typed.backend == backend else None
+        return backend, chunk
 
     def for_graph(self, batch_size: int, q_len: int = 1) -> str:
         """A captured graph fixes its kernel for every context: the choice most buckets of the
@@ -255,8 +264,8 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder[FlashInferMLAMetadat
         seq_lens = np.maximum(self._host_seq_lens(seq_lens_device, num_decodes).numpy(), q_len,
                               dtype=np.int32)
         graph = self._use_graph(num_decodes, num_decode_tokens)
-        backend = (self.choice.for_graph(num_decodes, q_len) if graph
-                   else self.choice.for_step(num_decodes, decisions.bucket_context(seq_lens), q_len))
+        backend, kv_chunk = self.choice.step(num_decodes, decisions.bucket_context(seq_lens), q_len,
+                                             graph)
         block_table = block_table_tensor[:num_decodes]
         # The block table itself is the page list (strided metadata, nothing launched) wherever
         # the fast re-plan takes it; into a graph's buffer it is copied whole, so there only
@@ -271,12 +280,12 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder[FlashInferMLAMetadat
             try:
                 kernel.plan(meta, self.num_heads, self.head_dim_ckv, self.head_dim_kpe,
                             self.page_size, q_len > 1, self.sm_scale, self.q_dtype, self.kv_dtype,
-                            return_lse=self.plan_lse)
+                            return_lse=self.plan_lse, kv_chunk=kv_chunk)
                 break
             except BackendRefused as e:
                 if backend == self.choice.backends.fallback:
                     raise
-                backend = self.choice.refuse(backend, e.reason)
+                backend, kv_chunk = self.choice.refuse(backend, e.reason), None
         return FlashInferMLADecodeMetadata(
             block_table=block_table_tensor, seq_lens=seq_lens_device,
             dcp_tot_seq_lens=dcp_tot_seq_lens_device, kernel=kernel, backend=backend,

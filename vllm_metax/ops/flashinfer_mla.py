@@ -32,7 +32,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from vllm_metax.ops import mla_schedule as ms
+from vllm_metax.ops import fast_replan as fr
 from vllm_metax.ops.paged_metadata import PagedMetadata
 from vllm_metax.tuned_config import FLASHINFER_BACKENDS
 
@@ -54,11 +54,6 @@ _PACKED_BACKENDS = frozenset({"cutlass", "trtllm-gen", "xqa", "cute-dsl", "cute-
 _FLAT_FALLBACK_BACKENDS = ("auto", "fa2", "fa3")
 
 WORKSPACE_BYTES = 128 << 20      # FlashInfer's recommended float workspace for MLA
-# What the fast re-plan reads or writes on FlashInfer 0.7's planned fa2/fa3 backend object.
-_FAST_INTERNALS = ("_cached_module", "_float_workspace_buffer", "_int_workspace_buffer",
-                   "_pin_memory_int_workspace_buffer", "_use_cuda_graph", "_kv_indices_buf",
-                   "_plan_info", "device")
-
 
 class FlashInferUnavailable(RuntimeError):
     """FlashInfer (or its MLA wrapper) cannot be imported here; the message says why."""
@@ -238,9 +233,10 @@ class MLADecodeKernel:
     metadata into fixed device buffers so a captured run() stays valid; `api` forces API_FLAT or
     API_KEYWORD (tests; 0.7 accepts both) instead of the detected form.
 
-    `fast_replan` (default on) lets a plan() whose arguments other than the metadata equal the
-    previous plan's skip FlashInfer's Python validation on the keyword API's fa2/fa3 (see
-    `_replan_fast`); the result is the same plan, for a fraction of the host time.
+    `fast_replan` (default: on unless VLLM_METAX_FAST_REPLAN=0) lets a plan() whose arguments
+    other than the metadata equal the previous plan's skip FlashInfer's Python validation on the
+    keyword API's fa2/fa3 (`vllm_metax.ops.fast_replan`); the result is the same plan, for a
+    fraction of the host time. It is also what applies a tuned `kv_chunk` (plan()).
 
     Construction raises ValueError for a backend value FlashInfer does not accept; plan() raises
     BackendRefused when FlashInfer/the device declines the backend for these dims (e.g. fa3 off
@@ -249,7 +245,7 @@ class MLADecodeKernel:
 
     def __init__(self, workspace: torch.Tensor, backend: str = "auto", use_cuda_graph: bool = False,
                  graph_buffers: GraphBuffers | None = None, api: str | None = None,
-                 flashinfer: FlashInferAPI | None = None, fast_replan: bool = True):
+                 flashinfer: FlashInferAPI | None = None, fast_replan: bool | None = None):
         self._api_info = flashinfer or flashinfer_api()
         if api is not None and api not in API_FORMS:
             raise ValueError(f"api must be one of {API_FORMS}, got {api!r}")
@@ -270,14 +266,18 @@ class MLADecodeKernel:
         self._planned_lse = False
         self._planned = False
         self._layout = None
-        self.fast_replan = fast_replan
+        self.fast_replan = fr.ENABLED if fast_replan is None else fast_replan
         self._signature = None          # the arguments of the last public plan, besides metadata
         self.fast_replans = 0           # how many plans took the fast path (introspection/tests)
+        # who made the last plan's schedule: "public" (FlashInfer's plan()), or the fast
+        # re-plan's "mlaplan" / "numpy" / "chunked" (a tuned kv_chunk applied)
+        self.last_schedule: str | None = None
 
     # ------------------------------------------------------------------ per decode step
     def plan(self, meta: PagedMetadata, num_heads: int, head_dim_ckv: int, head_dim_kpe: int,
              page_size: int, causal: bool, sm_scale: float, q_dtype: torch.dtype,
-             kv_dtype: torch.dtype, *, return_lse: bool = False, layout: str | None = None) -> None:
+             kv_dtype: torch.dtype, *, return_lse: bool = False, layout: str | None = None,
+             kv_chunk: float | None = None) -> None:
         """Plan one batch from CSR metadata (host indptr/len, device kv_indices).
 
         `meta` may be compact or strided (see vllm_metax.ops.paged_metadata); strided metadata
@@ -287,10 +287,17 @@ class MLADecodeKernel:
         (independent q_nope/q_pe and ckv/kpe tensors, what fa2/fa3 take natively), "packed" for
         backends that need it (cutlass, trtllm-gen, xqa, cute-dsl: then run()'s split tensors
         must be adjacent views of one [..., ckv+kpe] tensor).
+
+        `kv_chunk` (a tuned choice, `vllm_metax.decisions.FlashInferChoice`) scales the KV chunk
+        limit of the schedule (`mla_schedule.chunk_limit`; infinity: never split). Only the fast
+        re-plan's numpy schedule can apply it, so it takes effect from the second plan with the
+        same arguments on; a batch whose chunked schedule would not fit FlashInfer's buffers is
+        planned untuned. `last_schedule` says what ran.
         """
         signature = (num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale, q_dtype,
                      kv_dtype, return_lse, layout)
-        if signature == self._signature and self._replan_fast(meta, num_heads, head_dim_ckv, causal):
+        if signature == self._signature and self._replan_fast(meta, num_heads, head_dim_ckv, causal,
+                                                              kv_chunk):
             self.fast_replans += 1
             return
         self._signature = None
@@ -318,69 +325,37 @@ class MLADecodeKernel:
             raise
         self._planned_lse = return_lse
         self._planned = True
+        self.last_schedule = "public"
         self._layout = layout
         self._signature = signature if self._fast_capable() else None
 
     def _fast_capable(self) -> bool:
-        """Whether the wrapper just planned is one the fast re-plan understands: flashinfer's
-        keyword (0.7) wrapper on fa2/fa3 exposing the internals `_replan_fast` uses."""
-        if not self.fast_replan or self.api != API_KEYWORD:
-            return False
-        be = getattr(self.wrapper, "_planned_backend", None)
-        return (getattr(be, "_backend", None) in ("fa2", "fa3")
-                and all(hasattr(be, n) for n in _FAST_INTERNALS))
+        """Whether the wrapper just planned is one the fast re-plan understands (the keyword
+        API's fa2/fa3 with the internals `vllm_metax.ops.fast_replan` uses)."""
+        return self.fast_replan and self.api == API_KEYWORD and fr.capable(self.wrapper)
 
     def fast_replan_usable(self, meta: PagedMetadata, num_heads: int, causal: bool) -> bool:
-        """Whether the checks FlashInfer's plan() makes provably pass for this batch, so they
-        may be skipped: the native work-item capacity cannot be reached, and a causal plan has a
-        head count dividing the 64-row query tile (FlashInfer's partial-tile check cannot fire)."""
-        batch = meta.kv_len.shape[0]
-        if batch == 0 or (causal and 64 % num_heads):
-            return False
-        # MLAPlan makes sum_r ceil(len_r / L) work items with L >= total / clusters: at most one
-        # per query tile plus one per cluster (<= one per SM); tiles counted at the smallest (64)
-        tiles = batch * -(-meta.q_len * num_heads // 64)
-        return tiles + _sm_count(self.wrapper_device) <= ms.MAX_WORK_ITEMS
+        """Whether FlashInfer's plan() checks provably pass for this batch (`fast_replan.usable`)."""
+        return fr.usable(meta, num_heads, causal, self.wrapper_device)
 
     def _replan_fast(self, meta: PagedMetadata, num_heads: int, head_dim_ckv: int,
-                     causal: bool = False) -> bool:
-        """Re-plan a planned fa2/fa3 wrapper with new metadata, skipping the wrapper's Python
-        validation (most of plan()'s ~0.5 ms), as vLLM's `fast_plan_decode` does for FlashInfer's
-        decode wrapper: FlashInfer's compiled MLAPlan and the kv_indices hand-over only.
-
-        Called only when the other plan arguments equal the last public plan's. run() reads the
-        plan info, the int workspace (which MLAPlan fills, indptr and lengths included) and
-        kv_indices, so those are all that change; the wrapper's host-side indptr/len mirrors
-        keep the last public plan's values. Returns False (the public plan() decides) when the
-        batch is outside `fast_replan_usable`, a graph buffer is too small, or the internals are
-        not as expected (then the fast path is switched off for this kernel).
-        """
+                     causal: bool = False, kv_chunk: float | None = None) -> bool:
+        """Re-plan through `vllm_metax.ops.fast_replan` (called only when the other plan
+        arguments equal the last public plan's). False: the public plan() decides (the batch
+        is outside `fast_replan_usable`, a graph buffer is too small, or the internals are not
+        as expected: then the fast path is switched off for this kernel)."""
         if not self.fast_replan:
             return False
-        be = self.wrapper._planned_backend
         try:
-            if not self.fast_replan_usable(meta, num_heads, causal):
-                return False
-            if be._use_cuda_graph:
-                kvi = be._kv_indices_buf
-                n = meta.kv_indices.shape[0]
-                if kvi is None or kvi.shape[0] < n:
-                    return False
-            plan_info, staged = _native_plan(be, meta, num_heads, head_dim_ckv, causal)
-            if be._use_cuda_graph:
-                if meta.kv_indices.data_ptr() != kvi.data_ptr():
-                    kvi[:n].copy_(meta.kv_indices, non_blocking=True)
-            else:
-                kvi = meta.kv_indices
-                be._kv_indices_buf = kvi if kvi.device == be.device else kvi.to(be.device, non_blocking=True)
-            be._plan_info = plan_info
-            be._staged_int_workspace_bytes = staged
-            self.wrapper._plan_info = plan_info
-            return True
+            made_by = fr.replan(self.wrapper, meta, num_heads, head_dim_ckv, causal, kv_chunk)
         except Exception:  # internals not as expected: the public path decides from now on
             self.fast_replan = False
             self._signature = None
             return False
+        if made_by is None:
+            return False
+        self.last_schedule = made_by
+        return True
 
     @property
     def wrapper_device(self) -> torch.device:
@@ -415,173 +390,6 @@ class MLADecodeKernel:
             return None
         name = getattr(self.wrapper, "_planned_backend_name", None) or getattr(self.wrapper, "_backend", None)
         return name if isinstance(name, str) else None
-
-
-def _native_plan(be, meta: PagedMetadata, num_heads: int, head_dim_ckv: int, causal: bool):
-    """FlashInfer's fa2/fa3 plan for planned backend `be`; returns (plan info, staged bytes).
-
-    The schedule (which cluster runs which KV chunk of which request) goes into a page-locked
-    buffer, which must then reach the device int workspace. FlashInfer 0.7's module proxy copies
-    it (~600 KB, fixed by the 16384-work-item layout) into a freshly allocated pinned tensor before
-    the async upload, so the next plan cannot overwrite it in flight. Here it is written into the
-    next buffer of a ring instead, uploaded straight from there; an event per buffer guards its
-    reuse: no allocation and no host copy.
-
-    From batch `_SCHEDULE_MIN_BATCH` on, the schedule is computed with numpy
-    (`vllm_metax.ops.mla_schedule`: MLAPlan's work items and merges, better balanced clusters,
-    reused from step to step) instead of FlashInfer's C++ MLAPlan; the buffer layout comes from a
-    native plan of the same cluster shape, whose schedule the numpy one must match first
-    (`_learn_layout`). Other module shapes go through the module's own entry point.
-    """
-    args = (be._float_workspace_buffer, be._int_workspace_buffer, be._pin_memory_int_workspace_buffer,
-            meta.qo_indptr, meta.kv_indptr, meta.kv_len, num_heads, head_dim_ckv, causal)
-    mod = be._cached_module
-    if not hasattr(mod, "plan_with_staged_workspace_bytes"):
-        return mod.plan(*args), 0
-    native = getattr(getattr(mod, "_module", None), "plan", None)
-    device_ws = be._int_workspace_buffer
-    if native is None or device_ws.device.type != "cuda":
-        return mod.plan_with_staged_workspace_bytes(*args)
-    ring = _staging_ring(device_ws)
-    host = ring.acquire()
-    planned = _numpy_plan(be, meta, num_heads, head_dim_ckv, causal, ring)
-    if planned is None:
-        ring.holds[ring.next] = None
-        plan_info, staged = native(*args[:2], host, *args[3:])
-        staged = int(staged)
-        if not 0 <= staged <= host.numel():
-            raise RuntimeError(f"MLAPlan staged {staged} bytes into a {host.numel()}-byte buffer")
-        _learn_layout(be, meta, num_heads, head_dim_ckv, causal, plan_info, staged, ring.views[ring.next])
-        SCHEDULES["mlaplan"] += 1
-    else:
-        plan_info, staged = planned
-        SCHEDULES["numpy"] += 1
-    ring.upload(device_ws, staged)
-    return plan_info, staged
-
-
-# The numpy schedule from this batch size on. Measured on the H200 (bench/results/
-# 2026-12-02_h200_plan_floor_reuse.txt): its cluster balance makes the decode kernel 16-30%
-# faster on ragged batches of 32-128 requests (e.g. 223 -> 158 us at 16 heads, B128), and a decode
-# step that reuses the previous schedule costs ~35 us on the host against MLAPlan's 66-122 us at
-# B = 32-256. Below 16 requests both balance alike (about one chunk per cluster) and MLAPlan is
-# cheaper than a fresh numpy schedule.
-_SCHEDULE_MIN_BATCH = 16
-# layout key -> (ScheduleLayout, FlashInfer's own plan-info object) once learnt; None where the
-# numpy schedule disagreed with MLAPlan (that key then always plans natively)
-_LAYOUTS: dict = {}
-SCHEDULES = {"numpy": 0, "mlaplan": 0}     # fast re-plans by who made the schedule (introspection)
-
-
-def _layout_key(be, head_dim_ckv: int, q_len: int, num_heads: int) -> tuple:
-    return (str(be.device), getattr(be, "_backend", None), be._float_workspace_buffer.nbytes,
-            be._int_workspace_buffer.nbytes, head_dim_ckv, ms.cluster_size(q_len * num_heads))
-
-
-def _numpy_plan(be, meta: PagedMetadata, num_heads: int, head_dim_ckv: int, causal: bool, ring):
-    """(plan info, staged bytes) with the schedule computed here and written into the ring's
-    acquired staging buffer, or None: plan natively."""
-    if meta.kv_len.shape[0] < _SCHEDULE_MIN_BATCH:
-        return None
-    learnt = _LAYOUTS.get(_layout_key(be, head_dim_ckv, meta.q_len, num_heads))
-    if learnt is None:
-        return None
-    layout, plan_info = learnt
-    sched = ms.mla_schedule(meta.qo_indptr.numpy(), meta.kv_indptr.numpy(), meta.kv_len.numpy(),
-                            num_heads, causal, layout.num_sm, q_len=meta.q_len)
-    if sched is None:
-        return None
-    i = ring.next
-    layout.write(sched, ring.views[i], holds=ring.holds[i])
-    ring.holds[i] = sched.structure
-    return plan_info, layout.staged_bytes
-
-
-def _learn_layout(be, meta, num_heads, head_dim_ckv, causal, plan_info, staged, host) -> None:
-    """After a native MLAPlan: the first time for this layout key, check that the numpy schedule
-    for the same batch gives the kernel exactly the work MLAPlan gave it, and keep the layout."""
-    key = _layout_key(be, head_dim_ckv, meta.q_len, num_heads)
-    if key in _LAYOUTS:
-        return
-    num_sm = _sm_count(be.device)
-    ours = ms.mla_schedule(meta.qo_indptr.numpy(), meta.kv_indptr.numpy(), meta.kv_len.numpy(),
-                           num_heads, causal, num_sm, q_len=meta.q_len)
-    if ours is None:                      # beyond the numpy schedule's capacity: learn later
-        return
-    try:
-        diff = ms.same_schedule(ours, ms.read_schedule(plan_info, host, num_sm))
-    except Exception as e:  # noqa: BLE001 - an unexpected plan-info shape is a mismatch too
-        diff = f"{type(e).__name__}: {e}"
-    if diff is not None:
-        logger.warning("vllm_metax MLA: the numpy schedule differs from FlashInfer's MLAPlan (%s); "
-                       "planning with MLAPlan", diff)
-        _LAYOUTS[key] = None
-        return
-    _LAYOUTS[key] = (ms.ScheduleLayout(tuple(int(x) for x in plan_info), staged, num_sm), plan_info)
-
-
-class _StagingRing:
-    """`depth` pinned host buffers the size of a device int workspace (MLAPlan never stages more
-    than that: its allocator is bounded by the device workspace), used round-robin; each carries
-    the event of the upload that last read it. Plans run on one host thread."""
-
-    def __init__(self, nbytes: int, device_index: int, depth: int = 4):
-        self.device_index = device_index
-        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(depth)]
-        self.views = [b.numpy().view(np.int32) for b in self.buffers]   # the same memory
-        self.holds: list = [None] * depth     # the numpy schedule structure each buffer holds
-        self._uploads: dict = {}              # (buffer, bytes) -> (device ws, its bytes, buffer's)
-        self.events: list = [None] * depth
-        self.next = 0
-        self.waits = 0            # acquisitions that found their buffer still being uploaded
-
-    def acquire(self) -> torch.Tensor:
-        ev = self.events[self.next]
-        if ev is not None and not ev.query():
-            self.waits += 1
-            ev.synchronize()
-        return self.buffers[self.next]
-
-    def upload(self, device_ws: torch.Tensor, nbytes: int) -> None:
-        """Copy the acquired buffer's first `nbytes` into `device_ws` on the current stream, and
-        release the buffer. The byte views of both sides are kept (one upload per step)."""
-        i = self.next
-        views = self._uploads.get((i, nbytes))
-        if views is None or views[0] is not device_ws:
-            views = self._uploads[(i, nbytes)] = (device_ws, device_ws.view(torch.uint8)[:nbytes],
-                                                  self.buffers[i][:nbytes])
-        views[1].copy_(views[2], non_blocking=True)
-        self.release(torch.cuda.current_stream(self.device_index))
-
-    def release(self, stream) -> None:
-        ev = self.events[self.next]
-        if ev is None:
-            ev = self.events[self.next] = torch.cuda.Event()
-        ev.record(stream)
-        self.next = (self.next + 1) % len(self.buffers)
-
-
-_STAGING: dict = {}
-
-
-def _staging_ring(device_ws: torch.Tensor) -> _StagingRing:
-    nbytes = device_ws.numel() * device_ws.element_size()
-    key = (str(device_ws.device), nbytes)
-    ring = _STAGING.get(key)
-    if ring is None:
-        index = device_ws.device.index
-        ring = _STAGING[key] = _StagingRing(nbytes, torch.cuda.current_device() if index is None else index)
-    return ring
-
-
-_SM_COUNT: dict = {}
-
-
-def _sm_count(device) -> int:
-    key = str(device)
-    if key not in _SM_COUNT:
-        _SM_COUNT[key] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNT[key]
 
 
 def probe_backend(backend: str, device: torch.device | str = "cuda", num_heads: int = 16,

@@ -34,6 +34,7 @@ is never computed here: it is taken from one native MLAPlan call (see `ScheduleL
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -97,15 +98,31 @@ class Schedule:
         return np.bincount(owner, weights=cost, minlength=self.num_clusters)
 
 
+def chunk_limit(base_limit: int, kv_chunk: float | None, longest: int) -> int:
+    """The KV chunk limit a schedule cuts with: MLAPlan's (`base_limit`) when `kv_chunk` is None,
+    else `base_limit` x `kv_chunk` rounded up to a multiple of 32 tokens (at least 32); an
+    infinite `kv_chunk` never splits (the limit covers the `longest` tile)."""
+    if kv_chunk is None or kv_chunk == 1:
+        return base_limit
+    if kv_chunk == float("inf"):    # a power of two: the same limit for many steps (reuse)
+        return 1 << (max(longest, base_limit, 1) - 1).bit_length()
+    return max(32, -(-int(math.ceil(base_limit * kv_chunk)) // 32) * 32)
+
+
 def mla_schedule(qo_indptr, kv_indptr, kv_len, num_heads: int, causal: bool, num_sm: int,
-                 q_len: int | None = None) -> Schedule | None:
+                 q_len: int | None = None, kv_chunk: float | None = None) -> Schedule | None:
     """The schedule MLAPlan makes for this batch (host int arrays), up to cluster assignment.
 
     `q_len`, when given, says every request has that many query tokens (qo_indptr is then not
-    read for lengths). None when the batch would not fit MLAPlan's buffers (more than 16384 work
-    items, or more merge CTAs than SMs, which MLAPlan rejects): the caller then plans through
-    FlashInfer. This runs every decode step: whole-array operations only, and the common case
-    (one query tile per request, few split requests) skips what it does not need.
+    read for lengths). `kv_chunk` (a tuned choice; None = MLAPlan's) scales the KV chunk limit
+    (`chunk_limit`): below 1 cuts long tiles finer (more, smaller work items: better balance,
+    more partial outputs to merge), above 1 coarser, infinity never splits. The merge CTAs of a
+    split tile stay as many as MLAPlan would give it, which keeps them within the SM count.
+    None when the batch would not fit MLAPlan's buffers (more than 16384 work items, more merge
+    CTAs than SMs, or more partial-output rows than the float workspace holds for this cluster
+    shape, 2 x clusters x tile rows): the caller then plans another way. This runs every decode
+    step: whole-array operations only, and the common case (one query tile per request, few
+    split requests) skips what it does not need.
     """
     qo_indptr = np.asarray(qo_indptr)
     kv_len = np.asarray(kv_len)
@@ -146,10 +163,11 @@ def mla_schedule(qo_indptr, kv_indptr, kv_len, num_heads: int, causal: bool, num
             eff = np.where(tile + 1 == n_tiles[req], eff, cut)
         row_tile = np.minimum(tile_q, packed[req] - tile * tile_q)
     num_tiles = eff.shape[0]
-    limit = _kv_len_limit(int(_sum(eff)), clusters)
+    base = _kv_len_limit(int(_sum(eff)), clusters)
+    limit = base if kv_chunk is None else chunk_limit(base, kv_chunk, int(eff.max()))
     n_chunks = _max((eff + (limit - 1)) // limit, 1)          # a zero-length tile gets one item
-    pieces = _max(eff * cs // limit, 1)                       # merge pieces of a split tile
-    key = (batch, num_heads, causal, num_sm, q_len, limit)
+    pieces = _max(eff * cs // base, 1)                        # merge pieces of a split tile
+    key = (batch, num_heads, causal, num_sm, q_len, limit, base)
     prev = _REUSE.get(key)
     if prev is not None and prev.matches(qo_indptr, np.asarray(kv_indptr), n_chunks, pieces):
         return prev.schedule(kv_len, eff)
@@ -169,6 +187,8 @@ def mla_schedule(qo_indptr, kv_indptr, kv_len, num_heads: int, causal: bool, num
         split = n_chunks > 1
         part_rows = n_chunks * row_tile * split
         part_base = _cumsum(part_rows) - part_rows            # a split tile's first partial row
+        if limit != base and int(part_base[-1] + part_rows[-1]) > 2 * clusters * tile_q:
+            return None                                       # partial outputs beyond the buffer
         wt = np.arange(num_tiles).repeat(n_chunks)
         k = np.arange(num_works) - (_cumsum(n_chunks) - n_chunks)[wt]
         kv_start = k * limit
@@ -350,5 +370,5 @@ def same_schedule(a: Schedule, b: Schedule) -> str | None:
 
 
 __all__ = ["CTA_TILE_Q", "MAX_WORK_ITEMS", "MERGE_FIELDS", "PLAN_INFO_FIELDS", "Schedule",
-           "ScheduleLayout", "WORK_FIELDS", "cluster_size", "mla_schedule", "read_schedule",
+           "ScheduleLayout", "WORK_FIELDS", "chunk_limit", "cluster_size", "mla_schedule", "read_schedule",
            "same_schedule"]
