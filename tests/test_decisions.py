@@ -113,3 +113,15 @@ def test_import_is_cheap():
             "'numpy', 'mla_tune') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_flashinfer_kv_chunk_round_trips_and_unknown_values_mean_mlaplans_limit():
+    c = d.FlashInferChoice("fa3", "x0.5")
+    assert c.to_params() == {"backend": "fa3", "kv_chunk": "x0.5"}
+    assert d.family_choice("flashinfer", c.to_params()) == c and c.kv_chunk_factor == 0.5
+    assert d.FlashInferChoice("fa2", "none").kv_chunk_factor == float("inf")
+    assert d.FlashInferChoice("fa2").to_params() == {"backend": "fa2"}
+    assert d.FlashInferChoice("fa2").kv_chunk_factor is None
+    # a candidate's params with a value this version does not know: MLAPlan's limit, not a crash
+    assert d.family_choice("flashinfer", {"backend": "fa2", "kv_chunk": "x3"}) == d.FlashInferChoice("fa2")
+    assert [d.kv_chunk_factor(v) for v in ("x0.25", "x0.5", "x2", "x4")] == [0.25, 0.5, 2.0, 4.0]

@@ -370,3 +370,61 @@ def test_tuner_times_the_kernel_on_the_schedule_the_plugin_serves():
                 Candidate("flashinfer", "fa2", 64), MeasureSettings(device="cuda", samples=5, plan_samples=0))
     assert r.status == "ok", r.message
     assert fr.SCHEDULES["numpy"] > before, "the timed kernel ran on MLAPlan's schedule"
+
+
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+def test_tuned_kv_chunking_equals_reference(backend, heads, graph):
+    """Every kv_chunk a tuned config may name, through the real kernel, eager and graphed, over
+    ragged steps of a small and a large batch: from the second plan on the numpy schedule cuts
+    the KV with that limit ("chunked"), and the output matches the reference; a chunking the
+    batch cannot take is planned untuned, never wrong."""
+    op = _fi()
+    if backend == "fa3" and not _sm90():
+        pytest.skip("fa3 needs SM90")
+    if not _keyword_api(op):
+        pytest.skip("kv_chunk needs the fast re-plan (FlashInfer 0.7's keyword API)")
+    from mla_tune.reference import mla_decode_reference, relative_error
+    from vllm_metax.decisions import kv_chunk_factor
+    from vllm_metax.ops.paged_metadata import build_paged_metadata
+    from vllm_metax.tuned_config import KV_CHUNKS
+    page, scale = 64, 192 ** -0.5
+    for lens in ([9000, 3, 700], [1500 + 37 * i for i in range(40)]):
+        kv, bt, q = _packed_problem(heads, page, [max(lens) + 1] * len(lens), seed=7)
+        ckv, kpe = kv[..., :512], kv[..., 512:]
+        n = len(lens)
+        out = torch.empty(n, heads, 512, dtype=torch.bfloat16, device="cuda")
+        for chunk in KV_CHUNKS:
+            factor = kv_chunk_factor(chunk)
+            gb = op.GraphBuffers.allocate(n, bt.shape[1] * n, "cuda") if graph else None
+            kern = op.MLADecodeKernel(op.make_workspace("cuda"), backend, use_cuda_graph=graph,
+                                      graph_buffers=gb)
+            g = None
+            made = []
+            for step in range(3):
+                seq = torch.tensor([x + step for x in lens], dtype=torch.int32)
+                meta = build_paged_metadata(bt, seq, page, out_kv_indices=gb.kv_indices if graph else None)
+                kern.plan(meta, heads, 512, 64, page, False, scale, torch.bfloat16, torch.bfloat16,
+                          kv_chunk=factor)
+                made.append(kern.last_schedule)
+                out.fill_(float("nan"))
+                if graph and g is None:
+                    kern.run(q[..., :512], q[..., 512:], ckv, kpe, out=out)
+                    torch.cuda.synchronize()
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g):
+                        kern.run(q[..., :512], q[..., 512:], ckv, kpe, out=out)
+                    out.fill_(float("nan"))
+                if graph:
+                    g.replay()
+                else:
+                    kern.run(q[..., :512], q[..., 512:], ckv, kpe, out=out)
+                torch.cuda.synchronize()
+                ref = mla_decode_reference(q[..., :512], q[..., 512:], ckv, kpe, bt, seq, scale)
+                assert relative_error(out, ref) < 2e-2, (chunk, lens[:3], step, made)
+            assert made[0] == "public"
+            assert made[1] in ("chunked", "numpy", "mlaplan") and made[2] == made[1], (chunk, made)
+            # the quarter/half chunks may overflow the 128-head partial buffer; coarser never do
+            if factor >= 1:
+                assert made[1] == "chunked", (chunk, made)

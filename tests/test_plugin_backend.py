@@ -70,8 +70,8 @@ def _config(base_config, block_size=PAGE, cudagraph=False, spec_tokens=0):
 
 
 def _tuned(tmp_path, monkeypatch, choices, device=H200.name):
-    """choices: (batch, context, q_len) -> FlashInfer backend value."""
-    buckets = [tc.Bucket(b, c, q, {"flashinfer": tc.FamilyChoice({"backend": v})})
+    """choices: (batch, context, q_len) -> FlashInfer backend value, or its params dict."""
+    buckets = [tc.Bucket(b, c, q, {"flashinfer": tc.FamilyChoice(v if isinstance(v, dict) else {"backend": v})})
                for (b, c, q), v in choices.items()]
     entry = tc.ModelEntry(DIMS, PAGE, ["FLASHINFER_MLA", "TRITON_MLA"], buckets)
     tc.write_tuned_config(tc.TunedConfig(device, {"test": True}, [entry]), tmp_path)
@@ -274,6 +274,39 @@ def test_per_bucket_backend_with_one_kernel_per_backend(fb, base_config, tmp_pat
         chosen.append(md.backend)
     assert chosen == ["fa2", "fa3", "fa3", "fa2", "fa3"]
     assert sorted(k.backend for k in ps.RecordingKernel.instances) == ["fa2", "fa3"]
+
+
+def test_per_bucket_kv_chunk_reaches_the_plan_eager_and_in_graphs(fb, base_config, tmp_path, monkeypatch):
+    """A bucket's kv_chunk is planned in the step that looks that bucket up, in a captured graph
+    too (the chunking is schedule data, not the graph's kernel); a bucket without one plans
+    MLAPlan's limit (None)."""
+    _tuned(tmp_path, monkeypatch, {(1, 64, 1): {"backend": "fa3", "kv_chunk": "x0.5"},
+                                   (1, 4096, 1): {"backend": "fa3", "kv_chunk": "none"},
+                                   (4, 64, 1): "fa3", (4, 4096, 1): {"backend": "fa3", "kv_chunk": "x4"}})
+    for cudagraph in (False, True):
+        ps.RecordingKernel.instances.clear()
+        builder = ps.make_builder(_config(base_config, cudagraph=cudagraph))
+        got = []
+        for lens in ([60], [4000], [70] * 4, [3900] * 4):
+            md, *_ = _decode(builder, lens)
+            assert md.cuda_graph == cudagraph
+            got.append(md.kernel.plans[-1]["kv_chunk"])
+        assert got == [0.5, float("inf"), None, 4.0], cudagraph
+
+
+def test_kv_chunk_of_a_backend_the_device_does_not_serve_is_not_applied(fb, base_config, tmp_path,
+                                                                       monkeypatch):
+    import vllm_metax.backend as backend_pkg
+    import vllm_metax.platform as P
+    for mod in (backend_pkg, P):
+        monkeypatch.setattr(mod, "detect_device", lambda: METAX)
+    _tuned(tmp_path, monkeypatch, {(1, 64, 1): {"backend": "fa3", "kv_chunk": "x0.25"},
+                                   (1, 4096, 1): {"backend": "fa2", "kv_chunk": "x2"}}, device=METAX.name)
+    builder = ps.make_builder(_config(base_config))
+    md, *_ = _decode(builder, [60])
+    assert md.backend == "fa2" and md.kernel.plans[-1]["kv_chunk"] is None   # tuned for fa3
+    md, *_ = _decode(builder, [4000])
+    assert md.backend == "fa2" and md.kernel.plans[-1]["kv_chunk"] == 2.0
 
 
 def test_simulated_metax_keeps_fa3_out(fb, base_config, tmp_path, monkeypatch):

@@ -98,3 +98,17 @@ def test_reader_is_stdlib_only():
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_kv_chunk_is_read_back_and_a_bad_one_is_refused(tmp_path):
+    cfg = _cfg()
+    cfg.models[0].buckets[0].families["flashinfer"].params["kv_chunk"] = "x0.5"
+    path = tc.write_tuned_config(cfg, tmp_path)
+    back = tc.read_tuned_config(path).models[0].buckets[0].families["flashinfer"].params
+    assert back == {"backend": "fa2", "kv_chunk": "x0.5"}
+    d = json.loads(path.read_text())
+    for bad in ("x3", 0.5, None, "X0.5"):
+        d["models"][0]["buckets"][0]["families"]["flashinfer"]["params"]["kv_chunk"] = bad
+        path.write_text(json.dumps(d))
+        with pytest.raises(tc.TunedConfigError, match="params.kv_chunk must be one of x0.25, x0.5"):
+            tc.read_tuned_config(path)
