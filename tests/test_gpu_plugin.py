@@ -18,7 +18,7 @@ import torch
 
 import plugin_support as ps
 from mla_tune.reference import mla_decode_reference, relative_error
-from vllm_metax import tuned_config as tc
+from vllm_metax import decisions, tuned_config as tc
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
@@ -71,7 +71,7 @@ class _Meta:
 def test_ragged_decode_through_vllm_classes(model_root, backend, page_size):
     vc = _config(model_root, page_size)
     builder = ps.make_builder(vc, device=DEVICE)
-    builder.choice.default = backend
+    builder.choice.backends = decisions.FlashInferBackends((backend,), backend)
     impl = ps.make_impl(vc)
     seq_lens = [1, 37, 200, 64, 1500, 9, 4096, 130]
     bt, lens, common, num_pages = ps.ragged_batch(seq_lens, page_size, device=DEVICE)
@@ -103,7 +103,7 @@ def test_ragged_decode_through_vllm_classes(model_root, backend, page_size):
 def test_uniform_multi_token_decode_and_lse(model_root, backend):
     vc = _config(model_root, 64, spec_tokens=2)
     builder = ps.make_builder(vc, device=DEVICE)
-    builder.choice.default = backend
+    builder.choice.backends = decisions.FlashInferBackends((backend,), backend)
     builder.plan_lse = True                      # what decode context parallelism would set
     impl = ps.make_impl(vc)
     impl.need_to_return_lse_for_decode = True
