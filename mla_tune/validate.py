@@ -177,7 +177,7 @@ def is_results_db(path: Path) -> bool:
     if not is_sqlite(path):
         return False
     import sqlite3
-    from mla_tune.store import META_TABLE, readonly_uri
+    from mla_tune.store.results import META_TABLE, readonly_uri
     try:
         conn = sqlite3.connect(readonly_uri(path), uri=True, timeout=30)
         try:

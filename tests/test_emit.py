@@ -1,4 +1,4 @@
-"""mla_tune.emit and `mla-tune emit`: results.db -> the tuned config the plugin reads."""
+"""mla_tune.tune.emit and `mla-tune emit`: results.db -> the tuned config the plugin reads."""
 
 import datetime
 import json
@@ -7,14 +7,14 @@ import statistics
 import pytest
 from typer.testing import CliRunner
 
-from mla_tune import choose as choosing
-from mla_tune.backends.base import Candidate
+from mla_tune.tune import choose as choosing
+from mla_tune.families.base import Candidate
 from mla_tune.cli import app
-from mla_tune.emit import EmitError, build_tuned_config, emit_all, emit_config
-from mla_tune.problem import model_preset, workload_for
-from mla_tune.report import ReportError, ReportFilter
-from mla_tune.roofline import workload_bytes, workload_flops
-from mla_tune.store import ResultsStore
+from mla_tune.tune.emit import EmitError, build_tuned_config, emit_all, emit_config
+from mla_tune.problem.workload import model_preset, workload_for
+from mla_tune.views.report import ReportError, ReportFilter
+from mla_tune.problem.roofline import workload_bytes, workload_flops
+from mla_tune.store.results import ResultsStore
 from results_fixture import BATCHES, CONTEXTS, H200, METAX, MODEL, TP, build_fixture_db
 from vllm_metax import device as vdevice
 from vllm_metax import tuned_config as tc

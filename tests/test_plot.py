@@ -1,4 +1,4 @@
-"""mla_tune.plot and `mla-tune report --plot`: the PNG opens and shows what its titles say."""
+"""mla_tune.views.plot and `mla-tune report --plot`: the PNG opens and shows what its titles say."""
 
 import json
 
@@ -6,9 +6,9 @@ import pytest
 from typer.testing import CliRunner
 
 from mla_tune.cli import app
-from mla_tune.plot import plot_report, report_figure
-from mla_tune.report import ReportFilter, build_report
-from mla_tune.store import ResultsStore
+from mla_tune.views.plot import plot_report, report_figure
+from mla_tune.views.report import ReportFilter, build_report
+from mla_tune.store.results import ResultsStore
 from results_fixture import build_fixture_db
 
 runner = CliRunner(env={"COLUMNS": "200"})

@@ -1,4 +1,4 @@
-"""`mla-tune report` and mla_tune.report over a fixture DB whose every sample is known."""
+"""`mla-tune report` and mla_tune.views.report over a fixture DB whose every sample is known."""
 
 import csv
 import io
@@ -8,11 +8,11 @@ import statistics
 import pytest
 from typer.testing import CliRunner
 
-from mla_tune.backends.base import Candidate
+from mla_tune.families.base import Candidate
 from mla_tune.cli import app
-from mla_tune.problem import model_preset, workload_for
-from mla_tune.report import ReportError, ReportFilter, build_report, render_report
-from mla_tune.store import ResultsStore, stats_of
+from mla_tune.problem.workload import model_preset, workload_for
+from mla_tune.views.report import ReportError, ReportFilter, build_report, render_report
+from mla_tune.store.results import ResultsStore, stats_of
 from results_fixture import BATCHES, CONTEXTS, H200, METAX, MODEL, TP, build_fixture_db
 
 runner = CliRunner(env={"COLUMNS": "220"})
@@ -29,7 +29,7 @@ def _report(fx, **kw):
 
 
 def _floor_us(row):
-    # independent of mla_tune.roofline: the DB's bytes/flops columns at the run's ceilings
+    # independent of mla_tune.problem.roofline: the DB's bytes/flops columns at the run's ceilings
     return max(row["bytes"] / (row["copy_gbps"] * 1e3), row["flops"] / (row["matmul_tflops"] * 1e6))
 
 

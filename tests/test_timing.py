@@ -2,12 +2,12 @@
 
 import pytest
 
-from mla_tune import timing
-from mla_tune.backends import Candidate, CandidateInvalid, Prepared
-from mla_tune.backends.reference import ReferenceBackend
-from mla_tune.measure import MeasureSettings
-from mla_tune.problem import custom_model, workload_for
-from mla_tune.store import stats_of
+from mla_tune.measure import timing
+from mla_tune.families import Candidate, CandidateInvalid, Prepared
+from mla_tune.families.reference import ReferenceBackend
+from mla_tune.measure.trial import MeasureSettings
+from mla_tune.problem.workload import custom_model, workload_for
+from mla_tune.store.results import stats_of
 
 
 def _wl():

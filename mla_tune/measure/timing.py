@@ -32,8 +32,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from mla_tune.backends.base import Candidate, CandidateInvalid, Prepared
-from mla_tune.problem import Workload
+from mla_tune.families.base import Candidate, CandidateInvalid, Prepared
+from mla_tune.problem.workload import Workload
 
 METHOD_GRAPH_EVENTS = "cuda_graph_events"   # events recorded inside the graph, around each run
 METHOD_GRAPH = "cuda_graph"                 # events around each replay of a one-run graph
@@ -282,8 +282,8 @@ def measure_interleaved(entries: Sequence[tuple[object, Candidate]], workload: W
     rounds each take ceil(samples / rounds) samples from every live candidate, the order rotated
     by one per round. `on_prepared(candidate, ok)` is called after each preparation (progress).
     """
-    from mla_tune.measure import TrialResult, check_correctness
-    from mla_tune.problem_data import make_problem
+    from mla_tune.measure.trial import TrialResult, check_correctness
+    from mla_tune.problem.instance import make_problem
 
     problems: dict[int, object] = {}
     todo: list[_Entry] = [_Entry(b, c) for b, c in entries]
@@ -336,7 +336,7 @@ def measure_interleaved(entries: Sequence[tuple[object, Candidate]], workload: W
 def invalid_result(candidate: Candidate, exc: BaseException, result_cls=None):
     """The invalid TrialResult an exception stands for (CandidateInvalid keeps its reason)."""
     if result_cls is None:
-        from mla_tune.measure import TrialResult as result_cls
+        from mla_tune.measure.trial import TrialResult as result_cls
     if isinstance(exc, CandidateInvalid):
         return result_cls(candidate, "invalid", invalid_reason=exc.reason, message=exc.message)
     if isinstance(exc, torch.cuda.OutOfMemoryError):

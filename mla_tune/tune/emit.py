@@ -1,6 +1,6 @@
 """results.db -> the tuned config the vllm_metax plugin loads (configs/device_name=<device>.json).
 
-Winners and the global choice are `mla_tune.choose`'s; this module only translates a
+Winners and the global choice are `mla_tune.tune.choose`'s; this module only translates a
 `choose.Choice` into `vllm_metax.tuned_config.TunedConfig` (the one schema shared with the reader)
 with its provenance: the device name as the plugin sees it (the name `vllm_metax.device` recorded
 in the run), SM count, FlashInfer / torch / CUDA versions, the date, the rules, and the results.db
@@ -12,9 +12,9 @@ from __future__ import annotations
 import datetime as _dt
 from pathlib import Path
 
-from mla_tune import choose as choosing
-from mla_tune.problem import WorkloadMix
-from mla_tune.report import CPU_KIND, ReportError, ReportFilter, device_key, select_trials
+from mla_tune.tune import choose as choosing
+from mla_tune.problem.workload import WorkloadMix
+from mla_tune.views.report import CPU_KIND, ReportError, ReportFilter, device_key, select_trials
 from vllm_metax import decisions, tuned_config as tc
 
 CPU_NOTE = ("measured with the CPU torch reference (no GPU): the page size exercises the pipeline; "

@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from mla_tune.problem import WorkloadMix
+from mla_tune.problem.workload import WorkloadMix
 
 P_THRESHOLD = 0.002
 MIN_RATIO = 1.05
@@ -293,14 +293,14 @@ def _measured(row: dict, metric: str) -> Measured:
 def backend_default(family: str, workload, page_size: int) -> str | None:
     """The family's default candidate key as its backend declares it (None if it cannot say)."""
     try:
-        from mla_tune.backends import get_backend
+        from mla_tune.families import get_backend
         return get_backend(family).default_candidate(workload, page_size).key
     except Exception:   # an unavailable or unknown family cannot name its default
         return None
 
 
 def _workload_of(row: dict):
-    from mla_tune.problem import Workload
+    from mla_tune.problem.workload import Workload
     try:
         return Workload(row["num_heads"], row["kv_lora_rank"], row["qk_rope_head_dim"],
                         row["softmax_scale"], row["batch_size"], row["context_len"], row["q_len"],
@@ -317,7 +317,7 @@ def _lookup_context(rows: list) -> int | None:
 
 
 def _tp_size(model: str, heads_per_rank: int) -> int | None:
-    from mla_tune.problem import ProblemError, model_preset
+    from mla_tune.problem.workload import ProblemError, model_preset
     try:
         total = model_preset(model).num_heads
     except ProblemError:

@@ -3,12 +3,12 @@
 Per device: the runs; per workload the candidates side by side (median, spread, % of the roofline
 floor, speedup over the family default, invalid ones with their reasons); per bucket the winner;
 per model entry the global choice (page size, attention-backend order) and why. Winners and the
-global choice come from `mla_tune.choose` (the same rules `mla-tune emit` writes into the tuned
+global choice come from `mla_tune.tune.choose` (the same rules `mla-tune emit` writes into the tuned
 config); this module only arranges them. Works on any results.db, with no GPU.
 
 `build_report(store, ReportFilter(...))` returns a `Report`; `report_tables`, `report_csv`,
 `Report.to_json` and `render_report(report, fmt)` turn it into the read formats of
-`mla_tune.render`.
+`mla_tune.views.render`.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from mla_tune import choose as choosing
-from mla_tune.problem import Workload, WorkloadMix
-from mla_tune.render import Column, OutputFormat, Table, to_csv, to_json_text, to_markdown
-from mla_tune.roofline import floor_of, pct_of_floor
+from mla_tune.tune import choose as choosing
+from mla_tune.problem.workload import Workload, WorkloadMix
+from mla_tune.views.render import Column, OutputFormat, Table, to_csv, to_json_text, to_markdown
+from mla_tune.problem.roofline import floor_of, pct_of_floor
 
 CPU_KIND = "cpu-reference"
 CPU_LABEL = "CPU torch reference: timings of the correctness oracle, not of a GPU kernel"
@@ -235,7 +235,7 @@ class Report:
 
 def build_report(store, flt: ReportFilter = ReportFilter(), mix: WorkloadMix | None = None,
                  **choose_kw) -> Report:
-    """The report of the trials `flt` selects; winners by `mla_tune.choose` under `mix`."""
+    """The report of the trials `flt` selects; winners by `mla_tune.tune.choose` under `mix`."""
     rows = select_trials(store, flt)
     if mix is not None and mix.weights:
         mix.check_covers({(r["batch_size"], r["context_len"]) for r in rows}, "the selected trials")
@@ -307,7 +307,7 @@ def _family_defaults(rows: list[dict], wl) -> dict:
     """family -> the rows that are its untuned default on this workload (one per page size).
 
     Trials carry is_default from the sweep; for rows without the mark (older DBs) the family's
-    backend names its default, as `mla_tune.choose` does.
+    backend names its default, as `mla_tune.tune.choose` does.
     """
     out: dict = {}
     for r in rows:
@@ -568,7 +568,7 @@ def render_report(report: Report, fmt: str | OutputFormat, full: bool = False) -
     if fmt is OutputFormat.markdown:
         return to_markdown(tables, heading=f"mla-tune report: {report.db} "
                                            f"({report.filter.describe()})")
-    from mla_tune.render import to_rich
+    from mla_tune.views.render import to_rich
     return to_rich(tables)
 
 
@@ -704,7 +704,7 @@ def render_config(cfg, fmt: str | OutputFormat, lookup: tuple | None = None) -> 
     tables = config_tables(cfg, lookup)
     if fmt is OutputFormat.markdown:
         return to_markdown(tables, heading=f"tuned config {cfg.path or ''}".strip())
-    from mla_tune.render import to_rich
+    from mla_tune.views.render import to_rich
     return to_rich(tables)
 
 

@@ -2,7 +2,7 @@
 
 The correctness gate runs the candidate on fresh random data with a poisoned output buffer and
 compares with the torch reference; a wrong or NaN result makes the trial invalid, so it can never
-win. Timing on CUDA is in `mla_tune.timing` (graphs, events, rotated data); on the CPU it is a
+win. Timing on CUDA is in `mla_tune.measure.timing` (graphs, events, rotated data); on the CPU it is a
 wall-clock loop, labelled as such in the run record.
 """
 
@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mla_tune.backends.base import Candidate, CandidateInvalid
-from mla_tune.problem import Workload
-from mla_tune.problem_data import make_problem
-from mla_tune.reference import mla_decode_reference, relative_error
+from mla_tune.families.base import Candidate, CandidateInvalid
+from mla_tune.problem.workload import Workload
+from mla_tune.problem.instance import make_problem
+from mla_tune.problem.reference import mla_decode_reference, relative_error
 
 # bf16 operands with fp32 accumulation land between 1e-3 and 1e-2 relative error
 TOLERANCE = {"bfloat16": 2e-2, "float16": 5e-3}
@@ -81,7 +81,7 @@ def measure(backend, workload: Workload, candidate: Candidate, settings: Measure
             if prepared.plan is not None:
                 samples["plan_us"] = _cpu_samples(prepared.plan, 1, settings.plan_samples)
         else:
-            from mla_tune.timing import time_prepared
+            from mla_tune.measure.timing import time_prepared
             samples = time_prepared(prepared, settings)
         return TrialResult(candidate, "ok", samples, message=getattr(samples, "note", ""),
                            compile_s=compile_s, max_rel_error=err)
