@@ -3,7 +3,7 @@
     source .carry/device-env.sh && python3 bench/triton_vs_flashinfer.py --out $OUT
 
 Per bucket (128 heads = TP1, 16 heads = TP8; batch 1-128; context 1K-32K; page 64) it measures,
-in one interleaved set through the tuner's own harness (mla_tune.measure.timing.measure_interleaved:
+in one interleaved set through the tuner's own harness (mla_tune.measure.trial.measure_interleaved:
 correctness gate against the torch reference, CUDA-graph replays timed with events, cold L2):
 
 * FlashInfer fa3 (`get_backend("flashinfer")`, the plugin's op);
@@ -63,7 +63,8 @@ def measure_all(args) -> dict:
     from mla_tune.measure.environment import capture_environment
     from mla_tune.measure.trial import MeasureSettings
     from mla_tune.problem.roofline import workload_bytes, workload_flops
-    from mla_tune.measure.timing import default_pool_bytes, measure_interleaved
+    from mla_tune.measure.timing import default_pool_bytes
+    from mla_tune.measure.trial import measure_interleaved
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -28,10 +28,9 @@ def run_bench(candidates, workloads, settings, rounds: int, db: str | None, ceil
     """Measure `candidates` on each workload (interleaved), store them, return one row per trial."""
     from mla_tune.families import get_backend
     from mla_tune.measure.environment import capture_environment
-    from mla_tune.measure.trial import TrialResult
+    from mla_tune.measure.trial import TrialResult, measure_interleaved
     from mla_tune.problem.roofline import achieved, pct_of_floor, workload_bytes, workload_flops
     from mla_tune.store.results import ResultsStore, stats_of
-    from mla_tune.measure.timing import measure_interleaved
 
     families = {}
     for c in candidates:
@@ -122,7 +121,8 @@ def bench(
     from mla_tune.families import Candidate, check_candidate
     from mla_tune.measure.trial import MeasureSettings
     from mla_tune.problem.workload import RAGGED_KINDS
-    from mla_tune.validate import check_kv_tokens, is_results_db, output_file
+    from mla_tune.store.results import is_results_db
+    from mla_tune.validate import check_kv_tokens, output_file
 
     if heads is not None and given(ctx, "model", "tp"):
         raise UserError(f"--heads replaces --model/--tp; drop {', '.join('--' + n for n in given(ctx, 'model', 'tp'))}")

@@ -21,11 +21,12 @@ DB_HELP = ("Results DB to read, opened read-only (default: results.db, or result
 def _known():
     from mla_tune.tune.emit import EmitError
     from mla_tune.problem.workload import ProblemError
+    from mla_tune.store.selection import SelectionError
     from mla_tune.views.report import ReportError
     from mla_tune.store.results import StoreError
     from mla_tune.validate import InputError
     from vllm_metax.tuned_config import TunedConfigError
-    return (EmitError, ReportError, StoreError, TunedConfigError, ProblemError, InputError)
+    return (EmitError, ReportError, SelectionError, StoreError, TunedConfigError, ProblemError, InputError)
 
 
 def _db_path(db: Optional[Path]) -> Path:
@@ -56,8 +57,8 @@ def _print(out) -> None:
 
 
 def _filter(device, model, run):
-    from mla_tune.views.report import ReportFilter
-    return ReportFilter(device, model, tuple(run or ()))
+    from mla_tune.store.selection import TrialFilter
+    return TrialFilter(device, model, tuple(run or ()))
 
 
 @app.command("report")

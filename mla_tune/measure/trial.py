@@ -2,19 +2,22 @@
 
 The correctness gate runs the candidate on fresh random data with a poisoned output buffer and
 compares with the torch reference; a wrong or NaN result makes the trial invalid, so it can never
-win. Timing on CUDA is in `mla_tune.measure.timing` (graphs, events, rotated data); on the CPU it is a
+win. Timing on CUDA is in `mla_tune.measure.timing`, which knows samples only: results are made here (graphs, events, rotated data); on the CPU it is a
 wall-clock loop, labelled as such in the run record.
 """
 
 from __future__ import annotations
 
+import math
 import time
 import traceback
 from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import torch
 
 from mla_tune.families.base import Candidate, CandidateInvalid
+from mla_tune.measure.timing import KernelTimer, TimedSamples, time_prepared
 from mla_tune.problem.workload import Workload
 from mla_tune.problem.instance import make_problem
 from mla_tune.problem.reference import mla_decode_reference, relative_error
@@ -81,18 +84,11 @@ def measure(backend, workload: Workload, candidate: Candidate, settings: Measure
             if prepared.plan is not None:
                 samples["plan_us"] = _cpu_samples(prepared.plan, 1, settings.plan_samples)
         else:
-            from mla_tune.measure.timing import time_prepared
             samples = time_prepared(prepared, settings)
         return TrialResult(candidate, "ok", samples, message=getattr(samples, "note", ""),
                            compile_s=compile_s, max_rel_error=err)
-    except CandidateInvalid as e:
-        return TrialResult(candidate, "invalid", invalid_reason=e.reason, message=e.message)
-    except torch.cuda.OutOfMemoryError as e:
-        return TrialResult(candidate, "invalid", invalid_reason="runtime", message=f"out of memory: {e}")
-    except Exception as e:  # a kernel family's own error: data, not a crash of the sweep
-        tb = traceback.format_exc(limit=3)
-        return TrialResult(candidate, "invalid", invalid_reason="runtime",
-                           message=f"{type(e).__name__}: {e}\n{tb}")
+    except Exception as e:  # noqa: BLE001 - a kernel family's own error: data, not a crash of the sweep
+        return invalid_result(candidate, e)
 
 
 def _cpu_samples(fn, warmup: int, n: int) -> list[float]:
@@ -104,3 +100,88 @@ def _cpu_samples(fn, warmup: int, n: int) -> list[float]:
         fn()
         out.append((time.perf_counter() - t) * 1e6)
     return out
+
+
+# ---------------------------------------------------------------- several candidates, interleaved
+
+@dataclass
+class _Entry:
+    backend: object
+    candidate: Candidate
+    timer: KernelTimer | None = None
+    compile_s: float | None = None
+    max_rel_error: float | None = None
+    kernel_us: list = field(default_factory=list)
+    result: object = None      # a finished (invalid) TrialResult
+
+
+def measure_interleaved(entries: Sequence[tuple[object, Candidate]], workload: Workload, settings,
+                        rounds: int = 5, on_prepared: Callable | None = None) -> list:
+    """Measure several candidates of one workload round-robin; one TrialResult per entry, in order.
+
+    `entries` are (backend, candidate) pairs (families may differ); `settings` a
+    measure.MeasureSettings (`samples` is the total per candidate, split over `rounds`). Each
+    candidate is first prepared on a problem shared by all candidates of its page size,
+    correctness-checked on fresh data (measure.check_correctness) and captured; failures become
+    invalid TrialResults with their reason, exactly as measure.measure makes them. Then `rounds`
+    rounds each take ceil(samples / rounds) samples from every live candidate, the order rotated
+    by one per round. `on_prepared(candidate, ok)` is called after each preparation (progress).
+    """
+    problems: dict[int, object] = {}
+    todo: list[_Entry] = [_Entry(b, c) for b, c in entries]
+    for e in todo:
+        try:
+            t0 = time.perf_counter()
+            if e.candidate.page_size not in problems:
+                problems[e.candidate.page_size] = make_problem(
+                    workload, e.candidate.page_size, settings.device, seed=settings.seed,
+                    min_pool_bytes=settings.min_pool_bytes)
+            prepared = e.backend.prepare(workload, e.candidate, problems[e.candidate.page_size])
+            e.compile_s = prepared.compile_s or (time.perf_counter() - t0)
+            if settings.check:
+                e.max_rel_error = check_correctness(e.backend, workload, e.candidate, settings,
+                                                    seed=settings.seed + 1000)
+            e.timer = KernelTimer(prepared, settings.device, settings.warmup, settings.plan_samples)
+        except Exception as exc:  # noqa: BLE001 - every failure is data
+            e.result = invalid_result(e.candidate, exc)
+            e.timer = None
+        if on_prepared is not None:
+            on_prepared(e.candidate, e.result is None)
+    live = [e for e in todo if e.timer is not None]
+    per_round = max(1, math.ceil(settings.samples / max(rounds, 1)))
+    for r in range(max(rounds, 1)):
+        if not live:
+            break
+        k = r % len(live)
+        for e in live[k:] + live[:k]:
+            want = min(per_round, settings.samples - len(e.kernel_us))
+            try:
+                e.kernel_us.extend(e.timer.sample(want))
+            except Exception as exc:  # noqa: BLE001
+                e.result = invalid_result(e.candidate, exc)
+        live = [e for e in live if e.result is None]
+    results = []
+    for e in todo:
+        if e.result is None:
+            samples = {"kernel_us": e.kernel_us}
+            if e.timer.plan_us:
+                samples["plan_us"] = e.timer.plan_us
+            e.result = TrialResult(e.candidate, "ok", TimedSamples(samples, e.timer.method, e.timer.note),
+                                   message=e.timer.note, compile_s=e.compile_s,
+                                   max_rel_error=e.max_rel_error)
+        if e.timer is not None:
+            e.timer.close()
+        results.append(e.result)
+    return results
+
+
+def invalid_result(candidate: Candidate, exc: BaseException) -> TrialResult:
+    """The invalid TrialResult an exception stands for (CandidateInvalid keeps its reason)."""
+    result_cls = TrialResult
+    if isinstance(exc, CandidateInvalid):
+        return result_cls(candidate, "invalid", invalid_reason=exc.reason, message=exc.message)
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return result_cls(candidate, "invalid", invalid_reason="runtime", message=f"out of memory: {exc}")
+    tb = traceback.format_exc(limit=3)
+    return result_cls(candidate, "invalid", invalid_reason="runtime",
+                      message=f"{type(exc).__name__}: {exc}\n{tb}")

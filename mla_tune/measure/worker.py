@@ -58,24 +58,11 @@ def measure_batch(workload, entries: Sequence[tuple[object, Candidate]], setting
                   on_prepared: Callable[[Candidate, bool], None] | None = None) -> list:
     """Measure (backend, candidate) pairs of one workload here; one TrialResult per entry.
 
-    Several candidates are measured interleaved (`timing.measure_interleaved`: round-robin, so
-    drift spreads over all of them); where that API is missing, one after another with
-    `measure.measure`. `on_prepared(candidate, ok)` follows each candidate's preparation.
+    Several candidates are measured interleaved (`trial.measure_interleaved`: round-robin, so
+    drift spreads over all of them). `on_prepared(candidate, ok)` follows each preparation.
     """
-    try:
-        from mla_tune.measure.timing import measure_interleaved
-    except ImportError:
-        measure_interleaved = None
-    if measure_interleaved is not None:
-        return measure_interleaved(list(entries), workload, settings, on_prepared=on_prepared)
-    from mla_tune.measure.trial import measure
-    out = []
-    for backend, cand in entries:
-        r = measure(backend, workload, cand, settings)
-        out.append(r)
-        if on_prepared is not None:
-            on_prepared(cand, r.status == "ok")
-    return out
+    from mla_tune.measure.trial import measure_interleaved
+    return measure_interleaved(list(entries), workload, settings, on_prepared=on_prepared)
 
 
 def _plain(result):

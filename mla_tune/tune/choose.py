@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 from mla_tune.problem.workload import WorkloadMix
+from mla_tune.store.results import stored_workload
 
 P_THRESHOLD = 0.002
 MIN_RATIO = 1.05
@@ -299,20 +300,10 @@ def backend_default(family: str, workload, page_size: int) -> str | None:
         return None
 
 
-def _workload_of(row: dict):
-    from mla_tune.problem.workload import Workload
-    try:
-        return Workload(row["num_heads"], row["kv_lora_rank"], row["qk_rope_head_dim"],
-                        row["softmax_scale"], row["batch_size"], row["context_len"], row["q_len"],
-                        row["ragged"], row["seed"], row["q_dtype"], row["kv_dtype"], row["model"])
-    except Exception:
-        return None
-
-
 def _lookup_context(rows: list) -> int | None:
     """The plugin's lookup statistic over the lengths a bucket was measured with."""
     from vllm_metax.decisions import bucket_context
-    wl = _workload_of(rows[0]) if rows else None
+    wl = stored_workload(rows[0]) if rows else None
     return bucket_context(wl.seq_lens) if wl is not None else None
 
 
@@ -419,7 +410,7 @@ def _choose_model(device_name, g, rows, mix, p_threshold, min_ratio, default_pag
                 measured = [_measured(r, metric) for r in cand_rows]
                 default_key = next((m.key for m in measured if m.is_default), None)
                 if default_key is None and default_of is not None:
-                    wl = _workload_of(cand_rows[0])
+                    wl = stored_workload(cand_rows[0])
                     default_key = default_of(fam, wl, page) if wl is not None else None
                 v = decide(measured, default_key, fam, page, p_threshold, min_ratio)
                 if v.best and v.default and v.default.ok and v.best.key != v.default.key and \

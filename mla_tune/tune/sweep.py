@@ -648,6 +648,7 @@ def check_sweep_config(config: SweepConfig) -> SweepConfig:
     device defaults filled in (DB, emit); raises before the sweep writes anything: no DB row, no
     journal, no config. Returns the config with `device`, `db` and `emit` resolved."""
     from mla_tune import validate as v
+    from mla_tune.store.results import is_results_db
     device = config.device or detect_device()
     db = Path(config.db) if config.db is not None else default_db(device)
     emit = config.emit if config.emit is not None else device.startswith("cuda")
@@ -677,7 +678,7 @@ def check_sweep_config(config: SweepConfig) -> SweepConfig:
     if config.mix is not None:
         config.mix.check_covers({(b.workload.batch_size, b.workload.context_len)
                                  for b in config.buckets}, "the sweep's buckets")
-    v.output_file(db, "--db", own=v.is_results_db)
+    v.output_file(db, "--db", own=is_results_db)
     if config.journal is not False:
         journal = Path(config.journal) if config.journal else journal_path_for(db)
         v.output_file(journal, "--journal", own=v.is_optuna_journal)
