@@ -2,8 +2,8 @@
 
     source .carry/device-env.sh && python3 bench/engine_bench.py --out $OUT
 
-Measures, through the tuner's own harness (mla_tune.timing.measure_interleaved over
-mla_tune.backends.flashinfer, i.e. the plugin's op), and writes <out>/engine_bench.json plus a
+Measures, through the tuner's own harness (mla_tune.measure.trial.measure_interleaved over
+mla_tune.families.flashinfer, i.e. the plugin's op), and writes <out>/engine_bench.json plus a
 text summary (<out>/engine_bench.txt, also printed):
 
 * device ceilings (copy GB/s counting read+write, bf16 8192^3 matmul TFLOP/s);
@@ -30,14 +30,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mla_tune.backends import Candidate  # noqa: E402
-from mla_tune.backends.flashinfer import FlashInferBackend  # noqa: E402
-from mla_tune.measure import MeasureSettings, measure  # noqa: E402
-from mla_tune.problem import model_preset, workload_for  # noqa: E402
-from mla_tune.problem_data import make_problem  # noqa: E402
-from mla_tune.roofline import achieved, floor_of, measure_ceilings, pct_of_floor  # noqa: E402
-from mla_tune.store import stats_of  # noqa: E402
-from mla_tune.timing import KernelTimer, _flush_buffer, default_pool_bytes, measure_interleaved  # noqa: E402
+from mla_tune.families import Candidate  # noqa: E402
+from mla_tune.families.flashinfer import FlashInferBackend  # noqa: E402
+from mla_tune.measure.trial import MeasureSettings, measure, measure_interleaved  # noqa: E402
+from mla_tune.problem.workload import model_preset, workload_for  # noqa: E402
+from mla_tune.problem.instance import make_problem  # noqa: E402
+from mla_tune.problem.roofline import achieved, floor_of, measure_ceilings, pct_of_floor  # noqa: E402
+from mla_tune.store.results import stats_of  # noqa: E402
+from mla_tune.measure.timing import KernelTimer, _flush_buffer, default_pool_bytes  # noqa: E402
 
 V3 = model_preset("deepseek-v3")
 LOG: list[str] = []
@@ -183,7 +183,7 @@ def main():
     result: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     t_start = time.time()
 
-    from mla_tune.environment import capture_environment
+    from mla_tune.measure.environment import capture_environment
     from vllm_metax.ops import flashinfer_mla as op
     env = capture_environment("gpu", "bench/engine_bench.py")
     api = op.flashinfer_api()

@@ -265,7 +265,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    from mla_tune.environment import capture_environment
+    from mla_tune.measure.environment import capture_environment
 
     rows: list = []
     profile: list = []

@@ -28,10 +28,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from mla_tune.backends.base import Candidate
-from mla_tune.problem import model_preset, workload_for
-from mla_tune.roofline import workload_bytes, workload_flops
-from mla_tune.store import ResultsStore
+from mla_tune.families.base import Candidate
+from mla_tune.problem.workload import model_preset, workload_for
+from mla_tune.problem.roofline import workload_bytes, workload_flops
+from mla_tune.store.results import ResultsStore
 
 DEVICE = "synthetic landscape"
 SMS = 132
@@ -108,7 +108,7 @@ def build_landscape_db(path: str | Path, buckets=BUCKETS, tp: int = 8, seed: int
 
 def compare(path: str | Path, seeds=(0, 1, 2, 3, 4), **policy) -> list[dict]:
     """Replay grid once and TPE per seed over the DB; one row per (bucket, seed)."""
-    from mla_tune.sweep import SweepConfig, replay_sweep
+    from mla_tune.tune.sweep import SweepConfig, replay_sweep
 
     grid = replay_sweep(path, SweepConfig(buckets=[], mode="grid", emit=False))
     grid_by = {(b.bucket.workload.batch_size, b.bucket.workload.context_len): b for b in grid.buckets}

@@ -3,7 +3,7 @@
     source .carry/device-env.sh && python3 bench/triton_vs_flashinfer.py --out $OUT
 
 Per bucket (128 heads = TP1, 16 heads = TP8; batch 1-128; context 1K-32K; page 64) it measures,
-in one interleaved set through the tuner's own harness (mla_tune.timing.measure_interleaved:
+in one interleaved set through the tuner's own harness (mla_tune.measure.trial.measure_interleaved:
 correctness gate against the torch reference, CUDA-graph replays timed with events, cold L2):
 
 * FlashInfer fa3 (`get_backend("flashinfer")`, the plugin's op);
@@ -13,7 +13,7 @@ correctness gate against the torch reference, CUDA-graph replays timed with even
 
 It writes <out>/triton_vs_flashinfer.json (every sample), .md (the table and verdict) and .db (a
 results store `mla-tune report` reads), and prints the table. "Wins" and "gains" count only when a
-one-sided Mann-Whitney test gives p < 0.002 and the median ratio is >= 1.05 (mla_tune.choose);
+one-sided Mann-Whitney test gives p < 0.002 and the median ratio is >= 1.05 (mla_tune.tune.choose);
 where scipy is missing the test is skipped and `--analyze <json>` redoes the summary elsewhere.
 """
 
@@ -31,8 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mla_tune.backends.triton_mla import vllm_compiled_ops_missing  # noqa: E402
-from mla_tune.problem import model_preset, workload_for  # noqa: E402
+from mla_tune.families.triton_mla import vllm_compiled_ops_missing  # noqa: E402
+from mla_tune.problem.workload import model_preset, workload_for  # noqa: E402
 
 # vLLM's compiled ops are absent where only its Python files were carried (the H200 machine): its
 # built-in CUDA platform cannot load there, so the project's platform plugin must be the active one.
@@ -59,11 +59,12 @@ def _ints(text: str) -> list[int]:
 def measure_all(args) -> dict:
     import torch
 
-    from mla_tune.backends import get_backend
-    from mla_tune.environment import capture_environment
-    from mla_tune.measure import MeasureSettings
-    from mla_tune.roofline import workload_bytes, workload_flops
-    from mla_tune.timing import default_pool_bytes, measure_interleaved
+    from mla_tune.families import get_backend
+    from mla_tune.measure.environment import capture_environment
+    from mla_tune.measure.trial import MeasureSettings
+    from mla_tune.problem.roofline import workload_bytes, workload_flops
+    from mla_tune.measure.timing import default_pool_bytes
+    from mla_tune.measure.trial import measure_interleaved
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -81,7 +82,7 @@ def measure_all(args) -> dict:
 
     store = run_id = None
     try:
-        from mla_tune.store import ResultsStore
+        from mla_tune.store.results import ResultsStore
         store = ResultsStore(out / f"{NAME}.db")
         run_id = store.add_run({**env, "notes": "bench/triton_vs_flashinfer.py"})
     except ImportError as e:
@@ -150,7 +151,7 @@ def one_line(rows, label, page) -> str:
 
 def _compare():
     try:
-        from mla_tune.choose import compare
+        from mla_tune.tune.choose import compare
         import scipy  # noqa: F401
         return compare
     except ImportError:

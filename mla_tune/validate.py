@@ -156,6 +156,18 @@ def input_text(path: str | os.PathLike, what: str, max_bytes: int = MAX_MIX_BYTE
     return tc.read_text_file(path, max_bytes, what, InputError)
 
 
+_OWN_KINDS: dict = {}
+
+
+def own_kind(description: str):
+    """Decorator of an `own=` predicate of output_file: what it recognises, for the refusal."""
+    def mark(predicate):
+        _OWN_KINDS[predicate] = description
+        return predicate
+    return mark
+
+
+@own_kind('a PNG')
 def is_png(path: Path) -> bool:
     try:
         with open(path, "rb") as f:
@@ -164,6 +176,7 @@ def is_png(path: Path) -> bool:
         return False
 
 
+@own_kind('a SQLite file')
 def is_sqlite(path: Path) -> bool:
     try:
         with open(path, "rb") as f:
@@ -172,23 +185,7 @@ def is_sqlite(path: Path) -> bool:
         return False
 
 
-def is_results_db(path: Path) -> bool:
-    """An mla-tune results DB: SQLite holding the store's meta table (read without writing)."""
-    if not is_sqlite(path):
-        return False
-    import sqlite3
-    from mla_tune.store import META_TABLE, readonly_uri
-    try:
-        conn = sqlite3.connect(readonly_uri(path), uri=True, timeout=30)
-        try:
-            return conn.execute("select 1 from sqlite_master where type = 'table' and name = ?",
-                                [META_TABLE]).fetchone() is not None
-        finally:
-            conn.close()
-    except sqlite3.Error:
-        return False
-
-
+@own_kind('an optuna journal')
 def is_optuna_journal(path: Path) -> bool:
     """An optuna JournalFileStorage log: JSON lines, each an object with an op_code."""
     try:
@@ -227,8 +224,7 @@ def output_file(path: str | os.PathLike, what: str, own: Callable[[Path], bool] 
 
 
 def _own_text(own) -> str:
-    return {is_png: "a PNG", is_sqlite: "a SQLite file", is_results_db: "an mla-tune results DB",
-            is_optuna_journal: "an optuna journal"}.get(own, "this tool's output")
+    return _OWN_KINDS.get(own, "this tool's output")
 
 
 def output_folder(path: str | os.PathLike, what: str) -> Path:

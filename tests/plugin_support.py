@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import torch
 
-from mla_tune.reference import mla_decode_reference
+from mla_tune.problem.reference import mla_decode_reference
 
 # DeepSeek-V2-Lite's attention (16 heads, YaRN) with a toy MLP, so the config is small.
 MODEL_CONFIG = {

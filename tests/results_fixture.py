@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mla_tune.backends.base import Candidate
-from mla_tune.problem import model_preset, workload_for
-from mla_tune.roofline import workload_bytes, workload_flops
-from mla_tune.store import ResultsStore
+from mla_tune.families.base import Candidate
+from mla_tune.problem.workload import model_preset, workload_for
+from mla_tune.problem.roofline import workload_bytes, workload_flops
+from mla_tune.store.results import ResultsStore
 
 H200 = "NVIDIA H200"
 METAX = "MetaX C500"

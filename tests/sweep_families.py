@@ -9,7 +9,7 @@
   while it runs.
 * "gpufault" (GPU only): "oob" makes a real illegal memory access from a Triton kernel.
 
-`register()` adds both to mla_tune.backends' registry in this process; a worker process gets
+`register()` adds both to mla_tune.families' registry in this process; a worker process gets
 them through WorkerRunner's copy of the registry (this module must be importable there, which
 it is: tests/ is on sys.path under pytest, and a subprocess puts it there itself).
 """
@@ -20,9 +20,9 @@ import ctypes
 import os
 import time
 
-from mla_tune.backends import register_family
-from mla_tune.backends.base import Candidate, CandidateInvalid
-from mla_tune.backends.reference import ReferenceBackend
+from mla_tune.families import register_family
+from mla_tune.families.base import Candidate, CandidateInvalid
+from mla_tune.families.reference import ReferenceBackend
 
 FAULTY_BACKENDS = ("torch", "abort", "segv", "hang", "poison", "refuse")
 _poisoned = False

@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cli_support import one_line, run_main
-from mla_tune.emit import emit_config
-from mla_tune.store import ResultsStore
+from mla_tune.tune.emit import emit_config
+from mla_tune.store.results import ResultsStore
 from results_fixture import H200, build_fixture_db
 from vllm_metax import tuned_config as tc
 
@@ -321,7 +321,7 @@ def test_fuzzed_config_is_refused_by_the_schema_or_inside_it(good_doc, tmp_path_
         assert str(e) and "\n" not in str(e).strip()
     else:
         _check_inside_schema(cfg)
-        from mla_tune.report import render_config
+        from mla_tune.views.report import render_config
         for fmt in ("table", "json", "csv", "markdown"):        # what `show` prints: never raises
             render_config(cfg, fmt, (8, 4096, 1))
 

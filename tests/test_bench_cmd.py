@@ -5,7 +5,7 @@ import json
 from typer.testing import CliRunner
 
 from mla_tune.cli import app
-from mla_tune.store import ResultsStore
+from mla_tune.store.results import ResultsStore
 
 runner = CliRunner()
 

@@ -1,14 +1,14 @@
-"""Winners and the global choice (mla_tune.choose) from trial rows of a real results DB."""
+"""Winners and the global choice (mla_tune.tune.choose) from trial rows of a real results DB."""
 
 import math
 
 import pytest
 
-from mla_tune.backends.base import Candidate
-from mla_tune.choose import (NO_SIGNIFICANT_DIFFERENCE, bucket_weights, choose, choose_from_store,
+from mla_tune.families.base import Candidate
+from mla_tune.tune.choose import (NO_SIGNIFICANT_DIFFERENCE, bucket_weights, choose, choose_from_store,
                              compare, latest_trials, min_p_value)
-from mla_tune.problem import WorkloadMix, model_preset, workload_for
-from mla_tune.store import ResultsStore
+from mla_tune.problem.workload import WorkloadMix, model_preset, workload_for
+from mla_tune.store.results import ResultsStore
 
 V3 = model_preset("deepseek-v3")
 SPREAD = [1.000, 1.004, 0.997, 1.008, 0.994, 1.002, 1.006, 0.998, 1.010, 0.992]   # +-1%

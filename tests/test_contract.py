@@ -19,10 +19,10 @@ import pytest
 import torch
 
 import plugin_support as ps
-from mla_tune.backends.base import Candidate
-from mla_tune.emit import emit_config
-from mla_tune.problem import custom_model, workload_for
-from mla_tune.store import ResultsStore
+from mla_tune.families.base import Candidate
+from mla_tune.tune.emit import emit_config
+from mla_tune.problem.workload import custom_model, workload_for
+from mla_tune.store.results import ResultsStore
 from vllm_metax import decisions
 from vllm_metax import tuned_config as tc
 from vllm_metax.device import DeviceInfo
@@ -250,7 +250,7 @@ def test_the_tuner_measures_what_the_plugin_may_plan_and_its_untuned_default(dev
     builder may plan, and its baseline is what the plugin plans without a tuned config."""
     import flashinfer_fakes as fakes
     import vllm_metax.backend as backend_pkg
-    from mla_tune.backends.flashinfer import FlashInferBackend
+    from mla_tune.families.flashinfer import FlashInferBackend
     from vllm_metax import device as device_mod
     from vllm_metax.backend.flashinfer_mla import PlanChoice
     from vllm_metax.ops import flashinfer_mla as op

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from mla_tune.backends.base import Candidate
+from mla_tune.families.base import Candidate
 from mla_tune.cli import app
-from mla_tune.distributed import Heartbeat, SharedBucket, open_storage, parse_gpus
-from mla_tune.search import SearchSpace
-from mla_tune.store import ResultsStore
+from mla_tune.tune.distributed import Heartbeat, SharedBucket, open_storage, parse_gpus
+from mla_tune.tune.search import SearchSpace
+from mla_tune.store.results import ResultsStore
 
 TESTS = Path(__file__).parent
 runner = CliRunner()
@@ -347,7 +347,7 @@ def test_rdb_heartbeat_fails_a_silent_claim_and_retries_it_postgres(postgres_url
 
 def test_a_new_results_db_beside_an_old_journal_measures_afresh(tmp_path):
     # the journal's studies belong to the DB they were made for: `rm results.db` starts over
-    from mla_tune.sweep import build_config, run_sweep
+    from mla_tune.tune.sweep import build_config, run_sweep
     db = tmp_path / "results.db"
     cfg = dict(db=db, device="cpu", isolation="inline", emit=False, batches="1", contexts="64",
                page_sizes=[16, 64], samples=3, warmup=1)

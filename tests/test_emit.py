@@ -1,4 +1,4 @@
-"""mla_tune.emit and `mla-tune emit`: results.db -> the tuned config the plugin reads."""
+"""mla_tune.tune.emit and `mla-tune emit`: results.db -> the tuned config the plugin reads."""
 
 import datetime
 import json
@@ -7,14 +7,14 @@ import statistics
 import pytest
 from typer.testing import CliRunner
 
-from mla_tune import choose as choosing
-from mla_tune.backends.base import Candidate
+from mla_tune.tune import choose as choosing
+from mla_tune.families.base import Candidate
 from mla_tune.cli import app
-from mla_tune.emit import EmitError, build_tuned_config, emit_all, emit_config
-from mla_tune.problem import model_preset, workload_for
-from mla_tune.report import ReportError, ReportFilter
-from mla_tune.roofline import workload_bytes, workload_flops
-from mla_tune.store import ResultsStore
+from mla_tune.tune.emit import EmitError, build_tuned_config, emit_all, emit_config
+from mla_tune.problem.workload import model_preset, workload_for
+from mla_tune.store.selection import SelectionError, TrialFilter
+from mla_tune.problem.roofline import workload_bytes, workload_flops
+from mla_tune.store.results import ResultsStore
 from results_fixture import BATCHES, CONTEXTS, H200, METAX, MODEL, TP, build_fixture_db
 from vllm_metax import device as vdevice
 from vllm_metax import tuned_config as tc
@@ -80,7 +80,7 @@ def test_device_choice_when_the_db_holds_several(fx, tmp_path, monkeypatch):
     with ResultsStore(fx.path) as s:
         with pytest.raises(EmitError, match="several devices .* --device"):
             emit_config(s, tmp_path)
-        with pytest.raises(ReportError, match="match device 'NVIDIA B200'; it holds devices"):
+        with pytest.raises(SelectionError, match="match device 'NVIDIA B200'; it holds devices"):
             emit_config(s, tmp_path, device="NVIDIA B200")
         _detected(monkeypatch, METAX)
         assert emit_config(s, tmp_path).name == "device_name=MetaX_C500.json"
@@ -101,7 +101,7 @@ def test_cpu_reference_config_is_valid_and_labelled(fx, tmp_path):
 
 def test_filters_restrict_the_runs(fx, tmp_path):
     with ResultsStore(fx.path) as s:
-        cfg = build_tuned_config(s, ReportFilter(device=H200, runs=(fx.runs["gpu2"],)))
+        cfg = build_tuned_config(s, TrialFilter(device=H200, runs=(fx.runs["gpu2"],)))
     assert cfg.provenance["runs"] == [fx.runs["gpu2"]]
     assert [(b.batch_size, b.context_len) for b in cfg.models[0].buckets] == [(64, 4096)]
 

@@ -4,11 +4,11 @@ refusals as data, and the correctness gate through the real block-table -> metad
 import pytest
 import torch
 
-from mla_tune.backends import Candidate, get_backend
-from mla_tune.backends.flashinfer import FlashInferBackend
-from mla_tune.measure import MeasureSettings, measure
-from mla_tune.problem import custom_model, workload_for
-from mla_tune.problem_data import make_problem
+from mla_tune.families import Candidate, get_backend
+from mla_tune.families.flashinfer import FlashInferBackend
+from mla_tune.measure.trial import MeasureSettings, measure
+from mla_tune.problem.workload import custom_model, workload_for
+from mla_tune.problem.instance import make_problem
 from tests import flashinfer_fakes as fakes
 from vllm_metax import device as device_mod
 from vllm_metax.ops import flashinfer_mla as op

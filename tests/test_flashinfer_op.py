@@ -130,7 +130,7 @@ def test_is_refusal_separates_refusals_from_bugs():
 @pytest.mark.parametrize("q_len", [1, 3])
 def test_op_result_matches_reference_through_real_metadata(monkeypatch, make, q_len):
     """Block table -> build_paged_metadata -> op -> (fake) kernel equals the paged reference."""
-    from mla_tune.reference import mla_decode_reference, relative_error
+    from mla_tune.problem.reference import mla_decode_reference, relative_error
     fakes.install(monkeypatch, make())
     torch.manual_seed(0)
     page, lens = 4, [9, 3, 16]

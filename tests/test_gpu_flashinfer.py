@@ -49,7 +49,7 @@ def _sm90():
 
 
 def _workload(heads, batch=5, context=300, q_len=1, ragged="lognormal", seed=7):
-    from mla_tune.problem import custom_model, workload_for
+    from mla_tune.problem.workload import custom_model, workload_for
     return workload_for(custom_model(heads), 1, batch, context, q_len=q_len, ragged=ragged, seed=seed)
 
 
@@ -61,9 +61,9 @@ def test_every_backend_page_heads_ragged_matches_reference(backend, page, heads)
     if not _keyword_api(op) and backend not in ("fa2", "fa3", "auto"):
         # seen on the H200 with 0.2.6.post1: its Blackwell cutlass MLA raises AttributeError in plan()
         pytest.skip(f"flashinfer {op.flashinfer_api().version}: {backend} is not an SM90/MetaX backend")
-    from mla_tune.backends import Candidate, CandidateInvalid
-    from mla_tune.backends.flashinfer import FlashInferBackend
-    from mla_tune.measure import MeasureSettings, check_correctness
+    from mla_tune.families import Candidate, CandidateInvalid
+    from mla_tune.families.flashinfer import FlashInferBackend
+    from mla_tune.measure.trial import MeasureSettings, check_correctness
     w = _workload(heads)
     try:
         err = check_correctness(FlashInferBackend(), w, Candidate("flashinfer", backend, page),
@@ -84,9 +84,9 @@ def test_both_api_forms(api, backend):
         pytest.skip(f"flashinfer {op.flashinfer_api().version} has the flat API only")
     if backend == "fa3" and not _sm90():
         pytest.skip("fa3 needs SM90")
-    from mla_tune.backends import Candidate
-    from mla_tune.backends.flashinfer import FlashInferBackend
-    from mla_tune.measure import MeasureSettings, check_correctness
+    from mla_tune.families import Candidate
+    from mla_tune.families.flashinfer import FlashInferBackend
+    from mla_tune.measure.trial import MeasureSettings, check_correctness
     for heads, page in ((16, 64), (128, 16)):
         err = check_correctness(FlashInferBackend(api=api), _workload(heads, ragged="uniform-random"),
                                 Candidate("flashinfer", backend, page), MeasureSettings(device="cuda"), seed=3)
@@ -99,9 +99,9 @@ def test_speculative_q_len_causal(backend, q_len):
     _fi()
     if backend == "fa3" and not _sm90():
         pytest.skip("fa3 needs SM90")
-    from mla_tune.backends import Candidate, CandidateInvalid
-    from mla_tune.backends.flashinfer import FlashInferBackend
-    from mla_tune.measure import MeasureSettings, check_correctness
+    from mla_tune.families import Candidate, CandidateInvalid
+    from mla_tune.families.flashinfer import FlashInferBackend
+    from mla_tune.measure.trial import MeasureSettings, check_correctness
     try:
         err = check_correctness(FlashInferBackend(), _workload(16, batch=4, q_len=q_len),
                                 Candidate("flashinfer", backend, 16), MeasureSettings(device="cuda"), seed=5)
@@ -131,7 +131,7 @@ def _packed_problem(heads, page, lens, seed=0):
 def test_plugin_path_packed_cache_lse_and_cuda_graph_replan():
     """What the plugin does: packed vLLM cache views, plan every step into graph buffers, replay."""
     op = _fi()
-    from mla_tune.reference import mla_decode_reference, relative_error
+    from mla_tune.problem.reference import mla_decode_reference, relative_error
     from vllm_metax.ops.paged_metadata import build_paged_metadata
     backend = "fa3" if _sm90() else "fa2"
     heads, page, scale = 16, 64, 192 ** -0.5
@@ -167,9 +167,9 @@ def test_plugin_path_packed_cache_lse_and_cuda_graph_replan():
 
 def test_tuner_and_plugin_share_the_op():
     _fi()
-    from mla_tune.backends import Candidate
-    from mla_tune.backends.flashinfer import FlashInferBackend
-    from mla_tune.problem_data import make_problem
+    from mla_tune.families import Candidate
+    from mla_tune.families.flashinfer import FlashInferBackend
+    from mla_tune.problem.instance import make_problem
     from vllm_metax.ops.flashinfer_mla import MLADecodeKernel
     w = _workload(16)
     p = FlashInferBackend().prepare(w, Candidate("flashinfer", "auto", 64), make_problem(w, 64, "cuda"))
@@ -190,10 +190,10 @@ def test_refused_backends_report_flashinfers_reason():
 
 def test_time_prepared_uses_graphs_and_is_positive():
     _fi()
-    from mla_tune.backends import Candidate
-    from mla_tune.backends.flashinfer import FlashInferBackend
-    from mla_tune.measure import MeasureSettings, measure
-    from mla_tune.timing import METHOD_GRAPH, METHOD_GRAPH_EVENTS, default_pool_bytes
+    from mla_tune.families import Candidate
+    from mla_tune.families.flashinfer import FlashInferBackend
+    from mla_tune.measure.trial import MeasureSettings, measure
+    from mla_tune.measure.timing import METHOD_GRAPH, METHOD_GRAPH_EVENTS, default_pool_bytes
     w = _workload(16, batch=8, context=2048, ragged="uniform")
     s = MeasureSettings(device="cuda", samples=20, plan_samples=10, min_pool_bytes=default_pool_bytes())
     r = measure(FlashInferBackend(), w, Candidate("flashinfer", "fa2", 64), s)
@@ -213,7 +213,7 @@ def test_fast_replan_equals_reference_over_changing_lengths(backend, graph, comp
     op = _fi()
     if backend == "fa3" and not _sm90():
         pytest.skip("fa3 needs SM90")
-    from mla_tune.reference import mla_decode_reference, relative_error
+    from mla_tune.problem.reference import mla_decode_reference, relative_error
     from vllm_metax.ops.paged_metadata import build_paged_metadata
     heads, page, scale = 128, 16, 0.1
     steps = ([300, 17, 4000, 1, 64, 65], [301, 18, 4001, 2, 65, 66], [5, 5, 5, 5, 5, 5],
@@ -261,7 +261,7 @@ def test_fast_replans_queued_behind_a_busy_gpu_keep_their_own_schedules(backend)
     _needs_fast_path(op)
     if backend == "fa3" and not _sm90():
         pytest.skip("fa3 needs SM90")
-    from mla_tune.reference import mla_decode_reference, relative_error
+    from mla_tune.problem.reference import mla_decode_reference, relative_error
     from vllm_metax.ops.paged_metadata import build_paged_metadata
     heads, page, scale = 16, 64, 0.1
     kv, bt, q = _packed_problem(heads, page, [3000] * 5, seed=11)
@@ -301,7 +301,7 @@ def test_numpy_schedule_runs_the_kernel_as_flashinfers_mlaplan_would(backend, he
     monkeypatch.setattr(fr, "_LAYOUTS", {})        # step 0 plans publicly, step 1 natively (learns)
     if backend == "fa3" and not _sm90():
         pytest.skip("fa3 needs SM90")
-    from mla_tune.reference import mla_decode_reference, relative_error
+    from mla_tune.problem.reference import mla_decode_reference, relative_error
     from vllm_metax.ops import mla_schedule as ms
     from vllm_metax.ops.paged_metadata import build_paged_metadata
     page, scale, batch = 64, 0.1, 160
@@ -362,9 +362,9 @@ def test_tuner_times_the_kernel_on_the_schedule_the_plugin_serves():
     not."""
     op = _fi()
     _needs_fast_path(op)
-    from mla_tune.backends import Candidate
-    from mla_tune.backends.flashinfer import FlashInferBackend
-    from mla_tune.measure import MeasureSettings, measure
+    from mla_tune.families import Candidate
+    from mla_tune.families.flashinfer import FlashInferBackend
+    from mla_tune.measure.trial import MeasureSettings, measure
     before = fr.SCHEDULES["numpy"]
     r = measure(FlashInferBackend(), _workload(16, batch=64, context=2048),
                 Candidate("flashinfer", "fa2", 64), MeasureSettings(device="cuda", samples=5, plan_samples=0))
@@ -385,7 +385,7 @@ def test_tuned_kv_chunking_equals_reference(backend, heads, graph):
         pytest.skip("fa3 needs SM90")
     if not _keyword_api(op):
         pytest.skip("kv_chunk needs the fast re-plan (FlashInfer 0.7's keyword API)")
-    from mla_tune.reference import mla_decode_reference, relative_error
+    from mla_tune.problem.reference import mla_decode_reference, relative_error
     from vllm_metax.decisions import kv_chunk_factor
     from vllm_metax.ops.paged_metadata import build_paged_metadata
     from vllm_metax.tuned_config import KV_CHUNKS

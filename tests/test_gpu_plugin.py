@@ -1,7 +1,7 @@
 """The plugin's FLASHINFER_MLA on a real GPU through vLLM 0.33.0's own classes and the real FlashInfer
 kernels: MetadataBuilder and Impl built as vLLM builds them (a VllmConfig for a small DeepSeek-shaped
 model, the MLA KV-cache spec, the block table of a ragged batch), `build()` -> `_build_decode` ->
-plan, `forward_mqa` -> run, compared with mla_tune.reference; then a uniform batch under CUDA-graph
+plan, `forward_mqa` -> run, compared with mla_tune.problem.reference; then a uniform batch under CUDA-graph
 capture and replay with re-planned metadata.
 
 On the GPU machine vLLM is carried as Python files only (no compiled ops, no vllm.platforms.cuda):
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import plugin_support as ps
-from mla_tune.reference import mla_decode_reference, relative_error
+from mla_tune.problem.reference import mla_decode_reference, relative_error
 from vllm_metax import decisions, tuned_config as tc
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]

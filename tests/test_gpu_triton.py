@@ -8,10 +8,10 @@ import os
 
 import pytest
 
-from mla_tune import timing
-from mla_tune.backends import Candidate, get_backend
-from mla_tune.measure import MeasureSettings, check_correctness, measure
-from mla_tune.problem import model_preset, workload_for
+from mla_tune.measure import timing
+from mla_tune.families import Candidate, get_backend
+from mla_tune.measure.trial import MeasureSettings, check_correctness, measure
+from mla_tune.problem.workload import model_preset, workload_for
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
@@ -22,7 +22,7 @@ V3 = model_preset("deepseek-v3")
 def _plugin_platform_where_vllm_lacks_compiled_ops():
     """With only vLLM's Python files (the H200 machine), vLLM's CUDA platform cannot load; the
     project's platform plugin must be the active one, as in bench/triton_vs_flashinfer.py."""
-    from mla_tune.backends.triton_mla import vllm_compiled_ops_missing
+    from mla_tune.families.triton_mla import vllm_compiled_ops_missing
     if not vllm_compiled_ops_missing() or os.environ.get("VLLM_METAX_FORCE"):
         yield
         return

@@ -13,8 +13,8 @@ import pytest
 from typer.testing import CliRunner
 
 from mla_tune.cli import app
-from mla_tune.merge import merge_into
-from mla_tune.store import ResultsStore, StoreError
+from mla_tune.store.merge import merge_into
+from mla_tune.store.results import ResultsStore, StoreError
 from results_fixture import H200, METAX, build_fixture_db
 
 runner = CliRunner()
@@ -104,7 +104,7 @@ def test_a_copy_of_an_old_schema_db_merged_into_its_migrated_copy_adds_nothing(t
 
 
 def test_merge_of_two_sweeps_adds_the_others_trials(tmp_path):
-    from mla_tune.sweep import build_config, run_sweep
+    from mla_tune.tune.sweep import build_config, run_sweep
     dbs = []
     for i, batches in enumerate(("1", "2")):
         db = tmp_path / f"host{i}.db"
@@ -120,8 +120,8 @@ def test_merge_of_two_sweeps_adds_the_others_trials(tmp_path):
 
 def test_a_claim_answered_twice_is_kept_once(tmp_path):
     # two hosts of one distributed sweep both answered a claim (a worker thought dead that was not)
-    from mla_tune.backends.base import Candidate
-    from mla_tune.problem import Workload
+    from mla_tune.families.base import Candidate
+    from mla_tune.problem.workload import Workload
     w = Workload(16, 512, 64, 0.1, batch_size=4, context_len=1024)
     dbs = []
     for i in range(2):

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from mla_tune.problem import Workload
-from mla_tune.problem_data import make_problem
+from mla_tune.problem.workload import Workload
+from mla_tune.problem.instance import make_problem
 from vllm_metax.ops.paged_metadata import build_paged_metadata
 
 

@@ -1,4 +1,4 @@
-"""mla_tune.plot and `mla-tune report --plot`: the PNG opens and shows what its titles say."""
+"""mla_tune.views.plot and `mla-tune report --plot`: the PNG opens and shows what its titles say."""
 
 import json
 
@@ -6,9 +6,10 @@ import pytest
 from typer.testing import CliRunner
 
 from mla_tune.cli import app
-from mla_tune.plot import plot_report, report_figure
-from mla_tune.report import ReportFilter, build_report
-from mla_tune.store import ResultsStore
+from mla_tune.views.plot import plot_report, report_figure
+from mla_tune.store.selection import TrialFilter
+from mla_tune.views.report import build_report
+from mla_tune.store.results import ResultsStore
 from results_fixture import build_fixture_db
 
 runner = CliRunner(env={"COLUMNS": "200"})
@@ -31,7 +32,7 @@ def test_figure_shows_what_its_titles_say(fx):
     import matplotlib.pyplot as plt
 
     with ResultsStore(fx.path) as s:
-        rep = build_report(s, ReportFilter(device="NVIDIA H200"))
+        rep = build_report(s, TrialFilter(device="NVIDIA H200"))
     fig = report_figure(rep)
     try:
         titles = _titles(fig)
@@ -70,7 +71,7 @@ def test_reference_only_says_no_roofline(fx):
     import matplotlib.pyplot as plt
 
     with ResultsStore(fx.path) as s:
-        fig = report_figure(build_report(s, ReportFilter(device="cpu")))
+        fig = report_figure(build_report(s, TrialFilter(device="cpu")))
     try:
         titles = _titles(fig)
         assert any("CPU torch reference, not a GPU kernel" in t for t in titles)

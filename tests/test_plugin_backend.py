@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import plugin_support as ps
-from mla_tune.reference import mla_decode_reference, relative_error
+from mla_tune.problem.reference import mla_decode_reference, relative_error
 from vllm_metax import tuned_config as tc
 from vllm_metax.device import DeviceInfo
 

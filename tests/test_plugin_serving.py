@@ -400,7 +400,7 @@ def test_the_vendor_plugin_owning_vllm_metax_is_detected():
 def test_doctor_and_register_say_so_in_one_line(monkeypatch, caplog):
     import vllm_metax
     import vllm_metax.distribution as dist
-    from mla_tune.doctor import diagnose
+    from mla_tune.views.doctor import diagnose
     monkeypatch.setattr(dist, "other_owners", lambda distributions=None: ["vllm-metax 0.11.2"])
     checks = {c.what: c for c in diagnose().checks}
     assert checks["vllm_metax package"].status == "warn"

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from mla_tune.problem import (ModelDims, ProblemError, Workload, WorkloadMix, custom_model, log2_grid,
+from mla_tune.problem.workload import (ModelDims, ProblemError, Workload, WorkloadMix, custom_model, log2_grid,
                               model_preset, preset_names, ragged_lengths, workload_for, yarn_get_mscale)
 
 

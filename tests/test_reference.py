@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from mla_tune.problem import Workload
-from mla_tune.problem_data import make_problem
-from mla_tune.reference import gather_pages, mla_decode_reference, mla_decode_unpaged, relative_error
+from mla_tune.problem.workload import Workload
+from mla_tune.problem.instance import make_problem
+from mla_tune.problem.reference import gather_pages, mla_decode_reference, mla_decode_unpaged, relative_error
 
 SCALE = 192 ** -0.5
 

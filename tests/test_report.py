@@ -1,4 +1,4 @@
-"""`mla-tune report` and mla_tune.report over a fixture DB whose every sample is known."""
+"""`mla-tune report` and mla_tune.views.report over a fixture DB whose every sample is known."""
 
 import csv
 import io
@@ -8,11 +8,12 @@ import statistics
 import pytest
 from typer.testing import CliRunner
 
-from mla_tune.backends.base import Candidate
+from mla_tune.families.base import Candidate
 from mla_tune.cli import app
-from mla_tune.problem import model_preset, workload_for
-from mla_tune.report import ReportError, ReportFilter, build_report, render_report
-from mla_tune.store import ResultsStore, stats_of
+from mla_tune.problem.workload import model_preset, workload_for
+from mla_tune.store.selection import SelectionError, TrialFilter
+from mla_tune.views.report import build_report, render_report
+from mla_tune.store.results import ResultsStore, stats_of
 from results_fixture import BATCHES, CONTEXTS, H200, METAX, MODEL, TP, build_fixture_db
 
 runner = CliRunner(env={"COLUMNS": "220"})
@@ -25,11 +26,11 @@ def fx(tmp_path):
 
 def _report(fx, **kw):
     with ResultsStore(fx.path) as s:
-        return build_report(s, ReportFilter(**kw))
+        return build_report(s, TrialFilter(**kw))
 
 
 def _floor_us(row):
-    # independent of mla_tune.roofline: the DB's bytes/flops columns at the run's ceilings
+    # independent of mla_tune.problem.roofline: the DB's bytes/flops columns at the run's ceilings
     return max(row["bytes"] / (row["copy_gbps"] * 1e3), row["flops"] / (row["matmul_tflops"] * 1e6))
 
 
@@ -99,9 +100,9 @@ def test_filters(fx):
     assert [(w.batch_size, w.context_len) for d in rep.devices for w in d.workloads] == [(64, 4096)]
     rep = _report(fx, device=H200, runs=(fx.runs["gpu"],))
     assert len(rep.devices[0].workloads) == len(BATCHES) * len(CONTEXTS)
-    with pytest.raises(ReportError, match="holds devices 'MetaX C500', 'NVIDIA H200', 'cpu'"):
+    with pytest.raises(SelectionError, match="holds devices 'MetaX C500', 'NVIDIA H200', 'cpu'"):
         _report(fx, device="NVIDIA B200")
-    with pytest.raises(ReportError, match="models deepseek-v3"):
+    with pytest.raises(SelectionError, match="models deepseek-v3"):
         _report(fx, model="kimi-k2")
 
 
@@ -112,7 +113,7 @@ def test_latest_trial_counts_and_older_ones_are_noted(fx):
         wid = s.workload_id(wl, 1, 1)   # existing workload: its id comes back, bytes untouched
         tid = s.add_trial(run, wid, Candidate.parse("flashinfer/fa2/p64"), "ok",
                           {"kernel_us": [5.0, 5.1, 4.9]}, sweep="again", is_default=False)
-        rep = build_report(s, ReportFilter(device=H200))
+        rep = build_report(s, TrialFilter(device=H200))
     (d,) = rep.devices
     assert d.superseded == 1
     (w,) = [w for w in d.workloads if (w.batch_size, w.context_len) == (1, 1024)]
@@ -123,7 +124,7 @@ def test_latest_trial_counts_and_older_ones_are_noted(fx):
 
 def test_empty_db_says_so(tmp_path):
     ResultsStore(tmp_path / "e.db").close()
-    with ResultsStore(tmp_path / "e.db") as s, pytest.raises(ReportError, match="holds no trials yet"):
+    with ResultsStore(tmp_path / "e.db") as s, pytest.raises(SelectionError, match="holds no trials yet"):
         build_report(s)
 
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from mla_tune import roofline
-from mla_tune.problem import Workload, custom_model, model_preset, workload_for
-from mla_tune.reference import mla_decode_reference  # noqa: F401  (the semantics counted below)
+from mla_tune.problem import roofline
+from mla_tune.problem.workload import Workload, custom_model, model_preset, workload_for
+from mla_tune.problem.reference import mla_decode_reference  # noqa: F401  (the semantics counted below)
 
 
 def _v3(tp=1, b=128, L=32768, q_len=1, ragged="uniform"):

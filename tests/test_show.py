@@ -9,8 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from mla_tune.cli import app
-from mla_tune.emit import emit_config
-from mla_tune.store import ResultsStore
+from mla_tune.tune.emit import emit_config
+from mla_tune.store.results import ResultsStore
 from results_fixture import H200, build_fixture_db
 from vllm_metax import device as vdevice
 from vllm_metax import tuned_config as tc

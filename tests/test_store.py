@@ -3,9 +3,9 @@ import sqlite3
 import pytest
 import sqlite_utils
 
-from mla_tune.backends.base import Candidate
-from mla_tune.problem import Workload
-from mla_tune.store import SCHEMA_VERSION, ResultsStore, StoreError, stats_of
+from mla_tune.families.base import Candidate
+from mla_tune.problem.workload import Workload
+from mla_tune.store.results import SCHEMA_VERSION, ResultsStore, StoreError, stats_of
 
 W = Workload(16, 512, 64, 0.1, batch_size=4, context_len=1024)
 
@@ -114,7 +114,7 @@ def test_an_older_schema_is_read_through_an_upgraded_copy_and_left_byte_for_byte
     src = Path(__file__).resolve().parent.parent / "results.db"
     db = tmp_path / "old.db"
     shutil.copy(src, db)
-    from mla_tune.store import readonly_uri
+    from mla_tune.store.results import readonly_uri
     c = sqlite3.connect(readonly_uri(db), uri=True)
     old = int(c.execute("select value from mla_tune_meta where key='schema_version'").fetchone()[0])
     c.close()

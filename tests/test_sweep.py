@@ -14,9 +14,9 @@ from typer.testing import CliRunner
 
 import sweep_families
 from mla_tune.cli import app
-from mla_tune.problem import ProblemError, model_preset
-from mla_tune.store import ResultsStore
-from mla_tune.sweep import (CPU_REFERENCE_NOTE, SweepConfig, build_config, default_space,
+from mla_tune.problem.workload import ProblemError, model_preset
+from mla_tune.store.results import ResultsStore
+from mla_tune.tune.sweep import (CPU_REFERENCE_NOTE, SweepConfig, build_config, default_space,
                             journal_path_for, parse_duration, parse_sizes, plan_buckets, run_sweep)
 
 TESTS = Path(__file__).resolve().parent
@@ -99,7 +99,7 @@ def test_cpu_sweep_end_to_end(cpu_sweep):
         assert len(s.runs()) == 1
     # the optuna study, one per bucket, where optuna-dashboard can open it
     import optuna
-    from mla_tune.search import journal_storage
+    from mla_tune.tune.search import journal_storage
     storage = journal_storage(journal_path_for(db))
     names = optuna.get_all_study_names(storage=storage)
     studies = [optuna.load_study(study_name=n, storage=storage) for n in names]
@@ -133,8 +133,8 @@ def test_rerun_measures_nothing_twice(cpu_sweep):
 
 
 def test_replay_over_the_cpu_db_reaches_the_same_winners(cpu_sweep):
-    from mla_tune.choose import choose_from_store
-    from mla_tune.sweep import replay_sweep
+    from mla_tune.tune.choose import choose_from_store
+    from mla_tune.tune.sweep import replay_sweep
     d, db, _ = cpu_sweep
     with ResultsStore(db, create=False) as s:
         direct = choose_from_store(s)
@@ -248,9 +248,9 @@ def test_time_budget_stops_and_a_rerun_continues(tmp_path):
 def test_time_budget_is_shared_by_expected_cost_and_slack_moves_on():
     """The default grid on 2026-12-02 cut the largest buckets (B64-128 x L16K-32K) while small ones
     left time unused: shares now follow trials x bytes moved, and an early finish is re-shared."""
-    from mla_tune.backends import Candidate
-    from mla_tune.search import SearchSpace
-    from mla_tune.sweep import PlannedBucket, budget_share, bucket_weight, plan_buckets
+    from mla_tune.families import Candidate
+    from mla_tune.tune.search import SearchSpace
+    from mla_tune.tune.sweep import PlannedBucket, budget_share, bucket_weight, plan_buckets
 
     buckets = plan_buckets(model_preset("deepseek-v3"), [8], [1, 128], [1024, 32768])
 
@@ -351,7 +351,7 @@ def test_a_script_without_a_main_guard_can_sweep_in_a_worker(tmp_path):
     script = tmp_path / "my_sweep.py"
     script.write_text(
         "import sys\nfrom pathlib import Path\n"
-        "from mla_tune.sweep import build_config, run_sweep\n"
+        "from mla_tune.tune.sweep import build_config, run_sweep\n"
         "out = run_sweep(build_config(db=Path(sys.argv[1]), device='cpu', isolation='process',\n"
         "    emit=False, batches='1', contexts='64', page_sizes=[16], samples=3, warmup=1))\n"
         "print('measured', out.measured)\n")
@@ -371,7 +371,7 @@ def test_no_family_that_runs_here_is_exit_1(tmp_path):
 
 def test_v1_results_db_gains_the_default_mark(tmp_path):
     import sqlite_utils
-    from mla_tune import store as store_mod
+    from mla_tune.store import results as store_mod
     p = tmp_path / "v1.db"
     db = sqlite_utils.Database(p)
     store_mod.MIGRATIONS[0](db)
@@ -388,7 +388,7 @@ def test_v1_results_db_gains_the_default_mark(tmp_path):
 
 def test_ceilings_subprocess_without_cuda_returns_nothing():
     """On a machine without CUDA the child fails and the run record simply has no ceilings."""
-    from mla_tune.sweep import ceilings_in_subprocess
+    from mla_tune.tune.sweep import ceilings_in_subprocess
     import torch
     if torch.cuda.is_available():
         import pytest

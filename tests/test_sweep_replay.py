@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from mla_tune.backends.base import Candidate
-from mla_tune.search import Evaluation, SearchPolicy, SearchSpace, search
-from mla_tune.sweep import SweepConfig, replay_sweep
+from mla_tune.families.base import Candidate
+from mla_tune.tune.search import Evaluation, SearchPolicy, SearchSpace, search
+from mla_tune.tune.sweep import SweepConfig, replay_sweep
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "tpe_vs_grid.py"
 
@@ -47,8 +47,8 @@ def test_tpe_reaches_the_grid_winner_with_far_fewer_trials(landscape, capsys):
 
 
 def test_replay_grid_is_the_stored_choice(landscape):
-    from mla_tune.choose import choose_from_store
-    from mla_tune.store import ResultsStore
+    from mla_tune.tune.choose import choose_from_store
+    from mla_tune.store.results import ResultsStore
     bench, db, sizes = landscape
     out = replay_sweep(db, SweepConfig(buckets=[], mode="auto", emit=False))
     assert all(b.search.mode == "tpe" for b in out.buckets)        # auto: the space is large

@@ -2,12 +2,12 @@
 
 import pytest
 
-from mla_tune import timing
-from mla_tune.backends import Candidate, CandidateInvalid, Prepared
-from mla_tune.backends.reference import ReferenceBackend
-from mla_tune.measure import MeasureSettings
-from mla_tune.problem import custom_model, workload_for
-from mla_tune.store import stats_of
+from mla_tune.measure import timing, trial
+from mla_tune.families import Candidate, CandidateInvalid, Prepared
+from mla_tune.families.reference import ReferenceBackend
+from mla_tune.measure.trial import MeasureSettings
+from mla_tune.problem.workload import custom_model, workload_for
+from mla_tune.store.results import stats_of
 
 
 def _wl():
@@ -57,7 +57,7 @@ def test_interleaved_rotates_order_and_splits_samples():
     fam = Recording(log)
     entries = [(fam, Candidate("rec", b, 1)) for b in "abc"]
     settings = MeasureSettings(samples=6, warmup=1, plan_samples=0, check=False)
-    res = timing.measure_interleaved(entries, _wl(), settings, rounds=3)
+    res = trial.measure_interleaved(entries, _wl(), settings, rounds=3)
     assert [r.candidate.backend for r in res] == ["a", "b", "c"]
     assert all(r.status == "ok" and len(r.samples["kernel_us"]) == 6 for r in res)
     sampling = log[3:]                    # after one warm-up run each
@@ -70,7 +70,7 @@ def test_interleaved_keeps_failures_as_data_and_goes_on():
     fam = Recording(log, fail={"b": CandidateInvalid("unsupported", "b refuses this device"),
                                "c": RuntimeError("kernel blew up")})
     entries = [(fam, Candidate("rec", x, 1)) for x in "abc"]
-    res = timing.measure_interleaved(entries, _wl(), MeasureSettings(samples=3, check=False), rounds=2)
+    res = trial.measure_interleaved(entries, _wl(), MeasureSettings(samples=3, check=False), rounds=2)
     assert res[0].status == "ok" and len(res[0].samples["kernel_us"]) == 3
     assert (res[1].status, res[1].invalid_reason, res[1].message) == ("invalid", "unsupported", "b refuses this device")
     assert (res[2].status, res[2].invalid_reason) == ("invalid", "runtime")
@@ -88,7 +88,7 @@ def test_interleaved_runs_the_correctness_gate():
             return p
 
     entries = [(ReferenceBackend(), Candidate("reference", "torch", 4)), (Wrong(), Candidate("wrong", "torch", 4))]
-    res = timing.measure_interleaved(entries, _wl(), MeasureSettings(samples=2), rounds=1)
+    res = trial.measure_interleaved(entries, _wl(), MeasureSettings(samples=2), rounds=1)
     assert res[0].status == "ok" and res[0].max_rel_error < 1e-6
     assert (res[1].status, res[1].invalid_reason) == ("invalid", "wrong_result")
 

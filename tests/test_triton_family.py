@@ -17,10 +17,10 @@ import textwrap
 
 import pytest
 
-from mla_tune.backends import Candidate, CandidateInvalid, get_backend
-from mla_tune.backends import triton_mla as fam
-from mla_tune.measure import MeasureSettings, measure
-from mla_tune.problem import Workload, model_preset, workload_for
+from mla_tune.families import Candidate, CandidateInvalid, get_backend
+from mla_tune.families import triton_mla as fam
+from mla_tune.measure.trial import MeasureSettings, measure
+from mla_tune.problem.workload import Workload, model_preset, workload_for
 
 V3 = model_preset("deepseek-v3")
 
@@ -121,10 +121,10 @@ def test_cpu_without_the_interpreter_is_unavailable(monkeypatch):
 
 _CHILD = textwrap.dedent("""
     import json
-    from mla_tune.backends import Candidate, get_backend
-    from mla_tune.backends import triton_mla as fam
-    from mla_tune.measure import MeasureSettings, check_correctness, measure
-    from mla_tune.problem import Workload
+    from mla_tune.families import Candidate, get_backend
+    from mla_tune.families import triton_mla as fam
+    from mla_tune.measure.trial import MeasureSettings, check_correctness, measure
+    from mla_tune.problem.workload import Workload
 
     b = get_backend("triton")
     out = {"available": [b.available("cpu").ok, b.available("cpu").reason], "cases": []}

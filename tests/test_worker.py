@@ -5,10 +5,10 @@ import time
 import pytest
 
 import sweep_families
-from mla_tune.backends.base import Candidate
-from mla_tune.measure import MeasureSettings
-from mla_tune.problem import Workload
-from mla_tune.worker import InlineRunner, WorkerRunner, is_sticky_cuda_error, make_runner
+from mla_tune.families.base import Candidate
+from mla_tune.measure.trial import MeasureSettings
+from mla_tune.problem.workload import Workload
+from mla_tune.measure.worker import InlineRunner, WorkerRunner, is_sticky_cuda_error, make_runner
 
 W = Workload(16, 512, 64, 0.1, batch_size=1, context_len=64)
 SETTINGS = MeasureSettings(samples=4, warmup=1)
@@ -48,7 +48,7 @@ def test_every_fault_is_recorded_and_the_worker_replaced():
 
 def test_fault_while_sampling_is_pinned_down_one_by_one():
     # a poisoned context found after every candidate was prepared has no known culprit
-    from mla_tune.worker import _Fault
+    from mla_tune.measure.worker import _Fault
     runner = WorkerRunner(SETTINGS, timeout_s=5.0)
     calls = []
     real = runner._attempt

@@ -44,8 +44,8 @@ def given(ctx, *names: str) -> list[str]:
 
 
 def _known_errors() -> tuple:
-    from mla_tune.problem import ProblemError
-    from mla_tune.store import StoreError
+    from mla_tune.problem.workload import ProblemError
+    from mla_tune.store.results import StoreError
     from mla_tune.validate import InputError
     from vllm_metax.tuned_config import TunedConfigError
     return (UserError, ProblemError, StoreError, TunedConfigError, InputError)

@@ -17,7 +17,7 @@ from mla_tune.validate import INT, PathOption
 def bench_workloads(model: str | None, heads: int | None, tp: int, batches: list[int],
                     contexts: list[int], q_len: int, ragged: str, seed: int = 0):
     """The workloads of a bench invocation (model preset or custom head count)."""
-    from mla_tune.problem import custom_model, model_preset, workload_for
+    from mla_tune.problem.workload import custom_model, model_preset, workload_for
     dims = custom_model(heads) if heads else model_preset(model or "deepseek-v3")
     return [workload_for(dims, 1 if heads else tp, b, c, q_len, ragged, seed)
             for b in batches for c in contexts]
@@ -26,12 +26,11 @@ def bench_workloads(model: str | None, heads: int | None, tp: int, batches: list
 def run_bench(candidates, workloads, settings, rounds: int, db: str | None, ceilings: dict | None,
               command: str = "", on_progress=None) -> list[dict]:
     """Measure `candidates` on each workload (interleaved), store them, return one row per trial."""
-    from mla_tune.backends import get_backend
-    from mla_tune.environment import capture_environment
-    from mla_tune.measure import TrialResult
-    from mla_tune.roofline import achieved, pct_of_floor, workload_bytes, workload_flops
-    from mla_tune.store import ResultsStore, stats_of
-    from mla_tune.timing import measure_interleaved
+    from mla_tune.families import get_backend
+    from mla_tune.measure.environment import capture_environment
+    from mla_tune.measure.trial import TrialResult, measure_interleaved
+    from mla_tune.problem.roofline import achieved, pct_of_floor, workload_bytes, workload_flops
+    from mla_tune.store.results import ResultsStore, stats_of
 
     families = {}
     for c in candidates:
@@ -98,7 +97,7 @@ class Device(str, Enum):
 def bench(
     ctx: typer.Context,
     candidates: List[str] = typer.Argument(..., help="Candidates as family/backend/p<page>[/k=v], e.g. flashinfer/fa3/p64"),
-    model: str = typer.Option("deepseek-v3", help="Model preset (mla_tune/data/models.json)"),
+    model: str = typer.Option("deepseek-v3", help="Model preset (mla_tune/problem/models.json)"),
     heads: Optional[int] = typer.Option(None, help="Custom model with this many heads per rank (R=512, P=64) instead of --model/--tp",
                                         **INT["heads"].typer),
     tp: int = typer.Option(1, help="Tensor-parallel size: heads per rank = model heads / tp", **INT["tp"].typer),
@@ -119,10 +118,11 @@ def bench(
     format: BenchFormat = typer.Option(BenchFormat.table, "--format", help="table or json"),
 ):
     """Measure the given candidates directly (no search) and print median, spread, % of floor, plan time."""
-    from mla_tune.backends import Candidate, check_candidate
-    from mla_tune.measure import MeasureSettings
-    from mla_tune.problem import RAGGED_KINDS
-    from mla_tune.validate import check_kv_tokens, is_results_db, output_file
+    from mla_tune.families import Candidate, check_candidate
+    from mla_tune.measure.trial import MeasureSettings
+    from mla_tune.problem.workload import RAGGED_KINDS
+    from mla_tune.store.results import is_results_db
+    from mla_tune.validate import check_kv_tokens, output_file
 
     if heads is not None and given(ctx, "model", "tp"):
         raise UserError(f"--heads replaces --model/--tp; drop {', '.join('--' + n for n in given(ctx, 'model', 'tp'))}")
@@ -136,7 +136,7 @@ def bench(
         cands = list(dict.fromkeys(check_candidate(Candidate.parse(c)) for c in candidates))
     except ValueError as e:
         raise UserError(str(e)) from None
-    from mla_tune.sweep import parse_sizes     # the one size-list rule, sweep's syntax
+    from mla_tune.tune.sweep import parse_sizes     # the one size-list rule, sweep's syntax
     try:
         batches, contexts = parse_sizes(batch, "batch"), parse_sizes(context, "context")
     except ValueError as e:
@@ -155,8 +155,8 @@ def bench(
                                check=check)
     ceil = None
     if dev.startswith("cuda"):
-        from mla_tune.roofline import measure_ceilings
-        from mla_tune.timing import default_pool_bytes
+        from mla_tune.problem.roofline import measure_ceilings
+        from mla_tune.measure.timing import default_pool_bytes
         settings.min_pool_bytes = default_pool_bytes(dev)
         if ceilings:
             ceil = {k: v for k, v in measure_ceilings(dev).items() if k in ("copy_gbps", "matmul_tflops")}

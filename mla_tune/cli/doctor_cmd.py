@@ -1,4 +1,4 @@
-"""`mla-tune doctor`: thin glue over mla_tune.doctor."""
+"""`mla-tune doctor`: thin glue over mla_tune.views.doctor."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 
 from mla_tune.cli.app import app, console, fail
-from mla_tune.render import OutputFormat
+from mla_tune.views.render import OutputFormat
 from mla_tune.validate import INT
 
 FORMAT_HELP = "Output: table (rich), json, csv or markdown"
@@ -26,9 +26,9 @@ def doctor(
 ):
     """Which device the plugin sees, whether it would activate, which backends are usable, and
     which tuned config it would load and why (or why none)."""
-    from mla_tune.doctor import diagnose
-    from mla_tune.problem import ProblemError
-    from mla_tune.render import to_csv, to_json_text, to_markdown, to_rich
+    from mla_tune.views.doctor import diagnose
+    from mla_tune.problem.workload import ProblemError
+    from mla_tune.views.render import to_csv, to_json_text, to_markdown, to_rich
     from vllm_metax.tuned_config import TunedConfigError
 
     from mla_tune.validate import InputError, check_name

@@ -1,4 +1,4 @@
-"""`mla-tune merge`: copy other results DBs' measurements into one (thin glue over mla_tune.merge)."""
+"""`mla-tune merge`: copy other results DBs' measurements into one (thin glue over mla_tune.store.merge)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ def merge(
     db: Path = typer.Option(Path("results.db"), "--db", help="the results DB to merge into "
                             "(created if missing)"),
 ):
-    from mla_tune.merge import merge_into
-    from mla_tune.store import StoreError
+    from mla_tune.store.merge import merge_into
+    from mla_tune.store.results import StoreError
     try:
         counts = merge_into(db, sources)
     except StoreError as e:

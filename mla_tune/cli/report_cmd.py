@@ -1,5 +1,5 @@
-"""`mla-tune report`, `mla-tune emit`, `mla-tune show`: thin glue over mla_tune.report,
-mla_tune.plot and mla_tune.emit. Every read command speaks the same --format vocabulary, opens the
+"""`mla-tune report`, `mla-tune emit`, `mla-tune show`: thin glue over mla_tune.views.report,
+mla_tune.views.plot and mla_tune.tune.emit. Every read command speaks the same --format vocabulary, opens the
 results DB read-only, and checks every output path before it starts."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import List, Optional
 import typer
 
 from mla_tune.cli.app import app, console, err_console, fail, given
-from mla_tune.render import OutputFormat
+from mla_tune.views.render import OutputFormat
 from mla_tune.validate import INT, PathArgument, PathOption
 
 FORMAT_HELP = "Output: table (rich), json, csv or markdown"
@@ -19,31 +19,32 @@ DB_HELP = ("Results DB to read, opened read-only (default: results.db, or result
 
 
 def _known():
-    from mla_tune.emit import EmitError
-    from mla_tune.problem import ProblemError
-    from mla_tune.report import ReportError
-    from mla_tune.store import StoreError
+    from mla_tune.tune.emit import EmitError
+    from mla_tune.problem.workload import ProblemError
+    from mla_tune.store.selection import SelectionError
+    from mla_tune.views.report import ReportError
+    from mla_tune.store.results import StoreError
     from mla_tune.validate import InputError
     from vllm_metax.tuned_config import TunedConfigError
-    return (EmitError, ReportError, StoreError, TunedConfigError, ProblemError, InputError)
+    return (EmitError, ReportError, SelectionError, StoreError, TunedConfigError, ProblemError, InputError)
 
 
 def _db_path(db: Optional[Path]) -> Path:
     if db is not None:
         return db
-    from mla_tune.sweep import default_db
+    from mla_tune.tune.sweep import default_db
     return default_db()
 
 
 def _open_store(db: Path):
-    from mla_tune.store import ResultsStore
+    from mla_tune.store.results import ResultsStore
     return ResultsStore(db, create=False)      # read-only: reading never creates or alters a DB
 
 
 def _mix(path: Optional[Path]):
     if path is None:
         return None
-    from mla_tune.problem import WorkloadMix
+    from mla_tune.problem.workload import WorkloadMix
     return WorkloadMix.from_file(str(path))
 
 
@@ -56,8 +57,8 @@ def _print(out) -> None:
 
 
 def _filter(device, model, run):
-    from mla_tune.report import ReportFilter
-    return ReportFilter(device, model, tuple(run or ()))
+    from mla_tune.store.selection import TrialFilter
+    return TrialFilter(device, model, tuple(run or ()))
 
 
 @app.command("report")
@@ -80,7 +81,7 @@ def report(
 ):
     """The best kernel per bucket and the global choice (page size, backend order) with its reason;
     --full for every candidate."""
-    from mla_tune.report import build_report, render_report
+    from mla_tune.views.report import build_report, render_report
     from mla_tune.validate import is_png, output_file
     try:
         if plot is not None:
@@ -91,7 +92,7 @@ def report(
             rep = build_report(store, flt, w)
         _print(render_report(rep, format, full=full))
         if plot is not None:
-            from mla_tune.plot import plot_report
+            from mla_tune.views.plot import plot_report
             path = plot_report(rep, plot)
             # stderr keeps stdout parseable for json/csv
             err_console.print(f"wrote {path}", highlight=False)
@@ -114,7 +115,7 @@ def emit(
 ):
     """Write the tuned config(s) the vllm_metax plugin loads, from the measurements in the DB.
     A CPU-reference config goes into the packaged configs/ only with an explicit --out."""
-    from mla_tune.emit import config_summary, emit_all, emit_config
+    from mla_tune.tune.emit import config_summary, emit_all, emit_config
     from mla_tune.validate import output_folder
     from vllm_metax.tuned_config import read_tuned_config
     if all_devices and device is not None:
@@ -162,7 +163,7 @@ def show(
                                          "serves this request (snapped on a log2 scale)"),
 ):
     """Validate a tuned config as the plugin reads it, and print it."""
-    from mla_tune.report import check_config_device, render_config
+    from mla_tune.views.report import check_config_device, render_config
     from vllm_metax.tuned_config import check_device_name, read_tuned_config
     req = _lookup(lookup)
     try:

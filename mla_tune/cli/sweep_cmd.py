@@ -1,6 +1,6 @@
 """`mla-tune sweep`: measure the candidates of every bucket on this machine (or replay stored
 measurements), store each trial, choose winners, emit the tuned config. Thin glue over
-mla_tune.sweep; the display is a SweepObserver drawing a rich progress bar and tables."""
+mla_tune.tune.sweep; the display is a SweepObserver drawing a rich progress bar and tables."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ class RichObserver:
 
     # -------------------------------------------------------------- events
     def on_start(self, plan) -> None:
-        from mla_tune.sweep import estimate_note
+        from mla_tune.tune.sweep import estimate_note
         self.plan = plan
         self.done = 0
         if plan.note:
@@ -116,7 +116,7 @@ class RichObserver:
 
 def _verdict_text(v) -> str:
     """Short: the gain over the default, or why the default stayed."""
-    from mla_tune.choose import NO_SIGNIFICANT_DIFFERENCE
+    from mla_tune.tune.choose import NO_SIGNIFICANT_DIFFERENCE
     if v is None:
         return "-"
     if v.chosen is None:
@@ -208,7 +208,7 @@ def print_summary(outcome) -> None:
 
 def _bucket_filter(model, tp, batches, contexts, q_len):
     """Replay: which stored buckets to search (flags given narrow them; none given: all)."""
-    from mla_tune.sweep import parse_sizes
+    from mla_tune.tune.sweep import parse_sizes
     from mla_tune.validate import check_name
     if model is not None:
         check_name("--model", model)
@@ -325,9 +325,9 @@ def sweep(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
 ):
     """Measure each bucket's candidates, store every trial, choose winners, emit the config."""
-    from mla_tune.problem import ProblemError, WorkloadMix
-    from mla_tune.store import StoreError
-    from mla_tune.sweep import (SweepConfig, SweepError, build_config, default_db, detect_device,
+    from mla_tune.problem.workload import ProblemError, WorkloadMix
+    from mla_tune.store.results import StoreError
+    from mla_tune.tune.sweep import (SweepConfig, SweepError, build_config, default_db, detect_device,
                                 replay_sweep, run_sweep)
     from mla_tune.validate import InputError
 
@@ -341,7 +341,7 @@ def sweep(
         fail(f"--heartbeat must be at least 1 s, got {heartbeat}")
     if storage is not None and journal is not None:
         fail("--storage and --journal exclude each other (a journal file is a --storage)")
-    from mla_tune.distributed import StorageError, parse_gpus
+    from mla_tune.tune.distributed import StorageError, parse_gpus
     try:
         gpu_list = parse_gpus(gpus) if gpus is not None else None
     except ValueError as e:

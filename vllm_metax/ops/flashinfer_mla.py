@@ -1,6 +1,6 @@
 """FlashInfer MLA decode, vllm-free: one BatchMLAPagedAttentionWrapper for one backend value.
 
-Both the tuner (mla_tune.backends.flashinfer) and the vLLM plugin's attention backend call this
+Both the tuner (mla_tune.families.flashinfer) and the vLLM plugin's attention backend call this
 module, so what is tuned is what is served. Two FlashInfer API forms exist and are detected once
 per process (`flashinfer_api()`), never per call:
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, runtime_checkable
 
-from mla_tune.problem import Workload
+from mla_tune.problem.workload import Workload
 
 
 @dataclass(frozen=True)

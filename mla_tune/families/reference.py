@@ -3,9 +3,9 @@ CUDA. It is the correctness oracle, not a serving kernel; its numbers say nothin
 
 from __future__ import annotations
 
-from mla_tune.backends.base import Availability, Candidate, Prepared
-from mla_tune.problem import Workload
-from mla_tune.reference import mla_decode_reference
+from mla_tune.families.base import Availability, Candidate, Prepared
+from mla_tune.problem.workload import Workload
+from mla_tune.problem.reference import mla_decode_reference
 
 DEFAULT_PAGE_SIZES = (1, 16, 64)
 

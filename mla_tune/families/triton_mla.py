@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from mla_tune.backends.base import Availability, Candidate, CandidateInvalid, Prepared
-from mla_tune.problem import Workload
+from mla_tune.families.base import Availability, Candidate, CandidateInvalid, Prepared
+from mla_tune.problem.workload import Workload
 
 BACKEND = "triton"
 KERNEL_BLOCK_N = 32          # tokens per stage-1 iteration (fixed in vLLM): the finest split worth having

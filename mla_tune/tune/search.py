@@ -25,7 +25,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from mla_tune.backends.base import Candidate
+from mla_tune.families.base import Candidate
 
 MODES = ("auto", "grid", "tpe")
 GRID_MAX = 64            # auto: a space of at most this many points is searched exhaustively

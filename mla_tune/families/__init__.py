@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from importlib import import_module
 
-from mla_tune.backends.base import Availability, Backend, Candidate, CandidateInvalid, Prepared
+from mla_tune.families.base import Availability, Backend, Candidate, CandidateInvalid, Prepared
 
 # family -> "module:Class"; test-only families register themselves through `register_family`.
 _FAMILIES = {
-    "reference": "mla_tune.backends.reference:ReferenceBackend",
-    "flashinfer": "mla_tune.backends.flashinfer:FlashInferBackend",
-    "triton": "mla_tune.backends.triton_mla:TritonMLABackend",
+    "reference": "mla_tune.families.reference:ReferenceBackend",
+    "flashinfer": "mla_tune.families.flashinfer:FlashInferBackend",
+    "triton": "mla_tune.families.triton_mla:TritonMLABackend",
 }
 
 

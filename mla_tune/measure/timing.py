@@ -15,25 +15,20 @@ compile time is `Prepared.compile_s`), then `plan()` timed on the host (a server
 decode step; samples in "plan_us"), then a final plan, then graph capture, then at least
 MIN_WARM_S of replays so the clocks have ramped up. Nothing replans after capture. The graph's output is checked against the eager output; if capture fails or the replay
 differs, samples fall back to events around eager launches, and `TimedSamples.method` /
-`.note` say so (measure.py stores the note in the trial message).
+`.note` say so (trial.py stores the note in the trial message).
 
-`measure_interleaved` measures several candidates of one workload round-robin: every candidate is
-prepared, checked and captured first, then each round takes a slice of every candidate's samples,
-in an order that rotates per round, so clock or thermal drift spreads over all of them.
+This module knows samples only: `mla_tune.measure.trial` turns them into trial results, and its
+`measure_interleaved` shares the GPU between several candidates with the `KernelTimer`s made here.
 """
 
 from __future__ import annotations
 
 import math
 import time
-import traceback
-from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 
-from mla_tune.backends.base import Candidate, CandidateInvalid, Prepared
-from mla_tune.problem import Workload
+from mla_tune.families.base import Prepared
 
 METHOD_GRAPH_EVENTS = "cuda_graph_events"   # events recorded inside the graph, around each run
 METHOD_GRAPH = "cuda_graph"                 # events around each replay of a one-run graph
@@ -257,90 +252,3 @@ def time_prepared(prepared: Prepared, settings) -> TimedSamples:
     if timer.plan_us:
         samples["plan_us"] = timer.plan_us
     return TimedSamples(samples, timer.method, timer.note)
-
-
-@dataclass
-class _Entry:
-    backend: object
-    candidate: Candidate
-    timer: KernelTimer | None = None
-    compile_s: float | None = None
-    max_rel_error: float | None = None
-    kernel_us: list = field(default_factory=list)
-    result: object = None      # a finished (invalid) TrialResult
-
-
-def measure_interleaved(entries: Sequence[tuple[object, Candidate]], workload: Workload, settings,
-                        rounds: int = 5, on_prepared: Callable | None = None) -> list:
-    """Measure several candidates of one workload round-robin; one TrialResult per entry, in order.
-
-    `entries` are (backend, candidate) pairs (families may differ); `settings` a
-    measure.MeasureSettings (`samples` is the total per candidate, split over `rounds`). Each
-    candidate is first prepared on a problem shared by all candidates of its page size,
-    correctness-checked on fresh data (measure.check_correctness) and captured; failures become
-    invalid TrialResults with their reason, exactly as measure.measure makes them. Then `rounds`
-    rounds each take ceil(samples / rounds) samples from every live candidate, the order rotated
-    by one per round. `on_prepared(candidate, ok)` is called after each preparation (progress).
-    """
-    from mla_tune.measure import TrialResult, check_correctness
-    from mla_tune.problem_data import make_problem
-
-    problems: dict[int, object] = {}
-    todo: list[_Entry] = [_Entry(b, c) for b, c in entries]
-    for e in todo:
-        try:
-            t0 = time.perf_counter()
-            if e.candidate.page_size not in problems:
-                problems[e.candidate.page_size] = make_problem(
-                    workload, e.candidate.page_size, settings.device, seed=settings.seed,
-                    min_pool_bytes=settings.min_pool_bytes)
-            prepared = e.backend.prepare(workload, e.candidate, problems[e.candidate.page_size])
-            e.compile_s = prepared.compile_s or (time.perf_counter() - t0)
-            if settings.check:
-                e.max_rel_error = check_correctness(e.backend, workload, e.candidate, settings,
-                                                    seed=settings.seed + 1000)
-            e.timer = KernelTimer(prepared, settings.device, settings.warmup, settings.plan_samples)
-        except Exception as exc:  # noqa: BLE001 - every failure is data
-            e.result = invalid_result(e.candidate, exc, TrialResult)
-            e.timer = None
-        if on_prepared is not None:
-            on_prepared(e.candidate, e.result is None)
-    live = [e for e in todo if e.timer is not None]
-    per_round = max(1, math.ceil(settings.samples / max(rounds, 1)))
-    for r in range(max(rounds, 1)):
-        if not live:
-            break
-        k = r % len(live)
-        for e in live[k:] + live[:k]:
-            want = min(per_round, settings.samples - len(e.kernel_us))
-            try:
-                e.kernel_us.extend(e.timer.sample(want))
-            except Exception as exc:  # noqa: BLE001
-                e.result = invalid_result(e.candidate, exc, TrialResult)
-        live = [e for e in live if e.result is None]
-    results = []
-    for e in todo:
-        if e.result is None:
-            samples = {"kernel_us": e.kernel_us}
-            if e.timer.plan_us:
-                samples["plan_us"] = e.timer.plan_us
-            e.result = TrialResult(e.candidate, "ok", TimedSamples(samples, e.timer.method, e.timer.note),
-                                   message=e.timer.note, compile_s=e.compile_s,
-                                   max_rel_error=e.max_rel_error)
-        if e.timer is not None:
-            e.timer.close()
-        results.append(e.result)
-    return results
-
-
-def invalid_result(candidate: Candidate, exc: BaseException, result_cls=None):
-    """The invalid TrialResult an exception stands for (CandidateInvalid keeps its reason)."""
-    if result_cls is None:
-        from mla_tune.measure import TrialResult as result_cls
-    if isinstance(exc, CandidateInvalid):
-        return result_cls(candidate, "invalid", invalid_reason=exc.reason, message=exc.message)
-    if isinstance(exc, torch.cuda.OutOfMemoryError):
-        return result_cls(candidate, "invalid", invalid_reason="runtime", message=f"out of memory: {exc}")
-    tb = traceback.format_exc(limit=3)
-    return result_cls(candidate, "invalid", invalid_reason="runtime",
-                      message=f"{type(exc).__name__}: {exc}\n{tb}")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from mla_tune.store import META_TABLE, SCHEMA_VERSION, ResultsStore, StoreError, row_uid
+from mla_tune.store.results import META_TABLE, SCHEMA_VERSION, ResultsStore, StoreError, row_uid
 
 WORKLOAD_KEY = ("model", "num_heads", "kv_lora_rank", "qk_rope_head_dim", "softmax_scale",
                 "batch_size", "context_len", "q_len", "ragged", "seed", "q_dtype", "kv_dtype")

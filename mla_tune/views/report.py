@@ -3,12 +3,12 @@
 Per device: the runs; per workload the candidates side by side (median, spread, % of the roofline
 floor, speedup over the family default, invalid ones with their reasons); per bucket the winner;
 per model entry the global choice (page size, attention-backend order) and why. Winners and the
-global choice come from `mla_tune.choose` (the same rules `mla-tune emit` writes into the tuned
+global choice come from `mla_tune.tune.choose` (the same rules `mla-tune emit` writes into the tuned
 config); this module only arranges them. Works on any results.db, with no GPU.
 
-`build_report(store, ReportFilter(...))` returns a `Report`; `report_tables`, `report_csv`,
+`build_report(store, TrialFilter(...))` returns a `Report`; `report_tables`, `report_csv`,
 `Report.to_json` and `render_report(report, fmt)` turn it into the read formats of
-`mla_tune.render`.
+`mla_tune.views.render`.
 """
 
 from __future__ import annotations
@@ -16,90 +16,18 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from mla_tune import choose as choosing
-from mla_tune.problem import Workload, WorkloadMix
-from mla_tune.render import Column, OutputFormat, Table, to_csv, to_json_text, to_markdown
-from mla_tune.roofline import floor_of, pct_of_floor
+from mla_tune.tune import choose as choosing
+from mla_tune.problem.workload import WorkloadMix
+from mla_tune.views.render import Column, OutputFormat, Table, to_csv, to_json_text, to_markdown
+from mla_tune.problem.roofline import floor_of, pct_of_floor
+from mla_tune.store.results import stored_workload
+from mla_tune.store.selection import CPU_RUN_KIND, TrialFilter, device_key, select_trials
 
-CPU_KIND = "cpu-reference"
 CPU_LABEL = "CPU torch reference: timings of the correctness oracle, not of a GPU kernel"
 
 
 class ReportError(ValueError):
-    """Nothing to report for this selection; the message says what the DB holds instead."""
-
-
-def device_key(name: str | None) -> str:
-    """Device names compare as the tuned-config file names do: case-insensitive, spaces as _."""
-    return (name or "").strip().replace(" ", "_").lower()
-
-
-@dataclass(frozen=True)
-class ReportFilter:
-    """Which trials a report (or an emitted config) covers; empty fields select everything."""
-
-    device: str | None = None        # "NVIDIA H200" or "NVIDIA_H200"
-    model: str | None = None         # model preset name as stored ("deepseek-v3")
-    runs: tuple = ()                 # run ids
-
-    def __post_init__(self):
-        from mla_tune.validate import check_int, check_name
-        if self.device is not None:
-            check_name("--device", self.device)
-        if self.model is not None:
-            check_name("--model", self.model)
-        for r in self.runs:
-            check_int("run", r, "--run")
-
-    def where(self) -> tuple[str, list]:
-        """A WHERE clause over ResultsStore.trials()'s aliases (t trials, w workloads, r runs)."""
-        clauses, args = [], []
-        if self.device:
-            clauses.append("replace(lower(trim(r.device_name)), ' ', '_') = ?")
-            args.append(device_key(self.device))
-        if self.model:
-            clauses.append("lower(w.model) = ?")
-            args.append(self.model.strip().lower())
-        if self.runs:
-            clauses.append(f"t.run_id in ({','.join('?' * len(self.runs))})")
-            args += [int(r) for r in self.runs]
-        return " and ".join(clauses) or "1=1", args
-
-    def describe(self) -> str:
-        parts = []
-        if self.device:
-            parts.append(f"device {self.device!r}")
-        if self.model:
-            parts.append(f"model {self.model!r}")
-        if self.runs:
-            parts.append("run" + ("s " if len(self.runs) > 1 else " ") + ", ".join(map(str, self.runs)))
-        return ", ".join(parts) or "all trials"
-
-
-def select_trials(store, flt: ReportFilter = ReportFilter()) -> list[dict]:
-    """The filter's trial rows (ResultsStore.trials() rows); ReportError when none match."""
-    rows = store.trials(*flt.where())
-    if rows:
-        return rows
-    db = store.db
-    if not db["trials"].count:
-        raise ReportError(f"{store.path} holds no trials yet (run `mla-tune sweep` first)")
-    devices = sorted({r[0] for r in db.execute("select distinct device_name from runs r "
-                                               "join trials t on t.run_id = r.id")})
-    models = sorted({r[0] for r in db.execute("select distinct model from workloads")})
-    runs = sorted({r[0] for r in db.execute("select distinct run_id from trials")})
-    raise ReportError(f"no trials in {store.path} match {flt.describe()}; it holds devices "
-                      f"{', '.join(map(repr, devices))}; models {', '.join(models)}; "
-                      f"runs {', '.join(map(str, runs))}")
-
-
-def workload_of(row: dict) -> Workload | None:
-    """The Workload a trial row was measured on (None if the stored row no longer validates)."""
-    names = [f.name for f in dataclasses.fields(Workload)]
-    try:
-        return Workload(**{n: row[n] for n in names})
-    except Exception:  # a row written by another version: report it without the roofline
-        return None
+    """Nothing to report (or plot) for this selection; the message says why."""
 
 
 # ---------------------------------------------------------------- the views
@@ -193,7 +121,7 @@ class DeviceReport:
 
     @property
     def is_reference(self) -> bool:
-        return self.kind == CPU_KIND or device_key(self.device_name) == "cpu"
+        return self.kind == CPU_RUN_KIND or device_key(self.device_name) == "cpu"
 
     def entry_of(self, wv: WorkloadView) -> choosing.ModelChoice | None:
         return next((m for m in self.choice.models if entry_key(m) == wv.entry_key), None)
@@ -211,7 +139,7 @@ def entry_key(m: choosing.ModelChoice) -> tuple:
 @dataclass
 class Report:
     db: str
-    filter: ReportFilter
+    filter: TrialFilter
     devices: list                     # DeviceReport, GPU devices first
     mix: dict | None = None           # (batch, context) -> weight, None = uniform
 
@@ -233,9 +161,9 @@ class Report:
         }
 
 
-def build_report(store, flt: ReportFilter = ReportFilter(), mix: WorkloadMix | None = None,
+def build_report(store, flt: TrialFilter = TrialFilter(), mix: WorkloadMix | None = None,
                  **choose_kw) -> Report:
-    """The report of the trials `flt` selects; winners by `mla_tune.choose` under `mix`."""
+    """The report of the trials `flt` selects; winners by `mla_tune.tune.choose` under `mix`."""
     rows = select_trials(store, flt)
     if mix is not None and mix.weights:
         mix.check_covers({(r["batch_size"], r["context_len"]) for r in rows}, "the selected trials")
@@ -252,7 +180,7 @@ def build_report(store, flt: ReportFilter = ReportFilter(), mix: WorkloadMix | N
         choice = choosing.choose(drows, mix, device_name=name, **choose_kw)
         run_ids = sorted({r["run_id"] for r in drows})
         kinds = {runs[i].get("kind") or "" for i in run_ids}
-        kind = "gpu" if "gpu" in kinds else CPU_KIND if CPU_KIND in kinds else choice.kind
+        kind = "gpu" if "gpu" in kinds else CPU_RUN_KIND if CPU_RUN_KIND in kinds else choice.kind
         dev = DeviceReport(name, kind, [runs[i] for i in run_ids], [], choice,
                            n_all[name] - len(drows))
         dev.workloads = _workload_views(drows, dev)
@@ -268,7 +196,7 @@ def _workload_views(rows: list[dict], dev: DeviceReport) -> list[WorkloadView]:
     views = []
     for wid, wrows in groups.items():
         r0 = wrows[0]
-        wl = workload_of(r0)
+        wl = stored_workload(r0)
         ceil = next(((r["copy_gbps"], r["matmul_tflops"]) for r in wrows
                      if r.get("copy_gbps") and r.get("matmul_tflops")), (None, None))
         floor = floor_of(wl, *ceil) if wl is not None and ceil[0] else None
@@ -307,7 +235,7 @@ def _family_defaults(rows: list[dict], wl) -> dict:
     """family -> the rows that are its untuned default on this workload (one per page size).
 
     Trials carry is_default from the sweep; for rows without the mark (older DBs) the family's
-    backend names its default, as `mla_tune.choose` does.
+    backend names its default, as `mla_tune.tune.choose` does.
     """
     out: dict = {}
     for r in rows:
@@ -568,7 +496,7 @@ def render_report(report: Report, fmt: str | OutputFormat, full: bool = False) -
     if fmt is OutputFormat.markdown:
         return to_markdown(tables, heading=f"mla-tune report: {report.db} "
                                            f"({report.filter.describe()})")
-    from mla_tune.render import to_rich
+    from mla_tune.views.render import to_rich
     return to_rich(tables)
 
 
@@ -704,7 +632,7 @@ def render_config(cfg, fmt: str | OutputFormat, lookup: tuple | None = None) -> 
     tables = config_tables(cfg, lookup)
     if fmt is OutputFormat.markdown:
         return to_markdown(tables, heading=f"tuned config {cfg.path or ''}".strip())
-    from mla_tune.render import to_rich
+    from mla_tune.views.render import to_rich
     return to_rich(tables)
 
 

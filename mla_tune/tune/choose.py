@@ -38,7 +38,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from mla_tune.problem import WorkloadMix
+from mla_tune.problem.workload import WorkloadMix
+from mla_tune.store.results import stored_workload
 
 P_THRESHOLD = 0.002
 MIN_RATIO = 1.05
@@ -293,31 +294,21 @@ def _measured(row: dict, metric: str) -> Measured:
 def backend_default(family: str, workload, page_size: int) -> str | None:
     """The family's default candidate key as its backend declares it (None if it cannot say)."""
     try:
-        from mla_tune.backends import get_backend
+        from mla_tune.families import get_backend
         return get_backend(family).default_candidate(workload, page_size).key
     except Exception:   # an unavailable or unknown family cannot name its default
-        return None
-
-
-def _workload_of(row: dict):
-    from mla_tune.problem import Workload
-    try:
-        return Workload(row["num_heads"], row["kv_lora_rank"], row["qk_rope_head_dim"],
-                        row["softmax_scale"], row["batch_size"], row["context_len"], row["q_len"],
-                        row["ragged"], row["seed"], row["q_dtype"], row["kv_dtype"], row["model"])
-    except Exception:
         return None
 
 
 def _lookup_context(rows: list) -> int | None:
     """The plugin's lookup statistic over the lengths a bucket was measured with."""
     from vllm_metax.decisions import bucket_context
-    wl = _workload_of(rows[0]) if rows else None
+    wl = stored_workload(rows[0]) if rows else None
     return bucket_context(wl.seq_lens) if wl is not None else None
 
 
 def _tp_size(model: str, heads_per_rank: int) -> int | None:
-    from mla_tune.problem import ProblemError, model_preset
+    from mla_tune.problem.workload import ProblemError, model_preset
     try:
         total = model_preset(model).num_heads
     except ProblemError:
@@ -419,7 +410,7 @@ def _choose_model(device_name, g, rows, mix, p_threshold, min_ratio, default_pag
                 measured = [_measured(r, metric) for r in cand_rows]
                 default_key = next((m.key for m in measured if m.is_default), None)
                 if default_key is None and default_of is not None:
-                    wl = _workload_of(cand_rows[0])
+                    wl = stored_workload(cand_rows[0])
                     default_key = default_of(fam, wl, page) if wl is not None else None
                 v = decide(measured, default_key, fam, page, p_threshold, min_ratio)
                 if v.best and v.default and v.default.ok and v.best.key != v.default.key and \

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mla_tune.problem import Workload
+from mla_tune.problem.workload import Workload
 
 _DT = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -74,7 +74,7 @@ class ModelDims:
 
 @lru_cache(maxsize=1)
 def _preset_table() -> dict:
-    return json.loads(resources.files("mla_tune").joinpath("data/models.json").read_text())
+    return json.loads(resources.files("mla_tune.problem").joinpath("models.json").read_text())
 
 
 def preset_names() -> list[str]:

@@ -8,6 +8,7 @@ killed sweep loses at most the trial in flight.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import sqlite3
@@ -19,6 +20,10 @@ from pathlib import Path
 from typing import Iterable
 
 import sqlite_utils
+
+from mla_tune.families.base import Candidate
+from mla_tune.problem.workload import Workload
+from mla_tune.validate import is_sqlite, own_kind
 
 SCHEMA_VERSION = 3
 META_TABLE = "mla_tune_meta"
@@ -130,6 +135,36 @@ def readonly_uri(path: str | Path) -> str:
     p = Path(path)
     wal = p.with_name(p.name + "-wal").exists()
     return p.resolve().as_uri() + ("?mode=ro" if wal else "?mode=ro&immutable=1")
+
+
+@own_kind("an mla-tune results DB")
+def is_results_db(path: str | Path) -> bool:
+    """An mla-tune results DB: SQLite holding the store's meta table (read without writing)."""
+    if not is_sqlite(Path(path)):
+        return False
+    try:
+        conn = sqlite3.connect(readonly_uri(path), uri=True, timeout=30)
+        try:
+            return conn.execute("select 1 from sqlite_master where type = 'table' and name = ?",
+                                [META_TABLE]).fetchone() is not None
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return False
+
+
+def stored_workload(row: dict) -> Workload | None:
+    """The Workload a trials() row was measured on (None if the stored row no longer validates,
+    e.g. written by another version: it is still reported, without what needs the workload)."""
+    try:
+        return Workload(**{f.name: row[f.name] for f in dataclasses.fields(Workload)})
+    except Exception:  # noqa: BLE001 - any stored value the model refuses
+        return None
+
+
+def stored_candidate(row: dict) -> Candidate:
+    """The Candidate a trials() row measured."""
+    return Candidate(row["family"], row["backend"], int(row["page_size"]), dict(row.get("params") or {}))
 
 
 class ResultsStore:

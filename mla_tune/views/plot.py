@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from mla_tune.report import CandidateLine, DeviceReport, Report, ReportError, entry_title
+from mla_tune.views.report import CandidateLine, DeviceReport, Report, ReportError, entry_title
 
 MAX_BATCH_PANELS = 8             # time-vs-context panels per entry; more batch sizes are thinned out
 FAMILY_CMAPS = {"flashinfer": "Blues", "triton": "Oranges", "reference": "Greys"}

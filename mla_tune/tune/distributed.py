@@ -76,7 +76,7 @@ def open_storage(spec: str | Path, heartbeat_s: int | None = None):
     optuna = _quiet_optuna()
     spec = str(spec)
     if not is_rdb_url(spec):
-        from mla_tune.search import journal_storage
+        from mla_tune.tune.search import journal_storage
         try:
             return journal_storage(spec)
         except OSError as e:
@@ -242,7 +242,7 @@ class SharedBucket:
         return self.storage.get_all_trials(self.study._study_id, deepcopy=False, states=states)
 
     def _candidate(self, key: str):
-        from mla_tune.backends.base import Candidate
+        from mla_tune.families.base import Candidate
         for c in self.space.candidates:
             if c.key == key:
                 return c
@@ -359,7 +359,7 @@ class SharedBucket:
 
     def known(self) -> dict:
         """candidate key -> Evaluation of what the study's workers finished (cached for us)."""
-        from mla_tune.search import Evaluation
+        from mla_tune.tune.search import Evaluation
         return {k: Evaluation(self._candidate(k), v, True, reason, tid)
                 for k, (v, reason, tid) in self.finished().items()}
 
@@ -416,8 +416,8 @@ def run_workers(config, gpus: Sequence[str], observer=None, poll_s: float = POLL
     storage, then, in this process, a final pass: it measures what dead workers left, chooses
     and emits. Returns the final pass's SweepOutcome with the workers' counts added and
     `workers` (WorkerReport per GPU)."""
-    from mla_tune.backends import family_targets
-    from mla_tune.sweep import SweepError, run_sweep, seed_studies
+    from mla_tune.families import family_targets
+    from mla_tune.tune.sweep import SweepError, run_sweep, seed_studies
     t0 = time.monotonic()
     seed_studies(config)              # before any worker runs: no study is seeded by a worker that dies
     tmp = Path(tempfile.mkdtemp(prefix="mla-tune-workers-"))
@@ -433,7 +433,7 @@ def run_workers(config, gpus: Sequence[str], observer=None, poll_s: float = POLL
             # each worker its share of the host's cores: torch's thread pools would fight otherwise
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // len(gpus))))
             log = open(tmp / f"worker{i}.log", "wb")
-            p = subprocess.Popen([sys.executable, "-m", "mla_tune.distributed", str(payload),
+            p = subprocess.Popen([sys.executable, "-m", "mla_tune.tune.distributed", str(payload),
                                   str(tmp / f"worker{i}.json")], env=env, stdout=log,
                                  stderr=subprocess.STDOUT, start_new_session=False)
             log.close()
@@ -492,8 +492,8 @@ class _HeldSummary:
 
 
 def _worker_main(payload: str, report: str) -> int:
-    from mla_tune.backends import register_family
-    from mla_tune.sweep import run_sweep
+    from mla_tune.families import register_family
+    from mla_tune.tune.sweep import run_sweep
     with open(payload, "rb") as f:
         job = pickle.load(f)
     sys.path[:0] = [p for p in job["path"] if p not in sys.path]   # the launcher's modules too

@@ -26,11 +26,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
-from mla_tune.backends.base import Candidate, CandidateInvalid
-from mla_tune.measure import MeasureSettings
-from mla_tune.problem import (DTYPES, RAGGED_KINDS, ModelDims, ProblemError, Workload, WorkloadMix,
+from mla_tune.families.base import Candidate, CandidateInvalid
+from mla_tune.measure.trial import MeasureSettings
+from mla_tune.problem.workload import (DTYPES, RAGGED_KINDS, ModelDims, ProblemError, Workload, WorkloadMix,
                               log2_grid, model_preset, workload_for)
-from mla_tune.search import (GRID_MAX, PATIENCE, Evaluation, SearchOutcome, SearchPolicy,
+from mla_tune.tune.search import (GRID_MAX, PATIENCE, Evaluation, SearchOutcome, SearchPolicy,
                              SearchSpace, journal_storage, search)
 
 CPU_REFERENCE_NOTE = (
@@ -218,7 +218,7 @@ class SweepConfig:
     command: str = ""
     storage: str | None = None          # shared optuna storage: RDB URL or journal file (None: journal)
     heartbeat_s: int | None = None      # RDB storages: heartbeat of a claimed trial
-    gpus: Sequence[str] | None = None   # one worker process per GPU (mla_tune.distributed)
+    gpus: Sequence[str] | None = None   # one worker process per GPU (mla_tune.tune.distributed)
     worker_index: int = 0
     worker_count: int = 1
     role: str = "single"                # single | worker (measures only) | final (after workers)
@@ -323,7 +323,7 @@ class SweepOutcome:
 def resolve_families(requested: Sequence[str] | None, device: str) -> tuple[dict, dict]:
     """(available family -> backend, skipped family -> reason). Unknown names raise
     SweepInputError; `None` picks by device (GPU: flashinfer + triton, CPU: the reference)."""
-    from mla_tune.backends import family_names, get_backend
+    from mla_tune.families import family_names, get_backend
     names = list(requested) if requested else list(
         GPU_FAMILIES if device.startswith("cuda") else CPU_FAMILIES)
     unknown = [n for n in names if n not in family_names()]
@@ -415,7 +415,7 @@ def plan_sweep(config: SweepConfig, store=None) -> tuple[SweepPlan, dict]:
     db = Path(config.db) if config.db is not None else default_db(device)
     journal, storage = None, ""
     if config.storage:
-        from mla_tune.distributed import _redact, is_rdb_url
+        from mla_tune.tune.distributed import _redact, is_rdb_url
         if is_rdb_url(config.storage):
             storage = _redact(config.storage)
         else:
@@ -429,7 +429,7 @@ def plan_sweep(config: SweepConfig, store=None) -> tuple[SweepPlan, dict]:
 
 def _open_storage(config: SweepConfig, plan: SweepPlan):
     """The optuna storage the plan's studies live in (None: in memory)."""
-    from mla_tune.distributed import open_storage
+    from mla_tune.tune.distributed import open_storage
     if config.storage:
         return open_storage(config.storage, config.heartbeat_s)
     return open_storage(plan.journal) if plan.journal else None
@@ -440,8 +440,8 @@ def _shared_bucket(storage, config: SweepConfig, plan: SweepPlan, p: PlannedBuck
     """Bucket p's study in the shared storage, created and seeded if no other process has done
     so: with its grid (in measuring order, cut to its budget), or for TPE with the family
     defaults (TPE proposes the rest)."""
-    from mla_tune.distributed import SharedBucket
-    from mla_tune.search import tpe_sampler
+    from mla_tune.tune.distributed import SharedBucket
+    from mla_tune.tune.search import tpe_sampler
     declared = _space_for(p.bucket, backends, config.page_sizes, {})
     name = f"{_study_name(config, p.bucket, declared)} | {p.mode} | {device_name}"
     if plan.db_uid:     # a journal serves the workers of one results DB, and only that DB
@@ -462,8 +462,8 @@ def _shared_bucket(storage, config: SweepConfig, plan: SweepPlan, p: PlannedBuck
 def seed_studies(config: SweepConfig) -> int:
     """Create and seed every bucket's shared study (what `--gpus` does before its workers
     start); the number of studies this call created."""
-    from mla_tune.roofline import workload_bytes, workload_flops
-    from mla_tune.store import ResultsStore
+    from mla_tune.problem.roofline import workload_bytes, workload_flops
+    from mla_tune.store.results import ResultsStore
     _tag_remeasure(config)
     with ResultsStore(config.db) as store:
         plan, ctx = plan_sweep(config, store)
@@ -517,7 +517,7 @@ def ceilings_in_subprocess(timeout: float = 180.0) -> dict:
     import json
     import subprocess
     import sys
-    code = ("import json; from mla_tune.roofline import measure_ceilings; "
+    code = ("import json; from mla_tune.problem.roofline import measure_ceilings; "
             "c = measure_ceilings('cuda'); print(json.dumps({k: c[k] for k in ('copy_gbps', 'matmul_tflops')}))")
     try:
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
@@ -537,7 +537,7 @@ class _Measurer:
 
     def _run(self) -> int:
         if self.run_id is None:     # a rerun that measures nothing adds no run record
-            from mla_tune.environment import capture_environment
+            from mla_tune.measure.environment import capture_environment
             env = capture_environment(self.plan.kind, self.config.command)
             if self.config.role == "worker" or os.environ.get("CUDA_VISIBLE_DEVICES"):
                 # workers of one host differ by GPU: their run records say which
@@ -619,7 +619,7 @@ _TRIAL_FIXED_BYTES = 1e9
 
 def bucket_weight(p: PlannedBucket) -> float:
     """Expected relative cost of searching bucket p: trials x (fixed + bytes-proportional part)."""
-    from mla_tune.roofline import workload_bytes
+    from mla_tune.problem.roofline import workload_bytes
     trials = max(1, min(p.budget or len(p.space), len(p.space)))
     return trials * (1.0 + workload_bytes(p.bucket.workload) / _TRIAL_FIXED_BYTES)
 
@@ -648,6 +648,7 @@ def check_sweep_config(config: SweepConfig) -> SweepConfig:
     device defaults filled in (DB, emit); raises before the sweep writes anything: no DB row, no
     journal, no config. Returns the config with `device`, `db` and `emit` resolved."""
     from mla_tune import validate as v
+    from mla_tune.store.results import is_results_db
     device = config.device or detect_device()
     db = Path(config.db) if config.db is not None else default_db(device)
     emit = config.emit if config.emit is not None else device.startswith("cuda")
@@ -668,7 +669,7 @@ def check_sweep_config(config: SweepConfig) -> SweepConfig:
     if not config.buckets:
         raise v.InputError("no bucket to sweep")
     if config.families is not None:
-        from mla_tune.backends import family_names
+        from mla_tune.families import family_names
         names = list(config.families)
         unknown = [n for n in names if n not in family_names()]
         if not names or unknown:
@@ -677,7 +678,7 @@ def check_sweep_config(config: SweepConfig) -> SweepConfig:
     if config.mix is not None:
         config.mix.check_covers({(b.workload.batch_size, b.workload.context_len)
                                  for b in config.buckets}, "the sweep's buckets")
-    v.output_file(db, "--db", own=v.is_results_db)
+    v.output_file(db, "--db", own=is_results_db)
     if config.journal is not False:
         journal = Path(config.journal) if config.journal else journal_path_for(db)
         v.output_file(journal, "--journal", own=v.is_optuna_journal)
@@ -699,16 +700,16 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
     not count against it); buckets cut short are counted in `stopped_early`, and a rerun continues them. Raises SweepError when no kernel family can run here, StoreError for a DB it
     must not touch.
     """
-    from mla_tune.roofline import workload_bytes, workload_flops
-    from mla_tune.store import ResultsStore
-    from mla_tune.worker import make_runner
+    from mla_tune.problem.roofline import workload_bytes, workload_flops
+    from mla_tune.store.results import ResultsStore
+    from mla_tune.measure.worker import make_runner
 
     if config.gpus:
-        from mla_tune.distributed import run_workers
+        from mla_tune.tune.distributed import run_workers
         return run_workers(config, list(config.gpus), observer)
-    from mla_tune.roofline import workload_bytes, workload_flops
-    from mla_tune.store import ResultsStore
-    from mla_tune.worker import make_runner
+    from mla_tune.problem.roofline import workload_bytes, workload_flops
+    from mla_tune.store.results import ResultsStore
+    from mla_tune.measure.worker import make_runner
 
     obs = observer or SweepObserver()
     t_start = time.monotonic()
@@ -731,7 +732,7 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
         settings = replace(settings, device=plan.device)
         storage = _open_storage(config, plan)
         if storage is not None:
-            from mla_tune.distributed import Heartbeat, _heartbeat_on
+            from mla_tune.tune.distributed import Heartbeat, _heartbeat_on
             if _heartbeat_on(storage):
                 heartbeat = Heartbeat(storage, storage.get_heartbeat_interval())
         outcome = SweepOutcome(plan)
@@ -848,7 +849,7 @@ def _claim_and_measure(sb, so: SearchOutcome, evaluate, policy: SearchPolicy) ->
 def _add_finished_elsewhere(sb, so: SearchOutcome, outcome: SweepOutcome) -> None:
     """The bucket's candidates that other workers (or an earlier run) finished, as evaluations
     answered from the shared study, so the outcome covers the whole bucket."""
-    from mla_tune.backends.base import Candidate
+    from mla_tune.families.base import Candidate
     have = {e.candidate.key for e in so.evaluations}
     for key, (value, reason, tid) in sb.finished().items():
         if key not in have:
@@ -884,7 +885,7 @@ def _rows_for(store, workload_ids: list, device_name: str) -> list:
 
 
 def _choose(rows: list, config: SweepConfig, device_name: str):
-    from mla_tune.choose import choose
+    from mla_tune.tune.choose import choose
     if not rows:
         return None
     return choose(rows, config.mix, device_name=device_name, p_threshold=config.p_threshold,
@@ -892,15 +893,15 @@ def _choose(rows: list, config: SweepConfig, device_name: str):
 
 
 def emit_tuned_config(outcome: SweepOutcome, config: SweepConfig, store=None) -> tuple[Path | None, str]:
-    """Write the tuned config of `outcome.choice` through mla_tune.emit.emit_config (the report
+    """Write the tuned config of `outcome.choice` through mla_tune.tune.emit.emit_config (the report
     side's writer), if that module is installed; (path, "") or (None, why not)."""
     try:
-        from mla_tune import emit
+        from mla_tune.tune import emit
     except ImportError:
-        return None, "mla_tune.emit is not available: no tuned config written"
+        return None, "mla_tune.tune.emit is not available: no tuned config written"
     fn = getattr(emit, "emit_config", None)
     if fn is None:
-        return None, "mla_tune.emit has no emit_config: no tuned config written"
+        return None, "mla_tune.tune.emit has no emit_config: no tuned config written"
     try:
         # config.emit is True here: for the CPU reference that was asked for explicitly
         path = fn(outcome.choice, config.configs_dir, store=store, mix=config.mix, cpu_ok=True)
@@ -914,7 +915,7 @@ def emit_tuned_config(outcome: SweepOutcome, config: SweepConfig, store=None) ->
 
 def stored_buckets(rows: list) -> list[Bucket]:
     """The buckets a set of trial rows covers, in a stable order."""
-    from mla_tune.choose import _tp_size
+    from mla_tune.tune.choose import _tp_size
     seen = {}
     for r in rows:
         if r["workload_id"] in seen:
@@ -937,8 +938,8 @@ def replay_sweep(source: str | Path, config: SweepConfig, observer: SweepObserve
     search visited, so a replay shows whether a search (TPE, a smaller budget) reaches the winners
     that the full grid found. Writes nothing.
     """
-    from mla_tune.choose import latest_trials
-    from mla_tune.store import ResultsStore
+    from mla_tune.tune.choose import latest_trials
+    from mla_tune.store.results import ResultsStore
 
     obs = observer or SweepObserver()
     t_start = time.monotonic()
@@ -1026,7 +1027,7 @@ def _workload_key_of(r: dict) -> tuple:
 
 
 def _defaults_from_backends(b: Bucket, brows: list, cands: dict) -> list:
-    from mla_tune.choose import backend_default
+    from mla_tune.tune.choose import backend_default
     out = []
     for fam, page in sorted({(r["family"], r["page_size"]) for r in brows}):
         key = backend_default(fam, b.workload, page)

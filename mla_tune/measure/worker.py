@@ -33,7 +33,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import Callable, Sequence
 
-from mla_tune.backends.base import Candidate
+from mla_tune.families.base import Candidate
 
 FAULT_REASONS = ("crash", "timeout")
 
@@ -58,24 +58,11 @@ def measure_batch(workload, entries: Sequence[tuple[object, Candidate]], setting
                   on_prepared: Callable[[Candidate, bool], None] | None = None) -> list:
     """Measure (backend, candidate) pairs of one workload here; one TrialResult per entry.
 
-    Several candidates are measured interleaved (`timing.measure_interleaved`: round-robin, so
-    drift spreads over all of them); where that API is missing, one after another with
-    `measure.measure`. `on_prepared(candidate, ok)` follows each candidate's preparation.
+    Several candidates are measured interleaved (`trial.measure_interleaved`: round-robin, so
+    drift spreads over all of them). `on_prepared(candidate, ok)` follows each preparation.
     """
-    try:
-        from mla_tune.timing import measure_interleaved
-    except ImportError:
-        measure_interleaved = None
-    if measure_interleaved is not None:
-        return measure_interleaved(list(entries), workload, settings, on_prepared=on_prepared)
-    from mla_tune.measure import measure
-    out = []
-    for backend, cand in entries:
-        r = measure(backend, workload, cand, settings)
-        out.append(r)
-        if on_prepared is not None:
-            on_prepared(cand, r.status == "ok")
-    return out
+    from mla_tune.measure.trial import measure_interleaved
+    return measure_interleaved(list(entries), workload, settings, on_prepared=on_prepared)
 
 
 def _plain(result):
@@ -95,7 +82,7 @@ class InlineRunner:
 
     def _backend(self, family: str):
         if family not in self._backends:
-            from mla_tune.backends import get_backend
+            from mla_tune.families import get_backend
             self._backends[family] = get_backend(family)
         return self._backends[family]
 
@@ -198,11 +185,11 @@ def _worker_main(conn, families: dict, settings, log_path: str | None, parent_pi
     import faulthandler
     import sys
     faulthandler.enable(file=sys.stderr, all_threads=False)
-    from mla_tune.backends import get_backend, register_family
+    from mla_tune.families import get_backend, register_family
     for name, target in families.items():
         register_family(name, target)
     if str(settings.device).startswith("cuda") and not settings.min_pool_bytes:
-        from mla_tune.timing import default_pool_bytes
+        from mla_tune.measure.timing import default_pool_bytes
         settings = replace(settings, min_pool_bytes=default_pool_bytes(settings.device))
     backends: dict = {}
     conn.send(("ready", os.getpid()))
@@ -294,8 +281,8 @@ def _context():
     if _CONTEXT is None:
         try:
             ctx = mp.get_context("forkserver")
-            ctx.set_forkserver_preload(["torch", "mla_tune.measure", "mla_tune.timing",
-                                        "mla_tune.worker"])
+            ctx.set_forkserver_preload(["torch", "mla_tune.measure.trial", "mla_tune.measure.timing",
+                                        "mla_tune.measure.worker"])
         except ValueError:
             ctx = mp.get_context("spawn")
         _CONTEXT = ctx
@@ -313,7 +300,7 @@ class WorkerRunner:
 
     def __init__(self, settings, timeout_s: float = 120.0, start_timeout_s: float = 300.0,
                  families: dict | None = None):
-        from mla_tune.backends import family_targets
+        from mla_tune.families import family_targets
         self.settings = settings
         self.timeout_s = float(timeout_s)
         self.start_timeout_s = float(start_timeout_s)
@@ -403,7 +390,7 @@ class WorkerRunner:
     def measure(self, workload, candidates: Sequence[Candidate],
                 on_progress: Callable[[Candidate, bool], None] | None = None) -> list:
         """One TrialResult per candidate, in order; faults become invalid crash/timeout results."""
-        from mla_tune.measure import TrialResult
+        from mla_tune.measure.trial import TrialResult
         results: list = [None] * len(candidates)
         pending = list(range(len(candidates)))
         singles = False

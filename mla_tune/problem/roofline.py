@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mla_tune.problem import Workload
+from mla_tune.problem.workload import Workload
 
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 

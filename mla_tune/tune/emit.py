@@ -1,6 +1,6 @@
 """results.db -> the tuned config the vllm_metax plugin loads (configs/device_name=<device>.json).
 
-Winners and the global choice are `mla_tune.choose`'s; this module only translates a
+Winners and the global choice are `mla_tune.tune.choose`'s; this module only translates a
 `choose.Choice` into `vllm_metax.tuned_config.TunedConfig` (the one schema shared with the reader)
 with its provenance: the device name as the plugin sees it (the name `vllm_metax.device` recorded
 in the run), SM count, FlashInfer / torch / CUDA versions, the date, the rules, and the results.db
@@ -12,9 +12,9 @@ from __future__ import annotations
 import datetime as _dt
 from pathlib import Path
 
-from mla_tune import choose as choosing
-from mla_tune.problem import WorkloadMix
-from mla_tune.report import CPU_KIND, ReportError, ReportFilter, device_key, select_trials
+from mla_tune.tune import choose as choosing
+from mla_tune.problem.workload import WorkloadMix
+from mla_tune.store.selection import CPU_RUN_KIND, TrialFilter, device_key, select_trials
 from vllm_metax import decisions, tuned_config as tc
 
 CPU_NOTE = ("measured with the CPU torch reference (no GPU): the page size exercises the pipeline; "
@@ -133,7 +133,7 @@ def config_from_choice(choice: choosing.Choice, runs: list[dict], results_db: st
                        mix: WorkloadMix | None = None) -> tc.TunedConfig:
     """A TunedConfig for `choice`'s device; `runs` are the run rows its trials came from."""
     notes: list[str] = []
-    if choice.kind == CPU_KIND or device_key(choice.device_name) == "cpu":
+    if choice.kind == CPU_RUN_KIND or device_key(choice.device_name) == "cpu":
         notes.append(CPU_NOTE)
     entries = model_entries(choice, notes)
     if not entries:
@@ -144,7 +144,7 @@ def config_from_choice(choice: choosing.Choice, runs: list[dict], results_db: st
                           entries)
 
 
-def build_tuned_config(store, flt: ReportFilter = ReportFilter(), mix: WorkloadMix | None = None,
+def build_tuned_config(store, flt: TrialFilter = TrialFilter(), mix: WorkloadMix | None = None,
                        **choose_kw) -> tc.TunedConfig:
     """The tuned config of one device from the trials `flt` selects (device picked by pick_device).
 
@@ -178,10 +178,10 @@ def emit_config(source, out_dir: str | Path = "configs", *, store=None, device: 
         else:
             rules = dict(p_threshold=source.p_threshold, min_ratio=source.min_ratio,
                          default_page_size=source.default_page_size, metric=source.metric)
-            cfg = build_tuned_config(store, ReportFilter(source.device_name, model, tuple(runs)),
+            cfg = build_tuned_config(store, TrialFilter(source.device_name, model, tuple(runs)),
                                      mix, **{**rules, **choose_kw})
     else:
-        cfg = build_tuned_config(source, ReportFilter(device, model, tuple(runs)), mix, **choose_kw)
+        cfg = build_tuned_config(source, TrialFilter(device, model, tuple(runs)), mix, **choose_kw)
     from mla_tune.validate import is_packaged_configs
     if not cpu_ok and device_key(cfg.device_name) == "cpu" and is_packaged_configs(out_dir):
         raise EmitError(f"not writing the CPU reference's config into the packaged {out_dir} (the "
@@ -205,10 +205,10 @@ def config_summary(cfg: tc.TunedConfig) -> list[str]:
 def emit_all(store, out_dir: str | Path = "configs", *, model: str | None = None, runs=(),
              mix: WorkloadMix | None = None, cpu_ok: bool = False, **choose_kw) -> list[Path]:
     """One file per device measured in the selection."""
-    rows = select_trials(store, ReportFilter(None, model, tuple(runs)))
+    rows = select_trials(store, TrialFilter(None, model, tuple(runs)))
     return [emit_config(store, out_dir, device=d, model=model, runs=runs, mix=mix, cpu_ok=cpu_ok,
                         **choose_kw) for d in devices_in(rows)]
 
 
-__all__ = ["EmitError", "ReportError", "build_tuned_config", "config_from_choice", "config_summary",
+__all__ = ["EmitError", "build_tuned_config", "config_from_choice", "config_summary",
            "emit_all", "emit_config", "model_entries", "pick_device", "provenance"]

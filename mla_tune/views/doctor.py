@@ -12,7 +12,7 @@ import importlib.util
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 
-from mla_tune.render import Column, Table
+from mla_tune.views.render import Column, Table
 
 VLLM_VERSION = "0.33.0"
 OK, NO, WARN = "ok", "no", "warn"
@@ -212,7 +212,7 @@ def model_dims(model: str | None, tp_size: int, dtype: str = "bfloat16"):
     """The tuned-config key of a model preset served at this tensor-parallel size."""
     if model is None:
         return None
-    from mla_tune.problem import model_preset
+    from mla_tune.problem.workload import model_preset
     from vllm_metax.decisions import model_key
 
     m = model_preset(model)

@@ -41,9 +41,9 @@ import time
 
 import torch
 
-from mla_tune.backends.base import Availability, Candidate, CandidateInvalid, Prepared
-from mla_tune.problem import Workload
-from mla_tune.problem_data import torch_dtype
+from mla_tune.families.base import Availability, Candidate, CandidateInvalid, Prepared
+from mla_tune.problem.workload import Workload
+from mla_tune.problem.instance import torch_dtype
 from vllm_metax.decisions import kv_chunk_factor
 from vllm_metax.tuned_config import KV_CHUNKS
 

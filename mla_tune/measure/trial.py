@@ -1,0 +1,187 @@
+"""One candidate on one workload -> a trial result: correctness gate first, then timing.
+
+The correctness gate runs the candidate on fresh random data with a poisoned output buffer and
+compares with the torch reference; a wrong or NaN result makes the trial invalid, so it can never
+win. Timing on CUDA is in `mla_tune.measure.timing`, which knows samples only: results are made here (graphs, events, rotated data); on the CPU it is a
+wall-clock loop, labelled as such in the run record.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from mla_tune.families.base import Candidate, CandidateInvalid
+from mla_tune.measure.timing import KernelTimer, TimedSamples, time_prepared
+from mla_tune.problem.workload import Workload
+from mla_tune.problem.instance import make_problem
+from mla_tune.problem.reference import mla_decode_reference, relative_error
+
+# bf16 operands with fp32 accumulation land between 1e-3 and 1e-2 relative error
+TOLERANCE = {"bfloat16": 2e-2, "float16": 5e-3}
+
+
+@dataclass
+class MeasureSettings:
+    device: str = "cpu"
+    warmup: int = 2
+    samples: int = 10
+    plan_samples: int = 20
+    min_pool_bytes: int = 0          # > L2 on the GPU (see timing.default_pool_bytes)
+    check: bool = True
+    seed: int = 0
+
+
+@dataclass
+class TrialResult:
+    candidate: Candidate
+    status: str                      # ok | invalid
+    samples: dict = field(default_factory=dict)   # metric -> list of microseconds
+    invalid_reason: str | None = None
+    message: str = ""
+    compile_s: float | None = None
+    max_rel_error: float | None = None
+
+
+def check_correctness(backend, workload: Workload, candidate: Candidate, settings: MeasureSettings,
+                      seed: int) -> float:
+    """Relative error of the candidate against the reference on fresh data; raises CandidateInvalid."""
+    problem = make_problem(workload, candidate.page_size, settings.device, seed=seed)
+    prepared = backend.prepare(workload, candidate, problem)
+    if prepared.out is not None:
+        prepared.out.fill_(float("nan"))      # poison: every element must be written
+    out = prepared.run()
+    if settings.device != "cpu":
+        torch.cuda.synchronize()
+    ref = mla_decode_reference(problem.q_nope, problem.q_pe, problem.ckv_cache, problem.kpe_cache,
+                               problem.block_table, problem.seq_lens_cpu, workload.softmax_scale,
+                               workload.q_len)
+    err = relative_error(out, ref)
+    tol = TOLERANCE[workload.q_dtype]
+    if not err <= tol:
+        raise CandidateInvalid("wrong_result", f"relative error {err:.3g} > {tol:g} against the torch reference")
+    return err
+
+
+def measure(backend, workload: Workload, candidate: Candidate, settings: MeasureSettings) -> TrialResult:
+    """Measure one candidate; every failure becomes an invalid TrialResult with its reason."""
+    try:
+        err = None
+        t0 = time.perf_counter()
+        problem = make_problem(workload, candidate.page_size, settings.device, seed=settings.seed,
+                               min_pool_bytes=settings.min_pool_bytes)
+        prepared = backend.prepare(workload, candidate, problem)
+        compile_s = prepared.compile_s or (time.perf_counter() - t0)
+        if settings.check:
+            err = check_correctness(backend, workload, candidate, settings, seed=settings.seed + 1000)
+        if settings.device == "cpu":
+            samples = {"kernel_us": _cpu_samples(prepared.run, settings.warmup, settings.samples)}
+            if prepared.plan is not None:
+                samples["plan_us"] = _cpu_samples(prepared.plan, 1, settings.plan_samples)
+        else:
+            samples = time_prepared(prepared, settings)
+        return TrialResult(candidate, "ok", samples, message=getattr(samples, "note", ""),
+                           compile_s=compile_s, max_rel_error=err)
+    except Exception as e:  # noqa: BLE001 - a kernel family's own error: data, not a crash of the sweep
+        return invalid_result(candidate, e)
+
+
+def _cpu_samples(fn, warmup: int, n: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t) * 1e6)
+    return out
+
+
+# ---------------------------------------------------------------- several candidates, interleaved
+
+@dataclass
+class _Entry:
+    backend: object
+    candidate: Candidate
+    timer: KernelTimer | None = None
+    compile_s: float | None = None
+    max_rel_error: float | None = None
+    kernel_us: list = field(default_factory=list)
+    result: object = None      # a finished (invalid) TrialResult
+
+
+def measure_interleaved(entries: Sequence[tuple[object, Candidate]], workload: Workload, settings,
+                        rounds: int = 5, on_prepared: Callable | None = None) -> list:
+    """Measure several candidates of one workload round-robin; one TrialResult per entry, in order.
+
+    `entries` are (backend, candidate) pairs (families may differ); `settings` a
+    measure.MeasureSettings (`samples` is the total per candidate, split over `rounds`). Each
+    candidate is first prepared on a problem shared by all candidates of its page size,
+    correctness-checked on fresh data (measure.check_correctness) and captured; failures become
+    invalid TrialResults with their reason, exactly as measure.measure makes them. Then `rounds`
+    rounds each take ceil(samples / rounds) samples from every live candidate, the order rotated
+    by one per round. `on_prepared(candidate, ok)` is called after each preparation (progress).
+    """
+    problems: dict[int, object] = {}
+    todo: list[_Entry] = [_Entry(b, c) for b, c in entries]
+    for e in todo:
+        try:
+            t0 = time.perf_counter()
+            if e.candidate.page_size not in problems:
+                problems[e.candidate.page_size] = make_problem(
+                    workload, e.candidate.page_size, settings.device, seed=settings.seed,
+                    min_pool_bytes=settings.min_pool_bytes)
+            prepared = e.backend.prepare(workload, e.candidate, problems[e.candidate.page_size])
+            e.compile_s = prepared.compile_s or (time.perf_counter() - t0)
+            if settings.check:
+                e.max_rel_error = check_correctness(e.backend, workload, e.candidate, settings,
+                                                    seed=settings.seed + 1000)
+            e.timer = KernelTimer(prepared, settings.device, settings.warmup, settings.plan_samples)
+        except Exception as exc:  # noqa: BLE001 - every failure is data
+            e.result = invalid_result(e.candidate, exc)
+            e.timer = None
+        if on_prepared is not None:
+            on_prepared(e.candidate, e.result is None)
+    live = [e for e in todo if e.timer is not None]
+    per_round = max(1, math.ceil(settings.samples / max(rounds, 1)))
+    for r in range(max(rounds, 1)):
+        if not live:
+            break
+        k = r % len(live)
+        for e in live[k:] + live[:k]:
+            want = min(per_round, settings.samples - len(e.kernel_us))
+            try:
+                e.kernel_us.extend(e.timer.sample(want))
+            except Exception as exc:  # noqa: BLE001
+                e.result = invalid_result(e.candidate, exc)
+        live = [e for e in live if e.result is None]
+    results = []
+    for e in todo:
+        if e.result is None:
+            samples = {"kernel_us": e.kernel_us}
+            if e.timer.plan_us:
+                samples["plan_us"] = e.timer.plan_us
+            e.result = TrialResult(e.candidate, "ok", TimedSamples(samples, e.timer.method, e.timer.note),
+                                   message=e.timer.note, compile_s=e.compile_s,
+                                   max_rel_error=e.max_rel_error)
+        if e.timer is not None:
+            e.timer.close()
+        results.append(e.result)
+    return results
+
+
+def invalid_result(candidate: Candidate, exc: BaseException) -> TrialResult:
+    """The invalid TrialResult an exception stands for (CandidateInvalid keeps its reason)."""
+    result_cls = TrialResult
+    if isinstance(exc, CandidateInvalid):
+        return result_cls(candidate, "invalid", invalid_reason=exc.reason, message=exc.message)
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return result_cls(candidate, "invalid", invalid_reason="runtime", message=f"out of memory: {exc}")
+    tb = traceback.format_exc(limit=3)
+    return result_cls(candidate, "invalid", invalid_reason="runtime",
+                      message=f"{type(exc).__name__}: {exc}\n{tb}")

@@ -1,0 +1,1 @@
+"""The MLA problem: model dimensions and workloads, random instances, the torch reference, the roofline."""

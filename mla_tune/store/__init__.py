@@ -1,0 +1,1 @@
+"""The results store (results.db) and merging other hosts' stores into it."""

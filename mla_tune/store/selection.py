@@ -1,0 +1,77 @@
+"""Which trials a report or a tuned config covers: the filter, the device key, the selection."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# runs.kind values, as stored
+GPU_RUN_KIND = "gpu"
+CPU_RUN_KIND = "cpu-reference"     # timings of the CPU torch reference, not of a GPU kernel
+
+
+class SelectionError(ValueError):
+    """No trial matches the selection; the message says what the DB holds instead."""
+
+
+def device_key(name: str | None) -> str:
+    """Device names compare as the tuned-config file names do: case-insensitive, spaces as _."""
+    return (name or "").strip().replace(" ", "_").lower()
+
+
+@dataclass(frozen=True)
+class TrialFilter:
+    """Which trials a report (or an emitted config) covers; empty fields select everything."""
+
+    device: str | None = None        # "NVIDIA H200" or "NVIDIA_H200"
+    model: str | None = None         # model preset name as stored ("deepseek-v3")
+    runs: tuple = ()                 # run ids
+
+    def __post_init__(self):
+        from mla_tune.validate import check_int, check_name
+        if self.device is not None:
+            check_name("--device", self.device)
+        if self.model is not None:
+            check_name("--model", self.model)
+        for r in self.runs:
+            check_int("run", r, "--run")
+
+    def where(self) -> tuple[str, list]:
+        """A WHERE clause over ResultsStore.trials()'s aliases (t trials, w workloads, r runs)."""
+        clauses, args = [], []
+        if self.device:
+            clauses.append("replace(lower(trim(r.device_name)), ' ', '_') = ?")
+            args.append(device_key(self.device))
+        if self.model:
+            clauses.append("lower(w.model) = ?")
+            args.append(self.model.strip().lower())
+        if self.runs:
+            clauses.append(f"t.run_id in ({','.join('?' * len(self.runs))})")
+            args += [int(r) for r in self.runs]
+        return " and ".join(clauses) or "1=1", args
+
+    def describe(self) -> str:
+        parts = []
+        if self.device:
+            parts.append(f"device {self.device!r}")
+        if self.model:
+            parts.append(f"model {self.model!r}")
+        if self.runs:
+            parts.append("run" + ("s " if len(self.runs) > 1 else " ") + ", ".join(map(str, self.runs)))
+        return ", ".join(parts) or "all trials"
+
+
+def select_trials(store, flt: TrialFilter = TrialFilter()) -> list[dict]:
+    """The filter's trial rows (ResultsStore.trials() rows); SelectionError when none match."""
+    rows = store.trials(*flt.where())
+    if rows:
+        return rows
+    db = store.db
+    if not db["trials"].count:
+        raise SelectionError(f"{store.path} holds no trials yet (run `mla-tune sweep` first)")
+    devices = sorted({r[0] for r in db.execute("select distinct device_name from runs r "
+                                               "join trials t on t.run_id = r.id")})
+    models = sorted({r[0] for r in db.execute("select distinct model from workloads")})
+    runs = sorted({r[0] for r in db.execute("select distinct run_id from trials")})
+    raise SelectionError(f"no trials in {store.path} match {flt.describe()}; it holds devices "
+                         f"{', '.join(map(repr, devices))}; models {', '.join(models)}; "
+                         f"runs {', '.join(map(str, runs))}")

@@ -1,0 +1,127 @@
+"""Dependencies point down only (DESIGN.md section 2): every import of every module, the lazy
+ones inside functions included, is checked against the layer order of the folders."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# mla_tune's layers, lowest first: a module may import its own layer and the ones before it.
+MLA_TUNE_LAYERS = ["validate", "problem", "families", "measure", "store", "tune", "views", "cli"]
+# vllm_metax: the vllm-free, stdlib-only base; the vllm-free kernel path; the vLLM glue.
+VLLM_FREE = ["vllm_metax.tuned_config", "vllm_metax.decisions", "vllm_metax.device",
+             "vllm_metax.distribution", "vllm_metax.ops"]
+# cheap to import (the plugin reads its config at start-up): the standard library only at module level
+STDLIB_ONLY = ["vllm_metax.tuned_config", "vllm_metax.decisions", "vllm_metax.device",
+               "vllm_metax.distribution"]
+
+
+def _modules(package: str) -> dict[str, Path]:
+    out = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _imports(name: str, path: Path, top_only: bool = False) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import statement in the file (`top_only`: only
+    those run when the module is imported, not the lazy ones inside functions)."""
+    pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text(), str(path))
+    out = []
+    for node in (_run_at_import(tree) if top_only else ast.walk(tree)):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")[:len(pkg.split(".")) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module
+            # `from pkg import sub` imports pkg.sub when sub is a module
+            out += [(node.lineno, f"{mod}.{a.name}") for a in node.names] + [(node.lineno, mod)]
+    return out
+
+
+def _run_at_import(tree: ast.AST):
+    """Every node executed when the module is imported: all but function bodies."""
+    for child in ast.iter_child_nodes(tree):
+        if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            yield child
+            yield from _run_at_import(child)
+
+
+def _layer(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[0] != "mla_tune":
+        return None
+    if len(parts) == 1 or parts[1] in ("__main__",):
+        return len(MLA_TUNE_LAYERS)          # the package itself and `python -m mla_tune`: the top
+    return MLA_TUNE_LAYERS.index(parts[1]) if parts[1] in MLA_TUNE_LAYERS else None
+
+
+def _under(module: str, prefixes) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+MLA = _modules("mla_tune")
+PLUGIN = _modules("vllm_metax")
+
+
+def test_every_mla_tune_module_has_a_layer():
+    loose = [m for m in MLA if _layer(m) is None]
+    assert not loose, f"modules outside the layer folders {MLA_TUNE_LAYERS}: {loose}"
+
+
+@pytest.mark.parametrize("name", sorted(MLA))
+def test_mla_tune_imports_point_down(name):
+    own = _layer(name)
+    up = [f"line {line}: {mod}" for line, mod in _imports(name, MLA[name])
+          if (lay := _layer(mod)) is not None and lay > own and not name.startswith(mod + ".")]
+    assert not up, (f"{name} ({MLA_TUNE_LAYERS[own] if own < len(MLA_TUNE_LAYERS) else 'top'}) "
+                    f"imports a higher layer: {up}")
+
+
+@pytest.mark.parametrize("name", sorted(MLA))
+def test_mla_tune_never_imports_vllm_at_module_level(name):
+    bad = [line for line, mod in _imports(name, MLA[name], top_only=True) if _under(mod, ["vllm"])]
+    assert not bad, f"{name} imports vllm at module level (lines {bad}); import it lazily"
+
+
+@pytest.mark.parametrize("name", sorted(PLUGIN))
+def test_plugin_never_imports_the_tuner(name):
+    bad = [f"line {line}: {mod}" for line, mod in _imports(name, PLUGIN[name]) if _under(mod, ["mla_tune"])]
+    assert not bad, f"{name} imports mla_tune: {bad}"
+
+
+@pytest.mark.parametrize("name", sorted(m for m in PLUGIN if _under(m, VLLM_FREE)))
+def test_vllm_free_plugin_modules(name):
+    bad = [f"line {line}: {mod}" for line, mod in _imports(name, PLUGIN[name])
+           if _under(mod, ["vllm"]) or (_under(mod, ["vllm_metax"]) and not _under(mod, VLLM_FREE)
+                                        and mod != "vllm_metax")]
+    assert not bad, f"{name} must stay vllm-free (and import only vllm-free modules): {bad}"
+
+
+@pytest.mark.parametrize("name", STDLIB_ONLY)
+def test_stdlib_only_plugin_modules(name):
+    bad = [f"line {line}: {mod}" for line, mod in _imports(name, PLUGIN[name], top_only=True)
+           if mod.split(".")[0] not in sys.stdlib_module_names and mod != "__future__"
+           and not _under(mod, STDLIB_ONLY)]
+    assert not bad, f"{name} must import the standard library only: {bad}"
+
+
+def test_the_checker_sees_an_upward_import(tmp_path):
+    """The check itself can fail: a lazy import of the CLI inside a problem-layer function."""
+    f = tmp_path / "m.py"
+    f.write_text("def f():\n    from mla_tune.cli.app import app\n    from . import workload\n")
+    found = _imports("mla_tune.problem.m", f)
+    assert (2, "mla_tune.cli.app") in found and (3, "mla_tune.problem.workload") in found
+    assert _layer("mla_tune.cli.app") > _layer("mla_tune.problem.m")
