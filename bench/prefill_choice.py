@@ -785,8 +785,9 @@ def measure_continuation(heads: int, context_len: int, q_len: int, backends: lis
             if key not in timers:
                 continue
             t = timers[key]
+            note = t.note if mode == "graph" else "events around eager launches, as vLLM runs prefill"
             row["results"][mode] = {"status": "error" if key in errors else "ok",
-                                    "reason": errors.get(key), "method": t.method, "note": t.note,
+                                    "reason": errors.get(key), "method": t.method, "note": note,
                                     "samples_us": samples[key], **_stats(samples[key]),
                                     "plan_us_median": statistics.median(t.plan_us) if t.plan_us else None}
             t.close()
@@ -881,7 +882,7 @@ def measure(settings: Settings, command: str = "") -> dict:
                 if dev.startswith("cuda"):
                     torch.cuda.empty_cache()
             doc["rows"].extend(rows)
-            cells = "  ".join(f"{r['backend']}/W{r['workspace_rows'] // 1024}K:{r['n_chunks']}ch "
+            cells = "  ".join(f"{r['backend']}/W{_fmt_rows(r['workspace_rows'])}:{r['n_chunks']}ch "
                               f"{_fmt_us(r['results'].get('graph', r['results'].get(settings.modes[0], {})).get('median_us'))}"
                               for r in rows)
             say(f"[{i + 1}/{len(groups)}] {label}: {cells}  ({time.perf_counter() - t0:.1f}s)")
@@ -890,6 +891,10 @@ def measure(settings: Settings, command: str = "") -> dict:
 
 
 # ================================================================ analysis and rendering
+
+def _fmt_rows(w: int) -> str:
+    return f"{w // 1024}K" if w % 1024 == 0 else str(w)
+
 
 def _fmt_us(x) -> str:
     if x is None:
