@@ -610,9 +610,9 @@ def measure_backend_shape(shape: PrefillShape, backends: list, settings: Setting
     kernels = {}
     for b in backends:
         try:
-            k = MLAPrefillKernel(make_workspace(dev), b)
-            k.plan(qo, kvp, H, QK_DIM, V_DIM, causal, SOFTMAX_SCALE, torch.bfloat16, torch.bfloat16)
-            kernels[b] = k
+            kern = MLAPrefillKernel(make_workspace(dev), b)
+            kern.plan(qo, kvp, H, QK_DIM, V_DIM, causal, SOFTMAX_SCALE, torch.bfloat16, torch.bfloat16)
+            kernels[b] = kern
         except BackendRefused as e:
             row["results"][b] = {"status": "refused", "reason": e.reason[:400]}
         except Exception as e:  # noqa: BLE001
@@ -795,7 +795,8 @@ def measure_continuation(heads: int, context_len: int, q_len: int, backends: lis
     for row in rows:
         if not row["check"]["ok"]:
             for mode in settings.modes:
-                row["results"][mode] = {"status": "wrong", "reason": "failed the correctness check"}
+                row["results"][mode] = {"status": "wrong" if "error" not in row["check"] else "error",
+                                        "reason": row["check"].get("error", "failed the correctness check")}
     return rows
 
 
@@ -914,11 +915,11 @@ def backend_shapes(doc: dict, kind: str | None = None) -> list:
     return out
 
 
-def workspace_shapes(doc: dict, mode: str) -> list:
+def workspace_shapes(doc: dict, mode: str, backend: str | None = None) -> list:
     """Part 2 rows grouped per (heads, L, q, backend): {label, samples: {W: us}}."""
     groups: dict = {}
     for r in doc["rows"]:
-        if r["part"] != "workspace":
+        if r["part"] != "workspace" or (backend and r["backend"] != backend):
             continue
         x = r["results"].get(mode, {})
         key = (r["heads"], r["context_len"], r["q_len"], r["backend"])
@@ -937,14 +938,18 @@ def summarize(doc: dict, compare=None) -> dict:
         sh = backend_shapes(doc, kind)
         if sh:
             s["backend"][kind] = choice_verdict(sh, default_b, compare, name="backend")
+    # per timing mode and backend: W is chosen for the backend a server plans with
+    ws_backends = sorted({r["backend"] for r in doc["rows"] if r["part"] == "workspace"},
+                         key=lambda b: (b != default_b, b))
     for mode in doc["settings"].get("modes", ()):
-        sh = workspace_shapes(doc, mode)
-        if sh:
-            v = choice_verdict(sh, default_w, compare, name="W")
-            # the cheapest W that is never beyond noise slower than the best: memory it frees
-            nb = [w for w in v.get("never_beaten", []) if isinstance(w, int)]
-            v["smallest_never_beaten"] = min(nb) if nb else None
-            s["workspace"][mode] = v
+        for b in ws_backends:
+            sh = workspace_shapes(doc, mode, b)
+            if sh:
+                v = choice_verdict(sh, default_w, compare, name="W")
+                # the cheapest W that is never beyond noise slower than the best: memory it frees
+                nb = [w for w in v.get("never_beaten", []) if isinstance(w, int)]
+                v["smallest_never_beaten"] = min(nb) if nb else None
+                s["workspace"][f"{mode}/{b}"] = v
     # A/A control: W values that give the same chunk list are the same computation
     aa = []
     for mode in doc["settings"].get("modes", ()):
@@ -992,8 +997,8 @@ def render(doc: dict, summ: dict) -> str:
     for kind in (NEW_TOKENS, CONTEXT_CHUNK):
         if kind in b:
             L.append(f"  * {kind}: {b[kind]['text']}")
-    for mode, v in summ["workspace"].items():
-        L.append(f"* **Workspace size** ({mode}, {v['n_shapes']} continuations): {v['text']}"
+    for key, v in summ["workspace"].items():
+        L.append(f"* **Workspace size** ({key.replace('/', ', ')}, {v['n_shapes']} continuations): {v['text']}"
                  + (f"; smallest W never beyond noise slower: {v['smallest_never_beaten']}"
                     if v.get("smallest_never_beaten") else ""))
     aa = summ["aa_control"]
@@ -1038,7 +1043,8 @@ def render(doc: dict, summ: dict) -> str:
             L += ["", f"## 2. Context pass per workspace size ({mode})", "",
                   "| H | L | q | backend | " + " | ".join(f"W={w} (chunks)" for w in ws) + " | best set |",
                   "|---|---|---|---|" + "---|" * len(ws) + "---|"]
-            per = {p["label"]: p for p in summ["workspace"].get(mode, {}).get("per_shape", [])}
+            per = {p["label"]: p for k, v in summ["workspace"].items() if k.startswith(mode + "/")
+                   for p in v.get("per_shape", [])}
             groups: dict = {}
             for r in doc["rows"]:
                 if r["part"] == "workspace":
@@ -1139,6 +1145,9 @@ def write(doc: dict, out: Path) -> int:
     (out / f"{NAME}.md").write_text(text)
     print()
     print(text)
+    # the verdicts once more at the very end: a device reply keeps only the tail of the output
+    print("== verdicts")
+    print("\n".join(x for x in text.split("## 1.")[0].splitlines() if x.startswith(("*", "  *"))))
     print(f"wrote {out / (NAME + '.json')} and {out / (NAME + '.md')}")
     return 0
 

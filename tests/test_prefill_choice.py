@@ -210,7 +210,8 @@ def test_workspace_verdict_names_the_default_and_the_cheapest_free_size(pc):
     doc = {"rows": rows, "settings": {"modes": ["graph"], "samples": 20},
            "vllm_default_workspace_rows": 65536, "served_default_backend": "fa3"}
     s = pc.summarize(doc)
-    v = s["workspace"]["graph"]
+    assert list(s["workspace"]) == ["graph/fa3"]
+    v = s["workspace"]["graph/fa3"]
     assert v["kind"] == "not a choice" and v["winner"] == 65536
     assert v["never_beaten"] == [32768, 65536, 131072] and v["smallest_never_beaten"] == 32768
     assert "beats W 16384 beyond noise at 1/2 shapes" in v["text"]
