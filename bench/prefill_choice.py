@@ -44,8 +44,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mla_tune.choose import MIN_RATIO, P_THRESHOLD  # noqa: E402
-from mla_tune.problem import model_preset  # noqa: E402
+from mla_tune.tune.choose import MIN_RATIO, P_THRESHOLD  # noqa: E402
+from mla_tune.problem.workload import model_preset  # noqa: E402
 
 NAME = "prefill_choice"
 V3 = model_preset("deepseek-v3")
@@ -528,7 +528,7 @@ def _shape_reference(shape: PrefillShape, q, k, v, rows, scale):
 
 
 def _timer_cls(runs_per_graph: int):
-    from mla_tune.timing import KernelTimer
+    from mla_tune.measure.timing import KernelTimer
     return type("PrefillTimer", (KernelTimer,), {"RUNS_PER_GRAPH": max(1, runs_per_graph)})
 
 
@@ -596,7 +596,7 @@ def measure_backend_shape(shape: PrefillShape, backends: list, settings: Setting
     """Part 1 for one shape: correctness of every backend on fresh inputs, then interleaved timing."""
     import torch
 
-    from mla_tune.backends.base import Prepared
+    from mla_tune.families.base import Prepared
     from vllm_metax.ops.flashinfer_mla import BackendRefused, make_workspace
     from vllm_metax.ops.flashinfer_prefill import MLAPrefillKernel
     dev, H = settings.device, shape.heads
@@ -684,7 +684,7 @@ def measure_continuation(heads: int, context_len: int, q_len: int, backends: lis
     float32 reference and against the single-chunk pass, then timed interleaved per mode."""
     import torch
 
-    from mla_tune.backends.base import Prepared
+    from mla_tune.families.base import Prepared
     from vllm_metax.ops.flashinfer_mla import make_workspace
     from vllm_metax.ops.flashinfer_prefill import MLAPrefillKernel
     dev, H = settings.device, heads
@@ -811,7 +811,7 @@ def memory_table(settings: Settings, default_rows: int) -> list:
 def measure(settings: Settings, command: str = "") -> dict:
     import torch
 
-    from mla_tune.environment import capture_environment
+    from mla_tune.measure.environment import capture_environment
     from vllm_metax.decisions import device_flashinfer_backends
     t_start = time.perf_counter()
     dev = settings.device
