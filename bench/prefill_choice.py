@@ -10,7 +10,7 @@ softmax scale 1/sqrt(192)) at 128 heads (TP1) and 16 heads (TP8).
    causal prefill, ragged batches of 256..8K tokens (one request; four requests of different
    lengths), and (b) one context chunk (non-causal, LSE returned) of q new tokens against 1K..64K
    context tokens. Timed as CUDA-graph replays with events inside the graph and a cold L2
-   (mla_tune.timing.KernelTimer), backends interleaved round by round.
+   (mla_tune.measure.timing.KernelTimer), backends interleaved round by round.
 2. workspace: continuing a prompt over L cached tokens (8K, 32K, 128K) with q new tokens, the
    context cut into chunks exactly as vLLM 0.33.0 cuts it for a workspace of W rows
    (`context_chunk_lens`), for W around vLLM's default (`vllm_default_workspace_rows`: 64K for
@@ -24,7 +24,7 @@ Correctness gates every timed value: on fresh random inputs each output is poiso
 against a float32 reference on sampled rows (and fa2 against fa3, every W against one chunk); a
 value that fails is reported and never wins. "Beyond noise" (`beats`) means the median ratio is at
 least 1.05 AND the samples separate: a one-sided Mann-Whitney p < 0.002 where scipy is installed
-(mla_tune.choose.compare, the tuner's rule), otherwise the slower value's first quartile above the
+(mla_tune.tune.choose.compare, the tuner's rule), otherwise the slower value's first quartile above the
 faster one's third quartile. Verdicts (`choice_verdict`): "real choice" only when no single value is
 within noise of the best at every shape. Writes DIR/prefill_choice.{json,md}.
 """
@@ -204,11 +204,11 @@ def quartiles(samples) -> tuple:
 
 
 def scipy_compare():
-    """mla_tune.choose.compare (one-sided Mann-Whitney + ratio) where scipy is installed, else None."""
+    """mla_tune.tune.choose.compare (one-sided Mann-Whitney + ratio) where scipy is installed, else None."""
     try:
         import scipy  # noqa: F401
 
-        from mla_tune.choose import compare
+        from mla_tune.tune.choose import compare
         return compare
     except ImportError:
         return None
@@ -1154,7 +1154,7 @@ def write(doc: dict, out: Path) -> int:
 
 if __name__ == "__main__":
     if not os.environ.get("VLLM_METAX_FORCE"):
-        from mla_tune.backends.triton_mla import vllm_compiled_ops_missing
+        from mla_tune.families.triton_mla import vllm_compiled_ops_missing
         if vllm_compiled_ops_missing():   # vLLM's own CUDA platform cannot load: ours must be active
             os.environ["VLLM_METAX_FORCE"] = "1"
     sys.exit(main())
