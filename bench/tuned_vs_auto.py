@@ -1,0 +1,242 @@
+"""What the tuned config buys: the plugin's tuned choice vs FlashInfer `auto` vs vLLM's default.
+
+    source bench/device-setup.sh && python3 bench/tuned_vs_auto.py --db results.db \
+        --config configs/device_name=NVIDIA_H200.json --out $OUT
+
+For every decode bucket the sweep measured (q_len 1, uniform and ragged lengths; the workloads of
+`--db`), one interleaved measurement through the tuner's harness
+(`mla_tune.measure.trial.measure_interleaved`: correctness gate against the torch reference,
+CUDA-graph replays timed with events, cold L2) of three things:
+
+* tuned: what the plugin plans for that batch from `--config` — the backend and KV chunking of
+  the bucket `PlanChoice.step` finds for the batch's (size, mean length), at the config's page
+  size, through the plugin's op with its fast re-plan (as served);
+* auto: FlashInfer's own `auto` at page 64, planned by FlashInfer's public plan() every step
+  (its C++ MLAPlan schedule; no fast re-plan): FlashInfer as it ships;
+* vllm: vLLM's default decode kernel on this platform, TRITON_MLA with vLLM's num_kv_splits rule,
+  page 64.
+
+It reports per bucket and as geomeans (all, uniform, ragged; 16 and 128 heads) the issue's goals:
+tuned >= 1.10x auto, small work (B x L <= 8K tokens) <= 12 us, 16 heads >= 90% of the measured
+copy bandwidth from 256K KV tokens. Writes <out>/tuned_vs_auto_<device>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sqlite3
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mla_tune.families.triton_mla import vllm_compiled_ops_missing  # noqa: E402
+
+if vllm_compiled_ops_missing():      # only vLLM's Python files here: the plugin must be the platform
+    os.environ.setdefault("VLLM_METAX_FORCE", "1")
+
+SMALL_TOKENS = 8192           # "small work": B x L at most this many KV tokens
+BIG_TOKENS = 256 * 1024       # the bandwidth goal holds from this many KV tokens (16 heads)
+GOALS = {"tuned_over_auto": 1.10, "small_us": 12.0, "h16_copy_pct": 90.0}
+
+
+def say(msg: str = "") -> None:
+    print(msg, flush=True)
+
+
+def _gmean(xs):
+    xs = [x for x in xs if x and x > 0]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+
+def stored_workloads(db: str):
+    """The decode workloads (q_len 1) a results DB holds, as Workloads, read-only."""
+    from mla_tune.problem.workload import Workload
+    names = {f.name for f in dataclasses.fields(Workload)}
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    con.row_factory = sqlite3.Row
+    out = []
+    for row in con.execute("select * from workloads where q_len = 1 order by num_heads, ragged, "
+                           "batch_size, context_len"):
+        d = {k: row[k] for k in row.keys() if k in names}
+        out.append(Workload(**d))
+    con.close()
+    return out
+
+
+def served_candidate(choice, page_size: int, workload):
+    """The candidate the plugin plans for this batch: PlanChoice.step on its real lengths."""
+    from mla_tune.families.base import Candidate
+    from vllm_metax import decisions
+    from vllm_metax.tuned_config import KV_CHUNKS
+    backend, factor = choice.step(workload.batch_size, decisions.bucket_context(workload.seq_lens),
+                                  workload.q_len)
+    params = {}
+    if factor is not None:
+        params["kv_chunk"] = next(c for c in KV_CHUNKS if decisions.kv_chunk_factor(c) == factor)
+    return Candidate("flashinfer", backend, page_size, params)
+
+
+def measure_all(args) -> dict:
+    import torch
+
+    from mla_tune.families.base import Candidate
+    from mla_tune.families.flashinfer import FlashInferBackend
+    from mla_tune.families.triton_mla import TritonMLABackend
+    from mla_tune.measure.environment import capture_environment
+    from mla_tune.measure.timing import default_pool_bytes
+    from mla_tune.measure.trial import MeasureSettings, measure_interleaved
+    from mla_tune.problem.roofline import measure_ceilings, workload_bytes
+    from vllm_metax import decisions
+    from vllm_metax.backend.flashinfer_mla import PlanChoice
+    from vllm_metax.tuned_config import read_tuned_config
+
+    env = capture_environment("gpu", " ".join(sys.argv))
+    cfg = read_tuned_config(args.config)
+    fb = decisions.device_flashinfer_backends()
+    say(f"device {env['device_name']} ({env['sm_count']} SMs), torch {env['torch']}, "
+        f"flashinfer {env['flashinfer']}; config {args.config} ({len(cfg.models)} model entries)")
+    ceilings = measure_ceilings("cuda")
+    say(f"copy {ceilings['copy_gbps']:.0f} GB/s, bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s")
+    tuned_fi, auto_fi, tr = FlashInferBackend(), FlashInferBackend(fast_replan=False), TritonMLABackend()
+    settings = MeasureSettings(device="cuda", warmup=args.warmup, samples=args.samples,
+                               min_pool_bytes=default_pool_bytes("cuda"), check=True)
+    doc = {"environment": env, "ceilings": ceilings, "config": str(args.config), "settings": vars(args),
+           "rows": [], "skipped": []}
+    workloads = stored_workloads(args.db)
+    say(f"{len(workloads)} decode buckets in {args.db}")
+    t_start = time.perf_counter()
+    for i, w in enumerate(workloads):
+        if time.perf_counter() - t_start > args.budget_s:
+            doc["skipped"].append(w.label())
+            continue
+        dims = decisions.model_key(w.num_heads, w.kv_lora_rank, w.qk_rope_head_dim, w.q_dtype, w.kv_dtype)
+        entry = cfg.entry_for(dims)
+        page = entry.page_size if entry is not None else 64
+        tuned = served_candidate(PlanChoice(entry, fb), page, w)
+        entries = [(tuned_fi, tuned), (auto_fi, Candidate("flashinfer", "auto", 64)),
+                   (tr, tr.default_candidate(w, 64))]
+        try:
+            results = measure_interleaved(entries, w, settings, rounds=args.rounds)
+        except Exception as e:  # noqa: BLE001 - a shape that cannot be set up is data too
+            say(f"[{i + 1}/{len(workloads)}] {w.label()}: FAILED {type(e).__name__}: {e}")
+            doc["skipped"].append(w.label())
+            torch.cuda.empty_cache()
+            continue
+        row = {"workload": w.label(), "heads": w.num_heads, "batch": w.batch_size,
+               "context": w.context_len, "lengths": w.ragged, "kv_tokens": w.total_kv_tokens,
+               "bytes": workload_bytes(w), "tuned": tuned.key, "in_config": entry is not None}
+        for name, r in zip(("tuned", "auto", "vllm"), results):
+            ks = r.samples.get("kernel_us", []) if r.status == "ok" else []
+            row[f"{name}_us"] = statistics.median(ks) if ks else None
+            row[f"{name}_samples"] = ks
+            row[f"{name}_status"] = r.status if r.status == "ok" else f"{r.invalid_reason}: {(r.message or '')[:200]}"
+            row[f"{name}_candidate"] = r.candidate.key
+        doc["rows"].append(row)
+        t, a, v = row["tuned_us"], row["auto_us"], row["vllm_us"]
+        say(f"[{i + 1}/{len(workloads)}] {w.label():<28} tuned {tuned.key:<36} "
+            + (f"{t:7.1f} us  auto {a:7.1f}  vllm {v:7.1f}  x{a / t:.2f} / x{v / t:.2f}"
+               if t and a and v else "incomplete: " + "; ".join(
+                   row[f"{n}_status"] for n in ("tuned", "auto", "vllm") if row[f"{n}_us"] is None)))
+        (Path(args.out) / f"{args.name}.json").write_text(json.dumps(doc, indent=1, default=str))
+        del results
+        torch.cuda.empty_cache()
+    return doc
+
+
+def summarize(doc: dict) -> dict:
+    rows = [r for r in doc["rows"] if r.get("tuned_us") and r.get("auto_us") and r.get("vllm_us")]
+    copy = doc["ceilings"]["copy_gbps"]
+
+    def g(sel, key):
+        return _gmean([r[key] / r["tuned_us"] for r in rows if sel(r)])
+
+    groups = {"all": lambda r: True, "uniform": lambda r: r["lengths"] == "uniform",
+              "ragged": lambda r: r["lengths"] != "uniform",
+              "16 heads": lambda r: r["heads"] == 16, "128 heads": lambda r: r["heads"] == 128}
+    s = {"buckets": len(rows), "skipped": len(doc["skipped"]),
+         "over_auto": {k: g(f, "auto_us") for k, f in groups.items()},
+         "over_vllm": {k: g(f, "vllm_us") for k, f in groups.items()},
+         "counts": {k: sum(1 for r in rows if f(r)) for k, f in groups.items()}}
+    small = [r for r in rows if r["kv_tokens"] <= SMALL_TOKENS]
+    s["small"] = {"buckets": len(small),
+                  "tuned_us_max": max((r["tuned_us"] for r in small), default=None),
+                  "tuned_us_median": statistics.median([r["tuned_us"] for r in small]) if small else None,
+                  "auto_us_median": statistics.median([r["auto_us"] for r in small]) if small else None,
+                  "at_goal": sum(1 for r in small if r["tuned_us"] <= GOALS["small_us"])}
+    big16 = [r for r in rows if r["heads"] == 16 and r["kv_tokens"] >= BIG_TOKENS]
+    pct = [100 * r["bytes"] / (r["tuned_us"] * 1e-6) / (copy * 1e9) for r in big16]
+    s["h16_big"] = {"buckets": len(big16), "copy_pct_min": min(pct, default=None),
+                    "copy_pct_median": statistics.median(pct) if pct else None,
+                    "at_goal": sum(1 for p in pct if p >= GOALS["h16_copy_pct"])}
+    s["goals"] = {
+        "tuned >= 1.10x auto (geomean, all buckets)": (s["over_auto"]["all"] or 0) >= GOALS["tuned_over_auto"],
+        "small work <= 12 us (every bucket)": bool(small) and s["small"]["at_goal"] == len(small),
+        "16 heads >= 90% copy bandwidth from 256K tokens (every bucket)":
+            bool(big16) and s["h16_big"]["at_goal"] == len(big16)}
+    return s
+
+
+def render(doc: dict, s: dict) -> str:
+    env = doc["environment"]
+    f = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"   # noqa: E731
+    lines = [f"# Tuned config vs FlashInfer auto vs vLLM's default ({env['device_name']})", "",
+             f"`{env.get('command', '')}`", "",
+             f"torch {env['torch']}, flashinfer {env['flashinfer']}, config `{doc['config']}`; "
+             f"copy {doc['ceilings']['copy_gbps']:.0f} GB/s measured in the same run. "
+             f"{s['buckets']} buckets measured, {s['skipped']} skipped (time budget).", "",
+             "| group | buckets | tuned vs auto (geomean) | tuned vs vLLM default |", "|---|---|---|---|"]
+    for k in s["over_auto"]:
+        lines.append(f"| {k} | {s['counts'][k]} | {f(s['over_auto'][k], 3)}x | {f(s['over_vllm'][k], 2)}x |")
+    sm, bg = s["small"], s["h16_big"]
+    lines += ["", f"Small work (B x L <= {SMALL_TOKENS} tokens, {sm['buckets']} buckets): tuned median "
+              f"{f(sm['tuned_us_median'], 1)} us, max {f(sm['tuned_us_max'], 1)} us (auto median "
+              f"{f(sm['auto_us_median'], 1)} us); {sm['at_goal']} at <= 12 us.",
+              f"16 heads from {BIG_TOKENS // 1024}K KV tokens ({bg['buckets']} buckets): tuned reaches "
+              f"{f(bg['copy_pct_min'], 0)}-{f(bg['copy_pct_median'], 0)}% (min-median) of copy bandwidth; "
+              f"{bg['at_goal']} at >= 90%.", "", "Goals:", ""]
+    lines += [f"- {k}: {'met' if v else 'NOT met'}" for k, v in s["goals"].items()]
+    lines += ["", "| bucket | lengths | tuned candidate | tuned us | auto us | vLLM us | vs auto | vs vLLM |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in doc["rows"]:
+        t, a, v = r.get("tuned_us"), r.get("auto_us"), r.get("vllm_us")
+        lines.append(f"| {r['workload']} | {r['lengths']} | {r['tuned']} | {f(t, 1)} | {f(a, 1)} | {f(v, 1)} | "
+                     f"{f(a / t if t and a else None)} | {f(v / t if t and v else None)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--db", default="results.db", help="results DB whose decode workloads are measured")
+    ap.add_argument("--config", default="configs/device_name=NVIDIA_H200.json", help="tuned config")
+    ap.add_argument("--out", default=".", help="folder for the .json/.md")
+    ap.add_argument("--name", default="tuned_vs_auto_h200")
+    ap.add_argument("--samples", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--budget-s", type=float, default=300.0, help="start no new bucket after this")
+    ap.add_argument("--analyze", help="re-summarize a JSON written earlier (no GPU)")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.analyze:
+        doc = json.loads(Path(args.analyze).read_text())
+    else:
+        doc = measure_all(args)
+    s = summarize(doc)
+    doc["summary"] = s
+    (out / f"{args.name}.json").write_text(json.dumps(doc, indent=1, default=str))
+    text = render(doc, s)
+    (out / f"{args.name}.md").write_text(text)
+    print(text.split("| bucket |")[0])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
