@@ -37,7 +37,7 @@ from mla_tune.problem.workload import model_preset, workload_for  # noqa: E402
 from mla_tune.problem.instance import make_problem  # noqa: E402
 from mla_tune.problem.roofline import achieved, floor_of, measure_ceilings, pct_of_floor  # noqa: E402
 from mla_tune.store.results import stats_of  # noqa: E402
-from mla_tune.measure.timing import KernelTimer, _flush_buffer, default_pool_bytes  # noqa: E402
+from mla_tune.measure.timing import KernelTimer, flush_buffer, default_pool_bytes  # noqa: E402
 
 V3 = model_preset("deepseek-v3")
 LOG: list[str] = []
@@ -106,7 +106,7 @@ def independent_check(w, backend, cand, settings, n_prof=60):
     harness = statistics.median(timer.sample(200))
     out = {"workload": w.label(), "candidate": cand.key, "harness_us": harness, "method": timer.method,
            "note": timer.note, "harness_replay_events_us": harness_replay}
-    for label, fn in (("profiler", timer._launch), ("profiler_eager", prepared.run)):
+    for label, fn in (("profiler", timer.launch), ("profiler_eager", prepared.run)):
         out.update(_profile_kernels(fn, n_prof, label))
     if "profiler_kernel_sum_us" in out:
         out["harness_vs_profiler"] = harness / out["profiler_kernel_sum_us"] - 1
@@ -116,7 +116,7 @@ def independent_check(w, backend, cand, settings, n_prof=60):
         out["profiler_compared"] = "eager"
     try:
         import triton.testing
-        db = triton.testing.do_bench(timer._launch, warmup=25, rep=200, return_mode="median")
+        db = triton.testing.do_bench(timer.launch, warmup=25, rep=200, return_mode="median")
         out["do_bench_graph_us"] = db * 1e3
         out["harness_vs_do_bench"] = harness / out["do_bench_graph_us"] - 1
         out["do_bench_eager_us"] = triton.testing.do_bench(prepared.run, warmup=25, rep=200,
@@ -143,7 +143,7 @@ def section(name, fn, result, outdir):
 
 def _profile_kernels(fn, n, label):
     """Median per-run sum of kernel durations (CUPTI via torch.profiler), L2 flushed before each run."""
-    buf = _flush_buffer(torch.device("cuda"))
+    buf = flush_buffer(torch.device("cuda"))
     try:
         from torch.autograd import DeviceType
         from torch.profiler import ProfilerActivity, profile

@@ -321,7 +321,7 @@ def test_fuzzed_config_is_refused_by_the_schema_or_inside_it(good_doc, tmp_path_
         assert str(e) and "\n" not in str(e).strip()
     else:
         _check_inside_schema(cfg)
-        from mla_tune.views.report import render_config
+        from mla_tune.views.show import render_config
         for fmt in ("table", "json", "csv", "markdown"):        # what `show` prints: never raises
             render_config(cfg, fmt, (8, 4096, 1))
 

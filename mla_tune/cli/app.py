@@ -8,9 +8,25 @@ import sys
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperGroup
+
+
+class Commands(TyperGroup):
+    """The app's command group: where the library's known errors become one red line and an exit
+    code, for every command (the commands themselves catch nothing)."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except known_errors() as e:
+            if os.environ.get("MLA_TUNE_DEBUG"):
+                raise
+            fail(str(e), exit_code_of(e))
+
 
 app = typer.Typer(
     name="mla-tune",
+    cls=Commands,
     help="Tune MLA decode attention (FlashInfer, vLLM Triton MLA) on this GPU; emit the config vllm_metax loads.",
     no_args_is_help=True,
     add_completion=False,
@@ -43,12 +59,37 @@ def given(ctx, *names: str) -> list[str]:
     return out
 
 
-def _known_errors() -> tuple:
+def known_errors() -> tuple:
+    """The library's errors that mean "this input cannot be used" (or, for a sweep, "nothing could
+    be measured"): shown as their one-line message, never as a traceback."""
     from mla_tune.problem.workload import ProblemError
     from mla_tune.store.results import StoreError
+    from mla_tune.store.selection import SelectionError
+    from mla_tune.tune.distributed import StorageError
+    from mla_tune.tune.emit import EmitError
+    from mla_tune.tune.sweep import SweepError
     from mla_tune.validate import InputError
+    from mla_tune.views.report import ReportError
     from vllm_metax.tuned_config import TunedConfigError
-    return (UserError, ProblemError, StoreError, TunedConfigError, InputError)
+    return (UserError, InputError, ProblemError, StoreError, SelectionError, StorageError,
+            SweepError, EmitError, ReportError, TunedConfigError)
+
+
+def exit_code_of(error: Exception) -> int:
+    """2 for bad input; 1 for a job that ran and failed (a sweep that could not measure)."""
+    from mla_tune.tune.sweep import SweepError
+    if isinstance(error, SweepError) and not isinstance(error, ValueError):
+        return EXIT_FAILURE
+    return EXIT_USER_ERROR
+
+
+def print_view(out) -> None:
+    """A rendered view: text as is, rich renderables through the console."""
+    if isinstance(out, str):
+        typer.echo(out, nl=not out.endswith("\n"))
+    else:
+        for r in out:
+            console.print(r)
 
 
 def main() -> None:
@@ -72,9 +113,9 @@ def main() -> None:
             sys.exit(getattr(e, "exit_code", EXIT_USER_ERROR))
         if os.environ.get("MLA_TUNE_DEBUG"):
             raise
-        if isinstance(e, _known_errors()):
+        if isinstance(e, known_errors()):     # raised outside a command (while parsing)
             err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
-            sys.exit(EXIT_USER_ERROR)
+            sys.exit(exit_code_of(e))
         err_console.print(f"[bold red]internal error:[/] {type(e).__name__}: {escape(str(e))} "
                           "(set MLA_TUNE_DEBUG=1 for the traceback)", highlight=False, soft_wrap=True)
         sys.exit(EXIT_FAILURE)

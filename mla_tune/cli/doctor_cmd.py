@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from mla_tune.cli.app import app, console, fail
+from mla_tune.cli.app import app, print_view
 from mla_tune.views.render import OutputFormat
 from mla_tune.validate import INT
 
@@ -26,24 +26,8 @@ def doctor(
 ):
     """Which device the plugin sees, whether it would activate, which backends are usable, and
     which tuned config it would load and why (or why none)."""
+    from mla_tune.validate import check_name
     from mla_tune.views.doctor import diagnose
-    from mla_tune.problem.workload import ProblemError
-    from mla_tune.views.render import to_csv, to_json_text, to_markdown, to_rich
-    from vllm_metax.tuned_config import TunedConfigError
-
-    from mla_tune.validate import InputError, check_name
-    try:
-        if model is not None:
-            check_name("--model", model)
-        report = diagnose(model, tp, probe)
-    except (ProblemError, TunedConfigError, InputError) as e:
-        fail(str(e))
-    if format == OutputFormat.json:
-        typer.echo(to_json_text(report.to_json()))
-    elif format == OutputFormat.csv:
-        typer.echo("".join(to_csv(t) for t in report.tables()), nl=False)
-    elif format == OutputFormat.markdown:
-        typer.echo(to_markdown(report.tables(), "vllm_metax doctor"), nl=False)
-    else:
-        for t in to_rich(report.tables()):
-            console.print(t)
+    if model is not None:
+        check_name("--model", model)
+    print_view(diagnose(model, tp, probe).render(format))

@@ -8,7 +8,7 @@ from typing import List
 import typer
 from rich.markup import escape
 
-from mla_tune.cli.app import app, console, fail
+from mla_tune.cli.app import app, console
 
 HELP = ("Copy the runs, workloads, trials and samples of other results DBs into --db.\n\n"
         "Idempotent: what --db already holds is skipped, so merging the same file twice adds "
@@ -24,11 +24,7 @@ def merge(
                             "(created if missing)"),
 ):
     from mla_tune.store.merge import merge_into
-    from mla_tune.store.results import StoreError
-    try:
-        counts = merge_into(db, sources)
-    except StoreError as e:
-        fail(str(e))
+    counts = merge_into(db, sources)
     for c in counts:
         devices = f" (devices: {', '.join(map(str, c.devices))})" if c.devices else ""
         skipped = f"; {c.known_trials} trials already in {db}" if c.known_trials else ""

@@ -9,24 +9,13 @@ from typing import List, Optional
 
 import typer
 
-from mla_tune.cli.app import app, console, err_console, fail, given
+from mla_tune.cli.app import app, console, err_console, fail, given, print_view
 from mla_tune.views.render import OutputFormat
 from mla_tune.validate import INT, PathArgument, PathOption
 
 FORMAT_HELP = "Output: table (rich), json, csv or markdown"
 DB_HELP = ("Results DB to read, opened read-only (default: results.db, or results-cpu.db on a "
            "machine without CUDA, where `mla-tune sweep` puts the CPU reference)")
-
-
-def _known():
-    from mla_tune.tune.emit import EmitError
-    from mla_tune.problem.workload import ProblemError
-    from mla_tune.store.selection import SelectionError
-    from mla_tune.views.report import ReportError
-    from mla_tune.store.results import StoreError
-    from mla_tune.validate import InputError
-    from vllm_metax.tuned_config import TunedConfigError
-    return (EmitError, ReportError, SelectionError, StoreError, TunedConfigError, ProblemError, InputError)
 
 
 def _db_path(db: Optional[Path]) -> Path:
@@ -46,14 +35,6 @@ def _mix(path: Optional[Path]):
         return None
     from mla_tune.problem.workload import WorkloadMix
     return WorkloadMix.from_file(str(path))
-
-
-def _print(out) -> None:
-    if isinstance(out, str):
-        typer.echo(out, nl=not out.endswith("\n"))
-    else:
-        for r in out:
-            console.print(r)
 
 
 def _filter(device, model, run):
@@ -83,21 +64,18 @@ def report(
     --full for every candidate."""
     from mla_tune.views.report import build_report, render_report
     from mla_tune.validate import is_png, output_file
-    try:
-        if plot is not None:
-            output_file(plot, "--plot", own=is_png, suffix=".png")   # before anything runs
-        flt = _filter(device, model, run)
-        w = _mix(mix)
-        with _open_store(_db_path(db)) as store:
-            rep = build_report(store, flt, w)
-        _print(render_report(rep, format, full=full))
-        if plot is not None:
-            from mla_tune.views.plot import plot_report
-            path = plot_report(rep, plot)
-            # stderr keeps stdout parseable for json/csv
-            err_console.print(f"wrote {path}", highlight=False)
-    except _known() as e:
-        fail(str(e))
+    if plot is not None:
+        output_file(plot, "--plot", own=is_png, suffix=".png")   # before anything runs
+    flt = _filter(device, model, run)
+    w = _mix(mix)
+    with _open_store(_db_path(db)) as store:
+        rep = build_report(store, flt, w)
+    print_view(render_report(rep, format, full=full))
+    if plot is not None:
+        from mla_tune.views.plot import plot_report
+        path = plot_report(rep, plot)
+        # stderr keeps stdout parseable for json/csv
+        err_console.print(f"wrote {path}", highlight=False)
 
 
 @app.command("emit")
@@ -120,36 +98,18 @@ def emit(
     from vllm_metax.tuned_config import read_tuned_config
     if all_devices and device is not None:
         fail("--device and --all-devices exclude each other")
-    try:
-        output_folder(out, "--out")
-        flt = _filter(device, model, run)
-        w = _mix(mix)
-        cpu_ok = given(ctx, "out")
-        with _open_store(_db_path(db)) as store:
-            paths = (emit_all(store, out, model=flt.model, runs=flt.runs, mix=w, cpu_ok=cpu_ok)
-                     if all_devices else
-                     [emit_config(store, out, device=flt.device, model=flt.model, runs=flt.runs,
-                                  mix=w, cpu_ok=cpu_ok)])
-        for p in paths:
-            for line in config_summary(read_tuned_config(p)):
-                console.print(line, highlight=False, markup=False)
-    except _known() as e:
-        fail(str(e))
-
-
-def _lookup(text: Optional[str]):
-    if text is None:
-        return None
-    from mla_tune.validate import InputError, check_int
-    parts = text.split(",")
-    try:
-        if len(parts) not in (2, 3) or not all(p.strip().isdigit() and len(p.strip()) < 20 for p in parts):
-            raise InputError("")
-        vals = [check_int(k, int(p), "--lookup " + k.replace("_", " "))
-                for k, p in zip(("batch", "context", "q_len"), parts)]
-    except InputError as e:
-        fail(str(e) or f"--lookup takes BATCH,CONTEXT[,Q_LEN] as positive integers, got {text!r}")
-    return (vals[0], vals[1], vals[2] if len(vals) == 3 else 1)
+    output_folder(out, "--out")
+    flt = _filter(device, model, run)
+    w = _mix(mix)
+    cpu_ok = given(ctx, "out")
+    with _open_store(_db_path(db)) as store:
+        paths = (emit_all(store, out, model=flt.model, runs=flt.runs, mix=w, cpu_ok=cpu_ok)
+                 if all_devices else
+                 [emit_config(store, out, device=flt.device, model=flt.model, runs=flt.runs,
+                              mix=w, cpu_ok=cpu_ok)])
+    for p in paths:
+        for line in config_summary(read_tuned_config(p)):
+            console.print(line, highlight=False, markup=False)
 
 
 @app.command("show")
@@ -163,14 +123,11 @@ def show(
                                          "serves this request (snapped on a log2 scale)"),
 ):
     """Validate a tuned config as the plugin reads it, and print it."""
-    from mla_tune.views.report import check_config_device, render_config
+    from mla_tune.views.show import check_config_device, parse_lookup, render_config
     from vllm_metax.tuned_config import check_device_name, read_tuned_config
-    req = _lookup(lookup)
-    try:
-        if device is not None:
-            check_device_name(device, "--device")
-        cfg = read_tuned_config(file)
-        check_config_device(cfg, file, device)
-        _print(render_config(cfg, format, req))
-    except _known() as e:
-        fail(str(e))
+    req = parse_lookup(lookup) if lookup is not None else None
+    if device is not None:
+        check_device_name(device, "--device")
+    cfg = read_tuned_config(file)
+    check_config_device(cfg, file, device)
+    print_view(render_config(cfg, format, req))

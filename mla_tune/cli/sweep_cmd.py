@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import shlex
 import sys
-from enum import Enum
 from pathlib import Path
 from typing import List, Optional
 
@@ -17,7 +16,9 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColum
                            TimeElapsedColumn, TimeRemainingColumn)
 from rich.table import Table
 
-from mla_tune.cli.app import EXIT_FAILURE, EXIT_USER_ERROR, app, console, fail, given
+from mla_tune.cli.app import EXIT_FAILURE, app, console, fail, given
+from mla_tune.measure.worker import Isolation
+from mla_tune.tune.search import SearchMode as Mode
 from mla_tune.validate import FLOAT, INT, PathOption
 
 EPILOG = ("Exit codes: 0 done; 1 nothing could be measured (no kernel family runs here, or no "
@@ -224,18 +225,6 @@ def _bucket_filter(model, tp, batches, contexts, q_len):
     return keep
 
 
-class Mode(str, Enum):
-    auto = "auto"
-    grid = "grid"
-    tpe = "tpe"
-
-
-class Isolation(str, Enum):
-    auto = "auto"
-    process = "process"
-    inline = "inline"
-
-
 HELP = (
     "Measure each bucket's candidates, store every trial, choose winners, emit the config.\n\n"
     "Buckets are batch x context (log2 steps) x q_len at each --tp; each is searched with optuna "
@@ -325,8 +314,7 @@ def sweep(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
 ):
     """Measure each bucket's candidates, store every trial, choose winners, emit the config."""
-    from mla_tune.problem.workload import ProblemError, WorkloadMix
-    from mla_tune.store.results import StoreError
+    from mla_tune.problem.workload import WorkloadMix
     from mla_tune.tune.sweep import (SweepConfig, SweepError, build_config, default_db, detect_device,
                                 replay_sweep, run_sweep)
     from mla_tune.validate import InputError
@@ -341,11 +329,8 @@ def sweep(
         fail(f"--heartbeat must be at least 1 s, got {heartbeat}")
     if storage is not None and journal is not None:
         fail("--storage and --journal exclude each other (a journal file is a --storage)")
-    from mla_tune.tune.distributed import StorageError, parse_gpus
-    try:
-        gpu_list = parse_gpus(gpus) if gpus is not None else None
-    except ValueError as e:
-        fail(str(e))
+    from mla_tune.tune.distributed import parse_gpus
+    gpu_list = parse_gpus(gpus) if gpus is not None else None
     if gpu_list and replay is not None:
         fail("--gpus measures; --replay measures nothing: use one of them")
     try:
@@ -383,9 +368,9 @@ def sweep(
                 outcome = run_sweep(config, observer)
             finally:
                 observer.close()      # Ctrl-C or an error: leave the terminal clean
-    except SweepError as e:       # SweepInputError (a ValueError) is bad input: exit 2
-        fail(str(e), EXIT_USER_ERROR if isinstance(e, ValueError) else EXIT_FAILURE)
-    except (ValueError, ProblemError, StoreError, StorageError, InputError) as e:
-        fail(str(e))
+    except ValueError as e:       # sweep.py's parsers raise plain ValueErrors for bad input
+        if isinstance(e, SweepError):     # SweepInputError: the app maps it (exit 2)
+            raise
+        raise InputError(str(e)) from None
     if not outcome.valid_trials and not any(r["status"] == "ok" for r in outcome.rows):
         fail("no candidate produced a valid measurement", EXIT_FAILURE)

@@ -63,7 +63,8 @@ def default_pool_bytes(device="cuda") -> int:
 _FLUSH: dict = {}
 
 
-def _flush_buffer(device: torch.device) -> torch.Tensor:
+def flush_buffer(device: torch.device) -> torch.Tensor:
+    """The buffer written between samples to evict L2 (twice its size, one per device)."""
     key = str(device)
     if key not in _FLUSH:
         _FLUSH[key] = torch.empty(max(2 * l2_bytes(device), 128 << 20), dtype=torch.uint8, device=device)
@@ -108,7 +109,7 @@ class KernelTimer:
         t0 = time.perf_counter()
         while True:
             for _ in range(5):
-                self._launch()
+                self.launch()
             self._sync()
             if time.perf_counter() - t0 >= self.MIN_WARM_S:
                 break
@@ -171,7 +172,7 @@ class KernelTimer:
         """A graph of RUNS_PER_GRAPH x (flush, event, run, event): the launch latency of a
         replay falls outside the events, so a sample is the run alone (falls back if refused)."""
         try:
-            buf = _flush_buffer(self.device) if self.flush else None
+            buf = flush_buffer(self.device) if self.flush else None
             events = [(torch.cuda.Event(enable_timing=True, external=True),
                        torch.cuda.Event(enable_timing=True, external=True))
                       for _ in range(self.RUNS_PER_GRAPH)]
@@ -198,7 +199,8 @@ class KernelTimer:
             except Exception:
                 pass
 
-    def _launch(self):
+    def launch(self):
+        """One timed unit without its events: a graph replay, or an eager run where no graph was captured."""
         if self.graph is not None:
             self.graph.replay()
         else:
@@ -224,14 +226,14 @@ class KernelTimer:
             return out
         if self.timed_graph is not None:
             return self._sample_in_graph(n)
-        buf = _flush_buffer(self.device) if self.flush else None
+        buf = flush_buffer(self.device) if self.flush else None
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                   for _ in range(n)]
         for start, end in events:
             if buf is not None:
                 buf.zero_()
             start.record()
-            self._launch()
+            self.launch()
             end.record()
         self._sync()
         return [s.elapsed_time(e) * 1e3 for s, e in events]

@@ -31,6 +31,7 @@ import time
 import types
 from contextlib import contextmanager
 from dataclasses import replace
+from enum import Enum
 from typing import Callable, Sequence
 
 from mla_tune.families.base import Candidate
@@ -463,7 +464,15 @@ class WorkerRunner:
                 return _Fault(msg[2], msg[1], msg[3])
 
 
-ISOLATION = ("auto", "process", "inline")
+class Isolation(str, Enum):
+    """Where candidates run: a worker process (survives crashes and hangs), this process, or
+    auto (a worker unless every family is the torch reference)."""
+    auto = "auto"
+    process = "process"
+    inline = "inline"
+
+
+ISOLATION = tuple(i.value for i in Isolation)
 
 
 def make_runner(settings, isolation: str = "auto", timeout_s: float = 120.0, families=()):

@@ -384,19 +384,20 @@ class SharedBucket:
 def parse_gpus(text: str) -> list[str]:
     """'0,1,2' -> ['0', '1', '2'] (what each worker's CUDA_VISIBLE_DEVICES is set to); '4' alone
     is GPU 4, 'all' is every GPU torch sees."""
+    from mla_tune.validate import InputError
     t = (text or "").strip()
     if t == "all":
         import torch
         n = torch.cuda.device_count()
         if not n:
-            raise ValueError("--gpus all: torch sees no CUDA device here (name the worker slots, "
+            raise InputError("--gpus all: torch sees no CUDA device here (name the worker slots, "
                              "e.g. --gpus 0,1, to run CPU-reference workers)")
         return [str(i) for i in range(n)]
     parts = [p.strip() for p in t.split(",")]
     if not t or any(not p.isdigit() for p in parts):
-        raise ValueError(f"bad --gpus {text!r}: GPU indices separated by commas, e.g. 0,1,2,3, or all")
+        raise InputError(f"bad --gpus {text!r}: GPU indices separated by commas, e.g. 0,1,2,3, or all")
     if len(set(parts)) != len(parts):
-        raise ValueError(f"bad --gpus {text!r}: a GPU is named twice")
+        raise InputError(f"bad --gpus {text!r}: a GPU is named twice")
     return parts
 
 

@@ -23,11 +23,21 @@ import random
 import time
 import warnings
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Callable, Sequence
 
 from mla_tune.families.base import Candidate
 
-MODES = ("auto", "grid", "tpe")
+
+
+class SearchMode(str, Enum):
+    """How a bucket's space is searched: every point, optuna TPE, or grid up to GRID_MAX points."""
+    auto = "auto"
+    grid = "grid"
+    tpe = "tpe"
+
+
+MODES = tuple(m.value for m in SearchMode)
 GRID_MAX = 64            # auto: a space of at most this many points is searched exhaustively
 TPE_BATCH = 4            # TPE proposals measured together (interleaved) per round
 PATIENCE = 32            # TPE: stop after this many new trials without a 1% improvement

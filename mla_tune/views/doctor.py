@@ -12,7 +12,7 @@ import importlib.util
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 
-from mla_tune.views.render import Column, Table
+from mla_tune.views.render import Column, OutputFormat, Table, render, to_csv
 
 VLLM_VERSION = "0.33.0"
 OK, NO, WARN = "ok", "no", "warn"
@@ -65,6 +65,11 @@ class Doctor:
             tuned.add(e["model"], e["tp_size"], e["dims"], e["page_size"],
                       " > ".join(e["backend_order"]), e["buckets"])
         return [summary, backends, fi, tuned]
+
+    def render(self, fmt: str | OutputFormat) -> str | list:
+        """json, csv, markdown -> text; table -> rich renderables."""
+        return render(fmt, self.tables, "vllm_metax doctor", self.to_json,
+                      lambda: "".join(to_csv(t) for t in self.tables()))
 
 
 def _version(dist: str) -> str | None:

@@ -111,6 +111,25 @@ def to_rich(tables: Sequence[Table]) -> list:
     return out
 
 
+def times(v) -> str:
+    """A ratio cell: 1.234 -> "1.23x"."""
+    return f"{v:.2f}x"
+
+
+def render(fmt: str | OutputFormat, tables: Callable[[], Sequence[Table]], heading: str,
+           data: Callable[[], Any], csv_text: Callable[[], str]) -> str | list:
+    """One view in the format asked for: json, csv, markdown -> text; table -> rich renderables.
+    Each part is built only when its format is asked for."""
+    fmt = OutputFormat(fmt)
+    if fmt is OutputFormat.json:
+        return to_json_text(data())
+    if fmt is OutputFormat.csv:
+        return csv_text()
+    if fmt is OutputFormat.markdown:
+        return to_markdown(tables(), heading=heading)
+    return to_rich(tables())
+
+
 def to_json_text(data) -> str:
     """JSON for machines: NaN and infinities (not JSON) become null."""
     return json.dumps(_finite(data), indent=1, default=str, allow_nan=False)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from mla_tune.tune import choose as choosing
 from mla_tune.problem.workload import WorkloadMix
-from mla_tune.views.render import Column, OutputFormat, Table, to_csv, to_json_text, to_markdown
+from mla_tune.views.render import Column, OutputFormat, Table, render, times, to_csv
 from mla_tune.problem.roofline import floor_of, pct_of_floor
 from mla_tune.store.results import stored_workload
 from mla_tune.store.selection import CPU_RUN_KIND, TrialFilter, device_key, select_trials
@@ -331,10 +331,6 @@ def _pct(v) -> str:
     return f"{v * 100:.1f}%"
 
 
-def _x(v) -> str:
-    return f"{v:.2f}x"
-
-
 def _short(text: str, n: int = 90) -> str:
     return text if len(text) <= n else text[:n - 1] + "…"
 
@@ -357,12 +353,12 @@ RUN_COLUMNS = [Column("run", justify="right"), Column("kind", justify="left"),
 
 CANDIDATE_COLUMNS = [Column("workload", justify="left"), Column("candidate", justify="left"),
                      Column("median us", ".2f"), Column("spread", _pct), Column("n"),
-                     Column("% roofline", ".1f"), Column("vs default", _x),
+                     Column("% roofline", ".1f"), Column("vs default", times),
                      Column("choice", justify="left"), Column("status", lambda s: _short(s), "left")]
 
 BUCKET_COLUMNS = [Column("batch"), Column("context"), Column("q"), Column("family", justify="left"),
                   Column("chosen", justify="left"), Column("median us", ".2f"),
-                  Column("default us", ".2f"), Column("gain", _x), Column("% roofline", ".1f"),
+                  Column("default us", ".2f"), Column("gain", times), Column("% roofline", ".1f"),
                   Column("best", justify="left"), Column("why", justify="left")]
 
 GLOBAL_COLUMNS = [Column("model entry", justify="left"), Column("page size"),
@@ -487,153 +483,9 @@ def report_csv(report: Report) -> str:
 def render_report(report: Report, fmt: str | OutputFormat, full: bool = False) -> str | list:
     """json, csv, markdown -> text; table -> a list of rich renderables. Table and markdown show
     the one-screen summary unless `full`; json and csv always carry every line."""
-    fmt = OutputFormat(fmt)
-    if fmt is OutputFormat.json:
-        return to_json_text(report.to_json())
-    if fmt is OutputFormat.csv:
-        return report_csv(report)
-    tables = report_tables(report) if full else summary_tables(report)
-    if fmt is OutputFormat.markdown:
-        return to_markdown(tables, heading=f"mla-tune report: {report.db} "
-                                           f"({report.filter.describe()})")
-    from mla_tune.views.render import to_rich
-    return to_rich(tables)
-
-
-# ---------------------------------------------------------------- the tuned-config view (`show`)
-
-def check_config_device(cfg, path, device: str | None = None) -> None:
-    """Raise TunedConfigError if the file belongs to another device than its name, `device`, or
-    (without `device`) this machine's accelerator; a machine without one checks the name only."""
-    from pathlib import Path
-
-    from vllm_metax.tuned_config import TunedConfigError
-    name = Path(path).name
-    if name.startswith("device_name=") and name.endswith(".json") and \
-            device_key(name[len("device_name="):-len(".json")]) != device_key(cfg.device_name):
-        raise TunedConfigError(f"{path}: the file name says {name[12:-5]!r} but it was written for "
-                               f"device {cfg.device_name!r}; the plugin would ignore it")
-    where = "--device"
-    if device is None:
-        from vllm_metax.device import detect_device
-        dev = detect_device()
-        if dev.source == "none":
-            return
-        device, where = dev.name, "this machine"
-    if device_key(device) != device_key(cfg.device_name):
-        raise TunedConfigError(f"{path}: written for device {cfg.device_name!r}, not {device!r} "
-                               f"({where}); pass --device {cfg.device_name!r} to inspect it anyway")
-
-
-def _dims_title(e) -> str:
-    d = e.dims
-    dt = d.q_dtype if d.q_dtype == d.kv_dtype else f"{d.q_dtype}/{d.kv_dtype}"
-    who = f"{e.model}{f' tp{e.tp_size}' if e.tp_size else ''} " if e.model else ""
-    return f"{who}H{d.num_heads} (R{d.kv_lora_rank} P{d.qk_rope_head_dim} {dt})"
-
-
-def _params_text(p: dict, family: str = "") -> str:
-    """{"backend": "fa3"} -> "fa3"; {"backend": "triton", "num_kv_splits": 16} -> "num_kv_splits=16"."""
-    backend = p.get("backend")
-    knobs = [f"{k}={v}" for k, v in p.items() if k not in ("backend", "rule")]
-    head = [str(backend)] if backend is not None and backend != family else []
-    return ", ".join(head + knobs) or "-"
-
-
-CONFIG_BUCKET_COLUMNS = [Column("batch"), Column("context"), Column("q"),
-                         Column("family", justify="left"), Column("params", justify="left"),
-                         Column("time us", ".2f"), Column("default us", ".2f"),
-                         Column("gain", _x), Column("significant"), Column("best", justify="left")]
-
-
-def config_tables(cfg, lookup: tuple | None = None) -> list[Table]:
-    """A tuned config as tables: provenance, the global choice per model, its buckets; with
-    `lookup` = (batch, context, q_len), the bucket each model entry would serve it from."""
-    title = f"{cfg.device_name} (schema {cfg.schema_version})"
-    t = Table(f"{title}: provenance", [Column("field", justify="left"),
-                                       Column("value", justify="left")])
-    for k, v in cfg.provenance.items():
-        flat = isinstance(v, list) and all(not isinstance(x, (list, dict)) for x in v)
-        t.add(k, ", ".join(map(str, v)) if flat else v)
-    tables = [t]
-    g = Table(f"{title}: global choice per model", [Column("model entry", justify="left"),
-              Column("page size"), Column("backend order", justify="left"),
-              Column("buckets"), Column("why", justify="left")])
-    for e in cfg.models:
-        g.add(_dims_title(e), e.page_size, " > ".join(e.backend_order), len(e.buckets), e.reason)
-    tables.append(g)
-    for e in cfg.models:
-        b = Table(f"{title} · {_dims_title(e)}: per-bucket plan choices", CONFIG_BUCKET_COLUMNS)
-        for bk in sorted(e.buckets, key=lambda x: (x.q_len, x.batch_size, x.context_len)):
-            fams = sorted(bk.families, key=lambda f: (f != bk.best_family, f))
-            if not fams:
-                b.add(bk.batch_size, bk.context_len, bk.q_len, None, None, None, None, None, None, "")
-            for f in fams:
-                c = bk.families[f]
-                b.add(bk.batch_size, bk.context_len, bk.q_len, f, _params_text(c.params, f),
-                      c.time_us, c.default_time_us, c.gain, c.significant,
-                      "best" if f == bk.best_family else "")
-        tables.append(b)
-    if lookup is not None:
-        batch, context, q_len = lookup
-        lt = Table(f"{title}: lookup of batch {batch}, context {context}, q_len {q_len}",
-                   [Column("model entry", justify="left"), Column("bucket", justify="left"),
-                    Column("exact"), Column("in tuned range"), Column("choices", justify="left")])
-        for e in cfg.models:
-            hit = e.lookup(batch, context, q_len)
-            if hit is None:
-                lt.add(_dims_title(e), "no buckets", False, False, "")
-                continue
-            bk = hit.bucket
-            choices = "; ".join(f"{f}: {_params_text(c.params, f)}" for f, c in bk.families.items())
-            lt.add(_dims_title(e), f"B{bk.batch_size} L{bk.context_len} q{bk.q_len}", hit.exact,
-                   hit.in_range, choices)
-        tables.append(lt)
-    return tables
-
-
-def config_csv(cfg) -> str:
-    """One CSV row per (model entry, bucket, family) with raw values."""
-    cols = ["device_name", "model", "tp_size", "num_heads", "kv_lora_rank", "qk_rope_head_dim",
-            "q_dtype", "kv_dtype", "page_size", "backend_order", "batch_size", "context_len",
-            "q_len", "family", "params", "time_us", "default_time_us", "gain", "significant",
-            "best_family"]
-    t = Table("buckets", [Column(c) for c in cols])
-    for e in cfg.models:
-        d = e.dims
-        for bk in e.buckets:
-            for f, c in bk.families.items():
-                t.add(cfg.device_name, e.model, e.tp_size, d.num_heads, d.kv_lora_rank,
-                      d.qk_rope_head_dim, d.q_dtype, d.kv_dtype, e.page_size,
-                      " > ".join(e.backend_order), bk.batch_size, bk.context_len, bk.q_len, f,
-                      c.params, c.time_us, c.default_time_us, c.gain, int(c.significant),
-                      bk.best_family)
-    return to_csv(t)
-
-
-def render_config(cfg, fmt: str | OutputFormat, lookup: tuple | None = None) -> str | list:
-    """A tuned config in a read format (table -> rich renderables, others -> text)."""
-    fmt = OutputFormat(fmt)
-    if fmt is OutputFormat.json:
-        data = cfg.to_json()
-        if lookup is not None:
-            batch, context, q_len = lookup
-            data["lookup"] = []
-            for e in cfg.models:
-                hit = e.lookup(batch, context, q_len)
-                data["lookup"].append({
-                    "dims": dataclasses.asdict(e.dims), "request": list(lookup),
-                    "bucket": None if hit is None else [hit.bucket.batch_size, hit.bucket.context_len,
-                                                        hit.bucket.q_len],
-                    "exact": bool(hit and hit.exact), "in_range": bool(hit and hit.in_range)})
-        return to_json_text(data)
-    if fmt is OutputFormat.csv:
-        return config_csv(cfg)
-    tables = config_tables(cfg, lookup)
-    if fmt is OutputFormat.markdown:
-        return to_markdown(tables, heading=f"tuned config {cfg.path or ''}".strip())
-    from mla_tune.views.render import to_rich
-    return to_rich(tables)
+    return render(fmt, lambda: report_tables(report) if full else summary_tables(report),
+                  f"mla-tune report: {report.db} ({report.filter.describe()})",
+                  report.to_json, lambda: report_csv(report))
 
 
 def _add_global_rows(t: Table, d) -> None:
