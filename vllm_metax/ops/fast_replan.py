@@ -44,7 +44,7 @@ INTERNALS = ("_cached_module", "_float_workspace_buffer", "_int_workspace_buffer
 BACKENDS = ("fa2", "fa3")
 
 # The numpy schedule from this batch size on (without a tuned kv_chunk). Measured on the H200
-# (bench/results/2026-12-02_h200_plan_floor_reuse.txt): its cluster balance makes the decode
+# (bench/results/plan_floor_h200.txt): its cluster balance makes the decode
 # kernel 16-30% faster on ragged batches of 32-128 requests (e.g. 223 -> 158 us at 16 heads,
 # B128), and a decode step that reuses the previous schedule costs ~35 us on the host against
 # MLAPlan's 66-122 us at B = 32-256. Below 16 requests both balance alike (about one chunk per

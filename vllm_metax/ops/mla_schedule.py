@@ -3,7 +3,7 @@
 Every decode step re-plans: FlashInfer's MLAPlan (include/flashinfer/attention/scheduler.cuh)
 splits each request's query tiles into KV chunks and hands the chunks to the GPU's clusters. On the
 H200 that C++ call alone costs 14-52 us at 128 heads and 32-124 us at 16 heads for B = 1-128
-(bench/results/2026-12-02_h200_plan_floor.json), over 0.5 us per work item: it grows eight
+(git show 9cbb460:bench/results/2026-12-02_h200_plan_floor.json), over 0.5 us per work item: it grows eight
 std::vectors per cluster one push_back at a time and pops a heap per chunk. Here the same work
 items are a few dozen whole-array numpy operations, and a decode step whose batch kept its shape
 (every request one token longer) reuses the step before's schedule, refreshing two arrays.
@@ -21,7 +21,7 @@ least-loaded cluster so far; here the chunks are ranked by size and dealt larges
 order (clusters 0..C-1, then C-1..0, ...), which keeps every cluster within one chunk of the mean
 and in practice much closer: the slowest cluster's load is 19-34% lower on the recorded ragged
 batches of 3-200 requests (tests/data), and the decode kernel, which waits for its slowest
-cluster, runs 16-30% faster on the H200 (bench/results/2026-12-02_h200_plan_floor_reuse.txt;
+cluster, runs 16-30% faster on the H200 (bench/results/plan_floor_h200.txt;
 identical outputs). The kernel does not care which cluster runs a chunk: partial outputs are
 merged after a grid-wide barrier.
 `tests/test_mla_schedule.py` checks all of this against schedules FlashInfer's MLAPlan wrote on
