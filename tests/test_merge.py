@@ -18,7 +18,7 @@ from mla_tune.store.results import ResultsStore, StoreError
 from results_fixture import H200, METAX, build_fixture_db
 
 runner = CliRunner()
-SHIPPED = Path(__file__).parent.parent / "results.db"
+SHIPPED = Path(__file__).parent / "data" / "results_schema2_h200.db"   # the 2026-12-02 H200 sweep, schema 2
 
 
 def digest(p: Path) -> str:

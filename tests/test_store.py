@@ -106,12 +106,12 @@ def test_candidate_key_roundtrip():
 
 
 def test_an_older_schema_is_read_through_an_upgraded_copy_and_left_byte_for_byte(tmp_path):
-    """The shipped results.db is schema 2: reading commands see it upgraded (in memory) and the
+    """A schema-2 results.db (the 2026-12-02 H200 sweep): reading commands see it upgraded (in memory) and the
     file, its folder and its side files stay as they were."""
     import hashlib
     import shutil
     from pathlib import Path
-    src = Path(__file__).resolve().parent.parent / "results.db"
+    src = Path(__file__).resolve().parent / "data" / "results_schema2_h200.db"   # 2026-12-02 H200 sweep
     db = tmp_path / "old.db"
     shutil.copy(src, db)
     from mla_tune.store.results import readonly_uri
