@@ -108,9 +108,6 @@ def run_prefill_sweep(config: PrefillSweepConfig,
     if not config.buckets:
         raise PrefillSweepError("no prefill bucket to sweep")
     settings = config.settings or MeasureSettings(device=device, warmup=3, samples=20)
-    if device.startswith("cuda"):
-        from mla_tune.measure.timing import default_pool_bytes
-        settings.min_pool_bytes = default_pool_bytes(device)
     device_name = detect_device().name if device.startswith("cuda") else "cpu"
     out = PrefillOutcome(Path(config.db), device_name)
     with ResultsStore(config.db) as store:
