@@ -286,3 +286,21 @@ def test_what_emit_writes_is_what_the_plugin_plans(tmp_path, monkeypatch):
                 assert b._chunks[0].wrapper.backend == wb["params"]["backend"], wb
     finally:
         tc.clear_cache()
+
+
+def test_show_prints_the_prefill_section_and_merge_carries_prefill_trials(tmp_path):
+    from mla_tune.cli import app
+    from mla_tune.store.merge import merge_into
+    from mla_tune.tune.emit import emit_config
+    db = tmp_path / "results.db"
+    _store_sweep(db)
+    with ResultsStore(db, create=False) as store:
+        path = emit_config(store, tmp_path / "configs")
+    r = CliRunner().invoke(app, ["show", str(path), "--format", "markdown"])
+    assert r.exit_code == 0, r.output
+    assert "MLA prefill backend per plan" in r.output and "context chunk" in r.output
+    merged = tmp_path / "merged.db"
+    merge_into(merged, [db])
+    merge_into(merged, [db])                 # idempotent: nothing twice
+    with ResultsStore(merged, create=False) as store:
+        assert len(store.trials(prefill=True)) == 10 and len(store.trials()) == 1
