@@ -4,7 +4,7 @@ config's prefill section (`mla-tune prefill-sweep`, then `mla-tune emit`).
     plan_prefill_buckets(...)        -> [PrefillWorkload]   new tokens and context chunks per TP
     run_prefill_sweep(config)        -> PrefillOutcome      measure, store every trial (resumable)
     choose_prefill(rows)             -> {dims: [PrefillVerdict]}    the decode sweep's rule
-    prefill_sections(store, device)  -> {ModelDims: [tuned_config.PrefillBucket]}   for emit
+    prefill_buckets(verdicts)        -> [tuned_config.PrefillBucket]   (emit.with_prefill)
 
 A bucket is what the plugin looks a prefill plan up by (`vllm_metax.decisions.prefill_statistic`:
 plan kind, total query tokens, mean KV tokens per request). The default buckets are the shapes
@@ -22,11 +22,10 @@ every trial is committed as it finishes, so a rerun continues where a killed one
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from mla_tune.families.base import Candidate
 from mla_tune.measure.trial import MeasureSettings
 from mla_tune.problem.prefill import PrefillWorkload, prefill_workload
 from mla_tune.problem.workload import ProblemError, model_preset
@@ -85,7 +84,6 @@ class PrefillOutcome:
     cached: int = 0
     invalid: int = 0
     seconds: float = 0.0
-    rows: list = field(default_factory=list)      # (workload label, candidate key, status, median_us)
 
 
 def run_prefill_sweep(config: PrefillSweepConfig,
@@ -132,9 +130,6 @@ def run_prefill_sweep(config: PrefillSweepConfig,
                                 sweep=SWEEP_NAME, is_default=c == default)
                 out.measured += 1
                 out.invalid += r.status != "ok"
-                xs = sorted((r.samples or {}).get("kernel_us") or [])
-                out.rows.append((w.label(), c.key, r.status if r.status == "ok" else r.invalid_reason,
-                                 xs[len(xs) // 2] if xs else None))
             if on_bucket is not None:
                 on_bucket(w, results)
     out.seconds = time.monotonic() - t_start
@@ -197,14 +192,5 @@ def prefill_buckets(verdicts: list) -> list:
     return out
 
 
-def prefill_sections(store, device_name: str, **choose_kw) -> dict:
-    """ModelDims -> [tuned_config.PrefillBucket] from the prefill trials of one device."""
-    from mla_tune.store.selection import device_key
-    rows = store.trials("replace(lower(trim(r.device_name)), ' ', '_') = ?", [device_key(device_name)],
-                        prefill=True)
-    return {dims: prefill_buckets(vs) for dims, vs in choose_prefill(rows, **choose_kw).items()}
-
-
 __all__ = ["PrefillOutcome", "PrefillSweepConfig", "PrefillSweepError", "PrefillVerdict",
-           "choose_prefill", "plan_prefill_buckets", "prefill_buckets", "prefill_sections",
-           "run_prefill_sweep"]
+           "choose_prefill", "plan_prefill_buckets", "prefill_buckets", "run_prefill_sweep"]
