@@ -327,3 +327,15 @@ def test_device_index_pointers_without_host_lengths_plan_the_default(plugin, vll
     meta = SimpleNamespace(query_start_loc=torch.tensor([0, 256], device="meta"),
                            cu_seq_lens=torch.tensor([0, 16384], device="meta"))
     assert chunk_statistic(meta) is None
+
+
+def test_plans_that_switch_backends_reuse_their_wrappers(plugin, vllm_config, tmp_path, monkeypatch):
+    _install(tmp_path, monkeypatch)
+    b = _backend(vllm_config)
+    for _ in range(3):        # fa2, then fa3, then fa2 again, step after step
+        b.prepare_metadata(prefill_metadata([16, 48, 64, 128], "cpu", chunks=[[16384] * 4]))
+        assert _planned(b)[None][0] == "fa2"
+        b.prepare_metadata(prefill_metadata([256], "cpu", chunks=[[1024]]))
+        assert _planned(b)[None][0] == "fa3" and _planned(b)[0][0] == "fa3"
+    # one wrapper per (plan slot, backend): new tokens fa2/fa3, chunk 0 fa2/fa3
+    assert sorted(w.backend for w in RecordingRaggedWrapper.instances) == ["fa2", "fa2", "fa3", "fa3"]

@@ -115,6 +115,7 @@ class FlashInferMLAPrefillBackend(MLAPrefillBackend):
         self.entry = prefill_entry(vllm_config, num_heads)
         self._main: MLAPrefillKernel | None = None
         self._chunks: list[MLAPrefillKernel] = []
+        self._kernels: dict[tuple, MLAPrefillKernel] = {}
         self._warn_unservable()
 
     def _warn_unservable(self) -> None:
@@ -137,17 +138,22 @@ class FlashInferMLAPrefillBackend(MLAPrefillBackend):
         return True                 # planned with head_dim_vo = v_head_dim: unpadded output
 
     def _kernel(self, index: int | None, backend: str, device: torch.device) -> MLAPrefillKernel:
+        """The plan slot's kernel for `backend` (index None: the new tokens; else a context
+        chunk's index), made once per (slot, backend): plans that switch backends from one step
+        to the next reuse their wrappers. The slot's kernel is what its run method runs."""
+        key = (index, backend)
+        kernel = self._kernels.get(key)
+        if kernel is None:
+            # every plan slot shares one float workspace, as vLLM's FlashInfer prefill does
+            # (runs are sequential)
+            kernel = self._kernels[key] = MLAPrefillKernel(_workspace(device), backend)
         if index is None:
-            if self._main is None or self._main.backend != backend:
-                self._main = MLAPrefillKernel(_workspace(device), backend)
-            return self._main
-        # each context chunk keeps its own plan for the whole step; they share one workspace
-        # with the main plan, as vLLM's FlashInfer prefill does (runs are sequential)
-        while len(self._chunks) <= index:
-            self._chunks.append(MLAPrefillKernel(_workspace(device), backend))
-        if self._chunks[index].backend != backend:
-            self._chunks[index] = MLAPrefillKernel(_workspace(device), backend)
-        return self._chunks[index]
+            self._main = kernel
+        else:
+            while len(self._chunks) <= index:
+                self._chunks.append(kernel)
+            self._chunks[index] = kernel
+        return kernel
 
     def _plan(self, index, qo_indptr, kv_indptr, causal, q_dtype, out_dtype, device,
               statistic: tuple[int, int] | None = None) -> str:
