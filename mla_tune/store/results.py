@@ -4,6 +4,9 @@ Every measurement references a run (the environment it was taken in) and a workl
 one candidate on one workload, with its status and, when invalid, the reason; its raw timing
 samples go to `samples`, statistics are derived on read. WAL mode, one commit per trial, so a
 killed sweep loses at most the trial in flight.
+
+MLA prefill workloads (`mla_tune.problem.prefill`) share the workloads table, marked by their
+layout in `ragged`; `trials()` returns decode trials unless asked for prefill ones.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Iterable
 import sqlite_utils
 
 from mla_tune.families.base import Candidate
+from mla_tune.problem.prefill import LAYOUTS as PREFILL_LAYOUTS
 from mla_tune.problem.workload import Workload
 from mla_tune.validate import is_sqlite, own_kind
 
@@ -366,8 +370,11 @@ class ResultsStore:
             out[r["candidate"]] = r
         return out
 
-    def trials(self, where: str = "1=1", args: Iterable = ()) -> list[dict]:
-        """Trials joined with their workload and run, with kernel-time statistics derived here."""
+    def trials(self, where: str = "1=1", args: Iterable = (), prefill: bool = False) -> list[dict]:
+        """Trials joined with their workload and run, with kernel-time statistics derived here:
+        decode trials, or with `prefill` the MLA prefill trials (never both: the choices differ)."""
+        layouts = ", ".join(f"'{x}'" for x in PREFILL_LAYOUTS)
+        where = f"({where}) and {'' if prefill else 'not '}(coalesce(w.ragged, '') in ({layouts}))"
         sql = f"""
             select t.*, w.model, w.num_heads, w.kv_lora_rank, w.qk_rope_head_dim, w.softmax_scale,
                    w.batch_size, w.context_len, w.q_len, w.ragged, w.seed, w.q_dtype, w.kv_dtype,

@@ -4,7 +4,9 @@ Winners and the global choice are `mla_tune.tune.choose`'s; this module only tra
 `choose.Choice` into `vllm_metax.tuned_config.TunedConfig` (the one schema shared with the reader)
 with its provenance: the device name as the plugin sees it (the name `vllm_metax.device` recorded
 in the run), SM count, FlashInfer / torch / CUDA versions, the date, the rules, and the results.db
-runs the numbers came from. `mla-tune emit` and the sweep both call `emit_config`.
+runs the numbers came from. `mla-tune emit` and the sweep both call `emit_config`. The prefill
+section of each entry comes from the device's stored prefill trials (`mla_tune.tune.prefill`,
+the same significance rule).
 """
 
 from __future__ import annotations
@@ -158,8 +160,33 @@ def build_tuned_config(store, flt: TrialFilter = TrialFilter(), mix: WorkloadMix
                          f"the buckets measured on {device}")
     choice = choosing.choose(rows, mix, device_name=device, **choose_kw)
     run_ids = {r["run_id"] for r in choosing.latest_trials(rows)}
+    prefill_rows = store.trials(*TrialFilter(device, flt.model, flt.runs).where(), prefill=True)
+    run_ids |= {r["run_id"] for r in choosing.latest_trials(prefill_rows)}
     runs = [r for r in store.runs() if r["id"] in run_ids]
-    return config_from_choice(choice, runs, Path(store.path).name, mix)
+    cfg = config_from_choice(choice, runs, Path(store.path).name, mix)
+    return with_prefill(cfg, prefill_rows, **{k: v for k, v in choose_kw.items()
+                                              if k in ("p_threshold", "min_ratio")})
+
+
+def with_prefill(cfg: tc.TunedConfig, prefill_rows: list, **choose_kw) -> tc.TunedConfig:
+    """`cfg` with each model entry's prefill section chosen from `prefill_rows` (the device's
+    prefill trials); prefill measured for dims without a decode entry is noted, not written."""
+    if not prefill_rows:
+        return cfg
+    import dataclasses
+    from mla_tune.tune.prefill import choose_prefill, prefill_buckets
+    sections = {dims: prefill_buckets(vs) for dims, vs in choose_prefill(prefill_rows, **choose_kw).items()}
+    notes = cfg.provenance.setdefault("notes", [])
+    models = []
+    for m in cfg.models:
+        buckets = sections.pop(m.dims, None)
+        models.append(dataclasses.replace(m, prefill=buckets) if buckets else m)
+    for dims in sections:
+        notes.append(f"prefill measured for H{dims.num_heads} (kv_lora_rank {dims.kv_lora_rank}, "
+                     f"{dims.q_dtype}) but no decode entry has those dims: its prefill section is "
+                     "not written (sweep decode for it first)")
+    cfg.provenance["prefill_trials"] = len(choosing.latest_trials(prefill_rows))
+    return dataclasses.replace(cfg, models=models)
 
 
 def emit_config(source, out_dir: str | Path = "configs", *, store=None, device: str | None = None,
@@ -196,8 +223,9 @@ def config_summary(cfg: tc.TunedConfig) -> list[str]:
     out = [f"wrote {cfg.path} ({cfg.device_name}, runs {runs})"]
     for e in cfg.models:
         n = len(e.buckets)
+        pre = f", {len(e.prefill)} prefill bucket{'' if len(e.prefill) == 1 else 's'}" if e.prefill else ""
         out.append(f"  {e.model or '-'} H{e.dims.num_heads}: page {e.page_size}, "
-                   f"{' > '.join(e.backend_order)}, {n} bucket{'' if n == 1 else 's'}")
+                   f"{' > '.join(e.backend_order)}, {n} bucket{'' if n == 1 else 's'}{pre}")
     out += [f"  note: {n}" for n in cfg.provenance.get("notes") or []]
     return out
 
