@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import lzma
 import os
-import shutil
 import struct
 import subprocess
 import sys

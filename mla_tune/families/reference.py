@@ -7,8 +7,6 @@ from mla_tune.families.base import Availability, Candidate, Prepared
 from mla_tune.problem.workload import Workload
 from mla_tune.problem.reference import mla_decode_reference
 
-DEFAULT_PAGE_SIZES = (1, 16, 64)
-
 
 class ReferenceBackend:
     family = "reference"

@@ -355,17 +355,6 @@ class ResultsStore:
         rows = self.trials(f"t.claim in ({','.join('?' * len(claims))})", claims)
         return {r["claim"]: r for r in rows}
 
-    def finished_candidates(self, workload_id: int, sweep: str | None = None) -> dict[str, dict]:
-        """candidate key -> latest trial row, for resume."""
-        where, args = "workload_id = ?", [workload_id]
-        if sweep is not None:
-            where += " and sweep = ?"
-            args.append(sweep)
-        out = {}
-        for r in self.db["trials"].rows_where(where, args, order_by="id"):
-            out[r["candidate"]] = r
-        return out
-
     def trials(self, where: str = "1=1", args: Iterable = ()) -> list[dict]:
         """Trials joined with their workload and run, with kernel-time statistics derived here."""
         sql = f"""

@@ -43,7 +43,6 @@ TPE_BATCH = 4            # TPE proposals measured together (interleaved) per rou
 PATIENCE = 32            # TPE: stop after this many new trials without a 1% improvement
 IMPROVEMENT = 0.01
 JUMP_AFTER_PRUNED = 16   # TPE: after this many undeclared combinations in a row, jump to a random point
-STOP_REASONS = ("complete", "trial budget", "time budget", "patience")
 
 
 def tpe_trial_budget(space_size: int, grid_max: int = GRID_MAX) -> int:
