@@ -42,13 +42,13 @@ import time
 import torch
 
 from mla_tune.families.base import Availability, Candidate, CandidateInvalid, Prepared
+from mla_tune.problem.defaults import DEFAULT_PAGE_SIZE
 from mla_tune.problem.workload import Workload
 from mla_tune.problem.instance import torch_dtype
 from vllm_metax.decisions import kv_chunk_factor
 from vllm_metax.tuned_config import KV_CHUNKS
 
 FAMILY = "flashinfer"
-DEFAULT_PAGE_SIZE = 64
 CHUNKED_BACKENDS = ("fa2", "fa3")     # the backends whose schedule the plugin computes itself
 
 

@@ -27,6 +27,7 @@ from enum import Enum
 from typing import Callable, Sequence
 
 from mla_tune.families.base import Candidate
+from mla_tune.problem.defaults import DEFAULT_PAGE_SIZE
 
 
 
@@ -222,7 +223,7 @@ class SearchPolicy:
     batch: int = 16
     tpe_batch: int = TPE_BATCH
     seed: int = 0
-    first_page: int | None = 64     # the grid measures this page size's group first
+    first_page: int | None = DEFAULT_PAGE_SIZE   # the grid measures this page size's group first
 
     def __post_init__(self):
         if self.mode not in MODES:
