@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mla_tune.families import Candidate  # noqa: E402
-from mla_tune.families.flashinfer import FlashInferBackend  # noqa: E402
+from mla_tune.families.flashinfer import FlashInferFamily  # noqa: E402
 from mla_tune.measure.trial import MeasureSettings, measure, measure_interleaved  # noqa: E402
 from mla_tune.problem.workload import model_preset, workload_for  # noqa: E402
 from mla_tune.problem.instance import make_problem  # noqa: E402
@@ -215,7 +215,7 @@ def main():
                           "timing": "CUDA graph of one run, replayed; events per replay; L2 flushed "
                                     "(2x L2 write) before each sample"}
     say(f"timing: pool >= {pool >> 20} MiB, {settings.samples} samples/candidate in 5 interleaved rounds")
-    fi, fi_flat = FlashInferBackend(), FlashInferBackend(api="flat")
+    fi, fi_flat = FlashInferFamily(), FlashInferFamily(api="flat")
     rows: list = []
     result["trials"] = rows
 
@@ -289,7 +289,7 @@ def main():
     def plan_time():
         from vllm_metax.ops.paged_metadata import build_paged_metadata
         say("\n== host time per decode step's plan (metadata build + plan), us, median of 200")
-        slow = FlashInferBackend(fast_replan=False)
+        slow = FlashInferFamily(fast_replan=False)
         for w, b, p in ((wl(8, 1, 4096), "fa3", 64), (wl(8, 32, 4096), "fa3", 64), (wl(8, 128, 4096), "fa3", 64),
                         (wl(1, 128, 32768), "fa3", 64), (wl(8, 128, 4096), "fa2", 64), (wl(8, 64, 4096), "fa3", 1),
                         (wl(8, 64, 4096), "fa3", 16)):

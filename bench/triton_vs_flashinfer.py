@@ -6,7 +6,7 @@ Per bucket (128 heads = TP1, 16 heads = TP8; batch 1-128; context 1K-32K; page 6
 in one interleaved set through the tuner's own harness (mla_tune.measure.trial.measure_interleaved:
 correctness gate against the torch reference, CUDA-graph replays timed with events, cold L2):
 
-* FlashInfer fa3 (`get_backend("flashinfer")`, the plugin's op);
+* FlashInfer fa3 (`get_family("flashinfer")`, the plugin's op);
 * Triton with vLLM's own num_kv_splits rule (the family's default candidate, `rule=vllm`);
 * Triton at every num_kv_splits of the family's space (the tuned best is the fastest of them);
 * Triton's default at page 16 (TRITON_MLA takes multiples of 16 only).
@@ -59,7 +59,7 @@ def _ints(text: str) -> list[int]:
 def measure_all(args) -> dict:
     import torch
 
-    from mla_tune.families import get_backend
+    from mla_tune.families import get_family
     from mla_tune.measure.environment import capture_environment
     from mla_tune.measure.trial import MeasureSettings
     from mla_tune.problem.roofline import workload_bytes, workload_flops
@@ -69,7 +69,7 @@ def measure_all(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = capture_environment("gpu", " ".join(sys.argv))
-    fi, tr = get_backend("flashinfer"), get_backend("triton")
+    fi, tr = get_family("flashinfer"), get_family("triton")
     avail = {"flashinfer": fi.available("cuda").__dict__, "triton": tr.available("cuda").__dict__}
     say(f"device {env['device_name']} ({env['sm_count']} SMs), torch {env['torch']}, "
         f"flashinfer {env['flashinfer']}, vllm {env['vllm']}")

@@ -83,8 +83,8 @@ def measure_all(args) -> dict:
     import torch
 
     from mla_tune.families.base import Candidate
-    from mla_tune.families.flashinfer import FlashInferBackend
-    from mla_tune.families.triton_mla import TritonMLABackend
+    from mla_tune.families.flashinfer import FlashInferFamily
+    from mla_tune.families.triton_mla import TritonMLAFamily
     from mla_tune.measure.environment import capture_environment
     from mla_tune.measure.timing import default_pool_bytes
     from mla_tune.measure.trial import MeasureSettings, measure_interleaved
@@ -100,7 +100,7 @@ def measure_all(args) -> dict:
         f"flashinfer {env['flashinfer']}; config {args.config} ({len(cfg.models)} model entries)")
     ceilings = measure_ceilings("cuda")
     say(f"copy {ceilings['copy_gbps']:.0f} GB/s, bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s")
-    tuned_fi, auto_fi, tr = FlashInferBackend(), FlashInferBackend(fast_replan=False), TritonMLABackend()
+    tuned_fi, auto_fi, tr = FlashInferFamily(), FlashInferFamily(fast_replan=False), TritonMLAFamily()
     settings = MeasureSettings(device="cuda", warmup=args.warmup, samples=args.samples,
                                min_pool_bytes=default_pool_bytes("cuda"), check=True)
     doc = {"environment": env, "ceilings": ceilings, "config": str(args.config), "settings": vars(args),

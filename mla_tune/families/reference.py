@@ -8,7 +8,7 @@ from mla_tune.problem.workload import Workload
 from mla_tune.problem.reference import mla_decode_reference
 
 
-class ReferenceBackend:
+class ReferenceFamily:
     family = "reference"
 
     def available(self, device: str) -> Availability:
@@ -30,3 +30,7 @@ class ReferenceBackend:
             return holder["out"]
 
         return Prepared(run=run, plan=None, out=None, compile_s=0.0, graphable=False)
+
+
+# Old name, kept while the parallel sweep/prefill branches still use it; remove after their merge.
+ReferenceBackend = ReferenceFamily

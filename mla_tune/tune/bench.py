@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mla_tune.families import Candidate, check_candidate, get_backend
+from mla_tune.families import Candidate, check_candidate, get_family
 from mla_tune.measure.environment import capture_environment
 from mla_tune.measure.trial import MeasureSettings, TrialResult, measure_interleaved
 from mla_tune.problem.defaults import KERNEL_METRIC, PLAN_METRIC
@@ -71,7 +71,7 @@ def run_bench(candidates, workloads, settings, rounds: int, db: str | None, ceil
     for c in candidates:
         if c.family not in families:
             try:
-                families[c.family] = get_backend(c.family)
+                families[c.family] = get_family(c.family)
             except KeyError as e:
                 raise InputError(str(e).strip("'\"")) from None
     avail = {f: b.available(settings.device) for f, b in families.items()}

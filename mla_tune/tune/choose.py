@@ -300,13 +300,16 @@ def _measured(record: TrialRecord, metric: str) -> Measured:
                     record.invalid_reason, median, samples, record.id, bool(record.is_default))
 
 
-def backend_default(family: str, workload, page_size: int) -> str | None:
-    """The family's default candidate key as its backend declares it (None if it cannot say)."""
+def family_default(family: str, workload, page_size: int) -> str | None:
+    """The family's default candidate key as the family declares it (None if it cannot say)."""
     try:
-        from mla_tune.families import get_backend
-        return get_backend(family).default_candidate(workload, page_size).key
+        from mla_tune.families import get_family
+        return get_family(family).default_candidate(workload, page_size).key
     except Exception:   # an unavailable or unknown family cannot name its default
         return None
+
+
+backend_default = family_default   # old name: mla_tune/tune/sweep.py (another owner) still calls it
 
 
 def _lookup_context(records: list[TrialRecord]) -> int | None:
@@ -357,7 +360,7 @@ DefaultOf = Callable[[str, object, int], "str | None"]   # (family, Workload, pa
 def choose(trials: Iterable, mix: WorkloadMix | None = None, *, device_name: str | None = None,
            p_threshold: float = P_THRESHOLD, min_ratio: float = MIN_RATIO,
            default_page_size: int = DEFAULT_PAGE_SIZE, metric: str = METRIC,
-           default_of: DefaultOf | None = backend_default) -> Choice:
+           default_of: DefaultOf | None = family_default) -> Choice:
     """Winners per bucket and the global choice for one device, from `ResultsStore.records()`
     (or the `ResultsStore.trials()` rows older callers hold).
 

@@ -244,7 +244,7 @@ def _family_defaults(records: list[TrialRecord], wl) -> dict:
     for fam in {r.family for r in records} - set(out):
         if any(r.is_default is not None for r in records if r.family == fam) or wl is None:
             continue   # the sweep marked this family's trials and none is the default
-        keys = {choosing.backend_default(fam, wl, p) for p in {r.page_size for r in records}}
+        keys = {choosing.family_default(fam, wl, p) for p in {r.page_size for r in records}}
         found = [r for r in records if r.family == fam and r.key in keys]
         if found:
             out[fam] = found
