@@ -16,27 +16,26 @@ from mla_tune.families.base import Candidate
 from mla_tune.problem.defaults import KERNEL_METRIC, PLAN_METRIC
 from mla_tune.problem.workload import Workload
 
-_WORKLOAD_COLUMNS = ("model", "num_heads", "kv_lora_rank", "qk_rope_head_dim", "softmax_scale",
-                     "batch_size", "context_len", "q_len", "ragged", "seed", "q_dtype", "kv_dtype",
-                     "total_kv_tokens", "bytes", "flops")
+# what readers group and show by; the problem Workload has every column (softmax scale, seed too)
+_SHOWN_COLUMNS = ("model", "num_heads", "kv_lora_rank", "qk_rope_head_dim", "batch_size",
+                  "context_len", "q_len", "ragged", "q_dtype", "kv_dtype", "total_kv_tokens",
+                  "bytes", "flops")
 
 
 @dataclass(frozen=True)
 class StoredWorkload:
     """A `workloads` row as stored: what a trial was measured on, whether or not this version's
-    `Workload` still accepts it (`problem` is None then)."""
+    `Workload` still accepts it (`problem`, the whole workload, is None then)."""
 
     id: int
     model: str
     num_heads: int
     kv_lora_rank: int
     qk_rope_head_dim: int
-    softmax_scale: float
     batch_size: int
     context_len: int
     q_len: int
     ragged: str
-    seed: int
     q_dtype: str
     kv_dtype: str
     total_kv_tokens: int
@@ -48,8 +47,7 @@ class StoredWorkload:
     def from_row(cls, row: Mapping) -> "StoredWorkload":
         """From a row holding the workload columns (a trials() row: `workload_id` is its id)."""
         wid = row["workload_id"] if "workload_id" in row else row["id"]
-        values = {k: row[k] for k in _WORKLOAD_COLUMNS}
-        return cls(wid, **values, problem=_problem(values))
+        return cls(wid, **{k: row[k] for k in _SHOWN_COLUMNS}, problem=_problem(row))
 
     @property
     def bucket(self) -> tuple[int, int, int]:
@@ -63,9 +61,9 @@ class StoredWorkload:
                 self.kv_dtype, self.ragged)
 
 
-def _problem(values: Mapping) -> Workload | None:
+def _problem(row: Mapping) -> Workload | None:
     try:
-        return Workload(**{f.name: values[f.name] for f in dataclasses.fields(Workload)})
+        return Workload(**{f.name: row[f.name] for f in dataclasses.fields(Workload)})
     except Exception:  # noqa: BLE001 - any stored value the model refuses (another version's row)
         return None
 
