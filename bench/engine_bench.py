@@ -178,6 +178,8 @@ def main():
     ap.add_argument("--samples", type=int, default=100)
     ap.add_argument("--quick", action="store_true", help="fewer shapes (smoke test)")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU, and torch sees none here: run it on the GPU machine")
     outdir = Path(args.out)
     outdir.mkdir(parents=True, exist_ok=True)
     result: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}

@@ -181,6 +181,8 @@ def main() -> int:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--rounds", type=int, default=400)
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU, and torch sees none here: run it on the GPU machine")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     import tvm_ffi

@@ -219,6 +219,10 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=300.0, help="start no new bucket after this")
     ap.add_argument("--analyze", help="re-summarize a JSON written earlier (no GPU)")
     args = ap.parse_args()
+    if not args.analyze:
+        import torch
+        if not torch.cuda.is_available():
+            ap.error("needs a CUDA GPU, and torch sees none here: run it on the GPU machine")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.analyze:
