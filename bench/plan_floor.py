@@ -101,7 +101,7 @@ def numpy_vs_native(rounds: int) -> list:
             qo, kvi, kvl = meta.qo_indptr, meta.kv_indptr, meta.kv_len
 
             def fresh():                      # nothing to reuse: the whole schedule
-                ms._REUSE.clear()
+                ms.clear_reuse()
                 s = ms.mla_schedule(qo.numpy(), kvi.numpy(), kvl.numpy(), heads, False, sms, q_len=1)
                 layout.write(s, host)
             growing = [kvl.numpy() + i for i in range(32)]
