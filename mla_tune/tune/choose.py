@@ -289,7 +289,11 @@ def latest_trials(trials: Iterable) -> list:
     return [r for _, r in sorted(latest.values(), key=lambda x: x[0])]
 
 
-def _measured(record: TrialRecord, metric: str) -> Measured:
+def _measured(record, metric: str) -> Measured:
+    """A TrialRecord (or a `ResultsStore.trials()` row: the prefill choice still passes those)
+    reduced to what a verdict needs."""
+    if not isinstance(record, TrialRecord):
+        record = TrialRecord.from_row(record)
     samples = tuple(record.values(metric))
     median = None
     if record.ok and samples:
