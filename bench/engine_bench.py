@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mla_tune.families import Candidate  # noqa: E402
 from mla_tune.families.flashinfer import FlashInferFamily  # noqa: E402
 from mla_tune.measure.trial import MeasureSettings, measure, measure_interleaved  # noqa: E402
+from mla_tune.problem.defaults import KERNEL_METRIC  # noqa: E402
 from mla_tune.problem.workload import model_preset, workload_for  # noqa: E402
 from mla_tune.problem.instance import make_problem  # noqa: E402
 from mla_tune.problem.roofline import achieved, floor_of, measure_ceilings, pct_of_floor  # noqa: E402
@@ -53,7 +54,7 @@ def wl(tp, b, L):
 
 
 def row_of(w, r, ceil, api="keyword", extra=None):
-    st = stats_of(r.samples.get("kernel_us", [])) if r.status == "ok" else None
+    st = stats_of(r.samples.get(KERNEL_METRIC, [])) if r.status == "ok" else None
     pst = stats_of(r.samples.get("plan_us", [])) if r.status == "ok" else None
     row = {"workload": w.label(), "heads": w.num_heads, "batch": w.batch_size, "context": w.context_len,
            "candidate": r.candidate.key, "api": api, "status": r.status,
@@ -68,7 +69,7 @@ def row_of(w, r, ceil, api="keyword", extra=None):
                    pct_floor=pct_of_floor(st.median, w, ceil["copy_gbps"], ceil["matmul_tflops"]),
                    floor_us=f.us, bound=f.bound,
                    plan_us_median=pst.median if pst else None,
-                   kernel_us=[round(x, 3) for x in r.samples["kernel_us"]],
+                   kernel_us=[round(x, 3) for x in r.samples[KERNEL_METRIC]],
                    plan_us=[round(x, 2) for x in r.samples.get("plan_us", [])])
     row.update(extra or {})
     return row
@@ -251,7 +252,7 @@ def main():
             ms = []
             for _ in range(2):
                 r = measure(fi, w, C("fa3"), settings)
-                ms.append(stats_of(r.samples["kernel_us"]).median if r.status == "ok" else None)
+                ms.append(stats_of(r.samples[KERNEL_METRIC]).median if r.status == "ok" else None)
             d = abs(ms[1] - ms[0]) / ms[0] if None not in ms else None
             rep.append({"workload": w.label(), "candidate": "flashinfer/fa3/p64", "median1_us": ms[0],
                         "median2_us": ms[1], "rel_diff": d})

@@ -32,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mla_tune.families.triton_mla import vllm_compiled_ops_missing  # noqa: E402
+from mla_tune.problem.defaults import KERNEL_METRIC  # noqa: E402
 from mla_tune.problem.workload import model_preset, workload_for  # noqa: E402
 
 # vLLM's compiled ops are absent where only its Python files were carried (the H200 machine): its
@@ -114,7 +115,7 @@ def measure_all(args) -> dict:
         for r in results:
             c = r.candidate
             is_default = c == default or (c.family == "triton" and c.params.get("rule") == "vllm")
-            ks = r.samples.get("kernel_us", []) if r.status == "ok" else []
+            ks = r.samples.get(KERNEL_METRIC, []) if r.status == "ok" else []
             doc["rows"].append({
                 "heads": w.num_heads, "tp": tp, "batch": b, "context": L, "workload": w.label(),
                 "family": c.family, "backend": c.backend, "page_size": c.page_size, "params": c.params,
