@@ -5,6 +5,7 @@ import sqlite_utils
 
 from mla_tune.families.base import Candidate
 from mla_tune.problem.workload import Workload
+from mla_tune.problem.defaults import PLAN_METRIC
 from mla_tune.store.records import TrialRecord, as_records
 from mla_tune.store.results import SCHEMA_VERSION, ResultsStore, StoreError, stats_of
 
@@ -41,10 +42,10 @@ def test_records_are_typed_at_the_store_boundary(tmp_path):
         assert isinstance(ok, TrialRecord) and ok.id == tid and ok.workload == W
         assert ok.candidate == Candidate.parse("reference/torch/p16/x=1") and ok.key == ok.candidate.key
         assert ok.candidate.params == {"x": 1} and ok.values() == (3.0, 1.0, 2.0)
-        assert ok.stats.median == 2.0 and ok.plan_stats is None and ok.device_name == "cpu"
+        assert ok.stats().median == 2.0 and ok.stats(PLAN_METRIC) is None and ok.device_name == "cpu"
         assert ok.stored.bucket == (4, 1024, 1) and ok.stored.total_kv_tokens == 4096
         assert ok.is_default is None and ok.run_kind == "cpu-reference"
-        assert not bad.ok and bad.invalid_reason == "unsupported" and bad.stats is None
+        assert not bad.ok and bad.invalid_reason == "unsupported" and bad.stats() is None
         assert bad.stored is ok.stored                          # one per workload id
         assert as_records(s.trials()) == s.records()             # the old rows convert the same
         assert [w.problem for w in s.workloads()] == [W]
@@ -57,7 +58,7 @@ def test_a_stored_workload_this_version_refuses_is_kept_without_its_problem(tmp_
         _trial(s)
         row = s.trials()[0]
     rec = TrialRecord.from_row({**row, "ragged": "from-the-future"})
-    assert rec.workload is None and rec.stored.ragged == "from-the-future" and rec.stats.n == 3
+    assert rec.workload is None and rec.stored.ragged == "from-the-future" and rec.stats().n == 3
 
 
 def test_reopen_does_not_duplicate_workloads(tmp_path):

@@ -13,7 +13,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from mla_tune.families.base import Candidate
-from mla_tune.problem.defaults import KERNEL_METRIC, PLAN_METRIC
+from mla_tune.problem.defaults import KERNEL_METRIC
 from mla_tune.problem.workload import Workload
 
 # what readers group and show by; the problem Workload has every column (softmax scale, seed too)
@@ -119,18 +119,6 @@ class TrialRecord:
         return self.stored.problem
 
     @property
-    def workload_id(self) -> int:
-        return self.stored.id
-
-    @property
-    def family(self) -> str:
-        return self.candidate.family
-
-    @property
-    def page_size(self) -> int:
-        return self.candidate.page_size
-
-    @property
     def ok(self) -> bool:
         return self.status == "ok"
 
@@ -138,17 +126,10 @@ class TrialRecord:
         """The raw samples of one metric (empty when none were taken)."""
         return self.samples.get(metric, ())
 
-    @property
-    def stats(self):
-        """Kernel-time statistics (`Stats`), None without samples."""
+    def stats(self, metric: str = KERNEL_METRIC):
+        """Statistics (`Stats`) of one metric's samples (kernel time by default), None without any."""
         from mla_tune.store.results import stats_of
-        return stats_of(list(self.values(KERNEL_METRIC)))
-
-    @property
-    def plan_stats(self):
-        """Plan-time statistics (`Stats`), None without samples."""
-        from mla_tune.store.results import stats_of
-        return stats_of(list(self.values(PLAN_METRIC)))
+        return stats_of(list(self.values(metric)))
 
 
 def as_records(rows) -> list[TrialRecord]:

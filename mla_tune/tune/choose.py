@@ -274,7 +274,7 @@ def decide(measured: Sequence[Measured], default_key: str | None, family: str, p
 def _identity(r) -> tuple:
     """(device, workload id, candidate key) and the trial id, of a TrialRecord or a trials() row."""
     if isinstance(r, TrialRecord):
-        return (r.device_name, r.workload_id, r.key), r.id
+        return (r.device_name, r.stored.id, r.key), r.id
     return (r.get("device_name"), r["workload_id"], r["candidate"]), r["id"]
 
 
@@ -413,13 +413,13 @@ def _choose_model(device_name, g, rows, mix, p_threshold, min_ratio, default_pag
     for r in rows:
         per_bucket.setdefault(r.stored.bucket, []).append(r)
     weights = bucket_weights(mix, per_bucket)
-    families = sorted({r.family for r in rows})
-    pages = sorted({r.page_size for r in rows})
+    families = sorted({r.candidate.family for r in rows})
+    pages = sorted({r.candidate.page_size for r in rows})
     verdicts: dict = {}          # (bucket, family, page) -> Verdict
     for bk, brows in per_bucket.items():
         for fam in families:
             for page in pages:
-                cand_rows = [r for r in brows if r.family == fam and r.page_size == page]
+                cand_rows = [r for r in brows if r.candidate.family == fam and r.candidate.page_size == page]
                 if not cand_rows:
                     continue
                 measured = [_measured(r, metric) for r in cand_rows]

@@ -20,7 +20,7 @@ from mla_tune.tune import choose as choosing
 from mla_tune.problem.workload import WorkloadMix
 from mla_tune.views.render import Column, OutputFormat, Table, render, times, to_csv
 from mla_tune.problem.roofline import floor_of, pct_of_floor
-from mla_tune.problem.defaults import DEFAULT_PAGE_SIZE
+from mla_tune.problem.defaults import DEFAULT_PAGE_SIZE, PLAN_METRIC
 from mla_tune.store.records import TrialRecord
 from mla_tune.store.selection import CPU_RUN_KIND, TrialFilter, device_key, select_trials
 
@@ -193,7 +193,7 @@ def build_report(store, flt: TrialFilter = TrialFilter(), mix: WorkloadMix | Non
 def _workload_views(records: list[TrialRecord], dev: DeviceReport) -> list[WorkloadView]:
     groups: dict = {}
     for r in records:
-        groups.setdefault(r.workload_id, []).append(r)
+        groups.setdefault(r.stored.id, []).append(r)
     views = []
     for wid, wrecs in groups.items():
         sw = wrecs[0].stored
@@ -207,10 +207,10 @@ def _workload_views(records: list[TrialRecord], dev: DeviceReport) -> list[Workl
                           floor.us if floor else None, floor.bound if floor else None)
         defaults = _family_defaults(wrecs, wl)
         for r in wrecs:
-            st, pst = r.stats, r.plan_stats
+            st, pst = r.stats(), r.stats(PLAN_METRIC)
             median = st.median if st and r.ok else None
             d = _default_for(defaults, r)
-            d_stats = d.stats if d is not None and d.ok else None
+            d_stats = d.stats() if d is not None and d.ok else None
             d_median = d_stats.median if d_stats else None
             c = r.candidate
             wv.lines.append(CandidateLine(
@@ -240,12 +240,12 @@ def _family_defaults(records: list[TrialRecord], wl) -> dict:
     out: dict = {}
     for r in records:
         if r.is_default:
-            out.setdefault(r.family, []).append(r)
-    for fam in {r.family for r in records} - set(out):
-        if any(r.is_default is not None for r in records if r.family == fam) or wl is None:
+            out.setdefault(r.candidate.family, []).append(r)
+    for fam in {r.candidate.family for r in records} - set(out):
+        if any(r.is_default is not None for r in records if r.candidate.family == fam) or wl is None:
             continue   # the sweep marked this family's trials and none is the default
-        keys = {choosing.family_default(fam, wl, p) for p in {r.page_size for r in records}}
-        found = [r for r in records if r.family == fam and r.key in keys]
+        keys = {choosing.family_default(fam, wl, p) for p in {r.candidate.page_size for r in records}}
+        found = [r for r in records if r.candidate.family == fam and r.key in keys]
         if found:
             out[fam] = found
     return out
@@ -254,10 +254,10 @@ def _family_defaults(records: list[TrialRecord], wl) -> dict:
 def _default_for(defaults: dict, record: TrialRecord) -> TrialRecord | None:
     """The default a candidate is compared with: its family's at the same page size, else the
     family's default at the default page size, else any."""
-    cands = defaults.get(record.family) or []
-    for want in (record.page_size, DEFAULT_PAGE_SIZE):
+    cands = defaults.get(record.candidate.family) or []
+    for want in (record.candidate.page_size, DEFAULT_PAGE_SIZE):
         for d in cands:
-            if d.page_size == want:
+            if d.candidate.page_size == want:
                 return d
     return cands[0] if cands else None
 
