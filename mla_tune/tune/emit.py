@@ -16,6 +16,7 @@ from pathlib import Path
 
 from mla_tune.tune import choose as choosing
 from mla_tune.problem.workload import WorkloadMix
+from mla_tune.store.records import TrialRecord
 from mla_tune.store.selection import CPU_RUN_KIND, TrialFilter, device_key, select_trials
 from vllm_metax import decisions, tuned_config as tc
 
@@ -28,13 +29,13 @@ class EmitError(ValueError):
     """Nothing (or something ambiguous) to emit; the message says what to do."""
 
 
-def devices_in(rows: list[dict]) -> list[str]:
-    return sorted({r["device_name"] for r in rows})
+def devices_in(records: list[TrialRecord]) -> list[str]:
+    return sorted({r.device_name for r in records})
 
 
-def pick_device(rows: list[dict], device: str | None = None) -> str:
+def pick_device(records: list[TrialRecord], device: str | None = None) -> str:
     """The device to emit for: the named one, else the only one, else this machine's if measured."""
-    names = devices_in(rows)
+    names = devices_in(records)
     if device:
         hit = [n for n in names if device_key(n) == device_key(device)]
         if not hit:
@@ -152,14 +153,14 @@ def build_tuned_config(store, flt: TrialFilter = TrialFilter(), mix: WorkloadMix
 
     Every model measured on the device goes into its one file, not only the latest sweep's.
     """
-    rows = select_trials(store, flt)
-    device = pick_device(rows, flt.device)
-    rows = [r for r in rows if r["device_name"] == device]
+    records = select_trials(store, flt)
+    device = pick_device(records, flt.device)
+    records = [r for r in records if r.device_name == device]
     if mix is not None and mix.weights:     # the config's page size must see every weight
-        mix.check_covers({(r["batch_size"], r["context_len"]) for r in rows},
+        mix.check_covers({r.stored.bucket[:2] for r in records},
                          f"the buckets measured on {device}")
-    choice = choosing.choose(rows, mix, device_name=device, **choose_kw)
-    run_ids = {r["run_id"] for r in choosing.latest_trials(rows)}
+    choice = choosing.choose(records, mix, device_name=device, **choose_kw)
+    run_ids = {r.run_id for r in choosing.latest_trials(records)}
     prefill_rows = store.trials(*TrialFilter(device, flt.model, flt.runs).where(), prefill=True)
     run_ids |= {r["run_id"] for r in choosing.latest_trials(prefill_rows)}
     runs = [r for r in store.runs() if r["id"] in run_ids]
@@ -233,9 +234,9 @@ def config_summary(cfg: tc.TunedConfig) -> list[str]:
 def emit_all(store, out_dir: str | Path = "configs", *, model: str | None = None, runs=(),
              mix: WorkloadMix | None = None, cpu_ok: bool = False, **choose_kw) -> list[Path]:
     """One file per device measured in the selection."""
-    rows = select_trials(store, TrialFilter(None, model, tuple(runs)))
+    records = select_trials(store, TrialFilter(None, model, tuple(runs)))
     return [emit_config(store, out_dir, device=d, model=model, runs=runs, mix=mix, cpu_ok=cpu_ok,
-                        **choose_kw) for d in devices_in(rows)]
+                        **choose_kw) for d in devices_in(records)]
 
 
 __all__ = ["EmitError", "build_tuned_config", "config_from_choice", "config_summary",

@@ -25,16 +25,6 @@ def mla_backend_order(tuned_order: list[str] | None = None) -> tuple[list[str], 
     return list(dict.fromkeys(list(tuned_order) + list(DEFAULT_MLA_ORDER))), "tuned config"
 
 
-def dtype_name(dtype) -> str:
-    """torch.bfloat16 -> "bfloat16" (the tuned-config spelling)."""
-    return decisions.dtype_name(dtype)
-
-
-def kv_dtype_name(cache_dtype: str | None, model_dtype) -> str:
-    """vLLM's cache_dtype ("auto", "bfloat16", "fp8", ...) in the tuned-config spelling."""
-    return decisions.dtype_name(cache_dtype, model_dtype)
-
-
 def model_dims(vllm_config, num_heads: int | None = None) -> ModelDims | None:
     """The tuned-config key of an MLA model served with this config (heads per rank), or None."""
     model_config = getattr(vllm_config, "model_config", None)
