@@ -296,6 +296,24 @@ def test_sweep_survives_crashing_and_hanging_candidates(tmp_path):
     assert again.measured == 0 and again.faults == 0
 
 
+def test_a_refusal_is_learnt_once_for_every_later_bucket(tmp_path):
+    # the H200 sweep of 2026-12-02 re-tried 19 refused candidates in 83 of 96 buckets: a space
+    # was rebuilt only for the bucket right after a new refusal
+    db = tmp_path / "r.db"
+    sweep_families.RefusingBackend.prepared.clear()
+    cfg = build_config(db=db, device="cpu", emit=False, families=["refusing"], batches="1,2,4,8",
+                       contexts="64", page_sizes=[16], samples=2, warmup=1, isolation="inline")
+    out = run_sweep(cfg)
+    assert [b for b, _ in sweep_families.RefusingBackend.prepared].count("refuse") == 1
+    assert [len(b.planned.space.dropped) for b in out.buckets] == [0, 1, 1, 1]
+    assert [k for _, k in trial_keys(db)].count("refusing/refuse/p16") == 1   # stored, visible
+    # a later sweep on the same DB knows the refusal from the store
+    sweep_families.RefusingBackend.prepared.clear()
+    run_sweep(build_config(db=db, device="cpu", emit=False, families=["refusing"], batches="16",
+                           contexts="64", page_sizes=[16], samples=2, warmup=1, isolation="inline"))
+    assert {b for b, _ in sweep_families.RefusingBackend.prepared} == {"torch"}
+
+
 def test_tpe_mode_live_on_the_cpu(tmp_path):
     out = run_sweep(build_config(db=tmp_path / "r.db", device="cpu", emit=False, mode="tpe",
                                  isolation="inline", batches="1", contexts="64", samples=3, warmup=1))

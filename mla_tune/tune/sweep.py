@@ -738,7 +738,9 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
         outcome = SweepOutcome(plan)
         obs.on_start(plan)
         refused = ctx["refused"]
-        n_refused = len(refused)
+        # how many refusals each bucket's space was built with: a refusal learnt in any earlier
+        # bucket drops that candidate from every later one (not only from the next bucket)
+        built_with = {i: len(refused) for i in range(len(plan.buckets))}
         runner = make_runner(settings, config.isolation, config.timeout_s, plan.families)
         measurer = _Measurer(store, runner, plan, config, outcome, obs, refused, device_name)
         end = (time.monotonic() + config.time_budget_s) if config.time_budget_s else None
@@ -752,8 +754,8 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
         try:
             for k, i in enumerate(order):
                 p = plan.buckets[i]
-                if len(refused) != n_refused:   # refusals learnt in earlier buckets apply here
-                    n_refused = len(refused)
+                if len(refused) != built_with[i]:   # refusals learnt in earlier buckets apply here
+                    built_with[i] = len(refused)
                     p.space = _space_for(p.bucket, ctx["backends"], config.page_sizes, refused)
                     p.mode = config.policy(None).resolve_mode(len(p.space))
                     p.budget = config.policy(None).budget(len(p.space), p.mode) if len(p.space) else 0
