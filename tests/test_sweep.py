@@ -412,3 +412,21 @@ def test_ceilings_subprocess_without_cuda_returns_nothing():
         import pytest
         pytest.skip("has CUDA")
     assert ceilings_in_subprocess(timeout=60) == {}
+
+
+def test_the_journal_is_written_without_fsync_and_reads_back(tmp_path, monkeypatch):
+    import os
+    import optuna
+    from mla_tune.tune.search import journal_storage
+
+    def no_fsync(fd):
+        raise AssertionError("fsync called")
+
+    monkeypatch.setattr(os, "fsync", no_fsync)
+    path = tmp_path / "j.optuna.log"
+    study = optuna.create_study(study_name="s", storage=journal_storage(path))
+    t = study.ask()
+    t.suggest_int("x", 0, 3)
+    study.tell(t, 1.5)
+    again = optuna.load_study(study_name="s", storage=journal_storage(path))   # a later process
+    assert [x.value for x in again.trials] == [1.5]

@@ -191,6 +191,8 @@ def print_summary(outcome) -> None:
         console.print(f"{o.measured} trials measured, {o.cached} answered from {escape(str(o.plan.db))}"
                       f" (already measured), {o.faults} crashed or timed out"
                       f" ({o.restarts} worker restarts), {o.seconds:.1f} s")
+        if o.time_line():
+            console.print(escape(o.time_line()), highlight=False)
     for w in getattr(o, "workers", None) or ():
         state = "done" if w.returncode == 0 else f"[yellow]exited {w.returncode}[/]" + (
             f" ({escape(w.error)})" if w.error else "")

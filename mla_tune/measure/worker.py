@@ -93,7 +93,9 @@ class InlineRunner:
         return [_plain(r) for r in measure_batch(workload, entries, self.settings, on_progress)]
 
     def close(self) -> None:
+        from mla_tune.measure.trial import PROBLEMS
         self._backends.clear()
+        PROBLEMS.clear()           # the last workload's instances are not needed after the sweep
 
 
 # ---------------------------------------------------------------- the worker process

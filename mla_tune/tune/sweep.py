@@ -162,6 +162,20 @@ def default_space(device: str) -> DefaultSpace:
                         timeout_s=120.0, time_budget_s=0.0)
 
 
+def measure_settings(device: str, samples: int, warmup: int) -> MeasureSettings:
+    """How a sweep measures on `device`: up to `samples` per candidate, stopping from
+    sampling.MIN_SAMPLES on where the median is already known (mla_tune.measure.sampling says why
+    verdicts keep their power); on a GPU in rounds of one timed-graph replay
+    (KernelTimer.RUNS_PER_GRAPH samples), so no sample taken is thrown away."""
+    from mla_tune.measure.sampling import MIN_SAMPLES
+    rounds = 5
+    if str(device).startswith("cuda"):
+        from mla_tune.measure.timing import KernelTimer
+        rounds = max(1, math.ceil(samples / KernelTimer.RUNS_PER_GRAPH))
+    return MeasureSettings(device=device, warmup=warmup, samples=samples,
+                           min_samples=min(MIN_SAMPLES, samples), rounds=rounds)
+
+
 def detect_device() -> str:
     import torch
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -203,7 +217,7 @@ class SweepConfig:
     max_trials: int | None = None
     patience: int | None = PATIENCE
     time_budget_s: float = 0.0
-    batch: int = 16
+    batch: int = 32                      # candidates per worker round trip (one interleaved set)
     seed: int = 0
     timeout_s: float = 120.0
     isolation: str = "auto"
@@ -312,10 +326,28 @@ class SweepOutcome:
     emit_note: str = ""
     stopped_early: int = 0                                # buckets cut by a budget
     workers: list = field(default_factory=list)           # distributed.WorkerReport, with --gpus
+    time_split: dict = field(default_factory=dict)        # TIME_PARTS -> seconds (live sweeps)
 
     @property
     def valid_trials(self) -> int:
         return sum(e.ok for b in self.buckets for e in b.search.evaluations)
+
+    def time_line(self) -> str:
+        """Where the sweep's wall time went, in one line: the timed samples (GPU busy in the
+        samples kept), first-use JIT, the rest of measuring in the worker (preparing, checking,
+        capturing, warm-up, transfers), starting workers and the run record, and this process's
+        search, store and choice."""
+        t = self.time_split
+        if not t:
+            return ""
+        wall = self.seconds or sum(t.values())
+        own = max(0.0, wall - t.get("measure_s", 0.0) - t.get("startup_s", 0.0))
+        other = max(0.0, t.get("measure_s", 0.0) - t.get("samples_s", 0.0) - t.get("jit_s", 0.0))
+        parts = [("timed samples", t.get("samples_s", 0.0)), ("JIT", t.get("jit_s", 0.0)),
+                 ("other measuring", other), ("start-up", t.get("startup_s", 0.0)),
+                 ("search/store/choice", own)]
+        return (f"time: {wall:.1f} s = " + " + ".join(f"{name} {v:.1f} s" for name, v in parts)
+                + f" ({100 * t.get('samples_s', 0.0) / wall if wall else 0:.0f}% of the wall in timed samples)")
 
 
 # ---------------------------------------------------------------- planning
@@ -575,14 +607,20 @@ class _Measurer:
                 return [evs[c.key] for c in cands]
             t_run = time.monotonic()
             run_id = self._run()            # once per sweep: run record, ceilings measured in a child
+            split = self.outcome.time_split
+            split["startup_s"] = split.get("startup_s", 0.0) + time.monotonic() - t_run
             if policy.deadline is not None:
                 policy.deadline += time.monotonic() - t_run
             self.obs.on_measuring(p, todo)
             started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
             started_s = getattr(self.runner, "startup_s", 0.0)
+            t_measure = time.monotonic()
             results = self.runner.measure(w, todo, lambda c, ok: self.obs.on_prepared(p, c, ok))
+            started_s = getattr(self.runner, "startup_s", 0.0) - started_s
+            split["startup_s"] += started_s
+            split["measure_s"] = split.get("measure_s", 0.0) + time.monotonic() - t_measure - started_s
             if policy.deadline is not None:     # starting (or replacing) the worker is not search
-                policy.deadline += getattr(self.runner, "startup_s", 0.0) - started_s
+                policy.deadline += started_s
             for c, r in zip(todo, results):
                 tid = self.store.add_trial(
                     run_id, p.workload_id, c, r.status, r.samples or None,
@@ -596,8 +634,12 @@ class _Measurer:
                 if r.invalid_reason == "unsupported":
                     first = (r.message or "").splitlines()[0][:200] if r.message else ""
                     self.refused.setdefault(_unsupported_key(c, w), (w.label(), first))
-                if policy.deadline is not None and (r.compile_s or 0) > JIT_S:
-                    policy.deadline += r.compile_s
+                if (r.compile_s or 0) > JIT_S:
+                    split["jit_s"] = split.get("jit_s", 0.0) + r.compile_s
+                    if policy.deadline is not None:
+                        policy.deadline += r.compile_s
+                split["samples_s"] = split.get("samples_s", 0.0) + sum(
+                    (r.samples or {}).get(METRIC) or ()) / 1e6
                 evs[c.key] = self._report(p, best, ev)
                 self.outcome.measured += 1
             return [evs[c.key] for c in cands]
@@ -716,19 +758,23 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
     config = check_sweep_config(config)      # every input checked before anything is written
     _tag_remeasure(config)
     store = ResultsStore(config.db)
-    heartbeat = None
+    heartbeat = prebuild = None
     try:
         plan, ctx = plan_sweep(config, store)
         if not plan.families:
             why = "; ".join(f"{f}: {r}" for f, r in plan.skipped.items())
             raise SweepError(f"no kernel family can run on {plan.device} ({why})")
+        if plan.kind == "gpu" and "flashinfer" in plan.families:
+            # FlashInfer's fa2/fa3 modules compile in the background while the sweep starts up
+            # and measures (MLA_TUNE_JIT_PREBUILD=0: the worker compiles them on first use)
+            from mla_tune.measure.jit_prebuild import start_prebuild
+            prebuild = start_prebuild([p.bucket.workload for p in plan.buckets if len(p.space)])
         device_name = _device_name(plan.device)
         for p in plan.buckets:
             w = p.bucket.workload
             p.workload_id = store.workload_id(w, workload_bytes(w), workload_flops(w))
         d = default_space(plan.device)
-        settings = config.settings or MeasureSettings(device=plan.device, warmup=d.warmup,
-                                                      samples=d.samples)
+        settings = config.settings or measure_settings(plan.device, d.samples, d.warmup)
         settings = replace(settings, device=plan.device)
         storage = _open_storage(config, plan)
         if storage is not None:
@@ -821,6 +867,9 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
         obs.on_done(outcome)
         return outcome
     finally:
+        if prebuild is not None:
+            from mla_tune.measure.jit_prebuild import finish_prebuild
+            finish_prebuild(prebuild)
         if heartbeat is not None:
             heartbeat.close()
         store.close()
@@ -1077,8 +1126,7 @@ def build_config(*, model: str = "deepseek-v3", tp_sizes: Sequence[int] | None =
     s = samples if samples is not None else d.samples
     if s < 2:
         raise ValueError(f"--samples must be >= 2 (the significance test needs samples), got {s}")
-    settings = MeasureSettings(device=device, warmup=warmup if warmup is not None else d.warmup,
-                               samples=s)
+    settings = measure_settings(device, s, warmup if warmup is not None else d.warmup)
     if warmup is not None:
         check_int("warmup", warmup, "--warmup")
     budget = parse_duration(time_budget) if time_budget is not None else d.time_budget_s
@@ -1103,7 +1151,7 @@ def estimate_note(plan: SweepPlan) -> str:
 
 __all__ = ["Bucket", "BucketOutcome", "CPU_REFERENCE_NOTE", "DefaultSpace", "PlannedBucket",
            "SweepConfig", "SweepError", "SweepInputError", "SweepObserver", "SweepOutcome", "SweepPlan",
-           "build_config", "default_space", "detect_device", "emit_tuned_config", "estimate_note",
+           "build_config", "measure_settings", "default_space", "detect_device", "emit_tuned_config", "estimate_note",
            "journal_path_for", "check_sweep_config", "default_db", "parse_duration", "parse_sizes", "plan_buckets", "plan_sweep",
            "replay_sweep", "resolve_families", "run_sweep", "stored_buckets"]
 
