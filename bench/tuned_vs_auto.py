@@ -24,7 +24,6 @@ copy bandwidth from 256K KV tokens. Writes <out>/tuned_vs_auto_<device>.{json,md
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -56,16 +55,16 @@ def _gmean(xs):
 
 
 def stored_workloads(db: str):
-    """The decode workloads (q_len 1) a results DB holds, as Workloads, read-only."""
+    """The decode workloads (q_len 1) a results DB holds, as Workloads, read-only: a ragged one
+    with the per-request lengths stored beside it (schema 4 on; a recorded trace's come only from
+    there), older rows with the lengths their kind gives."""
     from mla_tune.problem.workload import Workload
-    names = {f.name for f in dataclasses.fields(Workload)}
     con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
     con.row_factory = sqlite3.Row
     out = []
     for row in con.execute("select * from workloads where q_len = 1 order by num_heads, ragged, "
                            "batch_size, context_len"):
-        d = {k: row[k] for k in row.keys() if k in names}
-        out.append(Workload(**d))
+        out.append(Workload.from_row(row))
     con.close()
     return out
 

@@ -28,8 +28,9 @@ from typing import Sequence
 
 from mla_tune.families.base import Candidate, CandidateInvalid
 from mla_tune.measure.trial import MeasureSettings
-from mla_tune.problem.workload import (DTYPES, RAGGED_KINDS, ModelDims, ProblemError, Workload, WorkloadMix,
-                              log2_grid, model_preset, workload_for)
+from mla_tune.problem.workload import (DTYPES, RAGGED_KINDS, LengthTrace, ModelDims, ProblemError,
+                                      Workload, WorkloadMix, load_trace, log2_grid, model_preset,
+                                      workload_for)
 from mla_tune.tune.search import (GRID_MAX, PATIENCE, Evaluation, SearchOutcome, SearchPolicy,
                              SearchSpace, journal_storage, search)
 
@@ -69,10 +70,12 @@ class Bucket:
 
 def plan_buckets(model: ModelDims, tp_sizes: Sequence[int], batch_sizes: Sequence[int],
                  context_lens: Sequence[int], q_lens: Sequence[int] = (1,), ragged: str = "uniform",
-                 q_dtype: str = "bfloat16", kv_dtype: str = "bfloat16") -> list[Bucket]:
+                 q_dtype: str = "bfloat16", kv_dtype: str = "bfloat16",
+                 trace: LengthTrace | None = None) -> list[Bucket]:
     """Every (TP, q_len, batch, context) combination; raises ProblemError on impossible values
     (a TP size that does not divide the heads, q_len > context, ...). q_len > 1 buckets are
-    speculative decode: the q_len queries of a request attend causally."""
+    speculative decode: the q_len queries of a request attend causally. With `trace`, each
+    bucket's lengths are drawn from that recorded trace (LengthTrace.sample)."""
     out, seen = [], set()
     for tp in tp_sizes:
         for q in q_lens:
@@ -81,7 +84,7 @@ def plan_buckets(model: ModelDims, tp_sizes: Sequence[int], batch_sizes: Sequenc
                     if q > c:
                         raise ProblemError(f"q_len {q} is longer than context length {c}")
                     w = workload_for(model, tp, b, c, q_len=q, ragged=ragged, q_dtype=q_dtype,
-                                     kv_dtype=kv_dtype)
+                                     kv_dtype=kv_dtype, trace=trace)
                     if w not in seen:
                         seen.add(w)
                         out.append(Bucket(model.name, tp, w))
@@ -149,17 +152,41 @@ class DefaultSpace:
     warmup: int
     timeout_s: float
     time_budget_s: float
+    # (length distribution, batch sizes, context lengths) measured besides the uniform grid
+    ragged: tuple = ()
+
+
+# ragged buckets of the default GPU sweep: Zipf-tailed lengths where a batch is large enough for
+# raggedness to change the schedule (the numpy schedule's cluster balance, KV chunking)
+DEFAULT_RAGGED = (("zipf", (32, 128), (4096, 16384)),)
 
 
 def default_space(device: str) -> DefaultSpace:
-    """GPU: DeepSeek-V3 at TP1 and TP8, batch 1-128 x context 1K-32K on log2 steps (96 buckets),
+    """GPU: DeepSeek-V3 at TP1 and TP8, batch 1-128 x context 1K-32K on log2 steps with uniform
+    lengths (96 buckets) plus Zipf-tailed lengths at batch 32/128 x context 4K/16K (8 buckets),
     sized with the time budget to finish in under 10 minutes on an H200, JIT included. CPU: a
     small space the torch reference covers in seconds."""
     if str(device).startswith("cuda"):
         return DefaultSpace((1, 8), tuple(log2_grid(1, 128)), tuple(log2_grid(1024, 32768)),
-                            (1, 16, 64), samples=20, warmup=3, timeout_s=180.0, time_budget_s=540.0)
+                            (1, 16, 64), samples=20, warmup=3, timeout_s=180.0, time_budget_s=540.0,
+                            ragged=DEFAULT_RAGGED)
     return DefaultSpace((8,), (1, 4), (256, 1024), (1, 16, 64), samples=10, warmup=2,
                         timeout_s=120.0, time_budget_s=0.0)
+
+
+def resolve_lengths(spec: str) -> tuple[str, LengthTrace | None]:
+    """--lengths: a distribution name (RAGGED_KINDS) -> (name, None); a CSV file of request
+    lengths -> (its trace kind, the trace). Raises ProblemError (unknown name, unreadable or
+    malformed file)."""
+    spec = (spec or "").strip()
+    if spec in RAGGED_KINDS:
+        return spec, None
+    looks_like_file = any(ch in spec for ch in "/\\.") or Path(spec).exists()
+    if not spec or not looks_like_file:
+        raise ProblemError(f"unknown length distribution {spec[:80]!r}; one of "
+                           f"{', '.join(RAGGED_KINDS)}, or a CSV file of request lengths")
+    trace = load_trace(spec)
+    return trace.kind, trace
 
 
 def measure_settings(device: str, samples: int, warmup: int) -> MeasureSettings:
@@ -530,9 +557,10 @@ def _refusals(store, device: str) -> dict:
     name = _device_name(device)
     for r in store.trials("r.device_name = ? and t.status = 'invalid' and t.invalid_reason = 'unsupported'",
                           [name]):
-        w = Workload(r["num_heads"], r["kv_lora_rank"], r["qk_rope_head_dim"], r["softmax_scale"],
-                     r["batch_size"], r["context_len"], r["q_len"], r["ragged"], r["seed"],
-                     r["q_dtype"], r["kv_dtype"], r["model"])
+        try:
+            w = Workload.from_row(r)
+        except ProblemError:     # a row another version wrote: its refusal is not learnt
+            continue
         c = Candidate(r["family"], r["backend"], r["page_size"], r["params"])
         out.setdefault(_unsupported_key(c, w), (w.label(), (r["message"] or "").splitlines()[0][:200]))
     return out
@@ -971,9 +999,7 @@ def stored_buckets(rows: list) -> list[Bucket]:
     for r in rows:
         if r["workload_id"] in seen:
             continue
-        w = Workload(r["num_heads"], r["kv_lora_rank"], r["qk_rope_head_dim"], r["softmax_scale"],
-                     r["batch_size"], r["context_len"], r["q_len"], r["ragged"], r["seed"],
-                     r["q_dtype"], r["kv_dtype"], r["model"])
+        w = Workload.from_row(r)
         seen[r["workload_id"]] = Bucket(r["model"], _tp_size(r["model"], r["num_heads"]), w)
     return sorted(seen.values(), key=lambda b: (b.model, -b.workload.num_heads, b.workload.q_len,
                                                 b.workload.batch_size, b.workload.context_len))
@@ -1091,13 +1117,17 @@ def _defaults_from_backends(b: Bucket, brows: list, cands: dict) -> list:
 
 def build_config(*, model: str = "deepseek-v3", tp_sizes: Sequence[int] | None = None,
                  batches: str | None = None, contexts: str | None = None,
-                 q_lens: Sequence[int] = (1,), ragged: str = "uniform", q_dtype: str = "bfloat16",
+                 q_lens: Sequence[int] = (1,), ragged: str | None = None, q_dtype: str = "bfloat16",
                  kv_dtype: str = "bfloat16", page_sizes: Sequence[int] | None = None,
                  device: str | None = None, samples: int | None = None, warmup: int | None = None,
                  timeout_s: float | None = None, time_budget: str | None = None,
                  **kw) -> SweepConfig:
     """A SweepConfig from command-line style values, device defaults filling the gaps (results
     DB: default_db(device); tuned config emitted on a GPU only, unless `emit` says).
+
+    `ragged` (--lengths) is a length distribution or a CSV file of request lengths
+    (resolve_lengths); None is uniform lengths, plus the device's default ragged buckets
+    (DefaultSpace.ragged) when the grid is the default one too.
 
     Raises ValueError / ProblemError with a one-line message for anything invalid.
     """
@@ -1106,8 +1136,7 @@ def build_config(*, model: str = "deepseek-v3", tp_sizes: Sequence[int] | None =
         kw["db"] = default_db(device)
     d = default_space(device)
     dims = model_preset(model)
-    if ragged not in RAGGED_KINDS:
-        raise ValueError(f"unknown length distribution {ragged!r}; one of {', '.join(RAGGED_KINDS)}")
+    kind, trace = resolve_lengths(ragged) if ragged is not None else ("uniform", None)
     for dt in (q_dtype, kv_dtype):
         if dt not in DTYPES:
             raise ValueError(f"unsupported dtype {dt!r}; one of {', '.join(DTYPES)}")
@@ -1119,10 +1148,15 @@ def build_config(*, model: str = "deepseek-v3", tp_sizes: Sequence[int] | None =
     pages = tuple(page_sizes) if page_sizes else d.page_sizes
     for p in pages:
         check_page_size(p, "--page-size")
-    buckets = plan_buckets(dims, tuple(tp_sizes) if tp_sizes else d.tp_sizes,
+    tps = tuple(tp_sizes) if tp_sizes else d.tp_sizes
+    qs = tuple(sorted(set(q_lens))) or (1,)
+    buckets = plan_buckets(dims, tps,
                            parse_sizes(batches, "batch") if batches is not None else d.batch_sizes,
                            parse_sizes(contexts, "context") if contexts is not None else d.context_lens,
-                           tuple(sorted(set(q_lens))) or (1,), ragged, q_dtype, kv_dtype)
+                           qs, kind, q_dtype, kv_dtype, trace)
+    if ragged is None and batches is None and contexts is None:
+        for extra_kind, extra_b, extra_c in d.ragged:
+            buckets += plan_buckets(dims, tps, extra_b, extra_c, qs, extra_kind, q_dtype, kv_dtype)
     s = samples if samples is not None else d.samples
     if s < 2:
         raise ValueError(f"--samples must be >= 2 (the significance test needs samples), got {s}")
@@ -1153,5 +1187,6 @@ __all__ = ["Bucket", "BucketOutcome", "CPU_REFERENCE_NOTE", "DefaultSpace", "Pla
            "SweepConfig", "SweepError", "SweepInputError", "SweepObserver", "SweepOutcome", "SweepPlan",
            "build_config", "measure_settings", "default_space", "detect_device", "emit_tuned_config", "estimate_note",
            "journal_path_for", "check_sweep_config", "default_db", "parse_duration", "parse_sizes", "plan_buckets", "plan_sweep",
+           "resolve_lengths",
            "replay_sweep", "resolve_families", "run_sweep", "stored_buckets"]
 
