@@ -414,6 +414,29 @@ def test_ceilings_subprocess_without_cuda_returns_nothing():
     assert ceilings_in_subprocess(timeout=60) == {}
 
 
+def test_the_ceilings_probe_runs_beside_the_worker_and_is_ended(monkeypatch):
+    from mla_tune.tune import sweep as sweep_mod
+    monkeypatch.setattr(sweep_mod.CeilingsProbe, "CODE",
+                        "import json, time; time.sleep(0.2); print(json.dumps({'copy_gbps': 1.0}))")
+    probe = sweep_mod.CeilingsProbe(timeout=30).start()
+    assert probe.proc is not None and probe.result() == {"copy_gbps": 1.0} and probe.proc is None
+    monkeypatch.setattr(sweep_mod.CeilingsProbe, "CODE", "import time; time.sleep(60)")
+    slow = sweep_mod.CeilingsProbe(timeout=30).start()
+    proc = slow.proc
+    slow.close()                          # a sweep that measured nothing never asks
+    assert proc.poll() is not None and slow.result() == {}
+
+
+def test_the_time_line_splits_the_wall():
+    from mla_tune.tune.sweep import SweepOutcome, SweepPlan
+    o = SweepOutcome(SweepPlan("cuda", "gpu", [], {}, []), seconds=100.0,
+                     time_split={"samples_s": 20.0, "jit_s": 10.0, "measure_s": 60.0, "startup_s": 15.0})
+    line = o.time_line()
+    assert line.startswith("time: 100.0 s = timed samples 20.0 s + JIT 10.0 s + other measuring 30.0 s")
+    assert "start-up 15.0 s + search/store/choice 25.0 s (20% of the wall" in line
+    assert SweepOutcome(SweepPlan("cpu", "cpu-reference", [], {}, [])).time_line() == ""
+
+
 def test_the_journal_is_written_without_fsync_and_reads_back(tmp_path, monkeypatch):
     import os
     import optuna

@@ -386,6 +386,12 @@ class WorkerRunner:
             self._log = None
         return code
 
+    def start(self) -> None:
+        """Start the worker now rather than at the first batch (a sweep overlaps it with its own
+        start-up); WorkerError if it cannot start."""
+        if self._proc is None or not self._proc.is_alive():
+            self._start()
+
     def close(self) -> None:
         self._stop(kill=False)
 

@@ -455,6 +455,17 @@ def _study_name(config: SweepConfig, b: Bucket, space: SearchSpace | None = None
     return f"{name} | space {digest[:10]}" + (f" | {config.study_tag}" if config.study_tag else "")
 
 
+def plan_bucket(bucket: Bucket, space: SearchSpace, config: SweepConfig,
+                workload_id: int | None = None, index: int = 0) -> PlannedBucket:
+    """A bucket's search plan, decided once: its space, the mode the policy resolves for the
+    space's size and the trial budget (0 for an empty space). The live sweep, its re-planning
+    after a refusal and the replay all plan through here."""
+    pol = config.policy(None)
+    mode = pol.resolve_mode(len(space))
+    return PlannedBucket(bucket, space, mode, pol.budget(len(space), mode) if len(space) else 0,
+                         workload_id, index)
+
+
 def plan_sweep(config: SweepConfig, store=None) -> tuple[SweepPlan, dict]:
     """Resolve the device and families and build every bucket's search space (nothing runs)."""
     device = config.device or detect_device()
@@ -466,11 +477,8 @@ def plan_sweep(config: SweepConfig, store=None) -> tuple[SweepPlan, dict]:
     refused = _refusals(store, device) if store is not None and not config.remeasure else {}
     planned = []
     for i, b in enumerate(config.buckets):
-        space = _space_for(b, backends, config.page_sizes, refused)
-        pol = config.policy(None)
-        mode = pol.resolve_mode(len(space))
-        planned.append(PlannedBucket(b, space, mode, pol.budget(len(space), mode) if len(space) else 0,
-                                     index=i))
+        planned.append(plan_bucket(b, _space_for(b, backends, config.page_sizes, refused), config,
+                                   index=i))
     db = Path(config.db) if config.db is not None else default_db(device)
     journal, storage = None, ""
     if config.storage:
@@ -571,19 +579,53 @@ def _refusals(store, device: str) -> dict:
 JIT_S = 0.5      # a preparation longer than this is first-use compilation, not the bucket's search
 
 
-def ceilings_in_subprocess(timeout: float = 180.0) -> dict:
+class CeilingsProbe:
     """Copy bandwidth and matmul rate of this GPU for the run record (roofline %), measured in a
-    child process so this process never initialises CUDA before its workers fork. {} on failure."""
-    import json
-    import subprocess
-    import sys
-    code = ("import json; from mla_tune.problem.roofline import measure_ceilings; "
+    child process so this process never initialises CUDA before its workers fork. Started at
+    once (`start`), so the child's interpreter and CUDA start overlap the worker's; `result`
+    waits for it ({} on any failure), `close` ends it if never asked."""
+
+    CODE = ("import json; from mla_tune.problem.roofline import measure_ceilings; "
             "c = measure_ceilings('cuda'); print(json.dumps({k: c[k] for k in ('copy_gbps', 'matmul_tflops')}))")
-    try:
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
-        return json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else {}
-    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
-        return {}
+
+    def __init__(self, timeout: float = 180.0):
+        self.timeout = timeout
+        self.proc = None
+
+    def start(self) -> "CeilingsProbe":
+        import subprocess
+        import sys
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-c", self.CODE], stdout=subprocess.PIPE,
+                                         stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.proc = None
+        return self
+
+    def result(self) -> dict:
+        import json
+        import subprocess
+        if self.proc is None:
+            return {}
+        try:
+            out, _ = self.proc.communicate(timeout=self.timeout)
+            return json.loads(out.strip().splitlines()[-1]) if self.proc.returncode == 0 else {}
+        except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+            self.close()
+            return {}
+        finally:
+            self.proc = None
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+
+def ceilings_in_subprocess(timeout: float = 180.0) -> dict:
+    """CeilingsProbe, started and waited for: {} on failure."""
+    return CeilingsProbe(timeout).start().result()
 
 
 class _Measurer:
@@ -594,6 +636,7 @@ class _Measurer:
         self.store, self.runner, self.plan, self.config = store, runner, plan, config
         self.outcome, self.obs, self.refused, self.device_name = outcome, obs, refused, device_name
         self.run_id: int | None = None
+        self.ceilings: CeilingsProbe | None = None     # started early by run_sweep on a GPU
 
     def _run(self) -> int:
         if self.run_id is None:     # a rerun that measures nothing adds no run record
@@ -604,7 +647,8 @@ class _Measurer:
                 env["cuda_visible_devices"] = os.environ.get("CUDA_VISIBLE_DEVICES")
                 env["worker"] = f"{self.config.worker_index + 1}/{self.config.worker_count} pid {os.getpid()}"
             if self.plan.kind == "gpu":
-                env.update(ceilings_in_subprocess())
+                env.update(self.ceilings.result() if self.ceilings is not None
+                           else ceilings_in_subprocess())
             self.run_id = self.store.add_run(env)
             self.outcome.run_id = self.run_id
         return self.run_id
@@ -817,6 +861,17 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
         built_with = {i: len(refused) for i in range(len(plan.buckets))}
         runner = make_runner(settings, config.isolation, config.timeout_s, plan.families)
         measurer = _Measurer(store, runner, plan, config, outcome, obs, refused, device_name)
+        if plan.kind == "gpu" and any(len(p.space) for p in plan.buckets):
+            # the ceilings child and the worker start side by side (neither touches the GPU
+            # until the ceilings are measured: the worker waits for its first batch)
+            measurer.ceilings = CeilingsProbe().start()
+            t_worker = time.monotonic()
+            try:
+                getattr(runner, "start", lambda: None)()
+            except Exception:
+                measurer.ceilings.close()
+                raise
+            outcome.time_split["startup_s"] = time.monotonic() - t_worker
         end = (time.monotonic() + config.time_budget_s) if config.time_budget_s else None
         weights = [bucket_weight(p) for p in plan.buckets]
         n = len(plan.buckets)
@@ -830,9 +885,9 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
                 p = plan.buckets[i]
                 if len(refused) != built_with[i]:   # refusals learnt in earlier buckets apply here
                     built_with[i] = len(refused)
-                    p.space = _space_for(p.bucket, ctx["backends"], config.page_sizes, refused)
-                    p.mode = config.policy(None).resolve_mode(len(p.space))
-                    p.budget = config.policy(None).budget(len(p.space), p.mode) if len(p.space) else 0
+                    again = plan_bucket(p.bucket, _space_for(p.bucket, ctx["backends"],
+                                                             config.page_sizes, refused), config)
+                    p.space, p.mode, p.budget = again.space, again.mode, again.budget
                 left = [weights[j] for j in order[k:]]
                 share = None if end is None else \
                     time.monotonic() + budget_share(max(0.0, end - time.monotonic()), left)
@@ -879,6 +934,8 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
         finally:
             outcome.faults = getattr(runner, "faults", 0)
             outcome.restarts = getattr(runner, "restarts", 0)
+            if measurer.ceilings is not None:
+                measurer.ceilings.close()
             runner.close()
         if config.role == "worker":       # the launcher chooses and emits, once, after its workers
             outcome.seconds = time.monotonic() - t_start
@@ -1049,11 +1106,8 @@ def replay_sweep(source: str | Path, config: SweepConfig, observer: SweepObserve
         defaults = [cands[r["candidate"]] for r in brows if r.get("is_default")]
         if not defaults:
             defaults = _defaults_from_backends(b, brows, cands)
-        space = SearchSpace.build(list(cands.values()), defaults)
-        pol = config.policy(None)
-        mode = pol.resolve_mode(len(space))
-        planned.append(PlannedBucket(b, space, mode, pol.budget(len(space), mode),
-                                     brows[0]["workload_id"], len(planned)))
+        planned.append(plan_bucket(b, SearchSpace.build(list(cands.values()), defaults), config,
+                                   brows[0]["workload_id"], len(planned)))
     kind = rows[0].get("run_kind") or ""
     plan = SweepPlan(device_name, kind, sorted({r["family"] for r in rows}),
                      {f"({len(missing)} buckets)": "not in the replay DB: " + ", ".join(missing[:5])
@@ -1186,7 +1240,7 @@ def estimate_note(plan: SweepPlan) -> str:
 __all__ = ["Bucket", "BucketOutcome", "CPU_REFERENCE_NOTE", "DefaultSpace", "PlannedBucket",
            "SweepConfig", "SweepError", "SweepInputError", "SweepObserver", "SweepOutcome", "SweepPlan",
            "build_config", "measure_settings", "default_space", "detect_device", "emit_tuned_config", "estimate_note",
-           "journal_path_for", "check_sweep_config", "default_db", "parse_duration", "parse_sizes", "plan_buckets", "plan_sweep",
+           "journal_path_for", "check_sweep_config", "default_db", "parse_duration", "parse_sizes", "plan_bucket", "plan_buckets", "plan_sweep",
            "resolve_lengths",
            "replay_sweep", "resolve_families", "run_sweep", "stored_buckets"]
 
