@@ -1,9 +1,12 @@
-"""The sweep: plan the buckets, search each one's candidates, store every trial, resume, replay.
+"""The sweep: plan each bucket's search, measure its candidates, store every trial, resume.
 
-    plan_buckets(...)            -> [Bucket]        model x TP sizes x batch x context x q_len
+    plan_buckets(...)            -> [Bucket]        model x TP sizes x batch x context x q_len (buckets.py)
     SweepConfig(...)                                what to measure and how (defaults per device)
+    build_config(**flags)        -> SweepConfig     from command-line values (sweep_flags.py)
     run_sweep(config, observer)  -> SweepOutcome    measure (in a worker process), store, choose, emit
-    replay_sweep(db, config)     -> SweepOutcome    the same search over stored measurements
+    replay_sweep(db, config)     -> SweepOutcome    the same search over stored measurements (replay.py)
+
+The names of buckets.py, sweep_flags.py and replay.py are importable from here as well.
 
 Every trial is committed through ResultsStore.add_trial as soon as its batch returns, with the run
 record of environment.capture_environment. Rerunning the same sweep is a resume: a (workload,
@@ -17,9 +20,7 @@ SweepObserver (the CLI's draws a rich progress bar).
 
 from __future__ import annotations
 
-import math
 import os
-import re
 import statistics
 import time
 from dataclasses import dataclass, field, replace
@@ -28,9 +29,11 @@ from typing import Sequence
 
 from mla_tune.families.base import Candidate, CandidateInvalid
 from mla_tune.measure.trial import MeasureSettings
-from mla_tune.problem.workload import (DTYPES, RAGGED_KINDS, LengthTrace, ModelDims, ProblemError,
-                                      Workload, WorkloadMix, load_trace, log2_grid, model_preset,
-                                      workload_for)
+from mla_tune.problem.workload import ProblemError, Workload, WorkloadMix
+from mla_tune.tune.buckets import (CPU_DB, DEFAULT_RAGGED, GPU_DB, Bucket, DefaultSpace,  # noqa: F401
+                                   default_db, default_space, detect_device, journal_path_for,
+                                   measure_settings, parse_duration, parse_sizes, plan_buckets,
+                                   resolve_lengths)
 from mla_tune.tune.search import (GRID_MAX, PATIENCE, Evaluation, SearchOutcome, SearchPolicy,
                              SearchSpace, journal_storage, search)
 
@@ -50,178 +53,6 @@ class SweepError(Exception):
 
 class SweepInputError(SweepError, ValueError):
     """A sweep asked for something that does not exist (an unknown family, an empty replay DB)."""
-
-
-# ---------------------------------------------------------------- buckets
-
-@dataclass(frozen=True)
-class Bucket:
-    """One workload the sweep tunes: a model at one TP size, batch size, context length, q_len."""
-
-    model: str
-    tp_size: int | None
-    workload: Workload
-
-    @property
-    def label(self) -> str:
-        tp = f"TP{self.tp_size} " if self.tp_size else ""
-        return f"{self.model} {tp}{self.workload.label()}"
-
-
-def plan_buckets(model: ModelDims, tp_sizes: Sequence[int], batch_sizes: Sequence[int],
-                 context_lens: Sequence[int], q_lens: Sequence[int] = (1,), ragged: str = "uniform",
-                 q_dtype: str = "bfloat16", kv_dtype: str = "bfloat16",
-                 trace: LengthTrace | None = None) -> list[Bucket]:
-    """Every (TP, q_len, batch, context) combination; raises ProblemError on impossible values
-    (a TP size that does not divide the heads, q_len > context, ...). q_len > 1 buckets are
-    speculative decode: the q_len queries of a request attend causally. With `trace`, each
-    bucket's lengths are drawn from that recorded trace (LengthTrace.sample)."""
-    out, seen = [], set()
-    for tp in tp_sizes:
-        for q in q_lens:
-            for b in batch_sizes:
-                for c in context_lens:
-                    if q > c:
-                        raise ProblemError(f"q_len {q} is longer than context length {c}")
-                    w = workload_for(model, tp, b, c, q_len=q, ragged=ragged, q_dtype=q_dtype,
-                                     kv_dtype=kv_dtype, trace=trace)
-                    if w not in seen:
-                        seen.add(w)
-                        out.append(Bucket(model.name, tp, w))
-    return out
-
-
-_SIZE = re.compile(r"^\s*(\d{1,12})\s*([kKmM]?)\s*$")
-
-
-def _size(text: str) -> int:
-    m = _SIZE.match(text)
-    if not m:
-        raise ValueError(f"not a size: {text!r} (use e.g. 16, 4K, 1M)")
-    return int(m.group(1)) * {"": 1, "k": 1024, "m": 1024 * 1024}[m.group(2).lower()]
-
-
-def parse_sizes(text: str, kind: str | None = None) -> list[int]:
-    """'1-128' (powers of two from 1 to 128), '1K-32K', '1,4,16' or '4096' -> sorted sizes; with
-    `kind` ("batch", "context") each is checked against that kind's range."""
-    from mla_tune.validate import MAX_LIST, INT, InputError
-    try:
-        text = text.strip()
-        if "-" in text or ":" in text:
-            lo, hi = re.split(r"[-:]", text, maxsplit=1)
-            lo_v, hi_v = _size(lo), _size(hi)
-            if kind and hi_v > INT[kind].hi:
-                raise ValueError(f"{kind} sizes must be in {INT[kind].lo}..{INT[kind].hi}")
-            return log2_grid(lo_v, hi_v)
-        parts = text.split(",")
-        if not text or any(not t.strip() for t in parts):
-            raise ValueError("empty entry")
-        if len(parts) > MAX_LIST:
-            raise ValueError(f"at most {MAX_LIST} values")
-        values = sorted({_size(t) for t in parts})
-        if values[0] < 1:
-            raise ValueError("sizes must be positive")
-        if kind:
-            for x in values:
-                INT[kind].check(f"{kind} size", x)
-        return values
-    except (ValueError, ProblemError, InputError) as e:
-        raise ValueError(f"bad size list {text[:80]!r}: {e}") from None
-
-
-def parse_duration(text: str) -> float:
-    """'90', '90s', '9m', '1h', '1h30m' -> seconds; '0' or 'none' -> 0 (no limit)."""
-    t = text.strip().lower()
-    if t in ("", "0", "none", "off"):
-        return 0.0
-    parts = re.findall(r"(\d+(?:\.\d+)?)\s*([hms]?)", t)
-    if not parts or "".join(n + u for n, u in parts) != t.replace(" ", ""):
-        raise ValueError(f"bad duration {text!r} (use e.g. 600, 90s, 9m, 1h30m)")
-    return sum(float(n) * {"h": 3600, "m": 60, "s": 1, "": 1}[u] for n, u in parts)
-
-
-@dataclass(frozen=True)
-class DefaultSpace:
-    """What a sweep measures when not told otherwise, per device kind."""
-
-    tp_sizes: tuple
-    batch_sizes: tuple
-    context_lens: tuple
-    page_sizes: tuple
-    samples: int
-    warmup: int
-    timeout_s: float
-    time_budget_s: float
-    # (length distribution, batch sizes, context lengths) measured besides the uniform grid
-    ragged: tuple = ()
-
-
-# ragged buckets of the default GPU sweep: Zipf-tailed lengths where a batch is large enough for
-# raggedness to change the schedule (the numpy schedule's cluster balance, KV chunking)
-DEFAULT_RAGGED = (("zipf", (32, 128), (4096, 16384)),)
-
-
-def default_space(device: str) -> DefaultSpace:
-    """GPU: DeepSeek-V3 at TP1 and TP8, batch 1-128 x context 1K-32K on log2 steps with uniform
-    lengths (96 buckets) plus Zipf-tailed lengths at batch 32/128 x context 4K/16K (8 buckets),
-    sized with the time budget to finish in under 10 minutes on an H200, JIT included. CPU: a
-    small space the torch reference covers in seconds."""
-    if str(device).startswith("cuda"):
-        return DefaultSpace((1, 8), tuple(log2_grid(1, 128)), tuple(log2_grid(1024, 32768)),
-                            (1, 16, 64), samples=20, warmup=3, timeout_s=180.0, time_budget_s=540.0,
-                            ragged=DEFAULT_RAGGED)
-    return DefaultSpace((8,), (1, 4), (256, 1024), (1, 16, 64), samples=10, warmup=2,
-                        timeout_s=120.0, time_budget_s=0.0)
-
-
-def resolve_lengths(spec: str) -> tuple[str, LengthTrace | None]:
-    """--lengths: a distribution name (RAGGED_KINDS) -> (name, None); a CSV file of request
-    lengths -> (its trace kind, the trace). Raises ProblemError (unknown name, unreadable or
-    malformed file)."""
-    spec = (spec or "").strip()
-    if spec in RAGGED_KINDS:
-        return spec, None
-    looks_like_file = any(ch in spec for ch in "/\\.") or Path(spec).exists()
-    if not spec or not looks_like_file:
-        raise ProblemError(f"unknown length distribution {spec[:80]!r}; one of "
-                           f"{', '.join(RAGGED_KINDS)}, or a CSV file of request lengths")
-    trace = load_trace(spec)
-    return trace.kind, trace
-
-
-def measure_settings(device: str, samples: int, warmup: int) -> MeasureSettings:
-    """How a sweep measures on `device`: up to `samples` per candidate, stopping from
-    sampling.MIN_SAMPLES on where the median is already known (mla_tune.measure.sampling says why
-    verdicts keep their power); on a GPU in rounds of one timed-graph replay
-    (KernelTimer.RUNS_PER_GRAPH samples), so no sample taken is thrown away."""
-    from mla_tune.measure.sampling import MIN_SAMPLES
-    rounds = 5
-    if str(device).startswith("cuda"):
-        from mla_tune.measure.timing import KernelTimer
-        rounds = max(1, math.ceil(samples / KernelTimer.RUNS_PER_GRAPH))
-    return MeasureSettings(device=device, warmup=warmup, samples=samples,
-                           min_samples=min(MIN_SAMPLES, samples), rounds=rounds)
-
-
-def detect_device() -> str:
-    import torch
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-GPU_DB = Path("results.db")
-CPU_DB = Path("results-cpu.db")     # the CPU reference's numbers never mix with a GPU's
-
-
-def default_db(device: str | None = None) -> Path:
-    """The results DB a sweep (and report, emit) uses when none is named: results.db on a GPU,
-    results-cpu.db without CUDA (the CPU torch reference is not a serving device)."""
-    return GPU_DB if str(device or detect_device()).startswith("cuda") else CPU_DB
-
-
-def journal_path_for(db: str | Path) -> Path:
-    """Where the optuna study of a DB lives: results.db -> results.optuna.log (optuna-dashboard)."""
-    db = Path(db)
-    return db.with_name(db.stem + ".optuna.log")
 
 
 # ---------------------------------------------------------------- configuration and events
@@ -821,9 +652,6 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
     if config.gpus:
         from mla_tune.tune.distributed import run_workers
         return run_workers(config, list(config.gpus), observer)
-    from mla_tune.problem.roofline import workload_bytes, workload_flops
-    from mla_tune.store.results import ResultsStore
-    from mla_tune.measure.worker import make_runner
 
     obs = observer or SweepObserver()
     t_start = time.monotonic()
@@ -1047,200 +875,21 @@ def emit_tuned_config(outcome: SweepOutcome, config: SweepConfig, store=None) ->
     return (Path(path) if path else None), ""
 
 
-# ---------------------------------------------------------------- replay
-
-def stored_buckets(rows: list) -> list[Bucket]:
-    """The buckets a set of trial rows covers, in a stable order."""
-    from mla_tune.tune.choose import _tp_size
-    seen = {}
-    for r in rows:
-        if r["workload_id"] in seen:
-            continue
-        w = Workload.from_row(r)
-        seen[r["workload_id"]] = Bucket(r["model"], _tp_size(r["model"], r["num_heads"]), w)
-    return sorted(seen.values(), key=lambda b: (b.model, -b.workload.num_heads, b.workload.q_len,
-                                                b.workload.batch_size, b.workload.context_len))
+# names that live in replay.py and sweep_flags.py (which import this module), served from here
+_ELSEWHERE = {"replay_sweep": "replay", "stored_buckets": "replay", "build_config": "sweep_flags",
+              "estimate_note": "sweep_flags"}
 
 
-def replay_sweep(source: str | Path, config: SweepConfig, observer: SweepObserver | None = None,
-                 device_name: str | None = None, where=None) -> SweepOutcome:
-    """Run the same search over measurements stored in `source`, measuring nothing.
-
-    Each bucket's space is what was stored for its workload (defaults from the is_default mark);
-    a proposal is answered with its stored trial. `config.buckets` empty means every stored
-    workload, narrowed by `where(bucket) -> bool` if given. The choice is made over the trials the
-    search visited, so a replay shows whether a search (TPE, a smaller budget) reaches the winners
-    that the full grid found. Writes nothing.
-    """
-    from mla_tune.tune.choose import latest_trials
-    from mla_tune.store.results import ResultsStore
-
-    obs = observer or SweepObserver()
-    t_start = time.monotonic()
-    check_search_settings(config)
-    with ResultsStore(source, create=False) as store:
-        rows = latest_trials(store.trials())
-    devices = sorted({r["device_name"] for r in rows})
-    if device_name is None:
-        if len(devices) > 1:
-            raise SweepInputError(f"{source} holds trials of several devices ({', '.join(devices)}); "
-                             "pick one with --device-name")
-        device_name = devices[0] if devices else ""
-    rows = [r for r in rows if r["device_name"] == device_name]
-    if not rows:
-        raise SweepInputError(f"{source} holds no trials" + (f" of device {device_name!r}" if device_name else ""))
-    by_workload: dict = {}
-    for r in rows:
-        key = _workload_key_of(r)
-        by_workload.setdefault(key, []).append(r)
-    buckets = list(config.buckets) or stored_buckets(rows)
-    if where is not None:
-        buckets = [b for b in buckets if where(b)]
-    planned, missing = [], []
-    for b in buckets:
-        brows = by_workload.get(tuple(sorted(b.workload.key.items())))
-        if not brows:
-            missing.append(b.label)
-            continue
-        cands = {r["candidate"]: Candidate(r["family"], r["backend"], r["page_size"], r["params"]) for r in brows}
-        defaults = [cands[r["candidate"]] for r in brows if r.get("is_default")]
-        if not defaults:
-            defaults = _defaults_from_backends(b, brows, cands)
-        planned.append(plan_bucket(b, SearchSpace.build(list(cands.values()), defaults), config,
-                                   brows[0]["workload_id"], len(planned)))
-    kind = rows[0].get("run_kind") or ""
-    plan = SweepPlan(device_name, kind, sorted({r["family"] for r in rows}),
-                     {f"({len(missing)} buckets)": "not in the replay DB: " + ", ".join(missing[:5])
-                      + (" ..." if len(missing) > 5 else "")} if missing else {},
-                     planned, f"replaying {source}: nothing is measured", Path(source), None, True)
-    if not planned:
-        raise SweepInputError(f"none of the requested buckets is stored in {source}")
-    if config.mix is not None:       # before anything is shown: every weighted bucket is replayed
-        config.mix.check_covers({(p.bucket.workload.batch_size, p.bucket.workload.context_len)
-                                 for p in planned}, f"the buckets replayed from {source}")
-    outcome = SweepOutcome(plan)
-    obs.on_start(plan)
-    visited: list = []
-    for p in plan.buckets:
-        stored = {r["candidate"]: r for r in by_workload[tuple(sorted(p.bucket.workload.key.items()))]}
-        obs.on_bucket(p)
-        best: list = [None]
-
-        def evaluate(cands, p=p, stored=stored, best=best):
-            out = []
-            for c in cands:
-                r = stored[c.key]
-                ok = r["status"] == "ok"
-                ev = Evaluation(c, _value(r["samples"], ok), False, r["invalid_reason"], r["id"])
-                visited.append(r)
-                outcome.measured += 1
-                _note_best(best, ev)
-                obs.on_trial(p, ev, best[0])
-                out.append(ev)
-            return out
-
-        t0 = time.monotonic()
-        so = search(p.space, evaluate, config.policy(None), _study_name(config, p.bucket), None)
-        bo = BucketOutcome(p, so, time.monotonic() - t0)
-        outcome.buckets.append(bo)
-        obs.on_bucket_done(bo)
-    outcome.rows = visited
-    outcome.choice = _choose(visited, config, device_name)
-    outcome.seconds = time.monotonic() - t_start
-    obs.on_done(outcome)
-    return outcome
+def __getattr__(name):
+    if name in _ELSEWHERE:
+        from importlib import import_module
+        return getattr(import_module(f"mla_tune.tune.{_ELSEWHERE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _workload_key_of(r: dict) -> tuple:
-    keys = ("num_heads", "kv_lora_rank", "qk_rope_head_dim", "softmax_scale", "batch_size",
-            "context_len", "q_len", "ragged", "seed", "q_dtype", "kv_dtype", "model")
-    return tuple(sorted((k, r[k]) for k in keys))
-
-
-def _defaults_from_backends(b: Bucket, brows: list, cands: dict) -> list:
-    from mla_tune.tune.choose import backend_default
-    out = []
-    for fam, page in sorted({(r["family"], r["page_size"]) for r in brows}):
-        key = backend_default(fam, b.workload, page)
-        if key in cands:
-            out.append(cands[key])
-    return out
-
-
-# ---------------------------------------------------------------- configuration from flags
-
-def build_config(*, model: str = "deepseek-v3", tp_sizes: Sequence[int] | None = None,
-                 batches: str | None = None, contexts: str | None = None,
-                 q_lens: Sequence[int] = (1,), ragged: str | None = None, q_dtype: str = "bfloat16",
-                 kv_dtype: str = "bfloat16", page_sizes: Sequence[int] | None = None,
-                 device: str | None = None, samples: int | None = None, warmup: int | None = None,
-                 timeout_s: float | None = None, time_budget: str | None = None,
-                 **kw) -> SweepConfig:
-    """A SweepConfig from command-line style values, device defaults filling the gaps (results
-    DB: default_db(device); tuned config emitted on a GPU only, unless `emit` says).
-
-    `ragged` (--lengths) is a length distribution or a CSV file of request lengths
-    (resolve_lengths); None is uniform lengths, plus the device's default ragged buckets
-    (DefaultSpace.ragged) when the grid is the default one too.
-
-    Raises ValueError / ProblemError with a one-line message for anything invalid.
-    """
-    device = device or detect_device()
-    if kw.get("db") is None:
-        kw["db"] = default_db(device)
-    d = default_space(device)
-    dims = model_preset(model)
-    kind, trace = resolve_lengths(ragged) if ragged is not None else ("uniform", None)
-    for dt in (q_dtype, kv_dtype):
-        if dt not in DTYPES:
-            raise ValueError(f"unsupported dtype {dt!r}; one of {', '.join(DTYPES)}")
-    from mla_tune.validate import check_int, check_page_size
-    for q in q_lens:
-        check_int("q_len", q, "--q-len")
-    for t in tp_sizes or ():
-        check_int("tp", t, "--tp")
-    pages = tuple(page_sizes) if page_sizes else d.page_sizes
-    for p in pages:
-        check_page_size(p, "--page-size")
-    tps = tuple(tp_sizes) if tp_sizes else d.tp_sizes
-    qs = tuple(sorted(set(q_lens))) or (1,)
-    buckets = plan_buckets(dims, tps,
-                           parse_sizes(batches, "batch") if batches is not None else d.batch_sizes,
-                           parse_sizes(contexts, "context") if contexts is not None else d.context_lens,
-                           qs, kind, q_dtype, kv_dtype, trace)
-    if ragged is None and batches is None and contexts is None:
-        for extra_kind, extra_b, extra_c in d.ragged:
-            buckets += plan_buckets(dims, tps, extra_b, extra_c, qs, extra_kind, q_dtype, kv_dtype)
-    s = samples if samples is not None else d.samples
-    if s < 2:
-        raise ValueError(f"--samples must be >= 2 (the significance test needs samples), got {s}")
-    settings = measure_settings(device, s, warmup if warmup is not None else d.warmup)
-    if warmup is not None:
-        check_int("warmup", warmup, "--warmup")
-    budget = parse_duration(time_budget) if time_budget is not None else d.time_budget_s
-    timeout = timeout_s if timeout_s is not None else d.timeout_s
-    from mla_tune.validate import check_float
-    check_float("timeout", timeout, "--timeout")
-    check_float("time_budget", budget, "--time-budget")
-    return SweepConfig(buckets=buckets, page_sizes=pages, device=device, settings=settings,
-                       timeout_s=timeout, time_budget_s=budget, **kw)
-
-
-def estimate_note(plan: SweepPlan) -> str:
-    """One line: buckets, candidates, modes."""
-    n = len(plan.buckets)
-    sizes = [len(p.space) for p in plan.buckets]
-    modes = sorted({p.mode for p in plan.buckets})
-    dropped = sum(len(p.space.dropped) for p in plan.buckets)
-    return (f"{n} buckets, {min(sizes, default=0)}-{max(sizes, default=0)} candidates each, "
-            f"search {'/'.join(modes) or '-'}, up to {plan.planned_trials} trials"
-            + (f" ({dropped} dropped by constraints)" if dropped else ""))
-
-
-__all__ = ["Bucket", "BucketOutcome", "CPU_REFERENCE_NOTE", "DefaultSpace", "PlannedBucket",
+__all__ = ["Bucket", "BucketOutcome",  # noqa: F822 - the lazy names of _ELSEWHERE included "CPU_REFERENCE_NOTE", "DefaultSpace", "PlannedBucket",
            "SweepConfig", "SweepError", "SweepInputError", "SweepObserver", "SweepOutcome", "SweepPlan",
-           "build_config", "measure_settings", "default_space", "detect_device", "emit_tuned_config", "estimate_note",
-           "journal_path_for", "check_sweep_config", "default_db", "parse_duration", "parse_sizes", "plan_bucket", "plan_buckets", "plan_sweep",
-           "resolve_lengths",
+           "build_config", "measure_settings", "default_space", "detect_device", "emit_tuned_config",
+           "estimate_note", "journal_path_for", "check_sweep_config", "default_db", "parse_duration",
+           "parse_sizes", "plan_bucket", "plan_buckets", "plan_sweep", "resolve_lengths",
            "replay_sweep", "resolve_families", "run_sweep", "stored_buckets"]
-
