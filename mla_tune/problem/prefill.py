@@ -92,6 +92,10 @@ class PrefillWorkload:
                 "q_len": self.query_tokens // self.requests, "ragged": self.layout,
                 "seed": self.seed, "q_dtype": self.q_dtype, "kv_dtype": self.q_dtype}
 
+    def lengths_json(self) -> None:
+        """No per-request lengths are stored: a prefill plan's requests are uniform (`key`)."""
+        return None
+
     @classmethod
     def from_row(cls, row: dict) -> "PrefillWorkload":
         """The workload a stored prefill trial row (ResultsStore.trials(prefill=True)) measured."""

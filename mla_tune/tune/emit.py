@@ -103,9 +103,14 @@ def _bucket(b: choosing.BucketChoice) -> tc.Bucket:
 def model_entries(choice: choosing.Choice, notes: list[str]) -> list[tc.ModelEntry]:
     """One tuned-config entry per model dims; entries that cannot be written are noted, not written.
 
-    The config keys entries by dims (heads per rank, ranks, dtypes) only, so two choices with the
-    same dims (two presets with equal dims, or uniform and ragged lengths) cannot both be written:
-    the uniform-length one with the most buckets stays.
+    The config keys entries by dims (heads per rank, ranks, dtypes) only. Of the choices with the
+    same dims, the uniform-length one with the most buckets makes the entry (page size, backend
+    order); the buckets of the same model measured with ragged lengths (a distribution or a
+    recorded trace) are merged into it, each keyed by its lookup statistic (the mean length the
+    plugin looks a batch up by), where their page size is the entry's. On a shared key (same
+    batch, q_len and lookup context) the ragged bucket wins: its lengths are what a server sees,
+    while equal lengths are rare in serving. Other same-dims choices (another preset, a ragged
+    choice at another page size) are noted, not written.
     """
     by_dims: dict = {}
     ordered = sorted(choice.models, key=lambda m: (m.ragged != "uniform", -len(m.buckets), m.model))
@@ -117,8 +122,22 @@ def model_entries(choice: choosing.Choice, notes: list[str]) -> list[tc.ModelEnt
         dims = decisions.model_key(m.num_heads, m.kv_lora_rank, m.qk_rope_head_dim, m.q_dtype,
                                    m.kv_dtype)
         if dims in by_dims:
-            notes.append(f"{label}: same dims as {by_dims[dims].model} "
-                         f"({by_dims[dims].reason.split(';')[0]}...), not written")
+            base = by_dims[dims]
+            if m.ragged != "uniform" and m.model == base.model and m.page_size == base.page_size:
+                keyed = {(b.batch_size, b.context_len, b.q_len): b for b in base.buckets}
+                mine = [_bucket(b) for b in m.buckets]
+                shared = sum((b.batch_size, b.context_len, b.q_len) in keyed for b in mine)
+                keyed.update({(b.batch_size, b.context_len, b.q_len): b for b in mine})
+                merged = sorted(keyed.values(), key=lambda b: (b.q_len, b.batch_size, b.context_len))
+                by_dims[dims] = tc.ModelEntry(base.dims, base.page_size, base.backend_order, merged,
+                                              base.model, base.tp_size,
+                                              base.reason + f"; {len(mine)} buckets measured with "
+                                              f"{m.ragged} context lengths")
+                notes.append(f"{label}: {len(mine)} ragged buckets merged into the entry by mean "
+                             f"length ({shared} replace a uniform bucket at the same key)")
+                continue
+            notes.append(f"{label}: same dims as {base.model} "
+                         f"({base.reason.split(';')[0]}...), not written")
             continue
         order = list(m.backend_order)
         reason = f"{m.page_reason}; {m.order_reason}"
