@@ -31,8 +31,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mla_tune.families import Candidate  # noqa: E402
-from mla_tune.families.flashinfer import FlashInferBackend  # noqa: E402
+from mla_tune.families.flashinfer import FlashInferFamily  # noqa: E402
 from mla_tune.measure.trial import MeasureSettings, measure, measure_interleaved  # noqa: E402
+from mla_tune.problem.defaults import KERNEL_METRIC  # noqa: E402
 from mla_tune.problem.workload import model_preset, workload_for  # noqa: E402
 from mla_tune.problem.instance import make_problem  # noqa: E402
 from mla_tune.problem.roofline import achieved, floor_of, measure_ceilings, pct_of_floor  # noqa: E402
@@ -53,7 +54,7 @@ def wl(tp, b, L):
 
 
 def row_of(w, r, ceil, api="keyword", extra=None):
-    st = stats_of(r.samples.get("kernel_us", [])) if r.status == "ok" else None
+    st = stats_of(r.samples.get(KERNEL_METRIC, [])) if r.status == "ok" else None
     pst = stats_of(r.samples.get("plan_us", [])) if r.status == "ok" else None
     row = {"workload": w.label(), "heads": w.num_heads, "batch": w.batch_size, "context": w.context_len,
            "candidate": r.candidate.key, "api": api, "status": r.status,
@@ -68,7 +69,7 @@ def row_of(w, r, ceil, api="keyword", extra=None):
                    pct_floor=pct_of_floor(st.median, w, ceil["copy_gbps"], ceil["matmul_tflops"]),
                    floor_us=f.us, bound=f.bound,
                    plan_us_median=pst.median if pst else None,
-                   kernel_us=[round(x, 3) for x in r.samples["kernel_us"]],
+                   kernel_us=[round(x, 3) for x in r.samples[KERNEL_METRIC]],
                    plan_us=[round(x, 2) for x in r.samples.get("plan_us", [])])
     row.update(extra or {})
     return row
@@ -178,6 +179,8 @@ def main():
     ap.add_argument("--samples", type=int, default=100)
     ap.add_argument("--quick", action="store_true", help="fewer shapes (smoke test)")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU, and torch sees none here: run it on the GPU machine")
     outdir = Path(args.out)
     outdir.mkdir(parents=True, exist_ok=True)
     result: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -215,7 +218,7 @@ def main():
                           "timing": "CUDA graph of one run, replayed; events per replay; L2 flushed "
                                     "(2x L2 write) before each sample"}
     say(f"timing: pool >= {pool >> 20} MiB, {settings.samples} samples/candidate in 5 interleaved rounds")
-    fi, fi_flat = FlashInferBackend(), FlashInferBackend(api="flat")
+    fi, fi_flat = FlashInferFamily(), FlashInferFamily(api="flat")
     rows: list = []
     result["trials"] = rows
 
@@ -249,7 +252,7 @@ def main():
             ms = []
             for _ in range(2):
                 r = measure(fi, w, C("fa3"), settings)
-                ms.append(stats_of(r.samples["kernel_us"]).median if r.status == "ok" else None)
+                ms.append(stats_of(r.samples[KERNEL_METRIC]).median if r.status == "ok" else None)
             d = abs(ms[1] - ms[0]) / ms[0] if None not in ms else None
             rep.append({"workload": w.label(), "candidate": "flashinfer/fa3/p64", "median1_us": ms[0],
                         "median2_us": ms[1], "rel_diff": d})
@@ -289,7 +292,7 @@ def main():
     def plan_time():
         from vllm_metax.ops.paged_metadata import build_paged_metadata
         say("\n== host time per decode step's plan (metadata build + plan), us, median of 200")
-        slow = FlashInferBackend(fast_replan=False)
+        slow = FlashInferFamily(fast_replan=False)
         for w, b, p in ((wl(8, 1, 4096), "fa3", 64), (wl(8, 32, 4096), "fa3", 64), (wl(8, 128, 4096), "fa3", 64),
                         (wl(1, 128, 32768), "fa3", 64), (wl(8, 128, 4096), "fa2", 64), (wl(8, 64, 4096), "fa3", 1),
                         (wl(8, 64, 4096), "fa3", 16)):

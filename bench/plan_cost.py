@@ -200,7 +200,7 @@ def measure_gpu(heads: int, base_config, rows: list, profile: bool = False,
 
         md = build()
         assert md.backend == "fa3" and md.kernel.resolved_backend == "fa3"
-        fast = builder._kernels["fa3"].fast_replans
+        fast = md.kernel.fast_replans
         q = torch.randn(batch, heads, 576, dtype=torch.bfloat16, device="cuda")
         kv = torch.randn(num_pages, PAGE, 576, dtype=torch.bfloat16, device="cuda")
         holder = type("M", (), {"decode": md})

@@ -101,7 +101,7 @@ def numpy_vs_native(rounds: int) -> list:
             qo, kvi, kvl = meta.qo_indptr, meta.kv_indptr, meta.kv_len
 
             def fresh():                      # nothing to reuse: the whole schedule
-                ms._REUSE.clear()
+                ms.clear_reuse()
                 s = ms.mla_schedule(qo.numpy(), kvi.numpy(), kvl.numpy(), heads, False, sms, q_len=1)
                 layout.write(s, host)
             growing = [kvl.numpy() + i for i in range(32)]
@@ -181,6 +181,8 @@ def main() -> int:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--rounds", type=int, default=400)
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU, and torch sees none here: run it on the GPU machine")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     import tvm_ffi

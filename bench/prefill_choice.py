@@ -841,6 +841,19 @@ def measure(settings: Settings, command: str = "") -> dict:
             return True
         return False
 
+    def measured(label, i, n, measure, *args):
+        """measure(*args), or None when it raised (then skipped, its traceback shown)."""
+        try:
+            return measure(*args)
+        except Exception as e:  # noqa: BLE001 - a shape that cannot be set up is data too
+            say(f"[{i + 1}/{n}] {label}: FAILED {type(e).__name__}: {e}")
+            doc["skipped"].append(label)
+            traceback.print_exc()
+            return None
+        finally:
+            if dev.startswith("cuda"):
+                torch.cuda.empty_cache()
+
     if "backend" in settings.parts and ok:
         shapes = new_token_shapes(settings.heads, settings.new_token_totals) + \
             context_chunk_shapes(settings.heads, settings.chunk_q_lens, settings.chunk_kv_lens)
@@ -849,16 +862,9 @@ def measure(settings: Settings, command: str = "") -> dict:
             if over_budget(shape.label):
                 continue
             t0 = time.perf_counter()
-            try:
-                row = measure_backend_shape(shape, ok, settings, i)
-            except Exception as e:  # noqa: BLE001 - a shape that cannot be set up is data too
-                say(f"[{i + 1}/{len(shapes)}] {shape.label}: FAILED {type(e).__name__}: {e}")
-                doc["skipped"].append(shape.label)
-                traceback.print_exc()
+            row = measured(shape.label, i, len(shapes), measure_backend_shape, shape, ok, settings, i)
+            if row is None:
                 continue
-            finally:
-                if dev.startswith("cuda"):
-                    torch.cuda.empty_cache()
             doc["rows"].append(row)
             cells = "  ".join(f"{b} {_fmt_us(r.get('median_us'))}" + ("" if r["status"] == "ok" else f" [{r['status']}]")
                               for b, r in sorted(row["results"].items()))
@@ -872,16 +878,9 @@ def measure(settings: Settings, command: str = "") -> dict:
             if over_budget(label):
                 continue
             t0 = time.perf_counter()
-            try:
-                rows = measure_continuation(h, L, q, ok, settings, merge)
-            except Exception as e:  # noqa: BLE001
-                say(f"[{i + 1}/{len(groups)}] {label}: FAILED {type(e).__name__}: {e}")
-                doc["skipped"].append(label)
-                traceback.print_exc()
+            rows = measured(label, i, len(groups), measure_continuation, h, L, q, ok, settings, merge)
+            if rows is None:
                 continue
-            finally:
-                if dev.startswith("cuda"):
-                    torch.cuda.empty_cache()
             doc["rows"].extend(rows)
             cells = "  ".join(f"{r['backend']}/W{_fmt_rows(r['workspace_rows'])}:{r['n_chunks']}ch "
                               f"{_fmt_us(r['results'].get('graph', r['results'].get(settings.modes[0], {})).get('median_us'))}"

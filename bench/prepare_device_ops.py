@@ -12,9 +12,9 @@ after xz. The result is for sm_90 devices only.
 
 from __future__ import annotations
 
+import argparse
 import lzma
 import os
-import shutil
 import struct
 import subprocess
 import sys
@@ -58,11 +58,16 @@ def keep_only_arch(data: bytearray, offset: int, size: int, arch: int = KEEP_ARC
     return stats
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=".ops", help="folder for the packed ops (default .ops, which "
+                                                  "the device call carries)")
+    args = ap.parse_args(argv)
     import vllm
 
     src = Path(vllm.__file__).parent / "_C_stable_libtorch.abi3.so"
-    dest = Path(".ops")
+    dest = Path(args.out)
     dest.mkdir(exist_ok=True)
     exclude = Path(".git/info/exclude")
     if exclude.exists() and "/.ops/" not in exclude.read_text().split():

@@ -28,10 +28,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from mla_tune.families.base import Candidate
-from mla_tune.problem.workload import model_preset, workload_for
-from mla_tune.problem.roofline import workload_bytes, workload_flops
-from mla_tune.store.results import ResultsStore
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's mla_tune, as the other scripts
+
+from mla_tune.families.base import Candidate  # noqa: E402
+from mla_tune.problem.defaults import KERNEL_METRIC  # noqa: E402
+from mla_tune.problem.workload import model_preset, workload_for  # noqa: E402
+from mla_tune.problem.roofline import workload_bytes, workload_flops  # noqa: E402
+from mla_tune.store.results import ResultsStore  # noqa: E402
 
 DEVICE = "synthetic landscape"
 SMS = 132
@@ -101,7 +104,7 @@ def build_landscape_db(path: str | Path, buckets=BUCKETS, tp: int = 8, seed: int
             sizes[(b, c)] = len(land["times"])
             for cand, t in land["times"].items():
                 samples = [t * math.exp(rng.gauss(0.0, NOISE)) for _ in range(SAMPLES)]
-                store.add_trial(run, wid, cand, "ok", {"kernel_us": samples}, sweep="synthetic",
+                store.add_trial(run, wid, cand, "ok", {KERNEL_METRIC: samples}, sweep="synthetic",
                                 is_default=cand in land["defaults"])
     return sizes
 

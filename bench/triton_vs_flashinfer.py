@@ -6,7 +6,7 @@ Per bucket (128 heads = TP1, 16 heads = TP8; batch 1-128; context 1K-32K; page 6
 in one interleaved set through the tuner's own harness (mla_tune.measure.trial.measure_interleaved:
 correctness gate against the torch reference, CUDA-graph replays timed with events, cold L2):
 
-* FlashInfer fa3 (`get_backend("flashinfer")`, the plugin's op);
+* FlashInfer fa3 (`get_family("flashinfer")`, the plugin's op);
 * Triton with vLLM's own num_kv_splits rule (the family's default candidate, `rule=vllm`);
 * Triton at every num_kv_splits of the family's space (the tuned best is the fastest of them);
 * Triton's default at page 16 (TRITON_MLA takes multiples of 16 only).
@@ -32,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mla_tune.families.triton_mla import vllm_compiled_ops_missing  # noqa: E402
+from mla_tune.problem.defaults import KERNEL_METRIC  # noqa: E402
 from mla_tune.problem.workload import model_preset, workload_for  # noqa: E402
 
 # vLLM's compiled ops are absent where only its Python files were carried (the H200 machine): its
@@ -59,7 +60,7 @@ def _ints(text: str) -> list[int]:
 def measure_all(args) -> dict:
     import torch
 
-    from mla_tune.families import get_backend
+    from mla_tune.families import get_family
     from mla_tune.measure.environment import capture_environment
     from mla_tune.measure.trial import MeasureSettings
     from mla_tune.problem.roofline import workload_bytes, workload_flops
@@ -69,7 +70,7 @@ def measure_all(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = capture_environment("gpu", " ".join(sys.argv))
-    fi, tr = get_backend("flashinfer"), get_backend("triton")
+    fi, tr = get_family("flashinfer"), get_family("triton")
     avail = {"flashinfer": fi.available("cuda").__dict__, "triton": tr.available("cuda").__dict__}
     say(f"device {env['device_name']} ({env['sm_count']} SMs), torch {env['torch']}, "
         f"flashinfer {env['flashinfer']}, vllm {env['vllm']}")
@@ -114,7 +115,7 @@ def measure_all(args) -> dict:
         for r in results:
             c = r.candidate
             is_default = c == default or (c.family == "triton" and c.params.get("rule") == "vllm")
-            ks = r.samples.get("kernel_us", []) if r.status == "ok" else []
+            ks = r.samples.get(KERNEL_METRIC, []) if r.status == "ok" else []
             doc["rows"].append({
                 "heads": w.num_heads, "tp": tp, "batch": b, "context": L, "workload": w.label(),
                 "family": c.family, "backend": c.backend, "page_size": c.page_size, "params": c.params,

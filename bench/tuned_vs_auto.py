@@ -27,7 +27,6 @@ import argparse
 import json
 import math
 import os
-import sqlite3
 import statistics
 import sys
 import time
@@ -36,6 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mla_tune.families.triton_mla import vllm_compiled_ops_missing  # noqa: E402
+from mla_tune.problem.defaults import DEFAULT_PAGE_SIZE, KERNEL_METRIC  # noqa: E402
 
 if vllm_compiled_ops_missing():      # only vLLM's Python files here: the plugin must be the platform
     os.environ.setdefault("VLLM_METAX_FORCE", "1")
@@ -55,18 +55,16 @@ def _gmean(xs):
 
 
 def stored_workloads(db: str):
-    """The decode workloads (q_len 1) a results DB holds, as Workloads, read-only: a ragged one
-    with the per-request lengths stored beside it (schema 4 on; a recorded trace's come only from
-    there), older rows with the lengths their kind gives."""
-    from mla_tune.problem.workload import Workload
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    con.row_factory = sqlite3.Row
-    out = []
-    for row in con.execute("select * from workloads where q_len = 1 order by num_heads, ragged, "
-                           "batch_size, context_len"):
-        out.append(Workload.from_row(row))
-    con.close()
-    return out
+    """The decode workloads (q_len 1) a results DB holds, as Workloads, read-only."""
+    from mla_tune.store.results import ResultsStore
+    with ResultsStore(db, create=False) as store:
+        stored = store.workloads("w.q_len = 1")
+    skipped = [s.id for s in stored if s.problem is None]
+    if skipped:     # not a decode Workload of this version (another layout, an older row)
+        say(f"{db}: {len(skipped)} stored workloads are not decode workloads here, left out "
+            f"(ids {skipped[:5]}{' ...' if len(skipped) > 5 else ''})")
+    return sorted((s.problem for s in stored if s.problem is not None),
+                  key=lambda w: (w.num_heads, w.ragged, w.batch_size, w.context_len))
 
 
 def served_candidate(choice, page_size: int, workload):
@@ -86,8 +84,8 @@ def measure_all(args) -> dict:
     import torch
 
     from mla_tune.families.base import Candidate
-    from mla_tune.families.flashinfer import FlashInferBackend
-    from mla_tune.families.triton_mla import TritonMLABackend
+    from mla_tune.families.flashinfer import FlashInferFamily
+    from mla_tune.families.triton_mla import TritonMLAFamily
     from mla_tune.measure.environment import capture_environment
     from mla_tune.measure.timing import default_pool_bytes
     from mla_tune.measure.trial import MeasureSettings, measure_interleaved
@@ -103,7 +101,7 @@ def measure_all(args) -> dict:
         f"flashinfer {env['flashinfer']}; config {args.config} ({len(cfg.models)} model entries)")
     ceilings = measure_ceilings("cuda")
     say(f"copy {ceilings['copy_gbps']:.0f} GB/s, bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s")
-    tuned_fi, auto_fi, tr = FlashInferBackend(), FlashInferBackend(fast_replan=False), TritonMLABackend()
+    tuned_fi, auto_fi, tr = FlashInferFamily(), FlashInferFamily(fast_replan=False), TritonMLAFamily()
     settings = MeasureSettings(device="cuda", warmup=args.warmup, samples=args.samples,
                                min_pool_bytes=default_pool_bytes("cuda"), check=True)
     doc = {"environment": env, "ceilings": ceilings, "config": str(args.config), "settings": vars(args),
@@ -117,10 +115,10 @@ def measure_all(args) -> dict:
             continue
         dims = decisions.model_key(w.num_heads, w.kv_lora_rank, w.qk_rope_head_dim, w.q_dtype, w.kv_dtype)
         entry = cfg.entry_for(dims)
-        page = entry.page_size if entry is not None else 64
+        page = entry.page_size if entry is not None else DEFAULT_PAGE_SIZE
         tuned = served_candidate(PlanChoice(entry, fb), page, w)
-        entries = [(tuned_fi, tuned), (auto_fi, Candidate("flashinfer", "auto", 64)),
-                   (tr, tr.default_candidate(w, 64))]
+        entries = [(tuned_fi, tuned), (auto_fi, Candidate("flashinfer", "auto", DEFAULT_PAGE_SIZE)),
+                   (tr, tr.default_candidate(w, DEFAULT_PAGE_SIZE))]
         try:
             results = measure_interleaved(entries, w, settings, rounds=args.rounds)
         except Exception as e:  # noqa: BLE001 - a shape that cannot be set up is data too
@@ -132,7 +130,7 @@ def measure_all(args) -> dict:
                "context": w.context_len, "lengths": w.ragged, "kv_tokens": w.total_kv_tokens,
                "bytes": workload_bytes(w), "tuned": tuned.key, "in_config": entry is not None}
         for name, r in zip(("tuned", "auto", "vllm"), results):
-            ks = r.samples.get("kernel_us", []) if r.status == "ok" else []
+            ks = r.samples.get(KERNEL_METRIC, []) if r.status == "ok" else []
             row[f"{name}_us"] = statistics.median(ks) if ks else None
             row[f"{name}_samples"] = ks
             row[f"{name}_status"] = r.status if r.status == "ok" else f"{r.invalid_reason}: {(r.message or '')[:200]}"
@@ -222,6 +220,10 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=300.0, help="start no new bucket after this")
     ap.add_argument("--analyze", help="re-summarize a JSON written earlier (no GPU)")
     args = ap.parse_args()
+    if not args.analyze:
+        import torch
+        if not torch.cuda.is_available():
+            ap.error("needs a CUDA GPU, and torch sees none here: run it on the GPU machine")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.analyze:

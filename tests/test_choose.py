@@ -208,3 +208,13 @@ def test_model_entries_split_by_heads_and_carry_tp(db):
     ch = db.choice()
     assert [(m.num_heads, m.tp_size) for m in ch.models] == [(128, 1), (16, 8)]
     assert ch.kind == "gpu" and ch.n_trials == 2
+
+
+def test_trials_rows_and_records_choose_alike(db):
+    # the sweep (and the prefill choice) still hand `ResultsStore.trials()` rows to choose
+    db.put(1, 1024, "flashinfer/fa2/p64", 20.0, default=True)
+    db.put(1, 1024, "flashinfer/fa3/p64", 15.0)
+    db.put(4, 1024, "flashinfer/fa2/p64", 30.0, default=True)
+    from_rows, from_records = choose(db.store.trials()), choose(db.store.records())
+    assert from_rows == from_records
+    assert [r["id"] for r in latest_trials(db.store.trials())] == [r.id for r in latest_trials(db.store.records())]

@@ -253,7 +253,7 @@ def test_the_tuner_measures_what_the_plugin_may_plan_and_its_untuned_default(dev
     builder may plan, and its baseline is what the plugin plans without a tuned config."""
     import flashinfer_fakes as fakes
     import vllm_metax.backend as backend_pkg
-    from mla_tune.families.flashinfer import FlashInferBackend
+    from mla_tune.families.flashinfer import FlashInferFamily
     from vllm_metax import device as device_mod
     from vllm_metax.backend.flashinfer_mla import PlanChoice
     from vllm_metax.ops import flashinfer_mla as op
@@ -262,7 +262,7 @@ def test_the_tuner_measures_what_the_plugin_may_plan_and_its_untuned_default(dev
     monkeypatch.setattr(device_mod, "detect_device", lambda: dev)
     monkeypatch.setattr(backend_pkg, "detect_device", lambda: dev)
     wl = workload_for(custom_model(16), 1, 4, 1024)
-    tuner = FlashInferBackend()
+    tuner = FlashInferFamily()
     measured = {c.backend for c in tuner.space(wl, [64])}
     served = PlanChoice(None, backend_pkg.flashinfer_backends())
     assert measured == set(served.allowed) and decisions.AUTO not in measured

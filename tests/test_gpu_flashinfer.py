@@ -62,11 +62,11 @@ def test_every_backend_page_heads_ragged_matches_reference(backend, page, heads)
         # seen on the H200 with 0.2.6.post1: its Blackwell cutlass MLA raises AttributeError in plan()
         pytest.skip(f"flashinfer {op.flashinfer_api().version}: {backend} is not an SM90/MetaX backend")
     from mla_tune.families import Candidate, CandidateInvalid
-    from mla_tune.families.flashinfer import FlashInferBackend
+    from mla_tune.families.flashinfer import FlashInferFamily
     from mla_tune.measure.trial import MeasureSettings, check_correctness
     w = _workload(heads)
     try:
-        err = check_correctness(FlashInferBackend(), w, Candidate("flashinfer", backend, page),
+        err = check_correctness(FlashInferFamily(), w, Candidate("flashinfer", backend, page),
                                 MeasureSettings(device="cuda"), seed=11)
     except CandidateInvalid as e:
         if e.reason == "unsupported" and not (_sm90() and backend in ("fa2", "fa3")):
@@ -85,10 +85,10 @@ def test_both_api_forms(api, backend):
     if backend == "fa3" and not _sm90():
         pytest.skip("fa3 needs SM90")
     from mla_tune.families import Candidate
-    from mla_tune.families.flashinfer import FlashInferBackend
+    from mla_tune.families.flashinfer import FlashInferFamily
     from mla_tune.measure.trial import MeasureSettings, check_correctness
     for heads, page in ((16, 64), (128, 16)):
-        err = check_correctness(FlashInferBackend(api=api), _workload(heads, ragged="uniform-random"),
+        err = check_correctness(FlashInferFamily(api=api), _workload(heads, ragged="uniform-random"),
                                 Candidate("flashinfer", backend, page), MeasureSettings(device="cuda"), seed=3)
         assert err < 2e-2
 
@@ -100,10 +100,10 @@ def test_speculative_q_len_causal(backend, q_len):
     if backend == "fa3" and not _sm90():
         pytest.skip("fa3 needs SM90")
     from mla_tune.families import Candidate, CandidateInvalid
-    from mla_tune.families.flashinfer import FlashInferBackend
+    from mla_tune.families.flashinfer import FlashInferFamily
     from mla_tune.measure.trial import MeasureSettings, check_correctness
     try:
-        err = check_correctness(FlashInferBackend(), _workload(16, batch=4, q_len=q_len),
+        err = check_correctness(FlashInferFamily(), _workload(16, batch=4, q_len=q_len),
                                 Candidate("flashinfer", backend, 16), MeasureSettings(device="cuda"), seed=5)
     except CandidateInvalid as e:      # FlashInfer refuses some causal tile boundaries by design
         assert e.reason == "unsupported", e.message
@@ -168,11 +168,11 @@ def test_plugin_path_packed_cache_lse_and_cuda_graph_replan():
 def test_tuner_and_plugin_share_the_op():
     _fi()
     from mla_tune.families import Candidate
-    from mla_tune.families.flashinfer import FlashInferBackend
+    from mla_tune.families.flashinfer import FlashInferFamily
     from mla_tune.problem.instance import make_problem
     from vllm_metax.ops.flashinfer_mla import MLADecodeKernel
     w = _workload(16)
-    p = FlashInferBackend().prepare(w, Candidate("flashinfer", "auto", 64), make_problem(w, 64, "cuda"))
+    p = FlashInferFamily().prepare(w, Candidate("flashinfer", "auto", 64), make_problem(w, 64, "cuda"))
     assert type(p.kernel) is MLADecodeKernel
     if _sm90():
         assert p.kernel.resolved_backend == "fa3"
@@ -191,12 +191,12 @@ def test_refused_backends_report_flashinfers_reason():
 def test_time_prepared_uses_graphs_and_is_positive():
     _fi()
     from mla_tune.families import Candidate
-    from mla_tune.families.flashinfer import FlashInferBackend
+    from mla_tune.families.flashinfer import FlashInferFamily
     from mla_tune.measure.trial import MeasureSettings, measure
     from mla_tune.measure.timing import METHOD_GRAPH, METHOD_GRAPH_EVENTS, default_pool_bytes
     w = _workload(16, batch=8, context=2048, ragged="uniform")
     s = MeasureSettings(device="cuda", samples=20, plan_samples=10, min_pool_bytes=default_pool_bytes())
-    r = measure(FlashInferBackend(), w, Candidate("flashinfer", "fa2", 64), s)
+    r = measure(FlashInferFamily(), w, Candidate("flashinfer", "fa2", 64), s)
     assert r.status == "ok", r.message
     assert r.samples.method in (METHOD_GRAPH_EVENTS, METHOD_GRAPH), r.samples.note
     assert len(r.samples["kernel_us"]) == 20 and min(r.samples["kernel_us"]) > 0
@@ -363,10 +363,10 @@ def test_tuner_times_the_kernel_on_the_schedule_the_plugin_serves():
     op = _fi()
     _needs_fast_path(op)
     from mla_tune.families import Candidate
-    from mla_tune.families.flashinfer import FlashInferBackend
+    from mla_tune.families.flashinfer import FlashInferFamily
     from mla_tune.measure.trial import MeasureSettings, measure
     before = fr.SCHEDULES["numpy"]
-    r = measure(FlashInferBackend(), _workload(16, batch=64, context=2048),
+    r = measure(FlashInferFamily(), _workload(16, batch=64, context=2048),
                 Candidate("flashinfer", "fa2", 64), MeasureSettings(device="cuda", samples=5, plan_samples=0))
     assert r.status == "ok", r.message
     assert fr.SCHEDULES["numpy"] > before, "the timed kernel ran on MLAPlan's schedule"

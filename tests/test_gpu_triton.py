@@ -9,7 +9,7 @@ import os
 import pytest
 
 from mla_tune.measure import timing
-from mla_tune.families import Candidate, get_backend
+from mla_tune.families import Candidate, get_family
 from mla_tune.measure.trial import MeasureSettings, check_correctness, measure
 from mla_tune.problem.workload import model_preset, workload_for
 
@@ -35,7 +35,7 @@ def _plugin_platform_where_vllm_lacks_compiled_ops():
 
 @pytest.fixture(scope="module")
 def triton_family():
-    b = get_backend("triton")
+    b = get_family("triton")
     a = b.available("cuda")
     if not a.ok:
         pytest.fail(f"triton family unavailable on a GPU host: {a.reason}")

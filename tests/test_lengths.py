@@ -13,7 +13,12 @@ from mla_tune.families.base import Candidate
 from mla_tune.problem.roofline import workload_bytes, workload_flops
 from mla_tune.problem.workload import (LengthTrace, ProblemError, Workload, load_trace, model_preset,
                                        workload_for)
-from mla_tune.store.results import ResultsStore, stored_workload
+from mla_tune.store.records import StoredWorkload
+from mla_tune.store.results import ResultsStore
+
+
+def stored_workload(row):
+    return StoredWorkload.from_row(row).problem
 from mla_tune.tune.sweep import build_config, resolve_lengths
 from vllm_metax.decisions import bucket_context
 

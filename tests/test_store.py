@@ -5,6 +5,8 @@ import sqlite_utils
 
 from mla_tune.families.base import Candidate
 from mla_tune.problem.workload import Workload
+from mla_tune.problem.defaults import PLAN_METRIC
+from mla_tune.store.records import TrialRecord, as_records
 from mla_tune.store.results import SCHEMA_VERSION, ResultsStore, StoreError, stats_of
 
 W = Workload(16, 512, 64, 0.1, batch_size=4, context_len=1024)
@@ -30,6 +32,33 @@ def test_schema_and_roundtrip(tmp_path):
     db = sqlite_utils.Database(path)
     assert {"runs", "workloads", "trials", "samples", "mla_tune_meta"} <= set(db.table_names())
     assert db.journal_mode == "wal"
+
+
+def test_records_are_typed_at_the_store_boundary(tmp_path):
+    with ResultsStore(tmp_path / "r.db") as s:
+        tid = _trial(s, cand="reference/torch/p16/x=1")
+        _trial(s, status="invalid", reason="unsupported", samples=None)
+        ok, bad = s.records()
+        assert isinstance(ok, TrialRecord) and ok.id == tid and ok.workload == W
+        assert ok.candidate == Candidate.parse("reference/torch/p16/x=1") and ok.key == ok.candidate.key
+        assert ok.candidate.params == {"x": 1} and ok.values() == (3.0, 1.0, 2.0)
+        assert ok.stats().median == 2.0 and ok.stats(PLAN_METRIC) is None and ok.device_name == "cpu"
+        assert ok.stored.bucket == (4, 1024, 1) and ok.stored.total_kv_tokens == 4096
+        assert ok.is_default is None and ok.run_kind == "cpu-reference"
+        assert not bad.ok and bad.invalid_reason == "unsupported" and bad.stats() is None
+        assert bad.stored is ok.stored                          # one per workload id
+        assert as_records(s.trials()) == s.records()             # the old rows convert the same
+        assert [w.problem for w in s.workloads()] == [W]
+        with pytest.raises(Exception):
+            ok.status = "invalid"                               # frozen
+
+
+def test_a_stored_workload_this_version_refuses_is_kept_without_its_problem(tmp_path):
+    with ResultsStore(tmp_path / "r.db") as s:
+        _trial(s)
+        row = s.trials()[0]
+    rec = TrialRecord.from_row({**row, "ragged": "from-the-future"})
+    assert rec.workload is None and rec.stored.ragged == "from-the-future" and rec.stats().n == 3
 
 
 def test_reopen_does_not_duplicate_workloads(tmp_path):

@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 
-from mla_tune.families import Candidate, CandidateInvalid, get_backend
+from mla_tune.families import Candidate, CandidateInvalid, get_family
 from mla_tune.families import triton_mla as fam
 from mla_tune.measure.trial import MeasureSettings, measure
 from mla_tune.problem.workload import Workload, model_preset, workload_for
@@ -30,8 +30,8 @@ def _w(heads=16, batch=2, ctx=40, **kw) -> Workload:
 
 
 def test_registered_as_the_triton_family():
-    assert isinstance(get_backend("triton"), fam.TritonMLABackend)
-    assert get_backend("triton").family == "triton"
+    assert isinstance(get_family("triton"), fam.TritonMLAFamily)
+    assert get_family("triton").family == "triton"
 
 
 def test_candidate_key_round_trips_with_the_rule_marker():
@@ -61,7 +61,7 @@ def test_ragged_workloads_split_by_their_longest_request():
 
 
 def test_page_sizes_off_the_multiple_of_16_are_refused(monkeypatch):
-    b = fam.TritonMLABackend()
+    b = fam.TritonMLAFamily()
     with pytest.raises(CandidateInvalid) as e:
         b.prepare(_w(), Candidate("triton", "triton", 1, {"num_kv_splits": 1}), problem=None)
     assert e.value.reason == "unsupported" and "multiples of 16" in e.value.message
@@ -71,7 +71,7 @@ def test_page_sizes_off_the_multiple_of_16_are_refused(monkeypatch):
 
 
 def test_measure_stores_a_refused_page_size_as_invalid():
-    r = measure(fam.TritonMLABackend(), _w(), Candidate("triton", "triton", 8, {"num_kv_splits": 1}),
+    r = measure(fam.TritonMLAFamily(), _w(), Candidate("triton", "triton", 8, {"num_kv_splits": 1}),
                 MeasureSettings())
     assert r.status == "invalid" and r.invalid_reason == "unsupported"
 
@@ -79,7 +79,7 @@ def test_measure_stores_a_refused_page_size_as_invalid():
 def test_default_is_vllms_rule_and_lies_in_the_space(monkeypatch):
     monkeypatch.setattr(fam, "_sm_count", lambda: 132)
     monkeypatch.setattr(fam, "vllm_num_kv_splits", lambda n, sm=None: 4)
-    b = fam.TritonMLABackend()
+    b = fam.TritonMLAFamily()
     w = _w(ctx=2048)
     d = b.default_candidate(w, 64)
     assert d.params == {"num_kv_splits": 4, "rule": "vllm"}
@@ -92,10 +92,10 @@ def test_unavailable_with_the_reason_when_vllm_cannot_be_imported(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm.v1.attention.ops.triton_decode_attention", None)
     fam._kernel.cache_clear()
     try:
-        a = fam.TritonMLABackend().available("cuda")
+        a = fam.TritonMLAFamily().available("cuda")
         assert not a.ok and "vllm" in a.reason
         with pytest.raises(CandidateInvalid) as e:
-            fam.TritonMLABackend().prepare(_w(), Candidate("triton", "triton", 16, {"num_kv_splits": 1}),
+            fam.TritonMLAFamily().prepare(_w(), Candidate("triton", "triton", 16, {"num_kv_splits": 1}),
                                            problem=None)
         assert e.value.reason == "unsupported"
     finally:
@@ -106,7 +106,7 @@ def test_unavailable_when_triton_cannot_be_imported(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)
     fam._kernel.cache_clear()
     try:
-        a = fam.TritonMLABackend().available("cuda")
+        a = fam.TritonMLAFamily().available("cuda")
         assert not a.ok and "triton" in a.reason
     finally:
         fam._kernel.cache_clear()
@@ -115,18 +115,18 @@ def test_unavailable_when_triton_cannot_be_imported(monkeypatch):
 @pytest.mark.vllm
 def test_cpu_without_the_interpreter_is_unavailable(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    a = fam.TritonMLABackend().available("cpu")
+    a = fam.TritonMLAFamily().available("cpu")
     assert not a.ok and ("TRITON_INTERPRET" in a.reason)
 
 
 _CHILD = textwrap.dedent("""
     import json
-    from mla_tune.families import Candidate, get_backend
+    from mla_tune.families import Candidate, get_family
     from mla_tune.families import triton_mla as fam
     from mla_tune.measure.trial import MeasureSettings, check_correctness, measure
     from mla_tune.problem.workload import Workload
 
-    b = get_backend("triton")
+    b = get_family("triton")
     out = {"available": [b.available("cpu").ok, b.available("cpu").reason], "cases": []}
     def wl(h, bs, ctx, **kw):
         return Workload(h, 512, 64, 192 ** -0.5, bs, ctx, q_dtype="float16", kv_dtype="float16", **kw)

@@ -364,7 +364,7 @@ class MetaxPlatform(Platform):
         order, why = cls.attention_priorities(attn_selector_config, num_heads)
         invalid: dict = {}
         for backend in order:
-            backend_cls, reasons = cls._invalid_reasons(backend, capability, attn_selector_config)
+            _, reasons = cls._invalid_reasons(backend, capability, attn_selector_config)
             if reasons:
                 invalid[backend] = reasons
                 continue

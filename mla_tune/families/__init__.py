@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from importlib import import_module
 
-from mla_tune.families.base import Availability, Backend, Candidate, CandidateInvalid, Prepared
+from mla_tune.families.base import Availability, Candidate, CandidateInvalid, Family, Prepared
 
 # family -> "module:Class"; test-only families register themselves through `register_family`.
 _FAMILIES = {
-    "reference": "mla_tune.families.reference:ReferenceBackend",
-    "flashinfer": "mla_tune.families.flashinfer:FlashInferBackend",
-    "triton": "mla_tune.families.triton_mla:TritonMLABackend",
+    "reference": "mla_tune.families.reference:ReferenceFamily",
+    "flashinfer": "mla_tune.families.flashinfer:FlashInferFamily",
+    "triton": "mla_tune.families.triton_mla:TritonMLAFamily",
 }
 
 
@@ -55,7 +55,7 @@ def check_candidate(c: Candidate) -> Candidate:
     return c
 
 
-def get_backend(family: str) -> Backend:
+def get_family(family: str) -> Family:
     """Instantiate a family by name; unknown names raise KeyError with the known ones."""
     if family not in _FAMILIES:
         raise KeyError(f"unknown kernel family {family!r}; known: {', '.join(_FAMILIES)}")
@@ -86,5 +86,9 @@ class _Unavailable:
         raise CandidateInvalid("unsupported", self._reason)
 
 
-__all__ = ["Availability", "Backend", "Candidate", "CandidateInvalid", "Prepared", "get_backend",
-           "family_names", "family_targets", "register_family"]
+# Old names: mla_tune/tune/sweep.py and mla_tune/measure/worker.py (other owners) still use them.
+Backend = Family
+get_backend = get_family
+
+__all__ = ["Availability", "Backend", "Candidate", "CandidateInvalid", "Family", "Prepared",
+           "family_names", "family_targets", "get_backend", "get_family", "register_family"]

@@ -1,4 +1,4 @@
-"""The backend protocol: what a kernel family must tell the tuner and do for it.
+"""The family protocol: what a kernel family must tell the tuner and do for it.
 
 A family (torch reference, FlashInfer, vLLM's Triton MLA, ...) says whether it can run here, which
 candidates it offers for a workload (its search space, constraints already applied), which one is
@@ -91,7 +91,7 @@ class Prepared:
 
 
 @runtime_checkable
-class Backend(Protocol):
+class Family(Protocol):
     family: str
 
     def available(self, device: str) -> Availability: ...
@@ -101,3 +101,7 @@ class Backend(Protocol):
     def default_candidate(self, workload: Workload, page_size: int) -> Candidate: ...
 
     def prepare(self, workload: Workload, candidate: Candidate, problem) -> Prepared: ...
+
+
+# Old name, kept while the parallel sweep/prefill branches still use it; remove after their merge.
+Backend = Family

@@ -42,13 +42,13 @@ import time
 import torch
 
 from mla_tune.families.base import Availability, Candidate, CandidateInvalid, Prepared
+from mla_tune.problem.defaults import DEFAULT_PAGE_SIZE
 from mla_tune.problem.workload import Workload
 from mla_tune.problem.instance import torch_dtype
 from vllm_metax.decisions import kv_chunk_factor
 from vllm_metax.tuned_config import KV_CHUNKS
 
 FAMILY = "flashinfer"
-DEFAULT_PAGE_SIZE = 64
 CHUNKED_BACKENDS = ("fa2", "fa3")     # the backends whose schedule the plugin computes itself
 
 
@@ -63,7 +63,7 @@ def device_backends():
     return device_flashinfer_backends()
 
 
-class FlashInferBackend:
+class FlashInferFamily:
     family = FAMILY
 
     def __init__(self, api: str | None = None, workspace_bytes: int | None = None,
@@ -198,3 +198,7 @@ def _chunk_refusal(kernel, kv_chunk: str) -> str:
 def _looks_like_compile_error(e: BaseException) -> bool:
     text = f"{type(e).__name__} {e}".lower()
     return any(w in text for w in ("ninja", "nvcc", "compil", "build failed", "jit"))
+
+
+# Old name, kept while the parallel sweep/prefill branches still use it; remove after their merge.
+FlashInferBackend = FlashInferFamily

@@ -7,10 +7,8 @@ from mla_tune.families.base import Availability, Candidate, Prepared
 from mla_tune.problem.workload import Workload
 from mla_tune.problem.reference import mla_decode_reference
 
-DEFAULT_PAGE_SIZES = (1, 16, 64)
 
-
-class ReferenceBackend:
+class ReferenceFamily:
     family = "reference"
 
     def available(self, device: str) -> Availability:
@@ -32,3 +30,7 @@ class ReferenceBackend:
             return holder["out"]
 
         return Prepared(run=run, plan=None, out=None, compile_s=0.0, graphable=False)
+
+
+# Old name, kept while the parallel sweep/prefill branches still use it; remove after their merge.
+ReferenceBackend = ReferenceFamily

@@ -39,7 +39,7 @@ MAX_SPLITS = 256
 MAX_WAVES = 64               # a restriction, not a constraint: past 64 CTAs per SM more splits only
                              # add stage-2 merge work (vLLM's own choice always stays in the space)
 RULE_PARAM = "rule"          # params["rule"] = "vllm" marks the candidate vLLM's own rule picks
-PAGE_MULTIPLE = 16           # TritonMLABackend.get_supported_kernel_block_sizes() == [MultipleOf(16)]
+PAGE_MULTIPLE = 16           # vLLM's TritonMLABackend.get_supported_kernel_block_sizes() == [MultipleOf(16)]
 
 
 def _interpreting() -> bool:
@@ -115,7 +115,7 @@ def _check_page(page_size: int) -> None:
                                               f"{PAGE_MULTIPLE}, not {page_size}")
 
 
-class TritonMLABackend:
+class TritonMLAFamily:
     """vLLM's TRITON_MLA decode kernel; knobs: page size (multiple of 16) x num_kv_splits."""
 
     family = "triton"
@@ -217,3 +217,7 @@ def _decode_rows(block_table: torch.Tensor, seq_lens: torch.Tensor, q_len: int):
     offsets = torch.arange(1 - q_len, 1, device=seq_lens.device, dtype=seq_lens.dtype)
     return (block_table.repeat_interleave(q_len, dim=0),
             (seq_lens.unsqueeze(1) + offsets).flatten().clamp(min=0))
+
+
+# Old name, kept while the parallel sweep/prefill branches still use it; remove after their merge.
+TritonMLABackend = TritonMLAFamily

@@ -4,11 +4,13 @@ Every measurement references a run (the environment it was taken in) and a workl
 one candidate on one workload, with its status and, when invalid, the reason; its raw timing
 samples go to `samples`, statistics are derived on read. WAL mode, one commit per trial, so a
 killed sweep loses at most the trial in flight.
+
+MLA prefill workloads (`mla_tune.problem.prefill`) share the workloads table, marked by their
+layout in `ragged`; `trials()` returns decode trials unless asked for prefill ones.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import sqlite3
@@ -21,8 +23,9 @@ from typing import Iterable
 
 import sqlite_utils
 
-from mla_tune.families.base import Candidate
-from mla_tune.problem.workload import Workload
+from mla_tune.problem.defaults import KERNEL_METRIC, PLAN_METRIC
+from mla_tune.problem.prefill import LAYOUTS as PREFILL_LAYOUTS
+from mla_tune.store.records import StoredWorkload, TrialRecord, as_records
 from mla_tune.validate import is_sqlite, own_kind
 
 SCHEMA_VERSION = 4
@@ -158,20 +161,6 @@ def is_results_db(path: str | Path) -> bool:
             conn.close()
     except sqlite3.Error:
         return False
-
-
-def stored_workload(row: dict) -> Workload | None:
-    """The Workload a trials() row was measured on (None if the stored row no longer validates,
-    e.g. written by another version: it is still reported, without what needs the workload)."""
-    try:
-        return Workload.from_row(row)
-    except Exception:  # noqa: BLE001 - any stored value the model refuses
-        return None
-
-
-def stored_candidate(row: dict) -> Candidate:
-    """The Candidate a trials() row measured."""
-    return Candidate(row["family"], row["backend"], int(row["page_size"]), dict(row.get("params") or {}))
 
 
 class ResultsStore:
@@ -350,7 +339,7 @@ class ResultsStore:
         return tid
 
     # ------------------------------------------------------------ reads
-    def samples(self, trial_id: int, metric: str = "kernel_us") -> list[float]:
+    def samples(self, trial_id: int, metric: str = KERNEL_METRIC) -> list[float]:
         return [r[0] for r in self.db.execute(
             "select value from samples where trial_id = ? and metric = ? order by idx",
             [trial_id, metric]).fetchall()]
@@ -363,19 +352,11 @@ class ResultsStore:
         rows = self.trials(f"t.claim in ({','.join('?' * len(claims))})", claims)
         return {r["claim"]: r for r in rows}
 
-    def finished_candidates(self, workload_id: int, sweep: str | None = None) -> dict[str, dict]:
-        """candidate key -> latest trial row, for resume."""
-        where, args = "workload_id = ?", [workload_id]
-        if sweep is not None:
-            where += " and sweep = ?"
-            args.append(sweep)
-        out = {}
-        for r in self.db["trials"].rows_where(where, args, order_by="id"):
-            out[r["candidate"]] = r
-        return out
-
-    def trials(self, where: str = "1=1", args: Iterable = ()) -> list[dict]:
-        """Trials joined with their workload and run, with kernel-time statistics derived here."""
+    def trials(self, where: str = "1=1", args: Iterable = (), prefill: bool = False) -> list[dict]:
+        """Trials joined with their workload and run, with kernel-time statistics derived here:
+        decode trials, or with `prefill` the MLA prefill trials (never both: the choices differ)."""
+        layouts = ", ".join(f"'{x}'" for x in PREFILL_LAYOUTS)
+        where = f"({where}) and {'' if prefill else 'not '}(coalesce(w.ragged, '') in ({layouts}))"
         sql = f"""
             select t.*, w.model, w.num_heads, w.kv_lora_rank, w.qk_rope_head_dim, w.softmax_scale,
                    w.batch_size, w.context_len, w.q_len, w.ragged, w.seed, w.q_dtype, w.kv_dtype,
@@ -394,9 +375,18 @@ class ResultsStore:
         for r in rows:
             r["params"] = json.loads(r["params"] or "{}")
             r["samples"] = by_trial.get(r["id"], {})
-            r["stats"] = stats_of(r["samples"].get("kernel_us", []))
-            r["plan_stats"] = stats_of(r["samples"].get("plan_us", []))
+            r["stats"] = stats_of(r["samples"].get(KERNEL_METRIC, []))
+            r["plan_stats"] = stats_of(r["samples"].get(PLAN_METRIC, []))
         return rows
+
+    def records(self, where: str = "1=1", args: Iterable = ()) -> list[TrialRecord]:
+        """`trials(where, args)` as typed TrialRecords (workload, candidate, samples)."""
+        return as_records(self.trials(where, args))
+
+    def workloads(self, where: str = "1=1", args: Iterable = ()) -> list[StoredWorkload]:
+        """The stored workloads (alias w) matching `where`, in id order."""
+        return [StoredWorkload.from_row(dict(r)) for r in self.db.query(
+            f"select * from workloads w where {where} order by w.id", list(args))]
 
     def runs(self) -> list[dict]:
         """Run records, with the environment keys that have no column of their own (kept as

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mla_tune.store.records import TrialRecord
+
 # runs.kind values, as stored
 GPU_RUN_KIND = "gpu"
 CPU_RUN_KIND = "cpu-reference"     # timings of the CPU torch reference, not of a GPU kernel
@@ -60,11 +62,11 @@ class TrialFilter:
         return ", ".join(parts) or "all trials"
 
 
-def select_trials(store, flt: TrialFilter = TrialFilter()) -> list[dict]:
-    """The filter's trial rows (ResultsStore.trials() rows); SelectionError when none match."""
-    rows = store.trials(*flt.where())
-    if rows:
-        return rows
+def select_trials(store, flt: TrialFilter = TrialFilter()) -> list[TrialRecord]:
+    """The filter's trials (`ResultsStore.records()`); SelectionError when none match."""
+    records = store.records(*flt.where())
+    if records:
+        return records
     db = store.db
     if not db["trials"].count:
         raise SelectionError(f"{store.path} holds no trials yet (run `mla-tune sweep` first)")

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mla_tune.families import Candidate, check_candidate, get_backend
+from mla_tune.families import Candidate, check_candidate, get_family
 from mla_tune.measure.environment import capture_environment
 from mla_tune.measure.trial import MeasureSettings, TrialResult, measure_interleaved
+from mla_tune.problem.defaults import KERNEL_METRIC, PLAN_METRIC
 from mla_tune.problem.roofline import achieved, pct_of_floor, workload_bytes, workload_flops
 from mla_tune.problem.workload import RAGGED_KINDS, custom_model, model_preset, workload_for
 from mla_tune.store.results import ResultsStore, stats_of
@@ -70,7 +71,7 @@ def run_bench(candidates, workloads, settings, rounds: int, db: str | None, ceil
     for c in candidates:
         if c.family not in families:
             try:
-                families[c.family] = get_backend(c.family)
+                families[c.family] = get_family(c.family)
             except KeyError as e:
                 raise InputError(str(e).strip("'\"")) from None
     avail = {f: b.available(settings.device) for f, b in families.items()}
@@ -101,8 +102,8 @@ def run_bench(candidates, workloads, settings, rounds: int, db: str | None, ceil
 
 
 def _row(w, c: Candidate, r: TrialResult, ceilings: dict | None) -> dict:
-    st = stats_of(r.samples.get("kernel_us", []))
-    pst = stats_of(r.samples.get("plan_us", []))
+    st = stats_of(r.samples.get(KERNEL_METRIC, []))
+    pst = stats_of(r.samples.get(PLAN_METRIC, []))
     row = {"workload": w.label(), "candidate": c.key, "status": r.status,
            "invalid_reason": r.invalid_reason, "message": r.message,
            "median_us": st.median if st else None, "spread": st.spread if st else None,

@@ -1,4 +1,4 @@
-"""Winners and the global choice, computed from stored trial rows (`ResultsStore.trials()`).
+"""Winners and the global choice, computed from stored trials (`ResultsStore.records()`).
 
 Rules (asv's, DESIGN.md section 4: a difference under ~4% is noise without a test):
 
@@ -20,7 +20,7 @@ Everything is plain frozen dataclasses: `choose(rows, mix)` returns a `Choice`; 
 model entry), each with `BucketChoice`s whose `families` map family -> `Verdict`:
 
     with ResultsStore("results.db", create=False) as store:
-        choice = choose(store.trials(), WorkloadMix.from_file("mix.csv"), device_name="NVIDIA H200")
+        choice = choose(store.records(), WorkloadMix.from_file("mix.csv"), device_name="NVIDIA H200")
     for m in choice.models:
         m.page_size, m.backend_order        # global: KV block size; attention backends, best first
         for b in m.buckets:                 # b.batch_size, b.context_len, b.q_len, b.best_family
@@ -28,8 +28,8 @@ model entry), each with `BucketChoice`s whose `families` map family -> `Verdict`
                                             # v.significant, v.reason
 
 The latest trial per (device, workload, candidate) counts. A bucket's family default is the trial
-stored with is_default = 1 (the sweep marks it); rows without the mark fall back to asking the
-family's backend (`default_of`). Mix rows snap to the nearest measured bucket (`bucket_weights`).
+stored with is_default = 1 (the sweep marks it); trials without the mark fall back to asking the
+family (`default_of`). Mix rows snap to the nearest measured bucket (`bucket_weights`).
 """
 
 from __future__ import annotations
@@ -38,15 +38,16 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
+from mla_tune.problem.defaults import DEFAULT_PAGE_SIZE, KERNEL_METRIC
 from mla_tune.problem.workload import WorkloadMix
-from mla_tune.store.results import stored_workload
+from mla_tune.store.records import TrialRecord, as_records
+from vllm_metax.decisions import FLASHINFER, TRITON
 
 P_THRESHOLD = 0.002
 MIN_RATIO = 1.05
-DEFAULT_PAGE_SIZE = 64            # what vLLM's MLA backends use unless told otherwise
-METRIC = "kernel_us"
+METRIC = KERNEL_METRIC            # what winners are chosen by
 NO_SIGNIFICANT_DIFFERENCE = "no significant difference"
-ATTENTION_BACKEND = {"flashinfer": "FLASHINFER_MLA", "triton": "TRITON_MLA"}
+ATTENTION_BACKEND = {FLASHINFER: "FLASHINFER_MLA", TRITON: "TRITON_MLA"}   # sweep family -> vLLM's
 
 
 @dataclass(frozen=True)
@@ -268,42 +269,57 @@ def decide(measured: Sequence[Measured], default_key: str | None, family: str, p
                    **common)
 
 
-# ---------------------------------------------------------------- rows -> measured candidates
+# ---------------------------------------------------------------- trials -> measured candidates
 
-def latest_trials(rows: Iterable[dict]) -> list[dict]:
-    """The latest trial per (device, workload, candidate): a re-measurement replaces the old one."""
+def _identity(r) -> tuple:
+    """(device, workload id, candidate key) and the trial id, of a TrialRecord or a trials() row."""
+    if isinstance(r, TrialRecord):
+        return (r.device_name, r.stored.id, r.key), r.id
+    return (r.get("device_name"), r["workload_id"], r["candidate"]), r["id"]
+
+
+def latest_trials(trials: Iterable) -> list:
+    """The latest trial per (device, workload, candidate): a re-measurement replaces the old one.
+    Takes TrialRecords (or `ResultsStore.trials()` rows) and returns the same kind."""
     latest: dict = {}
-    for r in rows:
-        k = (r.get("device_name"), r["workload_id"], r["candidate"])
-        if k not in latest or r["id"] > latest[k]["id"]:
-            latest[k] = r
-    return sorted(latest.values(), key=lambda r: r["id"])
+    for r in trials:
+        k, tid = _identity(r)
+        if k not in latest or tid > latest[k][0]:
+            latest[k] = (tid, r)
+    return [r for _, r in sorted(latest.values(), key=lambda x: x[0])]
 
 
-def _measured(row: dict, metric: str) -> Measured:
-    samples = tuple((row.get("samples") or {}).get(metric) or ())
+def _measured(record, metric: str) -> Measured:
+    """A TrialRecord (or a `ResultsStore.trials()` row: the prefill choice still passes those)
+    reduced to what a verdict needs."""
+    if not isinstance(record, TrialRecord):
+        record = TrialRecord.from_row(record)
+    samples = tuple(record.values(metric))
     median = None
-    if row["status"] == "ok" and samples:
+    if record.ok and samples:
         import statistics
         median = float(statistics.median(samples))
-    return Measured(row["candidate"], row["family"], row["backend"], int(row["page_size"]),
-                    dict(row.get("params") or {}), row["status"], row.get("invalid_reason"), median,
-                    samples, row.get("id"), bool(row.get("is_default")))
+    c = record.candidate
+    return Measured(record.key, c.family, c.backend, c.page_size, dict(c.params), record.status,
+                    record.invalid_reason, median, samples, record.id, bool(record.is_default))
 
 
-def backend_default(family: str, workload, page_size: int) -> str | None:
-    """The family's default candidate key as its backend declares it (None if it cannot say)."""
+def family_default(family: str, workload, page_size: int) -> str | None:
+    """The family's default candidate key as the family declares it (None if it cannot say)."""
     try:
-        from mla_tune.families import get_backend
-        return get_backend(family).default_candidate(workload, page_size).key
+        from mla_tune.families import get_family
+        return get_family(family).default_candidate(workload, page_size).key
     except Exception:   # an unavailable or unknown family cannot name its default
         return None
 
 
-def _lookup_context(rows: list) -> int | None:
+backend_default = family_default   # old name: mla_tune/tune/sweep.py (another owner) still calls it
+
+
+def _lookup_context(records: list[TrialRecord]) -> int | None:
     """The plugin's lookup statistic over the lengths a bucket was measured with."""
     from vllm_metax.decisions import bucket_context
-    wl = stored_workload(rows[0]) if rows else None
+    wl = records[0].workload if records else None
     return bucket_context(wl.seq_lens) if wl is not None else None
 
 
@@ -345,29 +361,30 @@ def bucket_weights(mix: WorkloadMix | None, keys: Iterable[tuple[int, int, int]]
 DefaultOf = Callable[[str, object, int], "str | None"]   # (family, Workload, page) -> key
 
 
-def choose(rows: Iterable[dict], mix: WorkloadMix | None = None, *, device_name: str | None = None,
+def choose(trials: Iterable, mix: WorkloadMix | None = None, *, device_name: str | None = None,
            p_threshold: float = P_THRESHOLD, min_ratio: float = MIN_RATIO,
            default_page_size: int = DEFAULT_PAGE_SIZE, metric: str = METRIC,
-           default_of: DefaultOf | None = backend_default) -> Choice:
-    """Winners per bucket and the global choice for one device, from `ResultsStore.trials()` rows.
+           default_of: DefaultOf | None = family_default) -> Choice:
+    """Winners per bucket and the global choice for one device, from `ResultsStore.records()`
+    (or the `ResultsStore.trials()` rows older callers hold).
 
-    `rows` may hold several runs; the latest trial per (workload, candidate) counts. With trials
+    `trials` may hold several runs; the latest trial per (workload, candidate) counts. With trials
     of several devices, `device_name` picks one (ValueError if it is missing). A family's default
-    in a bucket is the trial stored with is_default = 1; for rows without that mark (older DBs,
+    in a bucket is the trial stored with is_default = 1; for trials without that mark (older DBs,
     hand-built fixtures) `default_of(family, workload, page_size)` names it (default: ask the
-    family's backend; pass None to treat such buckets as having no default).
+    family; pass None to treat such buckets as having no default).
     """
-    rows = latest_trials(rows)
-    devices = sorted({r.get("device_name") for r in rows})
+    rows = latest_trials(as_records(trials))
+    devices = sorted({r.device_name for r in rows})
     if device_name is None:
         if len(devices) > 1:
             raise ValueError(f"trials of several devices ({', '.join(map(str, devices))}); name one")
         device_name = devices[0] if devices else ""
-    rows = [r for r in rows if r.get("device_name") == device_name]
-    kinds = sorted({r.get("run_kind") or "" for r in rows})
+    rows = [r for r in rows if r.device_name == device_name]
+    kinds = sorted({r.run_kind for r in rows})
     notes: list[str] = []
     if mix is not None and mix.weights and rows:
-        measured = {(r["batch_size"], r["context_len"]) for r in rows}
+        measured = {r.stored.bucket[:2] for r in rows}
         missing = sorted(k for k, x in mix.weights.items() if x > 0 and k not in measured)
         if missing:
             notes.append(f"{len(missing)} weighted bucket(s) of the mix not measured on "
@@ -375,9 +392,7 @@ def choose(rows: Iterable[dict], mix: WorkloadMix | None = None, *, device_name:
                          + ", ".join(f"B{b} L{c}" for b, c in missing[:5]))
     groups: dict = {}
     for r in rows:
-        g = (r["model"], r["num_heads"], r["kv_lora_rank"], r["qk_rope_head_dim"], r["q_dtype"],
-             r["kv_dtype"], r["ragged"])
-        groups.setdefault(g, []).append(r)
+        groups.setdefault(r.stored.entry_key, []).append(r)
     models = []
     for g, grows in sorted(groups.items(), key=lambda kv: (kv[0][0], -kv[0][1], kv[0][2:])):
         models.append(_choose_model(device_name, g, grows, mix, p_threshold, min_ratio,
@@ -387,8 +402,8 @@ def choose(rows: Iterable[dict], mix: WorkloadMix | None = None, *, device_name:
 
 
 def choose_from_store(store, mix: WorkloadMix | None = None, where: str = "1=1", args=(), **kw) -> Choice:
-    """`choose` over `store.trials(where, args)` (a ResultsStore)."""
-    return choose(store.trials(where, args), mix, **kw)
+    """`choose` over `store.records(where, args)` (a ResultsStore)."""
+    return choose(store.records(where, args), mix, **kw)
 
 
 def _choose_model(device_name, g, rows, mix, p_threshold, min_ratio, default_page_size, metric,
@@ -396,21 +411,21 @@ def _choose_model(device_name, g, rows, mix, p_threshold, min_ratio, default_pag
     model, heads, lora_rank, rope, q_dt, kv_dt, ragged = g
     per_bucket: dict = {}
     for r in rows:
-        per_bucket.setdefault((r["batch_size"], r["context_len"], r["q_len"]), []).append(r)
+        per_bucket.setdefault(r.stored.bucket, []).append(r)
     weights = bucket_weights(mix, per_bucket)
-    families = sorted({r["family"] for r in rows})
-    pages = sorted({int(r["page_size"]) for r in rows})
+    families = sorted({r.candidate.family for r in rows})
+    pages = sorted({r.candidate.page_size for r in rows})
     verdicts: dict = {}          # (bucket, family, page) -> Verdict
     for bk, brows in per_bucket.items():
         for fam in families:
             for page in pages:
-                cand_rows = [r for r in brows if r["family"] == fam and int(r["page_size"]) == page]
+                cand_rows = [r for r in brows if r.candidate.family == fam and r.candidate.page_size == page]
                 if not cand_rows:
                     continue
                 measured = [_measured(r, metric) for r in cand_rows]
                 default_key = next((m.key for m in measured if m.is_default), None)
                 if default_key is None and default_of is not None:
-                    wl = stored_workload(cand_rows[0])
+                    wl = cand_rows[0].workload
                     default_key = default_of(fam, wl, page) if wl is not None else None
                 v = decide(measured, default_key, fam, page, p_threshold, min_ratio)
                 if v.best and v.default and v.default.ok and v.best.key != v.default.key and \

@@ -4,7 +4,9 @@ Winners and the global choice are `mla_tune.tune.choose`'s; this module only tra
 `choose.Choice` into `vllm_metax.tuned_config.TunedConfig` (the one schema shared with the reader)
 with its provenance: the device name as the plugin sees it (the name `vllm_metax.device` recorded
 in the run), SM count, FlashInfer / torch / CUDA versions, the date, the rules, and the results.db
-runs the numbers came from. `mla-tune emit` and the sweep both call `emit_config`.
+runs the numbers came from. `mla-tune emit` and the sweep both call `emit_config`. The prefill
+section of each entry comes from the device's stored prefill trials (`mla_tune.tune.prefill`,
+the same significance rule).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 
 from mla_tune.tune import choose as choosing
 from mla_tune.problem.workload import WorkloadMix
+from mla_tune.store.records import TrialRecord
 from mla_tune.store.selection import CPU_RUN_KIND, TrialFilter, device_key, select_trials
 from vllm_metax import decisions, tuned_config as tc
 
@@ -26,13 +29,13 @@ class EmitError(ValueError):
     """Nothing (or something ambiguous) to emit; the message says what to do."""
 
 
-def devices_in(rows: list[dict]) -> list[str]:
-    return sorted({r["device_name"] for r in rows})
+def devices_in(records: list[TrialRecord]) -> list[str]:
+    return sorted({r.device_name for r in records})
 
 
-def pick_device(rows: list[dict], device: str | None = None) -> str:
+def pick_device(records: list[TrialRecord], device: str | None = None) -> str:
     """The device to emit for: the named one, else the only one, else this machine's if measured."""
-    names = devices_in(rows)
+    names = devices_in(records)
     if device:
         hit = [n for n in names if device_key(n) == device_key(device)]
         if not hit:
@@ -169,16 +172,41 @@ def build_tuned_config(store, flt: TrialFilter = TrialFilter(), mix: WorkloadMix
 
     Every model measured on the device goes into its one file, not only the latest sweep's.
     """
-    rows = select_trials(store, flt)
-    device = pick_device(rows, flt.device)
-    rows = [r for r in rows if r["device_name"] == device]
+    records = select_trials(store, flt)
+    device = pick_device(records, flt.device)
+    records = [r for r in records if r.device_name == device]
     if mix is not None and mix.weights:     # the config's page size must see every weight
-        mix.check_covers({(r["batch_size"], r["context_len"]) for r in rows},
+        mix.check_covers({r.stored.bucket[:2] for r in records},
                          f"the buckets measured on {device}")
-    choice = choosing.choose(rows, mix, device_name=device, **choose_kw)
-    run_ids = {r["run_id"] for r in choosing.latest_trials(rows)}
+    choice = choosing.choose(records, mix, device_name=device, **choose_kw)
+    run_ids = {r.run_id for r in choosing.latest_trials(records)}
+    prefill_rows = store.trials(*TrialFilter(device, flt.model, flt.runs).where(), prefill=True)
+    run_ids |= {r["run_id"] for r in choosing.latest_trials(prefill_rows)}
     runs = [r for r in store.runs() if r["id"] in run_ids]
-    return config_from_choice(choice, runs, Path(store.path).name, mix)
+    cfg = config_from_choice(choice, runs, Path(store.path).name, mix)
+    return with_prefill(cfg, prefill_rows, **{k: v for k, v in choose_kw.items()
+                                              if k in ("p_threshold", "min_ratio")})
+
+
+def with_prefill(cfg: tc.TunedConfig, prefill_rows: list, **choose_kw) -> tc.TunedConfig:
+    """`cfg` with each model entry's prefill section chosen from `prefill_rows` (the device's
+    prefill trials); prefill measured for dims without a decode entry is noted, not written."""
+    if not prefill_rows:
+        return cfg
+    import dataclasses
+    from mla_tune.tune.prefill import choose_prefill, prefill_buckets
+    sections = {dims: prefill_buckets(vs) for dims, vs in choose_prefill(prefill_rows, **choose_kw).items()}
+    notes = cfg.provenance.setdefault("notes", [])
+    models = []
+    for m in cfg.models:
+        buckets = sections.pop(m.dims, None)
+        models.append(dataclasses.replace(m, prefill=buckets) if buckets else m)
+    for dims in sections:
+        notes.append(f"prefill measured for H{dims.num_heads} (kv_lora_rank {dims.kv_lora_rank}, "
+                     f"{dims.q_dtype}) but no decode entry has those dims: its prefill section is "
+                     "not written (sweep decode for it first)")
+    cfg.provenance["prefill_trials"] = len(choosing.latest_trials(prefill_rows))
+    return dataclasses.replace(cfg, models=models)
 
 
 def emit_config(source, out_dir: str | Path = "configs", *, store=None, device: str | None = None,
@@ -215,8 +243,9 @@ def config_summary(cfg: tc.TunedConfig) -> list[str]:
     out = [f"wrote {cfg.path} ({cfg.device_name}, runs {runs})"]
     for e in cfg.models:
         n = len(e.buckets)
+        pre = f", {len(e.prefill)} prefill bucket{'' if len(e.prefill) == 1 else 's'}" if e.prefill else ""
         out.append(f"  {e.model or '-'} H{e.dims.num_heads}: page {e.page_size}, "
-                   f"{' > '.join(e.backend_order)}, {n} bucket{'' if n == 1 else 's'}")
+                   f"{' > '.join(e.backend_order)}, {n} bucket{'' if n == 1 else 's'}{pre}")
     out += [f"  note: {n}" for n in cfg.provenance.get("notes") or []]
     return out
 
@@ -224,9 +253,9 @@ def config_summary(cfg: tc.TunedConfig) -> list[str]:
 def emit_all(store, out_dir: str | Path = "configs", *, model: str | None = None, runs=(),
              mix: WorkloadMix | None = None, cpu_ok: bool = False, **choose_kw) -> list[Path]:
     """One file per device measured in the selection."""
-    rows = select_trials(store, TrialFilter(None, model, tuple(runs)))
+    records = select_trials(store, TrialFilter(None, model, tuple(runs)))
     return [emit_config(store, out_dir, device=d, model=model, runs=runs, mix=mix, cpu_ok=cpu_ok,
-                        **choose_kw) for d in devices_in(rows)]
+                        **choose_kw) for d in devices_in(records)]
 
 
 __all__ = ["EmitError", "build_tuned_config", "config_from_choice", "config_summary",

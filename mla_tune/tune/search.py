@@ -27,6 +27,7 @@ from enum import Enum
 from typing import Callable, Sequence
 
 from mla_tune.families.base import Candidate
+from mla_tune.problem.defaults import DEFAULT_PAGE_SIZE
 
 
 
@@ -43,7 +44,6 @@ TPE_BATCH = 4            # TPE proposals measured together (interleaved) per rou
 PATIENCE = 32            # TPE: stop after this many new trials without a 1% improvement
 IMPROVEMENT = 0.01
 JUMP_AFTER_PRUNED = 16   # TPE: after this many undeclared combinations in a row, jump to a random point
-STOP_REASONS = ("complete", "trial budget", "time budget", "patience")
 
 
 def tpe_trial_budget(space_size: int, grid_max: int = GRID_MAX) -> int:
@@ -223,7 +223,7 @@ class SearchPolicy:
     batch: int = 16
     tpe_batch: int = TPE_BATCH
     seed: int = 0
-    first_page: int | None = 64     # the grid measures this page size's group first
+    first_page: int | None = DEFAULT_PAGE_SIZE   # the grid measures this page size's group first
 
     def __post_init__(self):
         if self.mode not in MODES:

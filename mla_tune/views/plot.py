@@ -225,7 +225,7 @@ def _winner_heatmap(ax, m, views) -> None:
     import matplotlib.colors as mcolors
     import numpy as np
 
-    q, batches, contexts, cell = _grid(m, views)
+    _, batches, contexts, cell = _grid(m, views)
     winners = sorted({c.candidate for w in views for c in w.lines if c.winner})
     idx = {k: i for i, k in enumerate(winners)}
     data = np.full((len(batches), len(contexts)), np.nan)
@@ -258,7 +258,7 @@ def _winner_heatmap(ax, m, views) -> None:
 def _roofline_heatmap(ax, m, views, dev) -> None:
     import numpy as np
 
-    q, batches, contexts, cell = _grid(m, views)
+    _, batches, contexts, cell = _grid(m, views)
     data = np.full((len(batches), len(contexts)), np.nan)
     for (b, c), w in cell.items():
         win = _winner_line(w)

@@ -23,9 +23,6 @@ class OutputFormat(str, Enum):
     markdown = "markdown"
 
 
-FORMATS = tuple(f.value for f in OutputFormat)
-
-
 @dataclass(frozen=True)
 class Column:
     name: str

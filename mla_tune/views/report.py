@@ -20,7 +20,8 @@ from mla_tune.tune import choose as choosing
 from mla_tune.problem.workload import WorkloadMix
 from mla_tune.views.render import Column, OutputFormat, Table, render, times, to_csv
 from mla_tune.problem.roofline import floor_of, pct_of_floor
-from mla_tune.store.results import stored_workload
+from mla_tune.problem.defaults import DEFAULT_PAGE_SIZE, PLAN_METRIC
+from mla_tune.store.records import TrialRecord
 from mla_tune.store.selection import CPU_RUN_KIND, TrialFilter, device_key, select_trials
 
 CPU_LABEL = "CPU torch reference: timings of the correctness oracle, not of a GPU kernel"
@@ -164,21 +165,21 @@ class Report:
 def build_report(store, flt: TrialFilter = TrialFilter(), mix: WorkloadMix | None = None,
                  **choose_kw) -> Report:
     """The report of the trials `flt` selects; winners by `mla_tune.tune.choose` under `mix`."""
-    rows = select_trials(store, flt)
+    records = select_trials(store, flt)
     if mix is not None and mix.weights:
-        mix.check_covers({(r["batch_size"], r["context_len"]) for r in rows}, "the selected trials")
-    latest = choosing.latest_trials(rows)
+        mix.check_covers({r.stored.bucket[:2] for r in records}, "the selected trials")
+    latest = choosing.latest_trials(records)
     runs = {r["id"]: r for r in store.runs()}
     by_device: dict = {}
     for r in latest:
-        by_device.setdefault(r["device_name"], []).append(r)
+        by_device.setdefault(r.device_name, []).append(r)
     n_all = {}
-    for r in rows:
-        n_all[r["device_name"]] = n_all.get(r["device_name"], 0) + 1
+    for r in records:
+        n_all[r.device_name] = n_all.get(r.device_name, 0) + 1
     devices = []
     for name, drows in by_device.items():
         choice = choosing.choose(drows, mix, device_name=name, **choose_kw)
-        run_ids = sorted({r["run_id"] for r in drows})
+        run_ids = sorted({r.run_id for r in drows})
         kinds = {runs[i].get("kind") or "" for i in run_ids}
         kind = "gpu" if "gpu" in kinds else CPU_RUN_KIND if CPU_RUN_KIND in kinds else choice.kind
         dev = DeviceReport(name, kind, [runs[i] for i in run_ids], [], choice,
@@ -189,39 +190,38 @@ def build_report(store, flt: TrialFilter = TrialFilter(), mix: WorkloadMix | Non
     return Report(str(store.path), flt, devices, dict(mix.weights) if mix and mix.weights else None)
 
 
-def _workload_views(rows: list[dict], dev: DeviceReport) -> list[WorkloadView]:
+def _workload_views(records: list[TrialRecord], dev: DeviceReport) -> list[WorkloadView]:
     groups: dict = {}
-    for r in rows:
-        groups.setdefault(r["workload_id"], []).append(r)
+    for r in records:
+        groups.setdefault(r.stored.id, []).append(r)
     views = []
-    for wid, wrows in groups.items():
-        r0 = wrows[0]
-        wl = stored_workload(r0)
-        ceil = next(((r["copy_gbps"], r["matmul_tflops"]) for r in wrows
-                     if r.get("copy_gbps") and r.get("matmul_tflops")), (None, None))
+    for wid, wrecs in groups.items():
+        sw = wrecs[0].stored
+        wl = sw.problem
+        ceil = next(((r.copy_gbps, r.matmul_tflops) for r in wrecs
+                     if r.copy_gbps and r.matmul_tflops), (None, None))
         floor = floor_of(wl, *ceil) if wl is not None and ceil[0] else None
-        wv = WorkloadView(wid, r0["model"], r0["num_heads"], r0["kv_lora_rank"],
-                          r0["qk_rope_head_dim"], r0["q_dtype"], r0["kv_dtype"], r0["ragged"],
-                          r0["batch_size"], r0["context_len"], r0["q_len"], r0["total_kv_tokens"],
-                          r0["bytes"], r0["flops"], floor.us if floor else None,
-                          floor.bound if floor else None)
-        defaults = _family_defaults(wrows, wl)
-        for r in wrows:
-            st = r["stats"]
-            pst = r.get("plan_stats")
-            median = st.median if st and r["status"] == "ok" else None
+        wv = WorkloadView(wid, sw.model, sw.num_heads, sw.kv_lora_rank, sw.qk_rope_head_dim,
+                          sw.q_dtype, sw.kv_dtype, sw.ragged, sw.batch_size, sw.context_len,
+                          sw.q_len, sw.total_kv_tokens, sw.bytes, sw.flops,
+                          floor.us if floor else None, floor.bound if floor else None)
+        defaults = _family_defaults(wrecs, wl)
+        for r in wrecs:
+            st, pst = r.stats(), r.stats(PLAN_METRIC)
+            median = st.median if st and r.ok else None
             d = _default_for(defaults, r)
-            d_median = d["stats"].median if d is not None and d["status"] == "ok" and d["stats"] else None
+            d_stats = d.stats() if d is not None and d.ok else None
+            d_median = d_stats.median if d_stats else None
+            c = r.candidate
             wv.lines.append(CandidateLine(
-                r["id"], r["run_id"], r["candidate"], r["family"], r["backend"], int(r["page_size"]),
-                dict(r.get("params") or {}), r["status"], r.get("invalid_reason"), r.get("message") or "",
-                bool(r.get("is_default")) or (d is not None and d["id"] == r["id"]),
+                r.id, r.run_id, r.key, c.family, c.backend, c.page_size, dict(c.params), r.status,
+                r.invalid_reason, r.message, bool(r.is_default) or (d is not None and d.id == r.id),
                 st.n if st else 0, median, st.spread if st and median is not None else None,
                 st.minimum if st and median is not None else None, pst.median if pst else None,
-                r.get("compile_s"), r.get("max_rel_error"),
-                pct_of_floor(median, wl, r.get("copy_gbps"), r.get("matmul_tflops"))
+                r.compile_s, r.max_rel_error,
+                pct_of_floor(median, wl, r.copy_gbps, r.matmul_tflops)
                 if wl is not None and median else None,
-                d["candidate"] if d is not None else None,
+                d.key if d is not None else None,
                 d_median / median if d_median and median else None))
         _mark_choices(wv, dev)
         wv.lines.sort(key=lambda c: (not c.ok, c.median_us if c.ok else 0.0, c.family, c.candidate))
@@ -231,33 +231,33 @@ def _workload_views(rows: list[dict], dev: DeviceReport) -> list[WorkloadView]:
     return views
 
 
-def _family_defaults(rows: list[dict], wl) -> dict:
-    """family -> the rows that are its untuned default on this workload (one per page size).
+def _family_defaults(records: list[TrialRecord], wl) -> dict:
+    """family -> the trials that are its untuned default on this workload (one per page size).
 
-    Trials carry is_default from the sweep; for rows without the mark (older DBs) the family's
-    backend names its default, as `mla_tune.tune.choose` does.
+    Trials carry is_default from the sweep; for trials without the mark (older DBs) the family
+    names its default, as `mla_tune.tune.choose` does.
     """
     out: dict = {}
-    for r in rows:
-        if r.get("is_default"):
-            out.setdefault(r["family"], []).append(r)
-    for fam in {r["family"] for r in rows} - set(out):
-        if any(r.get("is_default") is not None for r in rows if r["family"] == fam) or wl is None:
+    for r in records:
+        if r.is_default:
+            out.setdefault(r.candidate.family, []).append(r)
+    for fam in {r.candidate.family for r in records} - set(out):
+        if any(r.is_default is not None for r in records if r.candidate.family == fam) or wl is None:
             continue   # the sweep marked this family's trials and none is the default
-        keys = {choosing.backend_default(fam, wl, p) for p in {int(r["page_size"]) for r in rows}}
-        found = [r for r in rows if r["family"] == fam and r["candidate"] in keys]
+        keys = {choosing.family_default(fam, wl, p) for p in {r.candidate.page_size for r in records}}
+        found = [r for r in records if r.candidate.family == fam and r.key in keys]
         if found:
             out[fam] = found
     return out
 
 
-def _default_for(defaults: dict, row: dict) -> dict | None:
+def _default_for(defaults: dict, record: TrialRecord) -> TrialRecord | None:
     """The default a candidate is compared with: its family's at the same page size, else the
     family's default at the default page size, else any."""
-    cands = defaults.get(row["family"]) or []
-    for want in (int(row["page_size"]), choosing.DEFAULT_PAGE_SIZE):
+    cands = defaults.get(record.candidate.family) or []
+    for want in (record.candidate.page_size, DEFAULT_PAGE_SIZE):
         for d in cands:
-            if int(d["page_size"]) == want:
+            if d.candidate.page_size == want:
                 return d
     return cands[0] if cands else None
 

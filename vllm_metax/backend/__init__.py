@@ -25,16 +25,6 @@ def mla_backend_order(tuned_order: list[str] | None = None) -> tuple[list[str], 
     return list(dict.fromkeys(list(tuned_order) + list(DEFAULT_MLA_ORDER))), "tuned config"
 
 
-def dtype_name(dtype) -> str:
-    """torch.bfloat16 -> "bfloat16" (the tuned-config spelling)."""
-    return decisions.dtype_name(dtype)
-
-
-def kv_dtype_name(cache_dtype: str | None, model_dtype) -> str:
-    """vLLM's cache_dtype ("auto", "bfloat16", "fp8", ...) in the tuned-config spelling."""
-    return decisions.dtype_name(cache_dtype, model_dtype)
-
-
 def model_dims(vllm_config, num_heads: int | None = None) -> ModelDims | None:
     """The tuned-config key of an MLA model served with this config (heads per rank), or None."""
     model_config = getattr(vllm_config, "model_config", None)
@@ -73,3 +63,9 @@ def flashinfer_backends() -> decisions.FlashInferBackends:
     """This device's FlashInfer MLA backend values, default and fallback (`decisions`' rule)."""
     dev = detect_device()
     return decisions.flashinfer_backends(dev.is_metax, dev.capability)
+
+
+def prefill_backends() -> decisions.FlashInferBackends:
+    """This device's FlashInfer ragged-prefill backend values and default (`decisions`' rule)."""
+    dev = detect_device()
+    return decisions.prefill_backends(dev.is_metax, dev.capability)

@@ -29,7 +29,6 @@ import logging
 from dataclasses import dataclass
 from typing import Optional
 
-import numpy as np
 import torch
 
 from vllm_metax.ops import fast_replan as fr

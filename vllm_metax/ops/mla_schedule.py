@@ -275,6 +275,11 @@ class _Reuse:
 _REUSE: dict = {}
 
 
+def clear_reuse() -> None:
+    """Forget every schedule kept for step-to-step reuse (the next plan computes it whole)."""
+    _REUSE.clear()
+
+
 # ufunc entry points: this runs every decode step and np.cumsum & co. cost twice these
 _sum, _cumsum, _max, _min = np.add.reduce, np.add.accumulate, np.maximum, np.minimum
 
@@ -370,5 +375,5 @@ def same_schedule(a: Schedule, b: Schedule) -> str | None:
 
 
 __all__ = ["CTA_TILE_Q", "MAX_WORK_ITEMS", "MERGE_FIELDS", "PLAN_INFO_FIELDS", "Schedule",
-           "ScheduleLayout", "WORK_FIELDS", "chunk_limit", "cluster_size", "mla_schedule", "read_schedule",
+           "ScheduleLayout", "WORK_FIELDS", "chunk_limit", "clear_reuse", "cluster_size", "mla_schedule", "read_schedule",
            "same_schedule"]
