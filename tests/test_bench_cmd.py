@@ -43,7 +43,7 @@ def test_bench_json(tmp_path):
 
 def test_bench_bad_input_is_one_line_error(tmp_path):
     for args in (["nonsense"], ["reference/torch/p4", "--batch", "x"], ["nofamily/x/p4"],
-                 ["reference/torch/p4", "--ragged", "zipf"]):
+                 ["reference/torch/p4", "--ragged", "zipff"]):
         res = _invoke(args + ["--device", "cpu", "--db", str(tmp_path / "r.db")])
         # exit 2 through the app's error mapping, not an exception escaping the command
         assert res.exit_code == 2, (args, res.output, res.exception)

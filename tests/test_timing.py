@@ -173,7 +173,9 @@ def test_gpu_warm_up_is_once_per_batch(monkeypatch):
             syncs.append(1)
 
     n = timing.warm_up([FakeTimer("a"), FakeTimer("b"), None], min_s=0.0)
-    assert n == 2 and launches == ["a", "b"] and len(syncs) == 1      # one round, one sync
+    assert n == 6 and launches == ["a", "b"] * 3 and len(syncs) == 1   # >= 5 launches, one sync
+    launches.clear()
+    assert timing.warm_up([FakeTimer(x) for x in "abcdefg"], min_s=0.0) == 7   # one round of 7
     assert timing.warm_up([]) == 0
     # the interleaved batch builds its timers without the per-candidate warm-up
     made = []
