@@ -192,7 +192,7 @@ def shape_summary(rows: list[dict], page: int, test: bool = True) -> dict:
         s["p16_over_p64"] = d16["median_us"] / default["median_us"]
     if compare:
         if fa3 and best:     # does Triton (tuned) beat fa3 beyond noise?
-            sig, p, ratio = compare(fa3["kernel_us"], best["kernel_us"])
+            sig, p, _ = compare(fa3["kernel_us"], best["kernel_us"])
             s["triton_wins"], s["triton_wins_p"] = sig, p
         if default and best and best is not default:
             sig, p, _ = compare(default["kernel_us"], best["kernel_us"])
@@ -200,8 +200,8 @@ def shape_summary(rows: list[dict], page: int, test: bool = True) -> dict:
         elif default and best:
             s["tuning_significant"] = False
         if d16 and default:
-            faster16, p1, _ = compare(default["kernel_us"], d16["kernel_us"])
-            faster64, p2, _ = compare(d16["kernel_us"], default["kernel_us"])
+            faster16, _, _ = compare(default["kernel_us"], d16["kernel_us"])
+            faster64, _, _ = compare(d16["kernel_us"], default["kernel_us"])
             s["page_verdict"] = "p16 faster" if faster16 else "p64 faster" if faster64 else "no difference"
     return s
 
