@@ -297,7 +297,9 @@ def render(doc: dict, summ: dict) -> str:
     elif summ["triton_wins"]:
         lines.append(f"* Triton beats fa3 beyond noise at: {', '.join(summ['triton_wins'])}")
     else:
-        lines.append("* Triton never beats fa3 beyond noise (Mann-Whitney p < 0.002 and >= 1.05x).")
+        from mla_tune.tune.choose import MIN_RATIO, P_THRESHOLD
+        lines.append(f"* Triton never beats fa3 beyond noise (Mann-Whitney p < {P_THRESHOLD:g} and "
+                     f">= {MIN_RATIO:g}x).")
     if doc.get("skipped"):
         lines.append(f"* Not measured (time budget or setup failure): {', '.join(doc['skipped'])}")
     bad = [(s["workload"], x) for s in summ["shapes"] for x in s["invalid"]]
