@@ -45,13 +45,19 @@ def reference(q, k, v, q_lens, kv_lens, scale, causal):
     return torch.cat(outs), torch.cat(lses, 1)
 
 
-def prefill_metadata(q_lens, device, chunk_kv_lens=None, dtype=torch.bfloat16):
+def prefill_metadata(q_lens, device, chunk_kv_lens=None, dtype=torch.bfloat16, chunks=None):
     """The fields of vLLM's MLACommonPrefillMetadata a prefill backend reads, with one context
-    chunk whose per-request context lengths are `chunk_kv_lens`."""
+    chunk whose per-request context lengths are `chunk_kv_lens` (or one chunk per list in
+    `chunks`). Each chunk carries vLLM's host fields (token_slice, num_context_tokens,
+    request_slice) beside its device index pointers, as vLLM 0.33.0's ContextChunk does."""
     chunked = None
     if chunk_kv_lens is not None:
+        chunks = [chunk_kv_lens]
+    if chunks is not None:
         chunked = SimpleNamespace(chunks=[SimpleNamespace(
-            index=0, query_start_loc=indptr(q_lens, device), cu_seq_lens=indptr(chunk_kv_lens, device))])
+            index=i, query_start_loc=indptr(q_lens, device), cu_seq_lens=indptr(kv, device),
+            token_slice=slice(0, sum(q_lens)), num_context_tokens=sum(kv),
+            request_slice=slice(0, len(q_lens))) for i, kv in enumerate(chunks)])
     return SimpleNamespace(query_start_loc=indptr(q_lens, device),
                            query_lens_cpu=torch.tensor(q_lens, dtype=torch.int32),
                            q_data_type=dtype, output_dtype=dtype, chunked_context=chunked)
@@ -59,3 +65,36 @@ def prefill_metadata(q_lens, device, chunk_kv_lens=None, dtype=torch.bfloat16):
 
 def scale() -> float:
     return (NOPE + ROPE) ** -0.5
+
+
+class RecordingRaggedWrapper:
+    """Stand-in for FlashInfer's BatchPrefillWithRaggedKVCacheWrapper on the CPU: records plan(),
+    computes with the float64 reference from exactly the planned index pointers, and returns the
+    LSE as FlashInfer does ([tokens, heads], base 2). `refuse` makes plan() refuse that backend."""
+
+    instances: list = []
+    refuse: set = set()
+
+    def __init__(self, workspace, layout, backend="auto"):
+        self.backend, self.plans = backend, []
+        RecordingRaggedWrapper.instances.append(self)
+
+    def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo=None,
+             causal=False, sm_scale=None, q_data_type=None, kv_data_type=None, o_data_type=None):
+        if self.backend in self.refuse:
+            raise ValueError(f"{self.backend} is not supported on this device")
+        self.plans.append(dict(qo=qo_indptr.clone(), kv=kv_indptr.clone(), heads=num_qo_heads,
+                               kv_heads=num_kv_heads, qk=head_dim_qk, vo=head_dim_vo, causal=causal,
+                               scale=sm_scale, q_dtype=q_data_type, o_dtype=o_data_type))
+
+    def run(self, q, k, v, out=None, lse=None, return_lse=False):
+        p = self.plans[-1]
+        qo, kv = p["qo"].tolist(), p["kv"].tolist()
+        q_lens = [b - a for a, b in zip(qo, qo[1:])]
+        kv_lens = [b - a for a, b in zip(kv, kv[1:])]
+        o, lse_e = reference(q, k, v, q_lens, kv_lens, p["scale"], p["causal"])
+        o = o.to(q.dtype)
+        if out is not None:
+            out.copy_(o)
+            o = out
+        return (o, (lse_e / torch.log(torch.tensor(2.0, dtype=torch.float64))).T.float()) if return_lse else o

@@ -57,6 +57,18 @@ class FaultyBackend(ReferenceBackend):
         return super().prepare(workload, candidate, problem)
 
 
+class RefusingBackend(FaultyBackend):
+    """The torch reference and one backend that refuses cleanly, every time it is asked."""
+
+    family = "refusing"
+    backends = ("torch", "refuse")
+    prepared: list = []          # (backend, batch) of every preparation in this process
+
+    def prepare(self, workload, candidate, problem):
+        RefusingBackend.prepared.append((candidate.backend, workload.batch_size))
+        return super().prepare(workload, candidate, problem)
+
+
 class SleepyBackend(ReferenceBackend):
     family = "sleepy"
     pause_s = float(os.environ.get("MLA_TUNE_TEST_PAUSE", "0.15"))
@@ -104,4 +116,5 @@ def _store_out_of_bounds(t):
 def register() -> None:
     register_family("faulty", f"{__name__}:FaultyBackend")
     register_family("sleepy", f"{__name__}:SleepyBackend")
+    register_family("refusing", f"{__name__}:RefusingBackend")
     register_family("gpufault", f"{__name__}:GpuFaultBackend")

@@ -161,7 +161,9 @@ def _cases(w: Path) -> list[list[str]]:
         for v in ["", "0", "-", "1-", "x", "9" * 5000, "1-99999999999", ",", "1,,4"]:
             cases.append(sweep + [opt, v])
     for opt, v in [("--time-budget", "x"), ("--time-budget", "9" * 400 + "h"), ("--name", ""),
-                   ("--model", ""), ("--family", ""), ("--family", "nope"), ("--ragged", "zipf"),
+                   ("--model", ""), ("--family", ""), ("--family", "nope"), ("--ragged", "zipff"),
+                   ("--lengths", str(w / "folder")), ("--lengths", str(w / "binary.bin")),
+                   ("--lengths", str(w / "nan.csv")),
                    ("--q-dtype", "fp8"), ("--mode", "fast"), ("--isolation", "threads"),
                    ("--device-name", "x")]:
         cases.append(sweep + [opt, v])

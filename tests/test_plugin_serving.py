@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import plugin_support as ps
-from prefill_support import (HEADS, KV_LORA, NOPE, ROPE, V_DIM, prefill_metadata, ragged,
-                             reference, scale)
+from prefill_support import (HEADS, KV_LORA, NOPE, ROPE, V_DIM, RecordingRaggedWrapper,
+                             prefill_metadata, ragged, reference, scale)
 from vllm_metax.device import DeviceInfo
 
 pytestmark = pytest.mark.vllm
@@ -157,39 +157,6 @@ def test_a_real_mla_attention_layer_builds_on_the_platform(gpu, tp_world, tmp_pa
 
 
 # ---------------------------------------------------------------------------- prefill numerics
-
-class RecordingRaggedWrapper:
-    """Stand-in for FlashInfer's BatchPrefillWithRaggedKVCacheWrapper on the CPU: records plan(),
-    computes with the float64 reference from exactly the planned index pointers, and returns the
-    LSE as FlashInfer does ([tokens, heads], base 2). `refuse` makes plan() refuse that backend."""
-
-    instances: list = []
-    refuse: set = set()
-
-    def __init__(self, workspace, layout, backend="auto"):
-        self.backend, self.plans = backend, []
-        RecordingRaggedWrapper.instances.append(self)
-
-    def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo=None,
-             causal=False, sm_scale=None, q_data_type=None, kv_data_type=None, o_data_type=None):
-        if self.backend in self.refuse:
-            raise ValueError(f"{self.backend} is not supported on this device")
-        self.plans.append(dict(qo=qo_indptr.clone(), kv=kv_indptr.clone(), heads=num_qo_heads,
-                               kv_heads=num_kv_heads, qk=head_dim_qk, vo=head_dim_vo, causal=causal,
-                               scale=sm_scale, q_dtype=q_data_type, o_dtype=o_data_type))
-
-    def run(self, q, k, v, out=None, lse=None, return_lse=False):
-        p = self.plans[-1]
-        qo, kv = p["qo"].tolist(), p["kv"].tolist()
-        q_lens = [b - a for a, b in zip(qo, qo[1:])]
-        kv_lens = [b - a for a, b in zip(kv, kv[1:])]
-        o, lse_e = reference(q, k, v, q_lens, kv_lens, p["scale"], p["causal"])
-        o = o.to(q.dtype)
-        if out is not None:
-            out.copy_(o)
-            o = out
-        return (o, (lse_e / torch.log(torch.tensor(2.0, dtype=torch.float64))).T.float()) if return_lse else o
-
 
 @pytest.fixture
 def recording_prefill(monkeypatch):

@@ -296,6 +296,24 @@ def test_sweep_survives_crashing_and_hanging_candidates(tmp_path):
     assert again.measured == 0 and again.faults == 0
 
 
+def test_a_refusal_is_learnt_once_for_every_later_bucket(tmp_path):
+    # the H200 sweep of 2026-12-02 re-tried 19 refused candidates in 83 of 96 buckets: a space
+    # was rebuilt only for the bucket right after a new refusal
+    db = tmp_path / "r.db"
+    sweep_families.RefusingBackend.prepared.clear()
+    cfg = build_config(db=db, device="cpu", emit=False, families=["refusing"], batches="1,2,4,8",
+                       contexts="64", page_sizes=[16], samples=2, warmup=1, isolation="inline")
+    out = run_sweep(cfg)
+    assert [b for b, _ in sweep_families.RefusingBackend.prepared].count("refuse") == 1
+    assert [len(b.planned.space.dropped) for b in out.buckets] == [0, 1, 1, 1]
+    assert [k for _, k in trial_keys(db)].count("refusing/refuse/p16") == 1   # stored, visible
+    # a later sweep on the same DB knows the refusal from the store
+    sweep_families.RefusingBackend.prepared.clear()
+    run_sweep(build_config(db=db, device="cpu", emit=False, families=["refusing"], batches="16",
+                           contexts="64", page_sizes=[16], samples=2, warmup=1, isolation="inline"))
+    assert {b for b, _ in sweep_families.RefusingBackend.prepared} == {"torch"}
+
+
 def test_tpe_mode_live_on_the_cpu(tmp_path):
     out = run_sweep(build_config(db=tmp_path / "r.db", device="cpu", emit=False, mode="tpe",
                                  isolation="inline", batches="1", contexts="64", samples=3, warmup=1))
@@ -394,3 +412,44 @@ def test_ceilings_subprocess_without_cuda_returns_nothing():
         import pytest
         pytest.skip("has CUDA")
     assert ceilings_in_subprocess(timeout=60) == {}
+
+
+def test_the_ceilings_probe_runs_beside_the_worker_and_is_ended(monkeypatch):
+    from mla_tune.tune import sweep as sweep_mod
+    monkeypatch.setattr(sweep_mod.CeilingsProbe, "CODE",
+                        "import json, time; time.sleep(0.2); print(json.dumps({'copy_gbps': 1.0}))")
+    probe = sweep_mod.CeilingsProbe(timeout=30).start()
+    assert probe.proc is not None and probe.result() == {"copy_gbps": 1.0} and probe.proc is None
+    monkeypatch.setattr(sweep_mod.CeilingsProbe, "CODE", "import time; time.sleep(60)")
+    slow = sweep_mod.CeilingsProbe(timeout=30).start()
+    proc = slow.proc
+    slow.close()                          # a sweep that measured nothing never asks
+    assert proc.poll() is not None and slow.result() == {}
+
+
+def test_the_time_line_splits_the_wall():
+    from mla_tune.tune.sweep import SweepOutcome, SweepPlan
+    o = SweepOutcome(SweepPlan("cuda", "gpu", [], {}, []), seconds=100.0,
+                     time_split={"samples_s": 20.0, "jit_s": 10.0, "measure_s": 60.0, "startup_s": 15.0})
+    line = o.time_line()
+    assert line.startswith("time: 100.0 s = timed samples 20.0 s + JIT 10.0 s + other measuring 30.0 s")
+    assert "start-up 15.0 s + search/store/choice 25.0 s (20% of the wall" in line
+    assert SweepOutcome(SweepPlan("cpu", "cpu-reference", [], {}, [])).time_line() == ""
+
+
+def test_the_journal_is_written_without_fsync_and_reads_back(tmp_path, monkeypatch):
+    import os
+    import optuna
+    from mla_tune.tune.search import journal_storage
+
+    def no_fsync(fd):
+        raise AssertionError("fsync called")
+
+    monkeypatch.setattr(os, "fsync", no_fsync)
+    path = tmp_path / "j.optuna.log"
+    study = optuna.create_study(study_name="s", storage=journal_storage(path))
+    t = study.ask()
+    t.suggest_int("x", 0, 3)
+    study.tell(t, 1.5)
+    again = optuna.load_study(study_name="s", storage=journal_storage(path))   # a later process
+    assert [x.value for x in again.trials] == [1.5]

@@ -102,3 +102,88 @@ def test_stats_of_spread_and_median():
     s = stats_of([10.0, 11.0, 12.0, 13.0, 100.0])
     assert s.median == 12.0 and s.minimum == 10.0
     assert s.spread == pytest.approx((13.0 - 11.0) / 12.0)
+
+
+# ---------------------------------------------------------------- the sweep's wall time
+
+def test_reference_and_problems_are_made_once_per_workload_and_page():
+    cache = trial.ProblemCache()
+    entries = [(ReferenceBackend(), Candidate("reference", "torch", p)) for p in (4, 4, 8)]
+    s = MeasureSettings(samples=2)
+    res = trial.measure_interleaved(entries[:2], _wl(), s, rounds=1, problems=cache)
+    assert all(r.status == "ok" for r in res)
+    assert cache.references == 1 and cache.made == 2          # one timing + one check instance
+    trial.measure_interleaved(entries, _wl(), s, rounds=1, problems=cache)   # same workload again
+    assert cache.references == 2 and cache.made == 4          # only page 8 is new
+    other = workload_for(custom_model(2, 32, 16), 1, 3, 8)
+    trial.measure_interleaved(entries[:1], other, s, rounds=1, problems=cache)
+    assert cache.references == 3 and cache.workload == other and set(cache._check) == {4}
+
+
+class Timed:
+    """A family whose samples come from a list: steady (every sample the same) or noisy."""
+
+    family = "timed"
+
+    def prepare(self, workload, candidate, problem):
+        return Prepared(run=lambda: None, plan=None, out=None, graphable=False)
+
+
+def test_sampling_stops_early_only_where_the_median_is_known(monkeypatch):
+    from mla_tune.measure import sampling
+    assert sampling.median_interval(list(range(1, 11))) == (2, 9)      # x(2), x(9) of 10
+    assert sampling.median_interval(list(range(1, 21))) == (6, 15)
+    assert not sampling.enough_samples([10.0] * 9) and sampling.enough_samples([10.0] * 10)
+    assert not sampling.enough_samples([10.0, 10.5] * 5)               # 5% wide: go on
+    noisy = iter([10.0, 11.0, 9.0, 12.0, 8.0] * 100)
+
+    def sample(self, n):
+        return [10.0] * n if self.prepared.steady else [next(noisy) for _ in range(n)]
+
+    monkeypatch.setattr(timing.KernelTimer, "sample", sample)
+
+    class Fam(Timed):
+        def prepare(self, workload, candidate, problem):
+            p = super().prepare(workload, candidate, problem)
+            p.steady = candidate.backend == "steady"
+            return p
+
+    entries = [(Fam(), Candidate("timed", b, 1)) for b in ("steady", "noisy")]
+    s = MeasureSettings(samples=20, min_samples=10, check=False, plan_samples=0)
+    steady, noisy_r = trial.measure_interleaved(entries, _wl(), s, rounds=4)
+    assert len(steady.samples["kernel_us"]) == 10 and len(noisy_r.samples["kernel_us"]) == 20
+    # without min_samples every candidate gets all its samples, as before
+    full = trial.measure_interleaved(entries, _wl(), MeasureSettings(samples=20, check=False), rounds=4)
+    assert [len(r.samples["kernel_us"]) for r in full] == [20, 20]
+
+
+def test_gpu_warm_up_is_once_per_batch(monkeypatch):
+    launches, syncs = [], []
+
+    class FakeTimer:
+        cuda = True
+
+        def __init__(self, name):
+            self.name = name
+
+        def launch(self):
+            launches.append(self.name)
+
+        def _sync(self):
+            syncs.append(1)
+
+    n = timing.warm_up([FakeTimer("a"), FakeTimer("b"), None], min_s=0.0)
+    assert n == 2 and launches == ["a", "b"] and len(syncs) == 1      # one round, one sync
+    assert timing.warm_up([]) == 0
+    # the interleaved batch builds its timers without the per-candidate warm-up
+    made = []
+    real = timing.KernelTimer.__init__
+
+    def init(self, *a, **k):
+        made.append(k.get("warm", True))
+        real(self, *a, **k)
+
+    monkeypatch.setattr(timing.KernelTimer, "__init__", init)
+    entries = [(Timed(), Candidate("timed", b, 1)) for b in "ab"]
+    trial.measure_interleaved(entries, _wl(), MeasureSettings(samples=2, check=False), rounds=1)
+    assert made == [False, False]

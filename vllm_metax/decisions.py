@@ -9,7 +9,10 @@ Both sides import this module, so they cannot drift apart:
 * the lookup statistic (`bucket_context`): a batch's per-request KV lengths -> the bucket context
   the tuner measured (the mean; a uniform bucket of context c has every length c);
 * what each kernel family's stored parameters mean (`FlashInferChoice` with its KV chunking,
-  `TritonChoice`), "keep vLLM's rule" included, read by the plugin and written by `mla-tune emit`.
+  `TritonChoice`), "keep vLLM's rule" included, read by the plugin and written by `mla-tune emit`;
+* the MLA prefill backend (`prefill_statistic`, `prefill_backend`): the lookup statistic of one
+  prefill plan (total query tokens, mean KV tokens per request) and the FlashInfer ragged-prefill
+  backend that plan runs, from the same per-device allowed set as decode.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from vllm_metax.tuned_config import KV_CHUNKS, ModelDims
+from vllm_metax.tuned_config import KV_CHUNKS, PREFILL_BACKENDS, ModelDims
 
 FLASHINFER = "flashinfer"
 TRITON = "triton"
@@ -64,6 +67,13 @@ def device_flashinfer_backends() -> FlashInferBackends:
     return flashinfer_backends(dev.is_metax, dev.capability)
 
 
+def device_prefill_backends() -> FlashInferBackends:
+    """`prefill_backends` for the visible device (vllm_metax.device, cached per process)."""
+    from vllm_metax.device import detect_device
+    dev = detect_device()
+    return prefill_backends(dev.is_metax, dev.capability)
+
+
 # ---------------------------------------------------------------- the model key
 
 def dtype_name(dtype, model_dtype=None) -> str:
@@ -94,6 +104,50 @@ def bucket_context(seq_lens: Sequence[int]) -> int:
         return 1
     total = int(sum(seq_lens)) if not hasattr(seq_lens, "sum") else int(seq_lens.sum())
     return max(1, total // n)
+
+
+# ---------------------------------------------------------------- the MLA prefill backend
+
+PREFILL_VALUES = PREFILL_BACKENDS   # the ragged-prefill backends the plugin plans (never "auto")
+
+
+def prefill_backends(is_metax: bool, capability: tuple | None) -> FlashInferBackends:
+    """The ragged-prefill backend values a device may plan and its untuned default: the decode
+    rule (`flashinfer_backends`: fa3/fa2 on Hopper, default fa3; fa2 only on MetaX, whose
+    FlashInfer build has no fa3, and on every other GPU), limited to fa2/fa3."""
+    fb = flashinfer_backends(is_metax, capability)
+    return FlashInferBackends(tuple(b for b in fb.allowed if b in PREFILL_VALUES), fb.default,
+                              fb.fallback)
+
+
+def prefill_statistic(query_tokens: int, kv_tokens: int, requests: int) -> tuple[int, int]:
+    """One prefill plan -> the (query_tokens, kv_len) a tuned prefill bucket is looked up by: the
+    plan's total query tokens and its mean KV tokens per request. Both come from the host index
+    pointers at plan time (the new tokens: kv = q per request, causal; a context chunk: the
+    chunk's context tokens over its requests). The total query tokens say how many query tiles
+    (x heads) the kernel spreads over the GPU; the KV tokens per request how long each one runs:
+    a 256-token prefill split over 4 requests (kv 64 each) is a different bucket from one
+    256-token request, as it measured (bench/results/prefill_choice_h200.md)."""
+    q = max(1, int(query_tokens))
+    return q, max(1, int(kv_tokens) // max(1, int(requests)))
+
+
+def prefill_backend(entry, causal: bool, query_tokens: int, kv_len: int,
+                    backends: FlashInferBackends) -> str:
+    """The ragged-prefill backend one prefill plan runs: the nearest tuned prefill bucket's value
+    (`tuned_config.ModelEntry.prefill_lookup`, same plan kind) when this device may run it, else
+    the device default (untuned, no prefill section, or a value the device does not run)."""
+    found = entry.prefill_lookup(causal, query_tokens, kv_len) if entry is not None else None
+    if found is not None and found.params.get("backend") in backends.allowed:
+        return found.params["backend"]
+    return backends.default
+
+
+def unservable_prefill(entry, backends: FlashInferBackends) -> list[str]:
+    """The prefill backend values an entry names that this device does not run (sorted)."""
+    if entry is None:
+        return []
+    return sorted({p.params.get("backend") for p in entry.prefill} - set(backends.allowed))
 
 
 # ---------------------------------------------------------------- per-family choices
@@ -179,6 +233,7 @@ def bucket_choice(bucket, family: str) -> FlashInferChoice | TritonChoice | None
 
 
 __all__ = ["AUTO", "FALLBACK_BACKEND", "FLASHINFER", "FlashInferBackends", "FlashInferChoice",
-           "TRITON", "TritonChoice", "VLLM_RULE", "bucket_choice", "bucket_context",
-           "device_flashinfer_backends", "dtype_name", "family_choice", "flashinfer_backends",
-           "kv_chunk_factor", "model_key"]
+           "PREFILL_VALUES", "TRITON", "TritonChoice", "VLLM_RULE", "bucket_choice",
+           "bucket_context", "device_flashinfer_backends", "device_prefill_backends", "dtype_name",
+           "family_choice", "flashinfer_backends", "kv_chunk_factor", "model_key",
+           "prefill_backend", "prefill_backends", "prefill_statistic", "unservable_prefill"]

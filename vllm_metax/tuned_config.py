@@ -3,8 +3,12 @@ reader (the vLLM plugin, at backend selection and at plan time).
 
 A file holds one device's choices, named in vLLM's tuned-config style
 (`device_name=NVIDIA_H200.json`). Per model dims (heads per rank, kv_lora_rank, rope dim, dtypes)
-it records a global choice (attention-backend order, KV page size) and per-bucket plan-time
-choices per kernel family (FlashInfer backend; Triton num_kv_splits).
+it records a global choice (attention-backend order, KV page size), per-bucket plan-time
+choices per kernel family (FlashInfer backend; Triton num_kv_splits) and, optionally, the MLA
+prefill section: per prefill bucket the FlashInfer ragged-prefill backend (fa2/fa3). A prefill
+bucket is keyed by the plan's kind (causal new tokens, or a non-causal context chunk), its total
+query tokens and its mean KV tokens per request (`vllm_metax.decisions.prefill_statistic`).
+Configs without a prefill section stay valid: prefill then plans the device default.
 """
 
 from __future__ import annotations
@@ -40,9 +44,13 @@ TRITON_BACKEND = "triton"
 # FlashInfer fa2/fa3 KV chunking (params.kv_chunk): the KV chunk limit of FlashInfer's MLAPlan
 # scaled by this factor ("none": never split a request's KV); absent = MLAPlan's own limit.
 KV_CHUNKS = ("x0.25", "x0.5", "x2", "x4", "none")
+# FlashInfer ragged-prefill backend values a prefill bucket may name (the plugin plans prefill with
+# fa2 or fa3 only; "auto" is FlashInfer's policy, never a tuned value).
+PREFILL_BACKENDS = ("fa2", "fa3")
 MAX_KV_SPLITS = 256            # vLLM's Triton MLA decode: num_kv_splits in 1..256
 MAX_BATCH = 65536              # requests in one decode step
 MAX_CONTEXT = 1 << 22          # KV tokens per request (4M; DeepSeek-V3 serves 160K)
+MAX_PREFILL_TOKENS = 1 << 22   # query / KV tokens of one prefill plan
 MAX_Q_LEN = 1024               # query tokens per request in one step (speculative decode)
 MAX_HEADS = 1024               # attention heads per rank
 MAX_HEAD_DIM = 4096            # kv_lora_rank, qk_rope_head_dim
@@ -108,6 +116,25 @@ class Bucket:
 
 
 @dataclass(frozen=True)
+class PrefillBucket:
+    """One MLA prefill bucket: the plan kind (`causal`: the new tokens; else a context chunk), the
+    plan's total query tokens and mean KV tokens per request, and the ragged-prefill backend
+    chosen there (`params`: {"backend": "fa2" | "fa3"}) with what it measured."""
+
+    causal: bool
+    query_tokens: int
+    kv_len: int
+    params: dict
+    time_us: float | None = None
+    default_time_us: float | None = None
+    significant: bool = False
+
+    @property
+    def backend(self) -> str:
+        return self.params["backend"]
+
+
+@dataclass(frozen=True)
 class Lookup:
     """A bucket found for a request; `exact` is False when it snapped, `in_range` False outside."""
 
@@ -125,9 +152,16 @@ class ModelEntry:
     model: str | None = None
     tp_size: int | None = None
     reason: str = ""
+    prefill: list = field(default_factory=list)     # PrefillBucket; empty: prefill untuned
     _grid: dict = field(default_factory=dict, repr=False, compare=False)
+    _prefill_grid: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
+        pgrid: dict = {}
+        for p in self.prefill:
+            pgrid.setdefault(p.causal, {}).setdefault(p.query_tokens, {})[p.kv_len] = p
+        self._prefill_grid = {c: (sorted(qs), {q: (sorted(ks), ks) for q, ks in qs.items()})
+                              for c, qs in pgrid.items()}
         grid: dict = {}
         for b in self.buckets:
             grid.setdefault(b.q_len, {}).setdefault(b.batch_size, {})[b.context_len] = b
@@ -147,6 +181,18 @@ class ModelEntry:
         in_range = (batches[0] <= batch_size <= batches[-1] and contexts[0] <= context_len <= contexts[-1])
         exact = q == q_len and b == batch_size and c == context_len
         return Lookup(cells[c], exact, in_range)
+
+
+    def prefill_lookup(self, causal: bool, query_tokens: int, kv_len: int) -> PrefillBucket | None:
+        """The nearest tuned prefill bucket of this plan kind on a log2 scale (query tokens first,
+        then KV tokens per request); None when no bucket of that kind is tuned."""
+        found = self._prefill_grid.get(bool(causal))
+        if found is None:
+            return None
+        qs, per_q = found
+        q = _nearest(qs, query_tokens)
+        ks, cells = per_q[q]
+        return cells[_nearest(ks, kv_len)]
 
 
 def _nearest(sorted_keys: list, value: int) -> int:
@@ -193,6 +239,11 @@ class TunedConfig:
                                       for f, c in b.families.items()}}
                         for b in m.buckets
                     ],
+                    **({"prefill": {"buckets": [
+                        {"causal": p.causal, "query_tokens": p.query_tokens, "kv_len": p.kv_len,
+                         "params": p.params, "time_us": p.time_us,
+                         "default_time_us": p.default_time_us, "significant": p.significant}
+                        for p in m.prefill]}} if m.prefill else {}),
                 }
                 for m in self.models
             ],
@@ -315,6 +366,44 @@ def _bucket(b, bw: str) -> Bucket:
     return Bucket(bs, cl, ql, fams, best)
 
 
+def check_prefill_params(params, where: str) -> dict:
+    """A prefill bucket's parameters: {"backend": one of PREFILL_BACKENDS}, nothing else."""
+    if not isinstance(params, dict):
+        raise TunedConfigError(f"{where}: params should be an object, got {_type_name(params)}")
+    if params.get("backend") not in PREFILL_BACKENDS:
+        shown = params.get("backend")
+        raise TunedConfigError(f"{where}: params.backend must be one of "
+                               f"{', '.join(PREFILL_BACKENDS)} (the FlashInfer ragged-prefill "
+                               f"backends the plugin plans), got {str(shown)[:80]!r}")
+    unknown = sorted(set(params) - {"backend"})
+    if unknown:
+        raise TunedConfigError(f"{where}: unknown prefill parameter {', '.join(map(repr, unknown))} "
+                               "(known: backend)")
+    return params
+
+
+def _prefill(section, where: str) -> list:
+    raw = _need(section, "buckets", list, where)
+    out, seen = [], set()
+    for j, b in enumerate(raw):
+        bw = f"{where}.buckets[{j}]"
+        causal = _need(b, "causal", bool, bw)
+        q = _int_in(b, "query_tokens", 1, MAX_PREFILL_TOKENS, bw)
+        kv = _int_in(b, "kv_len", 1, MAX_PREFILL_TOKENS, bw)
+        if causal and kv > q:
+            raise TunedConfigError(f"{bw}: a causal (new-token) bucket's kv_len {kv} is more than "
+                                   f"its query_tokens {q} (each request attends to its own tokens)")
+        params = check_prefill_params(_need(b, "params", dict, bw), bw)
+        key = (causal, q, kv)
+        if key in seen:
+            raise TunedConfigError(f"{bw}: prefill bucket causal={causal}, query_tokens {q}, "
+                                   f"kv_len {kv} appears twice")
+        seen.add(key)
+        out.append(PrefillBucket(causal, q, kv, params, _opt_float(b, "time_us", bw),
+                                 _opt_float(b, "default_time_us", bw), _bool(b, "significant", bw)))
+    return out
+
+
 def _entry(m, where: str) -> ModelEntry:
     dims = _dims(_need(m, "dims", dict, where), where + ".dims")
     g = _need(m, "global", dict, where)
@@ -342,7 +431,9 @@ def _entry(m, where: str) -> ModelEntry:
     model = _opt_str(m, "model", where)
     if model is not None and (not model.strip() or len(model) > MAX_NAME):
         raise TunedConfigError(f"{where}: model must be 1-{MAX_NAME} characters, got {model[:80]!r}")
-    return ModelEntry(dims, page_size, order, buckets, model, tp, _opt_str(g, "reason", where, ""))
+    prefill = _prefill(m["prefill"], where + ".prefill") if m.get("prefill") is not None else []
+    return ModelEntry(dims, page_size, order, buckets, model, tp, _opt_str(g, "reason", where, ""),
+                      prefill)
 
 
 def parse_tuned_config(data, source: str = "<config>") -> TunedConfig:

@@ -67,12 +67,13 @@ def known_errors() -> tuple:
     from mla_tune.store.selection import SelectionError
     from mla_tune.tune.distributed import StorageError
     from mla_tune.tune.emit import EmitError
+    from mla_tune.tune.prefill import PrefillSweepError
     from mla_tune.tune.sweep import SweepError
     from mla_tune.validate import InputError
     from mla_tune.views.report import ReportError
     from vllm_metax.tuned_config import TunedConfigError
     return (UserError, InputError, ProblemError, StoreError, SelectionError, StorageError,
-            SweepError, EmitError, ReportError, TunedConfigError)
+            SweepError, EmitError, ReportError, TunedConfigError, PrefillSweepError)
 
 
 def exit_code_of(error: Exception) -> int:

@@ -191,6 +191,8 @@ def print_summary(outcome) -> None:
         console.print(f"{o.measured} trials measured, {o.cached} answered from {escape(str(o.plan.db))}"
                       f" (already measured), {o.faults} crashed or timed out"
                       f" ({o.restarts} worker restarts), {o.seconds:.1f} s")
+        if o.time_line():
+            console.print(escape(o.time_line()), highlight=False)
     for w in getattr(o, "workers", None) or ():
         state = "done" if w.returncode == 0 else f"[yellow]exited {w.returncode}[/]" + (
             f" ({escape(w.error)})" if w.error else "")
@@ -236,7 +238,7 @@ HELP = (
     "--remeasure). --replay runs the search over a DB's stored measurements instead (no GPU).")
 
 # flags that only a live sweep uses, and the one only a replay uses: given to the other, refused
-LIVE_ONLY = ("db", "ragged", "q_dtype", "kv_dtype", "page_size", "family", "time_budget", "timeout",
+LIVE_ONLY = ("db", "lengths", "q_dtype", "kv_dtype", "page_size", "family", "time_budget", "timeout",
              "samples", "warmup", "isolation", "remeasure", "configs_dir", "emit", "journal", "name")
 REPLAY_ONLY = ("device_name",)
 
@@ -257,7 +259,13 @@ def sweep(
     q_len: Optional[List[int]] = typer.Option(None, "--q-len", help="query tokens per request; repeat "
                                               "(q_len > 1 = speculative decode, causal; default 1)",
                                               **INT["q_len"].typer),
-    ragged: str = typer.Option("uniform", "--ragged", help="context lengths: uniform, uniform-random, lognormal"),
+    lengths: Optional[str] = typer.Option(None, "--lengths", "--ragged", help="per-request context "
+                                          "lengths in a bucket: uniform, zipf, uniform-random, "
+                                          "lognormal, or a CSV file of request lengths (a column "
+                                          "context_len, length, prompt_len, ...) resampled to each "
+                                          "bucket, its mean scaled to the bucket's context "
+                                          "(default: uniform, plus the GPU's zipf buckets; --ragged "
+                                          "is the old name)"),
     q_dtype: str = typer.Option("bfloat16", "--q-dtype"),
     kv_dtype: str = typer.Option("bfloat16", "--kv-dtype"),
     page_size: Optional[List[int]] = typer.Option(None, "--page-size", help="KV page sizes (powers of "
@@ -359,7 +367,7 @@ def sweep(
                         else "drop --no-emit"))
             config = build_config(model=model if model is not None else "deepseek-v3", tp_sizes=tp,
                                   batches=batches, contexts=contexts, q_lens=q_len or (1,),
-                                  ragged=ragged, q_dtype=q_dtype, kv_dtype=kv_dtype,
+                                  ragged=lengths, q_dtype=q_dtype, kv_dtype=kv_dtype,
                                   page_sizes=page_size, samples=samples, warmup=warmup,
                                   timeout_s=timeout, time_budget=time_budget, device=device,
                                   db=db if db is not None else default_db(device),

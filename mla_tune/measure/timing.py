@@ -13,7 +13,8 @@ L2 is the realistic state; the KV pool itself is larger than L2 (`default_pool_b
 Order per candidate: warm-up runs (JIT and first-launch costs stay out of every sample; the
 compile time is `Prepared.compile_s`), then `plan()` timed on the host (a server plans every
 decode step; samples in "plan_us"), then a final plan, then graph capture, then at least
-MIN_WARM_S of replays so the clocks have ramped up. Nothing replans after capture. The graph's output is checked against the eager output; if capture fails or the replay
+MIN_WARM_S of replays so the clocks have ramped up (`warm_up`: once per interleaved batch, over all
+its candidates). Nothing replans after capture. The graph's output is checked against the eager output; if capture fails or the replay
 differs, samples fall back to events around eager launches, and `TimedSamples.method` /
 `.note` say so (trial.py stores the note in the trial message).
 
@@ -82,7 +83,9 @@ class KernelTimer:
     MIN_WARM_S = 0.03        # GPU busy time before the first sample, so clocks have ramped up
 
     def __init__(self, prepared: Prepared, device="cuda", warmup: int = 3, plan_samples: int = 20,
-                 use_graph: bool = True, flush: bool = True, graph_events: bool = True):
+                 use_graph: bool = True, flush: bool = True, graph_events: bool = True,
+                 warm: bool = True):
+        """`warm=False` leaves the clock warm-up to the caller (`warm_up` over a whole batch)."""
         self.prepared = prepared
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
@@ -103,16 +106,11 @@ class KernelTimer:
             else:
                 self.method = METHOD_EVENTS
                 self.note = "events around eager launches (candidate not graphable)"
-            self._warm()
+            if warm:
+                self._warm()
 
     def _warm(self) -> None:
-        t0 = time.perf_counter()
-        while True:
-            for _ in range(5):
-                self.launch()
-            self._sync()
-            if time.perf_counter() - t0 >= self.MIN_WARM_S:
-                break
+        warm_up([self])
 
     def _sync(self):
         if self.cuda:
@@ -241,6 +239,25 @@ class KernelTimer:
     def close(self) -> None:
         self.graph = None
         self.timed_graph = None
+
+
+def warm_up(timers, min_s: float | None = None) -> int:
+    """Launch every timer's unit round-robin until the GPU has been busy `min_s` (default
+    KernelTimer.MIN_WARM_S), so the clocks have ramped up before the first sample; once per
+    interleaved batch, not per candidate (the candidates were just prepared and captured, so the
+    GPU was busy moments ago). Nothing to do off CUDA. Returns the launches made."""
+    timers = [t for t in timers if t is not None and t.cuda]
+    if not timers:
+        return 0
+    min_s = KernelTimer.MIN_WARM_S if min_s is None else min_s
+    t0, n = time.perf_counter(), 0
+    while True:
+        for t in timers:
+            t.launch()
+            n += 1
+        timers[0]._sync()
+        if time.perf_counter() - t0 >= min_s:
+            return n
 
 
 def time_prepared(prepared: Prepared, settings) -> TimedSamples:

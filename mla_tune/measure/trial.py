@@ -28,6 +28,11 @@ TOLERANCE = {"bfloat16": 2e-2, "float16": 5e-3}
 
 @dataclass
 class MeasureSettings:
+    """How candidates are measured. `samples` is the most kernel samples a candidate gets;
+    `min_samples` (None: all of them) lets one stop earlier once its median is known to
+    `mla_tune.measure.sampling`'s precision; `rounds` is how many interleaved rounds a batch's
+    samples are split over."""
+
     device: str = "cpu"
     warmup: int = 2
     samples: int = 10
@@ -35,6 +40,8 @@ class MeasureSettings:
     min_pool_bytes: int = 0          # > L2 on the GPU (see timing.default_pool_bytes)
     check: bool = True
     seed: int = 0
+    min_samples: int | None = None
+    rounds: int = 5
 
 
 @dataclass
@@ -48,24 +55,84 @@ class TrialResult:
     max_rel_error: float | None = None
 
 
+def reference_output(problem, workload: Workload):
+    """The torch reference's output for a problem instance (the correctness oracle)."""
+    return mla_decode_reference(problem.q_nope, problem.q_pe, problem.ckv_cache, problem.kpe_cache,
+                                problem.block_table, problem.seq_lens_cpu, workload.softmax_scale,
+                                workload.q_len)
+
+
 def check_correctness(backend, workload: Workload, candidate: Candidate, settings: MeasureSettings,
-                      seed: int) -> float:
-    """Relative error of the candidate against the reference on fresh data; raises CandidateInvalid."""
-    problem = make_problem(workload, candidate.page_size, settings.device, seed=seed)
+                      seed: int, check=None) -> float:
+    """Relative error of the candidate against the reference on fresh data; raises CandidateInvalid.
+    `check` is a (problem, reference output) pair made for this workload and page size with
+    `seed` (ProblemCache.check), so that candidates share one reference computation."""
+    if check is None:
+        problem = make_problem(workload, candidate.page_size, settings.device, seed=seed)
+        ref = None
+    else:
+        problem, ref = check
     prepared = backend.prepare(workload, candidate, problem)
     if prepared.out is not None:
         prepared.out.fill_(float("nan"))      # poison: every element must be written
     out = prepared.run()
     if settings.device != "cpu":
         torch.cuda.synchronize()
-    ref = mla_decode_reference(problem.q_nope, problem.q_pe, problem.ckv_cache, problem.kpe_cache,
-                               problem.block_table, problem.seq_lens_cpu, workload.softmax_scale,
-                               workload.q_len)
+    if ref is None:
+        ref = reference_output(problem, workload)
     err = relative_error(out, ref)
     tol = TOLERANCE[workload.q_dtype]
     if not err <= tol:
         raise CandidateInvalid("wrong_result", f"relative error {err:.3g} > {tol:g} against the torch reference")
     return err
+
+
+class ProblemCache:
+    """The problem instances of the workload being measured: per page size the timing instance
+    and the correctness instance with its reference output, made once and shared by every
+    candidate of that page size, across batches while the same workload comes back. Only the
+    page sizes of the latest batch are kept (grid batches go page size by page size), so the
+    memory held is what one batch needs."""
+
+    def __init__(self):
+        self.workload = None
+        self._timing: dict = {}
+        self._check: dict = {}
+        self.made = 0                 # instances made (tests)
+        self.references = 0           # reference outputs computed (tests)
+
+    def keep_only(self, workload: Workload, page_sizes) -> None:
+        if workload != self.workload:
+            self.clear()
+            self.workload = workload
+        pages = set(page_sizes)
+        for d in (self._timing, self._check):
+            for p in [p for p in d if p not in pages]:
+                del d[p]
+
+    def timing(self, workload: Workload, page_size: int, settings: MeasureSettings):
+        if page_size not in self._timing:
+            self._timing[page_size] = make_problem(workload, page_size, settings.device,
+                                                   seed=settings.seed,
+                                                   min_pool_bytes=settings.min_pool_bytes)
+            self.made += 1
+        return self._timing[page_size]
+
+    def check(self, workload: Workload, page_size: int, settings: MeasureSettings, seed: int):
+        if page_size not in self._check:
+            problem = make_problem(workload, page_size, settings.device, seed=seed)
+            self.made += 1
+            self._check[page_size] = (problem, reference_output(problem, workload))
+            self.references += 1
+        return self._check[page_size]
+
+    def clear(self) -> None:
+        self.workload = None
+        self._timing.clear()
+        self._check.clear()
+
+
+PROBLEMS = ProblemCache()      # this process's; the worker measures one workload at a time
 
 
 def measure(backend, workload: Workload, candidate: Candidate, settings: MeasureSettings) -> TrialResult:
@@ -116,42 +183,57 @@ class _Entry:
 
 
 def measure_interleaved(entries: Sequence[tuple[object, Candidate]], workload: Workload, settings,
-                        rounds: int = 5, on_prepared: Callable | None = None) -> list:
+                        rounds: int | None = None, on_prepared: Callable | None = None,
+                        problems: ProblemCache | None = None) -> list:
     """Measure several candidates of one workload round-robin; one TrialResult per entry, in order.
 
     `entries` are (backend, candidate) pairs (families may differ); `settings` a
-    measure.MeasureSettings (`samples` is the total per candidate, split over `rounds`). Each
-    candidate is first prepared on a problem shared by all candidates of its page size,
-    correctness-checked on fresh data (measure.check_correctness) and captured; failures become
-    invalid TrialResults with their reason, exactly as measure.measure makes them. Then `rounds`
-    rounds each take ceil(samples / rounds) samples from every live candidate, the order rotated
-    by one per round. `on_prepared(candidate, ok)` is called after each preparation (progress).
+    measure.MeasureSettings (`samples` is the most per candidate, split over `rounds`, default
+    settings.rounds). Each candidate is first prepared on a problem shared by all candidates of
+    its page size, correctness-checked on fresh data whose reference output is computed once per
+    page size (measure.check_correctness, `problems`: default this process's PROBLEMS) and
+    captured; failures become invalid TrialResults with their reason, exactly as measure.measure
+    makes them. The GPU is warmed once for the batch (timing.warm_up), then each round takes
+    ceil(samples / rounds) samples from every live candidate, the order rotated by one per round;
+    a candidate whose median is already known well enough (sampling.enough_samples, from
+    settings.min_samples on) leaves the rounds early. `on_prepared(candidate, ok)` is called
+    after each preparation (progress).
     """
-    problems: dict[int, object] = {}
+    from mla_tune.measure.sampling import REL_WIDTH, enough_samples
+    from mla_tune.measure.timing import warm_up
+    rounds = settings.rounds if rounds is None else rounds
+    cache = PROBLEMS if problems is None else problems
     todo: list[_Entry] = [_Entry(b, c) for b, c in entries]
+    cache.keep_only(workload, {e.candidate.page_size for e in todo})
     for e in todo:
         try:
             t0 = time.perf_counter()
-            if e.candidate.page_size not in problems:
-                problems[e.candidate.page_size] = make_problem(
-                    workload, e.candidate.page_size, settings.device, seed=settings.seed,
-                    min_pool_bytes=settings.min_pool_bytes)
-            prepared = e.backend.prepare(workload, e.candidate, problems[e.candidate.page_size])
+            problem = cache.timing(workload, e.candidate.page_size, settings)
+            prepared = e.backend.prepare(workload, e.candidate, problem)
             e.compile_s = prepared.compile_s or (time.perf_counter() - t0)
             if settings.check:
-                e.max_rel_error = check_correctness(e.backend, workload, e.candidate, settings,
-                                                    seed=settings.seed + 1000)
-            e.timer = KernelTimer(prepared, settings.device, settings.warmup, settings.plan_samples)
+                seed = settings.seed + 1000
+                e.max_rel_error = check_correctness(
+                    e.backend, workload, e.candidate, settings, seed=seed,
+                    check=cache.check(workload, e.candidate.page_size, settings, seed))
+            e.timer = KernelTimer(prepared, settings.device, settings.warmup, settings.plan_samples,
+                                  warm=False)
         except Exception as exc:  # noqa: BLE001 - every failure is data
             e.result = invalid_result(e.candidate, exc)
             e.timer = None
         if on_prepared is not None:
             on_prepared(e.candidate, e.result is None)
     live = [e for e in todo if e.timer is not None]
+    try:
+        warm_up([e.timer for e in live])     # clocks up once for the batch, not per candidate
+    except Exception as exc:  # noqa: BLE001 - a launch that fails here fails its sampling too
+        for e in live:
+            e.result = invalid_result(e.candidate, exc)
+        live = []
     per_round = max(1, math.ceil(settings.samples / max(rounds, 1)))
-    for r in range(max(rounds, 1)):
-        if not live:
-            break
+    least = settings.samples if settings.min_samples is None else settings.min_samples
+    r = 0
+    while live:
         k = r % len(live)
         for e in live[k:] + live[:k]:
             want = min(per_round, settings.samples - len(e.kernel_us))
@@ -159,7 +241,9 @@ def measure_interleaved(entries: Sequence[tuple[object, Candidate]], workload: W
                 e.kernel_us.extend(e.timer.sample(want))
             except Exception as exc:  # noqa: BLE001
                 e.result = invalid_result(e.candidate, exc)
-        live = [e for e in live if e.result is None]
+        r += 1
+        live = [e for e in live if e.result is None and len(e.kernel_us) < settings.samples
+                and not enough_samples(e.kernel_us, least, REL_WIDTH)]
     results = []
     for e in todo:
         if e.result is None:

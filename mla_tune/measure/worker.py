@@ -93,7 +93,9 @@ class InlineRunner:
         return [_plain(r) for r in measure_batch(workload, entries, self.settings, on_progress)]
 
     def close(self) -> None:
+        from mla_tune.measure.trial import PROBLEMS
         self._backends.clear()
+        PROBLEMS.clear()           # the last workload's instances are not needed after the sweep
 
 
 # ---------------------------------------------------------------- the worker process
@@ -383,6 +385,12 @@ class WorkerRunner:
                 pass
             self._log = None
         return code
+
+    def start(self) -> None:
+        """Start the worker now rather than at the first batch (a sweep overlaps it with its own
+        start-up); WorkerError if it cannot start."""
+        if self._proc is None or not self._proc.is_alive():
+            self._start()
 
     def close(self) -> None:
         self._stop(kill=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from functools import lru_cache
 from importlib import resources
 from typing import Sequence
@@ -125,6 +125,10 @@ class Workload:
     q_dtype: str = "bfloat16"
     kv_dtype: str = "bfloat16"
     model: str = "custom"
+    # the per-request lengths themselves, where the kind alone does not give them (a recorded
+    # trace, "trace:<digest>") or as stored with the workload; not part of its identity (`key`):
+    # the kind, batch, context and seed determine them
+    lengths: tuple | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         from mla_tune.validate import INT, MAX_KV_TOKENS
@@ -139,14 +143,26 @@ class Workload:
         if self.batch_size * self.context_len > MAX_KV_TOKENS:
             raise ProblemError(f"batch {self.batch_size} x context {self.context_len} is more than "
                                f"{MAX_KV_TOKENS} KV tokens in one step (the KV cache would not fit)")
-        if self.ragged not in RAGGED_KINDS:
-            raise ProblemError(f"unknown length distribution {self.ragged!r}; one of {RAGGED_KINDS}")
+        check_length_kind(self.ragged)
         for d in (self.q_dtype, self.kv_dtype):
             if d not in DTYPES:
                 raise ProblemError(f"unsupported dtype {d!r}; one of {DTYPES}")
+        if self.lengths is not None:
+            lens = tuple(self.lengths)
+            if len(lens) != self.batch_size or any(
+                    isinstance(x, bool) or not isinstance(x, int) or not self.q_len <= x <= MAX_LENGTH
+                    for x in lens):
+                raise ProblemError(f"per-request lengths must be {self.batch_size} integers in "
+                                   f"{self.q_len}..{MAX_LENGTH}")
+            object.__setattr__(self, "lengths", lens)
+        elif is_trace(self.ragged):
+            raise ProblemError(f"a {self.ragged} workload needs its per-request lengths "
+                               "(the trace they were drawn from)")
 
     @property
     def seq_lens(self) -> list[int]:
+        if self.lengths is not None:
+            return list(self.lengths)
         return ragged_lengths(self.ragged, self.batch_size, self.context_len, self.q_len, self.seed)
 
     @property
@@ -156,7 +172,33 @@ class Workload:
     @property
     def key(self) -> dict:
         """The columns that identify this workload in the results store."""
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if k != "lengths"}
+
+    @classmethod
+    def from_row(cls, row) -> "Workload":
+        """The workload a stored row describes (a workloads row, or a trial row joined with
+        one), with the per-request lengths stored beside it when there are any (`seq_lens`,
+        JSON; schema 4 on), else computed from the kind. Raises ProblemError."""
+        import json
+        names = [f.name for f in fields(cls) if f.name != "lengths"]
+        keys = row.keys() if hasattr(row, "keys") else ()
+        try:
+            values = {n: row[n] for n in names}
+        except (KeyError, IndexError) as e:
+            raise ProblemError(f"stored workload lacks {e}") from None
+        stored = row["seq_lens"] if "seq_lens" in keys else None
+        lengths = None
+        if stored:
+            try:
+                lengths = tuple(json.loads(stored))
+            except (TypeError, ValueError):
+                raise ProblemError("stored per-request lengths are not a JSON list") from None
+        return cls(**values, lengths=lengths)
+
+    def lengths_json(self) -> str | None:
+        """The per-request lengths to store with a ragged workload (None for uniform ones)."""
+        import json
+        return None if self.ragged == "uniform" else json.dumps(self.seq_lens)
 
     def label(self) -> str:
         r = "" if self.ragged == "uniform" else f" {self.ragged}"
@@ -164,17 +206,89 @@ class Workload:
         return f"H{self.num_heads} B{self.batch_size} L{self.context_len}{q}{r}"
 
 
-RAGGED_KINDS = ("uniform", "uniform-random", "lognormal")
+RAGGED_KINDS = ("uniform", "uniform-random", "lognormal", "zipf")
+TRACE_PREFIX = "trace:"          # + the first 16 hex digits of a recorded trace's digest
+ZIPF_EXPONENT = 1.5              # power-law tail index: finite mean, most requests short, a few long
+MAX_LENGTH = 1 << 22             # one request's KV length
+# CSV columns a recorded trace's per-request lengths are read from, by priority (case-insensitive)
+LENGTH_COLUMNS = ("context_len", "seq_len", "kv_len", "length", "prompt_len", "input_len",
+                  "prompt_tokens", "num_tokens", "tokens")
+MAX_TRACE_ROWS = 1_000_000
+
+
+def is_trace(kind: str) -> bool:
+    return isinstance(kind, str) and kind.startswith(TRACE_PREFIX)
+
+
+def check_length_kind(kind: str) -> str:
+    """A stored or named length distribution: one of RAGGED_KINDS or trace:<16 hex digits>."""
+    if kind in RAGGED_KINDS:
+        return kind
+    if is_trace(kind):
+        digest = kind[len(TRACE_PREFIX):]
+        if len(digest) == 16 and all(ch in "0123456789abcdef" for ch in digest):
+            return kind
+    raise ProblemError(f"unknown length distribution {str(kind)[:80]!r}; one of "
+                       f"{', '.join(RAGGED_KINDS)}, or a CSV file of request lengths")
+
+
+def _scaled_to_mean(raw: Sequence[float], context_len: int, lo: int) -> list[int]:
+    """`raw` scaled so the batch's mean length is context_len (the plugin looks a batch up by its
+    mean), each clipped to [lo, 8 x context_len]: what a clip cuts off (or adds) is made up by
+    rescaling the others, then the rounding remainder goes a token at a time to the largest
+    fractions, so the total is exactly batch x context_len wherever the clips allow and the
+    bucket's lookup statistic (vllm_metax.decisions.bucket_context) is its context."""
+    n = len(raw)
+    target = context_len * n
+    hi = max(lo, min(8 * context_len, MAX_LENGTH))
+    vals = [max(float(x), 0.0) for x in raw]
+    fixed: dict = {}
+    exact = [float(context_len)] * n
+    for _ in range(n + 1):
+        free = [i for i in range(n) if i not in fixed]
+        rest = target - sum(fixed.values())
+        total = sum(vals[i] for i in free)
+        if not free or total <= 0:
+            exact = [fixed.get(i, rest / max(len(free), 1)) for i in range(n)]
+            break
+        scale = rest / total
+        clipped = {i: (hi if vals[i] * scale > hi else lo) for i in free
+                   if not lo <= vals[i] * scale <= hi}
+        if not clipped:
+            exact = [fixed[i] if i in fixed else vals[i] * scale for i in range(n)]
+            break
+        fixed.update(clipped)
+    out = [min(max(int(x), lo), hi) for x in exact]
+    diff = target - sum(out)
+    order = sorted(range(n), key=lambda i: -(exact[i] - int(exact[i])))
+    step = 1 if diff > 0 else -1
+    for i in order * 2:
+        if diff == 0:
+            break
+        if lo <= out[i] + step <= hi:
+            out[i] += step
+            diff -= step
+    return out
 
 
 def ragged_lengths(kind: str, batch: int, context_len: int, q_len: int, seed: int) -> list[int]:
-    """Per-request KV lengths with mean about context_len (each >= q_len, <= 2*context_len)."""
+    """Per-request KV lengths with mean about context_len, each >= q_len: uniform (all equal),
+    uniform-random (<= 2 x context_len), lognormal (median context_len/1.5, <= 4 x), zipf
+    (a Zipf-like power-law tail: Lomax with exponent ZIPF_EXPONENT, median ~0.3 x the mean, mean
+    exactly context_len, <= 8 x). A recorded trace
+    is not a kind: its workloads carry their lengths (LengthTrace.sample)."""
     if kind == "uniform":
         return [context_len] * batch
     rng = random.Random(seed)
     lo = max(q_len, 1)
     if kind == "uniform-random":
         return [rng.randint(lo, max(lo, 2 * context_len - lo)) for _ in range(batch)]
+    if kind == "zipf":
+        # Lomax (Pareto II, shifted to start at 0): median 0.29 x the mean, a power-law tail
+        return _scaled_to_mean([rng.paretovariate(ZIPF_EXPONENT) - 1.0 for _ in range(batch)],
+                               context_len, lo)
+    if kind != "lognormal":
+        raise ProblemError(f"length distribution {kind!r} has no rule for its lengths")
     # lognormal with median context_len/1.5 and a long tail, clipped: how chat traffic looks
     out = []
     for _ in range(batch):
@@ -183,12 +297,100 @@ def ragged_lengths(kind: str, batch: int, context_len: int, q_len: int, seed: in
     return out
 
 
+@dataclass(frozen=True)
+class LengthTrace:
+    """Per-request lengths recorded from real traffic (`load_trace`): a bucket draws its batch
+    from them (`sample`). Its identity is the digest of the lengths, in order, so two traces
+    never share a workload and a reformatted copy of one file is the same trace."""
+
+    source: str
+    lengths: tuple
+    digest: str
+
+    @classmethod
+    def of(cls, lengths: Sequence[int], source: str = "trace") -> "LengthTrace":
+        import hashlib
+        lens = tuple(int(x) for x in lengths)
+        if not lens:
+            raise ProblemError(f"{source}: no request lengths")
+        digest = hashlib.sha256(",".join(map(str, lens)).encode()).hexdigest()
+        return cls(source, lens, digest)
+
+    @property
+    def kind(self) -> str:
+        return TRACE_PREFIX + self.digest[:16]
+
+    def sample(self, batch: int, context_len: int, q_len: int = 1, seed: int = 0) -> tuple:
+        """`batch` lengths drawn from the trace with replacement (seeded), then scaled so their
+        mean is the bucket's context (the statistic the plugin looks a batch up by; the trace
+        gives the shape of the distribution, the bucket its size) and clipped to
+        [q_len, 8 x context]."""
+        rng = random.Random(seed)
+        return tuple(_scaled_to_mean([rng.choice(self.lengths) for _ in range(batch)],
+                                     context_len, max(q_len, 1)))
+
+
+def load_trace(path) -> LengthTrace:
+    """Request lengths from a CSV file: the first column among LENGTH_COLUMNS (header,
+    case-insensitive), or the one column of a file without a header. Raises ProblemError with
+    the file and line for anything else (missing, empty, no such column, a value that is not a
+    positive integer)."""
+    import csv
+    from mla_tune.validate import InputError, input_text
+    try:
+        text = input_text(path, "request-length CSV", max_bytes=64 << 20)
+    except InputError as e:
+        raise ProblemError(f"cannot read request lengths: {e}") from None
+    try:
+        rows = [r for r in csv.reader(text.splitlines())
+                if r and "".join(r).strip() and not r[0].strip().startswith("#")]
+    except csv.Error as e:
+        raise ProblemError(f"{path}: not a CSV file ({e})") from None
+    if not rows:
+        raise ProblemError(f"{path}: no request lengths (the file is empty)")
+
+    def number(x: str) -> bool:
+        return x.strip().isdigit()
+
+    header = [h.strip().lower() for h in rows[0]]
+    if not all(number(x) for x in rows[0]):
+        col = next((header.index(c) for c in LENGTH_COLUMNS if c in header), None)
+        if col is None:
+            raise ProblemError(f"{path}: no request-length column; the header has "
+                               f"{', '.join(repr(h[:30]) for h in header[:12])}, expected one of "
+                               f"{', '.join(LENGTH_COLUMNS)}")
+        body, first = rows[1:], 2
+    else:
+        if len(rows[0]) != 1:
+            raise ProblemError(f"{path}: {len(rows[0])} columns and no header: name the length "
+                               f"column ({', '.join(LENGTH_COLUMNS[:4])}, ...) in a header line")
+        col, body, first = 0, rows, 1
+    if len(body) > MAX_TRACE_ROWS:
+        raise ProblemError(f"{path}: more than {MAX_TRACE_ROWS} requests")
+    lengths = []
+    for i, r in enumerate(body, first):
+        v = r[col].strip() if col < len(r) else ""
+        if not number(v) or not 1 <= int(v) <= MAX_LENGTH:
+            raise ProblemError(f"{path}:{i}: request length {v[:40]!r} is not an integer in "
+                               f"1..{MAX_LENGTH}")
+        lengths.append(int(v))
+    if not lengths:
+        raise ProblemError(f"{path}: no request lengths (a header and no rows)")
+    return LengthTrace.of(lengths, str(path))
+
+
 def workload_for(model: ModelDims, tp_size: int, batch_size: int, context_len: int, q_len: int = 1,
                  ragged: str = "uniform", seed: int = 0, q_dtype: str = "bfloat16",
-                 kv_dtype: str = "bfloat16") -> Workload:
+                 kv_dtype: str = "bfloat16", trace: LengthTrace | None = None) -> Workload:
+    """One bucket's workload; with `trace`, its lengths are drawn from the recorded trace (and
+    `ragged` is the trace's kind)."""
+    lengths = None
+    if trace is not None:
+        ragged = trace.kind
+        lengths = trace.sample(batch_size, context_len, q_len, seed)
     return Workload(model.heads_per_rank(tp_size), model.kv_lora_rank, model.qk_rope_head_dim,
                     model.softmax_scale, batch_size, context_len, q_len, ragged, seed, q_dtype,
-                    kv_dtype, model.name)
+                    kv_dtype, model.name, lengths)
 
 
 def log2_grid(lo: int, hi: int) -> list[int]:

@@ -7,7 +7,6 @@ report, emit, bench scripts) never re-parse raw rows. `TrialRecord.from_row` con
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping
@@ -63,7 +62,7 @@ class StoredWorkload:
 
 def _problem(row: Mapping) -> Workload | None:
     try:
-        return Workload(**{f.name: row[f.name] for f in dataclasses.fields(Workload)})
+        return Workload.from_row(row)   # a ragged workload with its stored per-request lengths
     except Exception:  # noqa: BLE001 - any stored value the model refuses (another version's row)
         return None
 

@@ -4,6 +4,9 @@ Every measurement references a run (the environment it was taken in) and a workl
 one candidate on one workload, with its status and, when invalid, the reason; its raw timing
 samples go to `samples`, statistics are derived on read. WAL mode, one commit per trial, so a
 killed sweep loses at most the trial in flight.
+
+MLA prefill workloads (`mla_tune.problem.prefill`) share the workloads table, marked by their
+layout in `ragged`; `trials()` returns decode trials unless asked for prefill ones.
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ from typing import Iterable
 import sqlite_utils
 
 from mla_tune.problem.defaults import KERNEL_METRIC, PLAN_METRIC
+from mla_tune.problem.prefill import LAYOUTS as PREFILL_LAYOUTS
 from mla_tune.store.records import StoredWorkload, TrialRecord, as_records
 from mla_tune.validate import is_sqlite, own_kind
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 META_TABLE = "mla_tune_meta"
 INVALID_REASONS = ("compile", "runtime", "wrong_result", "unsupported", "timeout", "crash")
 STATUSES = ("ok", "invalid")
@@ -91,7 +95,14 @@ def _m3_uids_and_claims(db: sqlite_utils.Database) -> None:
     db["trials"].create_index(["claim"], unique=True)   # NULLs (no shared study) never collide
 
 
-MIGRATIONS = [_m1_initial, _m2_trial_is_default, _m3_uids_and_claims]   # index i brings the schema from version i to i + 1
+def _m4_workload_lengths(db: sqlite_utils.Database) -> None:
+    # a ragged workload's per-request lengths, as measured (JSON): a recorded trace's cannot be
+    # computed from its kind, and every reader rebuilds the exact batch from them; NULL for
+    # uniform workloads and for those stored before (their kind gives their lengths)
+    db["workloads"].add_column("seq_lens", str)
+
+
+MIGRATIONS = [_m1_initial, _m2_trial_is_default, _m3_uids_and_claims, _m4_workload_lengths]   # index i brings the schema from version i to i + 1
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
 
@@ -286,7 +297,8 @@ class ResultsStore:
             if rows:
                 return rows[0]["id"]
             return self.db["workloads"].insert(
-                {**key, "total_kv_tokens": workload.total_kv_tokens, "bytes": bytes_, "flops": flops}
+                {**key, "total_kv_tokens": workload.total_kv_tokens, "bytes": bytes_, "flops": flops,
+                 "seq_lens": workload.lengths_json()}
             ).last_pk
 
     def add_trial(self, run_id: int, workload_id: int, candidate, status: str,
@@ -340,12 +352,15 @@ class ResultsStore:
         rows = self.trials(f"t.claim in ({','.join('?' * len(claims))})", claims)
         return {r["claim"]: r for r in rows}
 
-    def trials(self, where: str = "1=1", args: Iterable = ()) -> list[dict]:
-        """Trials joined with their workload and run, with kernel-time statistics derived here."""
+    def trials(self, where: str = "1=1", args: Iterable = (), prefill: bool = False) -> list[dict]:
+        """Trials joined with their workload and run, with kernel-time statistics derived here:
+        decode trials, or with `prefill` the MLA prefill trials (never both: the choices differ)."""
+        layouts = ", ".join(f"'{x}'" for x in PREFILL_LAYOUTS)
+        where = f"({where}) and {'' if prefill else 'not '}(coalesce(w.ragged, '') in ({layouts}))"
         sql = f"""
             select t.*, w.model, w.num_heads, w.kv_lora_rank, w.qk_rope_head_dim, w.softmax_scale,
                    w.batch_size, w.context_len, w.q_len, w.ragged, w.seed, w.q_dtype, w.kv_dtype,
-                   w.total_kv_tokens, w.bytes, w.flops, r.device_name, r.kind as run_kind,
+                   w.total_kv_tokens, w.bytes, w.flops, w.seq_lens, r.device_name, r.kind as run_kind,
                    r.copy_gbps, r.matmul_tflops
             from trials t join workloads w on t.workload_id = w.id join runs r on t.run_id = r.id
             where {where} order by t.id"""

@@ -4,7 +4,9 @@ Winners and the global choice are `mla_tune.tune.choose`'s; this module only tra
 `choose.Choice` into `vllm_metax.tuned_config.TunedConfig` (the one schema shared with the reader)
 with its provenance: the device name as the plugin sees it (the name `vllm_metax.device` recorded
 in the run), SM count, FlashInfer / torch / CUDA versions, the date, the rules, and the results.db
-runs the numbers came from. `mla-tune emit` and the sweep both call `emit_config`.
+runs the numbers came from. `mla-tune emit` and the sweep both call `emit_config`. The prefill
+section of each entry comes from the device's stored prefill trials (`mla_tune.tune.prefill`,
+the same significance rule).
 """
 
 from __future__ import annotations
@@ -101,9 +103,14 @@ def _bucket(b: choosing.BucketChoice) -> tc.Bucket:
 def model_entries(choice: choosing.Choice, notes: list[str]) -> list[tc.ModelEntry]:
     """One tuned-config entry per model dims; entries that cannot be written are noted, not written.
 
-    The config keys entries by dims (heads per rank, ranks, dtypes) only, so two choices with the
-    same dims (two presets with equal dims, or uniform and ragged lengths) cannot both be written:
-    the uniform-length one with the most buckets stays.
+    The config keys entries by dims (heads per rank, ranks, dtypes) only. Of the choices with the
+    same dims, the uniform-length one with the most buckets makes the entry (page size, backend
+    order); the buckets of the same model measured with ragged lengths (a distribution or a
+    recorded trace) are merged into it, each keyed by its lookup statistic (the mean length the
+    plugin looks a batch up by), where their page size is the entry's. On a shared key (same
+    batch, q_len and lookup context) the ragged bucket wins: its lengths are what a server sees,
+    while equal lengths are rare in serving. Other same-dims choices (another preset, a ragged
+    choice at another page size) are noted, not written.
     """
     by_dims: dict = {}
     ordered = sorted(choice.models, key=lambda m: (m.ragged != "uniform", -len(m.buckets), m.model))
@@ -115,8 +122,22 @@ def model_entries(choice: choosing.Choice, notes: list[str]) -> list[tc.ModelEnt
         dims = decisions.model_key(m.num_heads, m.kv_lora_rank, m.qk_rope_head_dim, m.q_dtype,
                                    m.kv_dtype)
         if dims in by_dims:
-            notes.append(f"{label}: same dims as {by_dims[dims].model} "
-                         f"({by_dims[dims].reason.split(';')[0]}...), not written")
+            base = by_dims[dims]
+            if m.ragged != "uniform" and m.model == base.model and m.page_size == base.page_size:
+                keyed = {(b.batch_size, b.context_len, b.q_len): b for b in base.buckets}
+                mine = [_bucket(b) for b in m.buckets]
+                shared = sum((b.batch_size, b.context_len, b.q_len) in keyed for b in mine)
+                keyed.update({(b.batch_size, b.context_len, b.q_len): b for b in mine})
+                merged = sorted(keyed.values(), key=lambda b: (b.q_len, b.batch_size, b.context_len))
+                by_dims[dims] = tc.ModelEntry(base.dims, base.page_size, base.backend_order, merged,
+                                              base.model, base.tp_size,
+                                              base.reason + f"; {len(mine)} buckets measured with "
+                                              f"{m.ragged} context lengths")
+                notes.append(f"{label}: {len(mine)} ragged buckets merged into the entry by mean "
+                             f"length ({shared} replace a uniform bucket at the same key)")
+                continue
+            notes.append(f"{label}: same dims as {base.model} "
+                         f"({base.reason.split(';')[0]}...), not written")
             continue
         order = list(m.backend_order)
         reason = f"{m.page_reason}; {m.order_reason}"
@@ -159,8 +180,33 @@ def build_tuned_config(store, flt: TrialFilter = TrialFilter(), mix: WorkloadMix
                          f"the buckets measured on {device}")
     choice = choosing.choose(records, mix, device_name=device, **choose_kw)
     run_ids = {r.run_id for r in choosing.latest_trials(records)}
+    prefill_rows = store.trials(*TrialFilter(device, flt.model, flt.runs).where(), prefill=True)
+    run_ids |= {r["run_id"] for r in choosing.latest_trials(prefill_rows)}
     runs = [r for r in store.runs() if r["id"] in run_ids]
-    return config_from_choice(choice, runs, Path(store.path).name, mix)
+    cfg = config_from_choice(choice, runs, Path(store.path).name, mix)
+    return with_prefill(cfg, prefill_rows, **{k: v for k, v in choose_kw.items()
+                                              if k in ("p_threshold", "min_ratio")})
+
+
+def with_prefill(cfg: tc.TunedConfig, prefill_rows: list, **choose_kw) -> tc.TunedConfig:
+    """`cfg` with each model entry's prefill section chosen from `prefill_rows` (the device's
+    prefill trials); prefill measured for dims without a decode entry is noted, not written."""
+    if not prefill_rows:
+        return cfg
+    import dataclasses
+    from mla_tune.tune.prefill import choose_prefill, prefill_buckets
+    sections = {dims: prefill_buckets(vs) for dims, vs in choose_prefill(prefill_rows, **choose_kw).items()}
+    notes = cfg.provenance.setdefault("notes", [])
+    models = []
+    for m in cfg.models:
+        buckets = sections.pop(m.dims, None)
+        models.append(dataclasses.replace(m, prefill=buckets) if buckets else m)
+    for dims in sections:
+        notes.append(f"prefill measured for H{dims.num_heads} (kv_lora_rank {dims.kv_lora_rank}, "
+                     f"{dims.q_dtype}) but no decode entry has those dims: its prefill section is "
+                     "not written (sweep decode for it first)")
+    cfg.provenance["prefill_trials"] = len(choosing.latest_trials(prefill_rows))
+    return dataclasses.replace(cfg, models=models)
 
 
 def emit_config(source, out_dir: str | Path = "configs", *, store=None, device: str | None = None,
@@ -197,8 +243,9 @@ def config_summary(cfg: tc.TunedConfig) -> list[str]:
     out = [f"wrote {cfg.path} ({cfg.device_name}, runs {runs})"]
     for e in cfg.models:
         n = len(e.buckets)
+        pre = f", {len(e.prefill)} prefill bucket{'' if len(e.prefill) == 1 else 's'}" if e.prefill else ""
         out.append(f"  {e.model or '-'} H{e.dims.num_heads}: page {e.page_size}, "
-                   f"{' > '.join(e.backend_order)}, {n} bucket{'' if n == 1 else 's'}")
+                   f"{' > '.join(e.backend_order)}, {n} bucket{'' if n == 1 else 's'}{pre}")
     out += [f"  note: {n}" for n in cfg.provenance.get("notes") or []]
     return out
 

@@ -1,9 +1,12 @@
-"""The sweep: plan the buckets, search each one's candidates, store every trial, resume, replay.
+"""The sweep: plan each bucket's search, measure its candidates, store every trial, resume.
 
-    plan_buckets(...)            -> [Bucket]        model x TP sizes x batch x context x q_len
+    plan_buckets(...)            -> [Bucket]        model x TP sizes x batch x context x q_len (buckets.py)
     SweepConfig(...)                                what to measure and how (defaults per device)
+    build_config(**flags)        -> SweepConfig     from command-line values (sweep_flags.py)
     run_sweep(config, observer)  -> SweepOutcome    measure (in a worker process), store, choose, emit
-    replay_sweep(db, config)     -> SweepOutcome    the same search over stored measurements
+    replay_sweep(db, config)     -> SweepOutcome    the same search over stored measurements (replay.py)
+
+The names of buckets.py, sweep_flags.py and replay.py are importable from here as well.
 
 Every trial is committed through ResultsStore.add_trial as soon as its batch returns, with the run
 record of environment.capture_environment. Rerunning the same sweep is a resume: a (workload,
@@ -17,9 +20,7 @@ SweepObserver (the CLI's draws a rich progress bar).
 
 from __future__ import annotations
 
-import math
 import os
-import re
 import statistics
 import time
 from dataclasses import dataclass, field, replace
@@ -28,8 +29,11 @@ from typing import Sequence
 
 from mla_tune.families.base import Candidate, CandidateInvalid
 from mla_tune.measure.trial import MeasureSettings
-from mla_tune.problem.workload import (DTYPES, RAGGED_KINDS, ModelDims, ProblemError, Workload, WorkloadMix,
-                              log2_grid, model_preset, workload_for)
+from mla_tune.problem.workload import ProblemError, Workload, WorkloadMix
+from mla_tune.tune.buckets import (CPU_DB, DEFAULT_RAGGED, GPU_DB, Bucket, DefaultSpace,  # noqa: F401
+                                   default_db, default_space, detect_device, journal_path_for,
+                                   measure_settings, parse_duration, parse_sizes, plan_buckets,
+                                   resolve_lengths)
 from mla_tune.tune.search import (GRID_MAX, PATIENCE, Evaluation, SearchOutcome, SearchPolicy,
                              SearchSpace, journal_storage, search)
 
@@ -49,138 +53,6 @@ class SweepError(Exception):
 
 class SweepInputError(SweepError, ValueError):
     """A sweep asked for something that does not exist (an unknown family, an empty replay DB)."""
-
-
-# ---------------------------------------------------------------- buckets
-
-@dataclass(frozen=True)
-class Bucket:
-    """One workload the sweep tunes: a model at one TP size, batch size, context length, q_len."""
-
-    model: str
-    tp_size: int | None
-    workload: Workload
-
-    @property
-    def label(self) -> str:
-        tp = f"TP{self.tp_size} " if self.tp_size else ""
-        return f"{self.model} {tp}{self.workload.label()}"
-
-
-def plan_buckets(model: ModelDims, tp_sizes: Sequence[int], batch_sizes: Sequence[int],
-                 context_lens: Sequence[int], q_lens: Sequence[int] = (1,), ragged: str = "uniform",
-                 q_dtype: str = "bfloat16", kv_dtype: str = "bfloat16") -> list[Bucket]:
-    """Every (TP, q_len, batch, context) combination; raises ProblemError on impossible values
-    (a TP size that does not divide the heads, q_len > context, ...). q_len > 1 buckets are
-    speculative decode: the q_len queries of a request attend causally."""
-    out, seen = [], set()
-    for tp in tp_sizes:
-        for q in q_lens:
-            for b in batch_sizes:
-                for c in context_lens:
-                    if q > c:
-                        raise ProblemError(f"q_len {q} is longer than context length {c}")
-                    w = workload_for(model, tp, b, c, q_len=q, ragged=ragged, q_dtype=q_dtype,
-                                     kv_dtype=kv_dtype)
-                    if w not in seen:
-                        seen.add(w)
-                        out.append(Bucket(model.name, tp, w))
-    return out
-
-
-_SIZE = re.compile(r"^\s*(\d{1,12})\s*([kKmM]?)\s*$")
-
-
-def _size(text: str) -> int:
-    m = _SIZE.match(text)
-    if not m:
-        raise ValueError(f"not a size: {text!r} (use e.g. 16, 4K, 1M)")
-    return int(m.group(1)) * {"": 1, "k": 1024, "m": 1024 * 1024}[m.group(2).lower()]
-
-
-def parse_sizes(text: str, kind: str | None = None) -> list[int]:
-    """'1-128' (powers of two from 1 to 128), '1K-32K', '1,4,16' or '4096' -> sorted sizes; with
-    `kind` ("batch", "context") each is checked against that kind's range."""
-    from mla_tune.validate import MAX_LIST, INT, InputError
-    try:
-        text = text.strip()
-        if "-" in text or ":" in text:
-            lo, hi = re.split(r"[-:]", text, maxsplit=1)
-            lo_v, hi_v = _size(lo), _size(hi)
-            if kind and hi_v > INT[kind].hi:
-                raise ValueError(f"{kind} sizes must be in {INT[kind].lo}..{INT[kind].hi}")
-            return log2_grid(lo_v, hi_v)
-        parts = text.split(",")
-        if not text or any(not t.strip() for t in parts):
-            raise ValueError("empty entry")
-        if len(parts) > MAX_LIST:
-            raise ValueError(f"at most {MAX_LIST} values")
-        values = sorted({_size(t) for t in parts})
-        if values[0] < 1:
-            raise ValueError("sizes must be positive")
-        if kind:
-            for x in values:
-                INT[kind].check(f"{kind} size", x)
-        return values
-    except (ValueError, ProblemError, InputError) as e:
-        raise ValueError(f"bad size list {text[:80]!r}: {e}") from None
-
-
-def parse_duration(text: str) -> float:
-    """'90', '90s', '9m', '1h', '1h30m' -> seconds; '0' or 'none' -> 0 (no limit)."""
-    t = text.strip().lower()
-    if t in ("", "0", "none", "off"):
-        return 0.0
-    parts = re.findall(r"(\d+(?:\.\d+)?)\s*([hms]?)", t)
-    if not parts or "".join(n + u for n, u in parts) != t.replace(" ", ""):
-        raise ValueError(f"bad duration {text!r} (use e.g. 600, 90s, 9m, 1h30m)")
-    return sum(float(n) * {"h": 3600, "m": 60, "s": 1, "": 1}[u] for n, u in parts)
-
-
-@dataclass(frozen=True)
-class DefaultSpace:
-    """What a sweep measures when not told otherwise, per device kind."""
-
-    tp_sizes: tuple
-    batch_sizes: tuple
-    context_lens: tuple
-    page_sizes: tuple
-    samples: int
-    warmup: int
-    timeout_s: float
-    time_budget_s: float
-
-
-def default_space(device: str) -> DefaultSpace:
-    """GPU: DeepSeek-V3 at TP1 and TP8, batch 1-128 x context 1K-32K on log2 steps (96 buckets),
-    sized with the time budget to finish in under 10 minutes on an H200, JIT included. CPU: a
-    small space the torch reference covers in seconds."""
-    if str(device).startswith("cuda"):
-        return DefaultSpace((1, 8), tuple(log2_grid(1, 128)), tuple(log2_grid(1024, 32768)),
-                            (1, 16, 64), samples=20, warmup=3, timeout_s=180.0, time_budget_s=540.0)
-    return DefaultSpace((8,), (1, 4), (256, 1024), (1, 16, 64), samples=10, warmup=2,
-                        timeout_s=120.0, time_budget_s=0.0)
-
-
-def detect_device() -> str:
-    import torch
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-GPU_DB = Path("results.db")
-CPU_DB = Path("results-cpu.db")     # the CPU reference's numbers never mix with a GPU's
-
-
-def default_db(device: str | None = None) -> Path:
-    """The results DB a sweep (and report, emit) uses when none is named: results.db on a GPU,
-    results-cpu.db without CUDA (the CPU torch reference is not a serving device)."""
-    return GPU_DB if str(device or detect_device()).startswith("cuda") else CPU_DB
-
-
-def journal_path_for(db: str | Path) -> Path:
-    """Where the optuna study of a DB lives: results.db -> results.optuna.log (optuna-dashboard)."""
-    db = Path(db)
-    return db.with_name(db.stem + ".optuna.log")
 
 
 # ---------------------------------------------------------------- configuration and events
@@ -203,7 +75,7 @@ class SweepConfig:
     max_trials: int | None = None
     patience: int | None = PATIENCE
     time_budget_s: float = 0.0
-    batch: int = 16
+    batch: int = 32                      # candidates per worker round trip (one interleaved set)
     seed: int = 0
     timeout_s: float = 120.0
     isolation: str = "auto"
@@ -312,10 +184,28 @@ class SweepOutcome:
     emit_note: str = ""
     stopped_early: int = 0                                # buckets cut by a budget
     workers: list = field(default_factory=list)           # distributed.WorkerReport, with --gpus
+    time_split: dict = field(default_factory=dict)        # TIME_PARTS -> seconds (live sweeps)
 
     @property
     def valid_trials(self) -> int:
         return sum(e.ok for b in self.buckets for e in b.search.evaluations)
+
+    def time_line(self) -> str:
+        """Where the sweep's wall time went, in one line: the timed samples (GPU busy in the
+        samples kept), first-use JIT, the rest of measuring in the worker (preparing, checking,
+        capturing, warm-up, transfers), starting workers and the run record, and this process's
+        search, store and choice."""
+        t = self.time_split
+        if not t:
+            return ""
+        wall = self.seconds or sum(t.values())
+        own = max(0.0, wall - t.get("measure_s", 0.0) - t.get("startup_s", 0.0))
+        other = max(0.0, t.get("measure_s", 0.0) - t.get("samples_s", 0.0) - t.get("jit_s", 0.0))
+        parts = [("timed samples", t.get("samples_s", 0.0)), ("JIT", t.get("jit_s", 0.0)),
+                 ("other measuring", other), ("start-up", t.get("startup_s", 0.0)),
+                 ("search/store/choice", own)]
+        return (f"time: {wall:.1f} s = " + " + ".join(f"{name} {v:.1f} s" for name, v in parts)
+                + f" ({100 * t.get('samples_s', 0.0) / wall if wall else 0:.0f}% of the wall in timed samples)")
 
 
 # ---------------------------------------------------------------- planning
@@ -396,6 +286,17 @@ def _study_name(config: SweepConfig, b: Bucket, space: SearchSpace | None = None
     return f"{name} | space {digest[:10]}" + (f" | {config.study_tag}" if config.study_tag else "")
 
 
+def plan_bucket(bucket: Bucket, space: SearchSpace, config: SweepConfig,
+                workload_id: int | None = None, index: int = 0) -> PlannedBucket:
+    """A bucket's search plan, decided once: its space, the mode the policy resolves for the
+    space's size and the trial budget (0 for an empty space). The live sweep, its re-planning
+    after a refusal and the replay all plan through here."""
+    pol = config.policy(None)
+    mode = pol.resolve_mode(len(space))
+    return PlannedBucket(bucket, space, mode, pol.budget(len(space), mode) if len(space) else 0,
+                         workload_id, index)
+
+
 def plan_sweep(config: SweepConfig, store=None) -> tuple[SweepPlan, dict]:
     """Resolve the device and families and build every bucket's search space (nothing runs)."""
     device = config.device or detect_device()
@@ -407,11 +308,8 @@ def plan_sweep(config: SweepConfig, store=None) -> tuple[SweepPlan, dict]:
     refused = _refusals(store, device) if store is not None and not config.remeasure else {}
     planned = []
     for i, b in enumerate(config.buckets):
-        space = _space_for(b, backends, config.page_sizes, refused)
-        pol = config.policy(None)
-        mode = pol.resolve_mode(len(space))
-        planned.append(PlannedBucket(b, space, mode, pol.budget(len(space), mode) if len(space) else 0,
-                                     index=i))
+        planned.append(plan_bucket(b, _space_for(b, backends, config.page_sizes, refused), config,
+                                   index=i))
     db = Path(config.db) if config.db is not None else default_db(device)
     journal, storage = None, ""
     if config.storage:
@@ -498,9 +396,10 @@ def _refusals(store, device: str) -> dict:
     name = _device_name(device)
     for r in store.trials("r.device_name = ? and t.status = 'invalid' and t.invalid_reason = 'unsupported'",
                           [name]):
-        w = Workload(r["num_heads"], r["kv_lora_rank"], r["qk_rope_head_dim"], r["softmax_scale"],
-                     r["batch_size"], r["context_len"], r["q_len"], r["ragged"], r["seed"],
-                     r["q_dtype"], r["kv_dtype"], r["model"])
+        try:
+            w = Workload.from_row(r)
+        except ProblemError:     # a row another version wrote: its refusal is not learnt
+            continue
         c = Candidate(r["family"], r["backend"], r["page_size"], r["params"])
         out.setdefault(_unsupported_key(c, w), (w.label(), (r["message"] or "").splitlines()[0][:200]))
     return out
@@ -511,19 +410,53 @@ def _refusals(store, device: str) -> dict:
 JIT_S = 0.5      # a preparation longer than this is first-use compilation, not the bucket's search
 
 
-def ceilings_in_subprocess(timeout: float = 180.0) -> dict:
+class CeilingsProbe:
     """Copy bandwidth and matmul rate of this GPU for the run record (roofline %), measured in a
-    child process so this process never initialises CUDA before its workers fork. {} on failure."""
-    import json
-    import subprocess
-    import sys
-    code = ("import json; from mla_tune.problem.roofline import measure_ceilings; "
+    child process so this process never initialises CUDA before its workers fork. Started at
+    once (`start`), so the child's interpreter and CUDA start overlap the worker's; `result`
+    waits for it ({} on any failure), `close` ends it if never asked."""
+
+    CODE = ("import json; from mla_tune.problem.roofline import measure_ceilings; "
             "c = measure_ceilings('cuda'); print(json.dumps({k: c[k] for k in ('copy_gbps', 'matmul_tflops')}))")
-    try:
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
-        return json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else {}
-    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
-        return {}
+
+    def __init__(self, timeout: float = 180.0):
+        self.timeout = timeout
+        self.proc = None
+
+    def start(self) -> "CeilingsProbe":
+        import subprocess
+        import sys
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-c", self.CODE], stdout=subprocess.PIPE,
+                                         stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.proc = None
+        return self
+
+    def result(self) -> dict:
+        import json
+        import subprocess
+        if self.proc is None:
+            return {}
+        try:
+            out, _ = self.proc.communicate(timeout=self.timeout)
+            return json.loads(out.strip().splitlines()[-1]) if self.proc.returncode == 0 else {}
+        except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+            self.close()
+            return {}
+        finally:
+            self.proc = None
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+
+def ceilings_in_subprocess(timeout: float = 180.0) -> dict:
+    """CeilingsProbe, started and waited for: {} on failure."""
+    return CeilingsProbe(timeout).start().result()
 
 
 class _Measurer:
@@ -534,6 +467,7 @@ class _Measurer:
         self.store, self.runner, self.plan, self.config = store, runner, plan, config
         self.outcome, self.obs, self.refused, self.device_name = outcome, obs, refused, device_name
         self.run_id: int | None = None
+        self.ceilings: CeilingsProbe | None = None     # started early by run_sweep on a GPU
 
     def _run(self) -> int:
         if self.run_id is None:     # a rerun that measures nothing adds no run record
@@ -544,7 +478,8 @@ class _Measurer:
                 env["cuda_visible_devices"] = os.environ.get("CUDA_VISIBLE_DEVICES")
                 env["worker"] = f"{self.config.worker_index + 1}/{self.config.worker_count} pid {os.getpid()}"
             if self.plan.kind == "gpu":
-                env.update(ceilings_in_subprocess())
+                env.update(self.ceilings.result() if self.ceilings is not None
+                           else ceilings_in_subprocess())
             self.run_id = self.store.add_run(env)
             self.outcome.run_id = self.run_id
         return self.run_id
@@ -575,14 +510,20 @@ class _Measurer:
                 return [evs[c.key] for c in cands]
             t_run = time.monotonic()
             run_id = self._run()            # once per sweep: run record, ceilings measured in a child
+            split = self.outcome.time_split
+            split["startup_s"] = split.get("startup_s", 0.0) + time.monotonic() - t_run
             if policy.deadline is not None:
                 policy.deadline += time.monotonic() - t_run
             self.obs.on_measuring(p, todo)
             started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
             started_s = getattr(self.runner, "startup_s", 0.0)
+            t_measure = time.monotonic()
             results = self.runner.measure(w, todo, lambda c, ok: self.obs.on_prepared(p, c, ok))
+            started_s = getattr(self.runner, "startup_s", 0.0) - started_s
+            split["startup_s"] += started_s
+            split["measure_s"] = split.get("measure_s", 0.0) + time.monotonic() - t_measure - started_s
             if policy.deadline is not None:     # starting (or replacing) the worker is not search
-                policy.deadline += getattr(self.runner, "startup_s", 0.0) - started_s
+                policy.deadline += started_s
             for c, r in zip(todo, results):
                 tid = self.store.add_trial(
                     run_id, p.workload_id, c, r.status, r.samples or None,
@@ -596,8 +537,12 @@ class _Measurer:
                 if r.invalid_reason == "unsupported":
                     first = (r.message or "").splitlines()[0][:200] if r.message else ""
                     self.refused.setdefault(_unsupported_key(c, w), (w.label(), first))
-                if policy.deadline is not None and (r.compile_s or 0) > JIT_S:
-                    policy.deadline += r.compile_s
+                if (r.compile_s or 0) > JIT_S:
+                    split["jit_s"] = split.get("jit_s", 0.0) + r.compile_s
+                    if policy.deadline is not None:
+                        policy.deadline += r.compile_s
+                split["samples_s"] = split.get("samples_s", 0.0) + sum(
+                    (r.samples or {}).get(METRIC) or ()) / 1e6
                 evs[c.key] = self._report(p, best, ev)
                 self.outcome.measured += 1
             return [evs[c.key] for c in cands]
@@ -707,28 +652,29 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
     if config.gpus:
         from mla_tune.tune.distributed import run_workers
         return run_workers(config, list(config.gpus), observer)
-    from mla_tune.problem.roofline import workload_bytes, workload_flops
-    from mla_tune.store.results import ResultsStore
-    from mla_tune.measure.worker import make_runner
 
     obs = observer or SweepObserver()
     t_start = time.monotonic()
     config = check_sweep_config(config)      # every input checked before anything is written
     _tag_remeasure(config)
     store = ResultsStore(config.db)
-    heartbeat = None
+    heartbeat = prebuild = None
     try:
         plan, ctx = plan_sweep(config, store)
         if not plan.families:
             why = "; ".join(f"{f}: {r}" for f, r in plan.skipped.items())
             raise SweepError(f"no kernel family can run on {plan.device} ({why})")
+        if plan.kind == "gpu" and "flashinfer" in plan.families:
+            # FlashInfer's fa2/fa3 modules compile in the background while the sweep starts up
+            # and measures (MLA_TUNE_JIT_PREBUILD=0: the worker compiles them on first use)
+            from mla_tune.measure.jit_prebuild import start_prebuild
+            prebuild = start_prebuild([p.bucket.workload for p in plan.buckets if len(p.space)])
         device_name = _device_name(plan.device)
         for p in plan.buckets:
             w = p.bucket.workload
             p.workload_id = store.workload_id(w, workload_bytes(w), workload_flops(w))
         d = default_space(plan.device)
-        settings = config.settings or MeasureSettings(device=plan.device, warmup=d.warmup,
-                                                      samples=d.samples)
+        settings = config.settings or measure_settings(plan.device, d.samples, d.warmup)
         settings = replace(settings, device=plan.device)
         storage = _open_storage(config, plan)
         if storage is not None:
@@ -738,9 +684,22 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
         outcome = SweepOutcome(plan)
         obs.on_start(plan)
         refused = ctx["refused"]
-        n_refused = len(refused)
+        # how many refusals each bucket's space was built with: a refusal learnt in any earlier
+        # bucket drops that candidate from every later one (not only from the next bucket)
+        built_with = {i: len(refused) for i in range(len(plan.buckets))}
         runner = make_runner(settings, config.isolation, config.timeout_s, plan.families)
         measurer = _Measurer(store, runner, plan, config, outcome, obs, refused, device_name)
+        if plan.kind == "gpu" and any(len(p.space) for p in plan.buckets):
+            # the ceilings child and the worker start side by side (neither touches the GPU
+            # until the ceilings are measured: the worker waits for its first batch)
+            measurer.ceilings = CeilingsProbe().start()
+            t_worker = time.monotonic()
+            try:
+                getattr(runner, "start", lambda: None)()
+            except Exception:
+                measurer.ceilings.close()
+                raise
+            outcome.time_split["startup_s"] = time.monotonic() - t_worker
         end = (time.monotonic() + config.time_budget_s) if config.time_budget_s else None
         weights = [bucket_weight(p) for p in plan.buckets]
         n = len(plan.buckets)
@@ -752,11 +711,11 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
         try:
             for k, i in enumerate(order):
                 p = plan.buckets[i]
-                if len(refused) != n_refused:   # refusals learnt in earlier buckets apply here
-                    n_refused = len(refused)
-                    p.space = _space_for(p.bucket, ctx["backends"], config.page_sizes, refused)
-                    p.mode = config.policy(None).resolve_mode(len(p.space))
-                    p.budget = config.policy(None).budget(len(p.space), p.mode) if len(p.space) else 0
+                if len(refused) != built_with[i]:   # refusals learnt in earlier buckets apply here
+                    built_with[i] = len(refused)
+                    again = plan_bucket(p.bucket, _space_for(p.bucket, ctx["backends"],
+                                                             config.page_sizes, refused), config)
+                    p.space, p.mode, p.budget = again.space, again.mode, again.budget
                 left = [weights[j] for j in order[k:]]
                 share = None if end is None else \
                     time.monotonic() + budget_share(max(0.0, end - time.monotonic()), left)
@@ -803,6 +762,8 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
         finally:
             outcome.faults = getattr(runner, "faults", 0)
             outcome.restarts = getattr(runner, "restarts", 0)
+            if measurer.ceilings is not None:
+                measurer.ceilings.close()
             runner.close()
         if config.role == "worker":       # the launcher chooses and emits, once, after its workers
             outcome.seconds = time.monotonic() - t_start
@@ -819,6 +780,9 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
         obs.on_done(outcome)
         return outcome
     finally:
+        if prebuild is not None:
+            from mla_tune.measure.jit_prebuild import finish_prebuild
+            finish_prebuild(prebuild)
         if heartbeat is not None:
             heartbeat.close()
         store.close()
@@ -911,197 +875,21 @@ def emit_tuned_config(outcome: SweepOutcome, config: SweepConfig, store=None) ->
     return (Path(path) if path else None), ""
 
 
-# ---------------------------------------------------------------- replay
-
-def stored_buckets(rows: list) -> list[Bucket]:
-    """The buckets a set of trial rows covers, in a stable order."""
-    from mla_tune.tune.choose import _tp_size
-    seen = {}
-    for r in rows:
-        if r["workload_id"] in seen:
-            continue
-        w = Workload(r["num_heads"], r["kv_lora_rank"], r["qk_rope_head_dim"], r["softmax_scale"],
-                     r["batch_size"], r["context_len"], r["q_len"], r["ragged"], r["seed"],
-                     r["q_dtype"], r["kv_dtype"], r["model"])
-        seen[r["workload_id"]] = Bucket(r["model"], _tp_size(r["model"], r["num_heads"]), w)
-    return sorted(seen.values(), key=lambda b: (b.model, -b.workload.num_heads, b.workload.q_len,
-                                                b.workload.batch_size, b.workload.context_len))
+# names that live in replay.py and sweep_flags.py (which import this module), served from here
+_ELSEWHERE = {"replay_sweep": "replay", "stored_buckets": "replay", "build_config": "sweep_flags",
+              "estimate_note": "sweep_flags"}
 
 
-def replay_sweep(source: str | Path, config: SweepConfig, observer: SweepObserver | None = None,
-                 device_name: str | None = None, where=None) -> SweepOutcome:
-    """Run the same search over measurements stored in `source`, measuring nothing.
-
-    Each bucket's space is what was stored for its workload (defaults from the is_default mark);
-    a proposal is answered with its stored trial. `config.buckets` empty means every stored
-    workload, narrowed by `where(bucket) -> bool` if given. The choice is made over the trials the
-    search visited, so a replay shows whether a search (TPE, a smaller budget) reaches the winners
-    that the full grid found. Writes nothing.
-    """
-    from mla_tune.tune.choose import latest_trials
-    from mla_tune.store.results import ResultsStore
-
-    obs = observer or SweepObserver()
-    t_start = time.monotonic()
-    check_search_settings(config)
-    with ResultsStore(source, create=False) as store:
-        rows = latest_trials(store.trials())
-    devices = sorted({r["device_name"] for r in rows})
-    if device_name is None:
-        if len(devices) > 1:
-            raise SweepInputError(f"{source} holds trials of several devices ({', '.join(devices)}); "
-                             "pick one with --device-name")
-        device_name = devices[0] if devices else ""
-    rows = [r for r in rows if r["device_name"] == device_name]
-    if not rows:
-        raise SweepInputError(f"{source} holds no trials" + (f" of device {device_name!r}" if device_name else ""))
-    by_workload: dict = {}
-    for r in rows:
-        key = _workload_key_of(r)
-        by_workload.setdefault(key, []).append(r)
-    buckets = list(config.buckets) or stored_buckets(rows)
-    if where is not None:
-        buckets = [b for b in buckets if where(b)]
-    planned, missing = [], []
-    for b in buckets:
-        brows = by_workload.get(tuple(sorted(b.workload.key.items())))
-        if not brows:
-            missing.append(b.label)
-            continue
-        cands = {r["candidate"]: Candidate(r["family"], r["backend"], r["page_size"], r["params"]) for r in brows}
-        defaults = [cands[r["candidate"]] for r in brows if r.get("is_default")]
-        if not defaults:
-            defaults = _defaults_from_backends(b, brows, cands)
-        space = SearchSpace.build(list(cands.values()), defaults)
-        pol = config.policy(None)
-        mode = pol.resolve_mode(len(space))
-        planned.append(PlannedBucket(b, space, mode, pol.budget(len(space), mode),
-                                     brows[0]["workload_id"], len(planned)))
-    kind = rows[0].get("run_kind") or ""
-    plan = SweepPlan(device_name, kind, sorted({r["family"] for r in rows}),
-                     {f"({len(missing)} buckets)": "not in the replay DB: " + ", ".join(missing[:5])
-                      + (" ..." if len(missing) > 5 else "")} if missing else {},
-                     planned, f"replaying {source}: nothing is measured", Path(source), None, True)
-    if not planned:
-        raise SweepInputError(f"none of the requested buckets is stored in {source}")
-    if config.mix is not None:       # before anything is shown: every weighted bucket is replayed
-        config.mix.check_covers({(p.bucket.workload.batch_size, p.bucket.workload.context_len)
-                                 for p in planned}, f"the buckets replayed from {source}")
-    outcome = SweepOutcome(plan)
-    obs.on_start(plan)
-    visited: list = []
-    for p in plan.buckets:
-        stored = {r["candidate"]: r for r in by_workload[tuple(sorted(p.bucket.workload.key.items()))]}
-        obs.on_bucket(p)
-        best: list = [None]
-
-        def evaluate(cands, p=p, stored=stored, best=best):
-            out = []
-            for c in cands:
-                r = stored[c.key]
-                ok = r["status"] == "ok"
-                ev = Evaluation(c, _value(r["samples"], ok), False, r["invalid_reason"], r["id"])
-                visited.append(r)
-                outcome.measured += 1
-                _note_best(best, ev)
-                obs.on_trial(p, ev, best[0])
-                out.append(ev)
-            return out
-
-        t0 = time.monotonic()
-        so = search(p.space, evaluate, config.policy(None), _study_name(config, p.bucket), None)
-        bo = BucketOutcome(p, so, time.monotonic() - t0)
-        outcome.buckets.append(bo)
-        obs.on_bucket_done(bo)
-    outcome.rows = visited
-    outcome.choice = _choose(visited, config, device_name)
-    outcome.seconds = time.monotonic() - t_start
-    obs.on_done(outcome)
-    return outcome
+def __getattr__(name):
+    if name in _ELSEWHERE:
+        from importlib import import_module
+        return getattr(import_module(f"mla_tune.tune.{_ELSEWHERE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _workload_key_of(r: dict) -> tuple:
-    keys = ("num_heads", "kv_lora_rank", "qk_rope_head_dim", "softmax_scale", "batch_size",
-            "context_len", "q_len", "ragged", "seed", "q_dtype", "kv_dtype", "model")
-    return tuple(sorted((k, r[k]) for k in keys))
-
-
-def _defaults_from_backends(b: Bucket, brows: list, cands: dict) -> list:
-    from mla_tune.tune.choose import backend_default
-    out = []
-    for fam, page in sorted({(r["family"], r["page_size"]) for r in brows}):
-        key = backend_default(fam, b.workload, page)
-        if key in cands:
-            out.append(cands[key])
-    return out
-
-
-# ---------------------------------------------------------------- configuration from flags
-
-def build_config(*, model: str = "deepseek-v3", tp_sizes: Sequence[int] | None = None,
-                 batches: str | None = None, contexts: str | None = None,
-                 q_lens: Sequence[int] = (1,), ragged: str = "uniform", q_dtype: str = "bfloat16",
-                 kv_dtype: str = "bfloat16", page_sizes: Sequence[int] | None = None,
-                 device: str | None = None, samples: int | None = None, warmup: int | None = None,
-                 timeout_s: float | None = None, time_budget: str | None = None,
-                 **kw) -> SweepConfig:
-    """A SweepConfig from command-line style values, device defaults filling the gaps (results
-    DB: default_db(device); tuned config emitted on a GPU only, unless `emit` says).
-
-    Raises ValueError / ProblemError with a one-line message for anything invalid.
-    """
-    device = device or detect_device()
-    if kw.get("db") is None:
-        kw["db"] = default_db(device)
-    d = default_space(device)
-    dims = model_preset(model)
-    if ragged not in RAGGED_KINDS:
-        raise ValueError(f"unknown length distribution {ragged!r}; one of {', '.join(RAGGED_KINDS)}")
-    for dt in (q_dtype, kv_dtype):
-        if dt not in DTYPES:
-            raise ValueError(f"unsupported dtype {dt!r}; one of {', '.join(DTYPES)}")
-    from mla_tune.validate import check_int, check_page_size
-    for q in q_lens:
-        check_int("q_len", q, "--q-len")
-    for t in tp_sizes or ():
-        check_int("tp", t, "--tp")
-    pages = tuple(page_sizes) if page_sizes else d.page_sizes
-    for p in pages:
-        check_page_size(p, "--page-size")
-    buckets = plan_buckets(dims, tuple(tp_sizes) if tp_sizes else d.tp_sizes,
-                           parse_sizes(batches, "batch") if batches is not None else d.batch_sizes,
-                           parse_sizes(contexts, "context") if contexts is not None else d.context_lens,
-                           tuple(sorted(set(q_lens))) or (1,), ragged, q_dtype, kv_dtype)
-    s = samples if samples is not None else d.samples
-    if s < 2:
-        raise ValueError(f"--samples must be >= 2 (the significance test needs samples), got {s}")
-    settings = MeasureSettings(device=device, warmup=warmup if warmup is not None else d.warmup,
-                               samples=s)
-    if warmup is not None:
-        check_int("warmup", warmup, "--warmup")
-    budget = parse_duration(time_budget) if time_budget is not None else d.time_budget_s
-    timeout = timeout_s if timeout_s is not None else d.timeout_s
-    from mla_tune.validate import check_float
-    check_float("timeout", timeout, "--timeout")
-    check_float("time_budget", budget, "--time-budget")
-    return SweepConfig(buckets=buckets, page_sizes=pages, device=device, settings=settings,
-                       timeout_s=timeout, time_budget_s=budget, **kw)
-
-
-def estimate_note(plan: SweepPlan) -> str:
-    """One line: buckets, candidates, modes."""
-    n = len(plan.buckets)
-    sizes = [len(p.space) for p in plan.buckets]
-    modes = sorted({p.mode for p in plan.buckets})
-    dropped = sum(len(p.space.dropped) for p in plan.buckets)
-    return (f"{n} buckets, {min(sizes, default=0)}-{max(sizes, default=0)} candidates each, "
-            f"search {'/'.join(modes) or '-'}, up to {plan.planned_trials} trials"
-            + (f" ({dropped} dropped by constraints)" if dropped else ""))
-
-
-__all__ = ["Bucket", "BucketOutcome", "CPU_REFERENCE_NOTE", "DefaultSpace", "PlannedBucket",
+__all__ = ["Bucket", "BucketOutcome",  # noqa: F822 - the lazy names of _ELSEWHERE included "CPU_REFERENCE_NOTE", "DefaultSpace", "PlannedBucket",
            "SweepConfig", "SweepError", "SweepInputError", "SweepObserver", "SweepOutcome", "SweepPlan",
-           "build_config", "default_space", "detect_device", "emit_tuned_config", "estimate_note",
-           "journal_path_for", "check_sweep_config", "default_db", "parse_duration", "parse_sizes", "plan_buckets", "plan_sweep",
+           "build_config", "measure_settings", "default_space", "detect_device", "emit_tuned_config",
+           "estimate_note", "journal_path_for", "check_sweep_config", "default_db", "parse_duration",
+           "parse_sizes", "plan_bucket", "plan_buckets", "plan_sweep", "resolve_lengths",
            "replay_sweep", "resolve_families", "run_sweep", "stored_buckets"]
-

@@ -91,6 +91,17 @@ def config_tables(cfg, lookup: tuple | None = None) -> list[Table]:
                       c.time_us, c.default_time_us, c.gain, c.significant,
                       "best" if f == bk.best_family else "")
         tables.append(b)
+        if e.prefill:
+            pt = Table(f"{title} · {_dims_title(e)}: MLA prefill backend per plan",
+                       [Column("plan", justify="left"), Column("query tokens"),
+                        Column("kv per request"), Column("backend", justify="left"),
+                        Column("time us", ".2f"), Column("default us", ".2f"),
+                        Column("gain", times), Column("significant")])
+            for p in e.prefill:
+                gain = p.default_time_us / p.time_us if p.time_us and p.default_time_us else None
+                pt.add("new tokens" if p.causal else "context chunk", p.query_tokens, p.kv_len,
+                       p.backend, p.time_us, p.default_time_us, gain, p.significant)
+            tables.append(pt)
     if lookup is not None:
         batch, context, q_len = lookup
         lt = Table(f"{title}: lookup of batch {batch}, context {context}, q_len {q_len}",

@@ -63,3 +63,9 @@ def flashinfer_backends() -> decisions.FlashInferBackends:
     """This device's FlashInfer MLA backend values, default and fallback (`decisions`' rule)."""
     dev = detect_device()
     return decisions.flashinfer_backends(dev.is_metax, dev.capability)
+
+
+def prefill_backends() -> decisions.FlashInferBackends:
+    """This device's FlashInfer ragged-prefill backend values and default (`decisions`' rule)."""
+    dev = detect_device()
+    return decisions.prefill_backends(dev.is_metax, dev.capability)

@@ -6,7 +6,12 @@ vLLM's MLA layer calls it for the new tokens of each prefill (causal) and, for p
 continue cached context, once per workspace-sized context chunk (non-causal); it merges the
 chunks by their natural-log LSE, which this backend converts from FlashInfer's base 2.
 Plans are made from host index pointers where vLLM gives them (no device sync for the new
-tokens); a backend value FlashInfer refuses here falls back to fa2 for good, with one warning.
+tokens). Which backend each plan runs (the new tokens' plan and every context chunk's, each
+separately) comes from the tuned config's prefill section for the model, looked up by the plan's
+kind, total query tokens and mean KV tokens per request (`vllm_metax.decisions.prefill_backend`);
+untuned, the device default. A value the device may not run is never planned (one warning, the
+default instead); a backend value FlashInfer refuses here falls back to fa2 for good, with one
+warning.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 from vllm.v1.attention.backends.mla.prefill.base import MLADimensions, MLAPrefillBackend
 from vllm.v1.attention.backends.utils import log2_lse_to_ln
 
-from vllm_metax.backend import flashinfer_backends
+from vllm_metax import decisions
+from vllm_metax.backend import model_dims, prefill_backends, tuned_entry
 from vllm_metax.ops.flashinfer_mla import BackendRefused, device_workspace
 from vllm_metax.ops.flashinfer_prefill import MLAPrefillKernel, prefill_available
 
@@ -32,6 +38,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 NAME = "FLASHINFER"            # the vLLM prefill enum member this class is registered under
+_WARNED: set = set()           # tuned entries already warned about (one warning per process)
 
 
 def _workspace(device: torch.device) -> torch.Tensor:
@@ -39,9 +46,42 @@ def _workspace(device: torch.device) -> torch.Tensor:
 
 
 def prefill_backend_value() -> str:
-    """The FlashInfer backend value prefill plans with on this device: the decode default
+    """The FlashInfer backend value prefill plans with on this device untuned: the decode default
     (`vllm_metax.decisions`: fa3 on Hopper, fa2 elsewhere; MetaX's FlashInfer has fa2 only)."""
-    return flashinfer_backends().default
+    return prefill_backends().default
+
+
+def prefill_entry(vllm_config, num_heads: int):
+    """The tuned-config entry whose prefill section this model's prefill reads (the decode
+    backend's entry: same device file, same model key), or None."""
+    dims = model_dims(vllm_config, num_heads)
+    if dims is None:
+        return None
+    from vllm.platforms import current_platform
+    return tuned_entry(current_platform.get_device_name(), dims)
+
+
+def _host_span(t) -> int | None:
+    """last - first of a CSR index pointer that lives on the host; None for a device tensor (its
+    values would need a sync)."""
+    if t is None or (isinstance(t, torch.Tensor) and t.device.type != "cpu"):
+        return None
+    return int(t[-1]) - int(t[0])
+
+
+def chunk_statistic(chunk) -> tuple[int, int] | None:
+    """A context chunk's (query tokens, KV tokens per request) from its host fields (vLLM's
+    ContextChunk: token_slice, num_context_tokens, request_slice), else from host index
+    pointers; None when only device tensors say."""
+    ts, kv = getattr(chunk, "token_slice", None), getattr(chunk, "num_context_tokens", None)
+    rs = getattr(chunk, "request_slice", None)
+    if isinstance(ts, slice) and kv is not None and isinstance(rs, slice):
+        return decisions.prefill_statistic(int(ts.stop) - int(ts.start), int(kv),
+                                           int(rs.stop) - int(rs.start))
+    q, kv = _host_span(chunk.query_start_loc), _host_span(chunk.cu_seq_lens)
+    if q is None or kv is None:
+        return None
+    return decisions.prefill_statistic(q, kv, chunk.cu_seq_lens.shape[0] - 1)
 
 
 class FlashInferMLAPrefillBackend(MLAPrefillBackend):
@@ -70,42 +110,74 @@ class FlashInferMLAPrefillBackend(MLAPrefillBackend):
         super().__init__(num_heads=num_heads, scale=scale, kv_lora_rank=kv_lora_rank,
                          qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim,
                          v_head_dim=v_head_dim, vllm_config=vllm_config)
-        self.backend = prefill_backend_value()
+        self.backends = prefill_backends()
+        self.backend = self.backends.default     # the value the last new-token plan ran
+        self.entry = prefill_entry(vllm_config, num_heads)
         self._main: MLAPrefillKernel | None = None
         self._chunks: list[MLAPrefillKernel] = []
+        self._kernels: dict[tuple, MLAPrefillKernel] = {}
+        self._warn_unservable()
+
+    def _warn_unservable(self) -> None:
+        bad = decisions.unservable_prefill(self.entry, self.backends)
+        if bad and id(self.entry) not in _WARNED:
+            _WARNED.add(id(self.entry))
+            logger.warning("vllm_metax MLA prefill: the tuned config names prefill backend(s) %s, "
+                           "which this device does not run (it runs %s); those buckets plan %r",
+                           ", ".join(map(str, bad)), ", ".join(self.backends.allowed),
+                           self.backends.default)
+
+    def backend_for(self, causal: bool, statistic: tuple[int, int] | None) -> str:
+        """The backend one plan runs: its tuned bucket's (`decisions.prefill_backend`), or the
+        device default when the plan's size is not known on the host."""
+        if statistic is None:
+            return self.backends.default
+        return decisions.prefill_backend(self.entry, causal, *statistic, self.backends)
 
     def supports_out(self) -> bool:
         return True                 # planned with head_dim_vo = v_head_dim: unpadded output
 
-    def _kernel(self, index: int | None, device: torch.device) -> MLAPrefillKernel:
+    def _kernel(self, index: int | None, backend: str, device: torch.device) -> MLAPrefillKernel:
+        """The plan slot's kernel for `backend` (index None: the new tokens; else a context
+        chunk's index), made once per (slot, backend): plans that switch backends from one step
+        to the next reuse their wrappers. The slot's kernel is what its run method runs."""
+        key = (index, backend)
+        kernel = self._kernels.get(key)
+        if kernel is None:
+            # every plan slot shares one float workspace, as vLLM's FlashInfer prefill does
+            # (runs are sequential)
+            kernel = self._kernels[key] = MLAPrefillKernel(_workspace(device), backend)
         if index is None:
-            if self._main is None or self._main.backend != self.backend:
-                self._main = MLAPrefillKernel(_workspace(device), self.backend)
-            return self._main
-        # each context chunk keeps its own plan for the whole step; they share one workspace
-        # with the main plan, as vLLM's FlashInfer prefill does (runs are sequential)
-        while len(self._chunks) <= index:
-            self._chunks.append(MLAPrefillKernel(_workspace(device), self.backend))
-        if self._chunks[index].backend != self.backend:
-            self._chunks[index] = MLAPrefillKernel(_workspace(device), self.backend)
-        return self._chunks[index]
+            self._main = kernel
+        else:
+            while len(self._chunks) <= index:
+                self._chunks.append(kernel)
+            self._chunks[index] = kernel
+        return kernel
 
-    def _plan(self, index, qo_indptr, kv_indptr, causal, q_dtype, out_dtype, device):
+    def _plan(self, index, qo_indptr, kv_indptr, causal, q_dtype, out_dtype, device,
+              statistic: tuple[int, int] | None = None) -> str:
         head_dim_qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        backend = self.backend_for(causal, statistic)
         while True:
-            kernel = self._kernel(index, device)
+            kernel = self._kernel(index, backend, device)
             try:
                 with gpu_sync_allowed():    # FlashInfer copies device index pointers to the host
                     kernel.plan(qo_indptr, kv_indptr, self.num_heads, head_dim_qk, self.v_head_dim,
                                 causal, self.scale, q_dtype, out_dtype)
-                return
+                return backend
             except BackendRefused as e:
-                fallback = flashinfer_backends().fallback
-                if self.backend == fallback:
+                fallback = self.backends.fallback
+                if backend == fallback:
                     raise
                 logger.warning("vllm_metax MLA prefill: FlashInfer backend %r cannot plan here "
-                               "(%s); using %r", self.backend, e.reason, fallback)
-                self.backend = fallback
+                               "(%s); using %r", backend, e.reason, fallback)
+                # never again in this process's plans of this backend object
+                allowed = tuple(b for b in self.backends.allowed if b != backend) or (fallback,)
+                self.backends = decisions.FlashInferBackends(
+                    allowed, fallback if self.backends.default == backend else self.backends.default,
+                    fallback)
+                backend = fallback
 
     def prepare_metadata(self, prefill_metadata: "MLACommonPrefillMetadata") -> None:
         super().prepare_metadata(prefill_metadata)
@@ -114,17 +186,22 @@ class FlashInferMLAPrefillBackend(MLAPrefillBackend):
         q_dtype = prefill_metadata.q_data_type or self.vllm_config.model_config.dtype
         out_dtype = prefill_metadata.output_dtype or q_dtype
         lens = prefill_metadata.query_lens_cpu
+        statistic = None
         if lens is not None:        # host index pointers: no device sync for the new tokens
             qo_indptr = torch.zeros(lens.shape[0] + 1, dtype=torch.int32)
             torch.cumsum(lens, 0, out=qo_indptr[1:])
+            total = int(qo_indptr[-1])
+            # causal new tokens: each request's KV is its own query tokens
+            statistic = decisions.prefill_statistic(total, total, lens.shape[0])
         else:
             qo_indptr = qsl
-        self._plan(None, qo_indptr, qo_indptr, True, q_dtype, out_dtype, device)
+        self.backend = self._plan(None, qo_indptr, qo_indptr, True, q_dtype, out_dtype, device,
+                                  statistic)
         chunked = prefill_metadata.chunked_context
         if chunked is not None:
             for chunk in chunked.chunks:
                 self._plan(chunk.index, chunk.query_start_loc, chunk.cu_seq_lens, False, q_dtype,
-                           out_dtype, device)
+                           out_dtype, device, chunk_statistic(chunk))
 
     def run_prefill_new_tokens(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                return_softmax_lse: bool, out: torch.Tensor | None = None,

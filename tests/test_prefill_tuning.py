@@ -1,0 +1,341 @@
+"""The MLA prefill backend as a tuned parameter (issue #12): the tuned config's prefill section
+(schema, refusals, lookup), the decision per device (`vllm_metax.decisions`), and the plugin's
+prefill backend planning each bucket's backend with the real vllm==0.33.0 on the CPU (FlashInfer's
+ragged wrapper replaced by the recording stand-in of tests/prefill_support.py, which computes
+with the float64 reference from exactly the planned index pointers)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+import plugin_support as ps
+from prefill_support import (HEADS, KV_LORA, NOPE, ROPE, V_DIM, RecordingRaggedWrapper,
+                             prefill_metadata, ragged, reference, scale)
+from vllm_metax import decisions, tuned_config as tc
+from vllm_metax.device import DeviceInfo
+
+pytestmark = pytest.mark.vllm
+
+HOPPER = DeviceInfo("Test GPU 9000", "torch", False, 132, (9, 0))
+METAX = DeviceInfo("MetaX C500", "pymxsml", True, 104, (8, 0))
+DIMS = tc.ModelDims(ps.NUM_HEADS, ps.KV_LORA_RANK, ps.ROPE_DIM, "bfloat16", "bfloat16")
+DECODE = [tc.Bucket(8, 4096, 1, {"flashinfer": tc.FamilyChoice({"backend": "fa3"})}, "flashinfer")]
+# what bench/results/prefill_choice_h200.md found at 16 heads: fa2 for a short query against a
+# long context and for 256 new tokens over 4 requests, fa3 elsewhere
+PREFILL = [
+    tc.PrefillBucket(True, 256, 256, {"backend": "fa3"}, 12.6, 12.6),
+    tc.PrefillBucket(True, 256, 64, {"backend": "fa2"}, 9.9, 10.8, True),
+    tc.PrefillBucket(True, 2048, 2048, {"backend": "fa3"}, 58.6, 58.6),
+    tc.PrefillBucket(False, 256, 1024, {"backend": "fa3"}, 22.4, 22.4),
+    tc.PrefillBucket(False, 256, 16384, {"backend": "fa2"}, 133.4, 204.1, True),
+    tc.PrefillBucket(False, 2048, 16384, {"backend": "fa3"}, 492.7, 492.7),
+]
+
+
+def _entry(prefill=PREFILL, dims=DIMS):
+    return tc.ModelEntry(dims, 64, ["FLASHINFER_MLA"], list(DECODE), "deepseek-v2-lite", 1, "test",
+                         list(prefill))
+
+
+def _cfg(prefill=PREFILL, device=HOPPER.name):
+    return tc.TunedConfig(device, {"test": True}, [_entry(prefill)])
+
+
+def _write_raw(tmp_path, data, device=HOPPER.name):
+    p = tmp_path / tc.config_filename(device)
+    p.write_text(json.dumps(data))
+    return p
+
+
+# ---------------------------------------------------------------- schema
+
+def test_prefill_section_round_trips_and_looks_up_by_kind_and_size(tmp_path):
+    path = tc.write_tuned_config(_cfg(), tmp_path)
+    e = tc.read_tuned_config(path).entry_for(DIMS)
+    assert e.prefill == PREFILL
+    assert json.loads(path.read_text())["models"][0]["prefill"]["buckets"][1] == {
+        "causal": True, "query_tokens": 256, "kv_len": 64, "params": {"backend": "fa2"},
+        "time_us": 9.9, "default_time_us": 10.8, "significant": True}
+    assert e.prefill_lookup(True, 256, 64).backend == "fa2"
+    assert e.prefill_lookup(True, 300, 250).backend == "fa3"          # nearest: (256, 256)
+    assert e.prefill_lookup(True, 250, 50).backend == "fa2"           # nearest: (256, 64)
+    assert e.prefill_lookup(False, 256, 20000).backend == "fa2"       # context chunk, long KV
+    assert e.prefill_lookup(False, 256, 900).backend == "fa3"
+    assert e.prefill_lookup(False, 4096, 16384).kv_len == 16384 and \
+        e.prefill_lookup(False, 4096, 16384).query_tokens == 2048      # snaps past the grid's end
+    only_new = tc.ModelEntry(DIMS, 64, ["FLASHINFER_MLA"], list(DECODE), prefill=PREFILL[:3])
+    assert only_new.prefill_lookup(False, 256, 16384) is None         # no context bucket: untuned
+
+
+def test_configs_without_a_prefill_section_stay_valid_and_are_written_as_before(tmp_path):
+    path = tc.write_tuned_config(_cfg(prefill=[]), tmp_path)
+    assert "prefill" not in json.loads(path.read_text())["models"][0]
+    e = tc.read_tuned_config(path).entry_for(DIMS)
+    assert e.prefill == [] and e.prefill_lookup(True, 256, 256) is None
+    old = _cfg(prefill=[]).to_json()         # what the writer made before prefill was tuned
+    assert "prefill" not in old["models"][0]
+    assert tc.parse_tuned_config(old).entry_for(DIMS).prefill == []
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda b: {**b, "params": {"backend": "auto"}}, r"params.backend must be one of fa2, fa3 .*got 'auto'"),
+    (lambda b: {**b, "params": {"backend": "fa9"}}, r"params.backend must be one of fa2, fa3"),
+    (lambda b: {**b, "params": {"backend": "fa2", "tile": 64}}, r"unknown prefill parameter 'tile'"),
+    (lambda b: {**b, "params": "fa2"}, r"field 'params' should be dict"),
+    (lambda b: {**b, "causal": "yes"}, r"field 'causal' should be bool"),
+    (lambda b: {**b, "query_tokens": 0}, r"'query_tokens' must be in 1\.\."),
+    (lambda b: {**b, "kv_len": 512}, r"causal \(new-token\) bucket's kv_len 512 is more than its query_tokens 256"),
+    (lambda b: {k: v for k, v in b.items() if k != "kv_len"}, r"missing field 'kv_len'"),
+])
+def test_bad_prefill_buckets_are_refused_with_a_clear_message(tmp_path, mutate, message):
+    d = _cfg().to_json()
+    d["models"][0]["prefill"]["buckets"][0] = mutate(d["models"][0]["prefill"]["buckets"][0])
+    with pytest.raises(tc.TunedConfigError, match=r"models\[0\]\.prefill\.buckets\[0\].*" + message):
+        tc.read_tuned_config(_write_raw(tmp_path, d))
+
+
+def test_a_prefill_section_that_is_not_one_is_refused(tmp_path):
+    d = _cfg().to_json()
+    d["models"][0]["prefill"] = ["fa2"]
+    with pytest.raises(tc.TunedConfigError, match=r"models\[0\]\.prefill: should be an object"):
+        tc.read_tuned_config(_write_raw(tmp_path, d))
+    first = _cfg().to_json()["models"][0]["prefill"]["buckets"][0]
+    d["models"][0]["prefill"] = {"buckets": [first, first]}
+    with pytest.raises(tc.TunedConfigError, match="causal=True, query_tokens 256, kv_len 256 appears twice"):
+        tc.read_tuned_config(_write_raw(tmp_path, d))
+
+
+def test_the_writer_refuses_what_the_reader_would(tmp_path):
+    bad = [tc.PrefillBucket(True, 256, 256, {"backend": "cutlass"})]
+    with pytest.raises(tc.TunedConfigError, match="params.backend must be one of fa2, fa3"):
+        tc.write_tuned_config(_cfg(prefill=bad), tmp_path)
+    assert not list(tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------- decisions
+
+def test_prefill_backends_per_device():
+    hopper = decisions.prefill_backends(False, (9, 0))
+    assert hopper.allowed == ("fa3", "fa2") and hopper.default == "fa3"
+    for metax_or_other in (decisions.prefill_backends(True, (9, 0)),     # MetaX: fa2 only, whatever SM
+                           decisions.prefill_backends(False, (8, 0)),    # Ampere
+                           decisions.prefill_backends(False, (10, 0))):  # Blackwell: fa2 (no fa3 kernel)
+        assert metax_or_other.allowed == ("fa2",) and metax_or_other.default == "fa2"
+
+
+def test_prefill_statistic_is_total_query_tokens_and_mean_kv_per_request():
+    assert decisions.prefill_statistic(256, 256, 1) == (256, 256)      # one 256-token request
+    assert decisions.prefill_statistic(256, 256, 4) == (256, 64)       # 16+48+64+128
+    assert decisions.prefill_statistic(512, 8192, 2) == (512, 4096)    # a context chunk of 2 requests
+    assert decisions.prefill_statistic(0, 0, 0) == (1, 1)
+
+
+def test_prefill_backend_choice_per_device():
+    e = _entry()
+    hopper = decisions.prefill_backends(False, (9, 0))
+    metax = decisions.prefill_backends(True, (8, 0))
+    assert decisions.prefill_backend(e, True, 256, 64, hopper) == "fa2"
+    assert decisions.prefill_backend(e, True, 2048, 2048, hopper) == "fa3"
+    assert decisions.prefill_backend(e, False, 256, 65536, hopper) == "fa2"
+    # MetaX runs fa2 only: a tuned fa3 is never planned there, fa2 stays fa2
+    assert decisions.prefill_backend(e, True, 2048, 2048, metax) == "fa2"
+    assert decisions.prefill_backend(e, False, 256, 65536, metax) == "fa2"
+    assert decisions.unservable_prefill(e, metax) == ["fa3"] and decisions.unservable_prefill(e, hopper) == []
+    # untuned: the device default
+    assert decisions.prefill_backend(None, True, 256, 64, hopper) == "fa3"
+    assert decisions.prefill_backend(_entry(prefill=[]), True, 256, 64, hopper) == "fa3"
+
+
+# ---------------------------------------------------------------- the plugin
+
+@pytest.fixture
+def plugin(monkeypatch, tmp_path):
+    """A pretend GPU (set with the returned function), the recording ragged wrapper, no config."""
+    import vllm_metax.backend as backend_pkg
+    import vllm_metax.backend.flashinfer_prefill as fp
+    import vllm_metax.ops.flashinfer_prefill as op
+    import vllm_metax.platform as P
+
+    ps.ensure_metax_platform()
+    RecordingRaggedWrapper.instances, RecordingRaggedWrapper.refuse = [], set()
+    monkeypatch.setattr(op, "ragged_wrapper_cls", lambda: RecordingRaggedWrapper)
+    monkeypatch.setattr(fp, "_workspace", lambda device: torch.empty(16, dtype=torch.uint8))
+    monkeypatch.delenv(tc.FOLDER_ENV, raising=False)
+    fp._WARNED.clear()
+    tc.clear_cache()
+
+    def pretend(dev):
+        for mod in (backend_pkg, P):
+            monkeypatch.setattr(mod, "detect_device", lambda: dev)
+    pretend(HOPPER)
+    yield pretend
+    tc.clear_cache()
+
+
+@pytest.fixture(scope="module")
+def vllm_config(tmp_path_factory):
+    return ps.make_vllm_config(tmp_path_factory.mktemp("model"), block_size=64)
+
+
+def _install(tmp_path, monkeypatch, cfg=None, raw=None, device=HOPPER.name):
+    folder = tmp_path / "configs"
+    folder.mkdir(exist_ok=True)
+    if raw is not None:
+        (folder / tc.config_filename(device)).write_text(raw)
+    else:
+        tc.write_tuned_config(cfg or _cfg(device=device), folder)
+    monkeypatch.setenv(tc.FOLDER_ENV, str(folder))
+    tc.clear_cache()
+
+
+def _backend(vllm_config):
+    from vllm_metax.backend.flashinfer_prefill import FlashInferMLAPrefillBackend
+    return FlashInferMLAPrefillBackend(num_heads=HEADS, scale=scale(), kv_lora_rank=KV_LORA,
+                                       qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE,
+                                       v_head_dim=V_DIM, vllm_config=vllm_config)
+
+
+def _planned(b) -> dict:
+    """index (None: the new tokens) -> (backend of the wrapper that planned, its last plan)."""
+    out = {None: (b._main.wrapper.backend, b._main.wrapper.plans[-1])}
+    for i, k in enumerate(b._chunks):
+        out[i] = (k.wrapper.backend, k.wrapper.plans[-1])
+    return out
+
+
+def test_the_plugin_reads_the_decode_entry_of_the_model(plugin, vllm_config, tmp_path, monkeypatch):
+    _install(tmp_path, monkeypatch)
+    from vllm_metax.backend import model_dims
+    assert model_dims(vllm_config, HEADS) == DIMS        # the key the decode backend uses too
+    b = _backend(vllm_config)
+    assert b.entry is not None and b.entry.prefill == PREFILL
+
+
+def test_each_plan_runs_its_buckets_backend(plugin, vllm_config, tmp_path, monkeypatch):
+    _install(tmp_path, monkeypatch)
+    b = _backend(vllm_config)
+    # new tokens: 256 over 4 requests -> (256, 64): fa2; the chunks: one request of 256 queries
+    # of 8K context each -> nearest (256, 16384): fa2; of 256 each -> nearest (256, 1024): fa3
+    q_lens = [16, 48, 64, 128]
+    b.prepare_metadata(prefill_metadata(q_lens, "cpu", chunks=[[8192] * 4, [256] * 4]))
+    planned = _planned(b)
+    assert planned[None][0] == "fa2" and b.backend == "fa2" and planned[None][1]["causal"]
+    assert planned[0][0] == "fa2" and not planned[0][1]["causal"]
+    assert planned[1][0] == "fa3"
+    # one 256-token request: (256, 256): fa3; the chunk's plan keeps its index, re-made for fa3
+    b.prepare_metadata(prefill_metadata([256], "cpu", chunks=[[1000]]))
+    planned = _planned(b)
+    assert planned[None][0] == "fa3" and planned[0][0] == "fa3"
+    assert planned[0][1]["kv"].tolist() == [0, 1000]
+
+    # and the plans compute what they planned: the new tokens and a chunk against the reference
+    q_lens, ctx = [250, 50], [9000, 7000]
+    md = prefill_metadata(q_lens, "cpu", chunk_kv_lens=ctx)
+    b.prepare_metadata(md)
+    assert _planned(b)[None][0] == "fa3" and _planned(b)[0][0] == "fa2"   # (300, 150) / (300, 8000)
+    q, k, v = ragged(q_lens, seed=1), ragged(q_lens, seed=2), ragged(q_lens, dim=V_DIM, seed=3)
+    o = b.run_prefill_new_tokens(q, k, v, return_softmax_lse=False)
+    assert torch.allclose(o.double(), reference(q, k, v, q_lens, q_lens, scale(), True)[0], atol=2e-2)
+    kc, vc = ragged(ctx, seed=4), ragged(ctx, dim=V_DIM, seed=5)
+    co, cl = b.run_prefill_context_chunk(md.chunked_context.chunks[0], q, kc, vc)
+    ro, rl = reference(q, kc, vc, q_lens, ctx, scale(), False)
+    assert torch.allclose(co.double(), ro, atol=2e-2) and torch.allclose(cl.double(), rl, atol=1e-4)
+
+
+def test_untuned_plans_the_device_default(plugin, vllm_config, tmp_path, monkeypatch):
+    b = _backend(vllm_config)                       # no config anywhere
+    assert b.entry is None
+    b.prepare_metadata(prefill_metadata([16, 48, 64, 128], "cpu", chunks=[[16384]]))
+    assert {v[0] for v in _planned(b).values()} == {"fa3"}
+    _install(tmp_path, monkeypatch, _cfg(prefill=[]))  # a config without a prefill section
+    b = _backend(vllm_config)
+    assert b.entry is not None and b.entry.prefill == []
+    b.prepare_metadata(prefill_metadata([16, 48, 64, 128], "cpu", chunks=[[16384]]))
+    assert {v[0] for v in _planned(b).values()} == {"fa3"}
+
+
+def test_metax_never_plans_a_tuned_fa3(plugin, vllm_config, tmp_path, monkeypatch, caplog):
+    plugin(METAX)
+    _install(tmp_path, monkeypatch, _cfg(device=METAX.name), device=METAX.name)
+    with caplog.at_level(logging.WARNING):
+        layers = [_backend(vllm_config) for _ in range(3)]     # every layer has its own backend
+    warned = [r for r in caplog.records if "does not run" in r.getMessage()]
+    assert len(warned) == 1 and "fa3" in warned[0].getMessage()
+    b = layers[0]
+    b.prepare_metadata(prefill_metadata([2048], "cpu", chunks=[[16384], [1024]]))
+    assert {v[0] for v in _planned(b).values()} == {"fa2"}
+    assert {w.backend for w in RecordingRaggedWrapper.instances} == {"fa2"}   # fa3 never made
+
+
+@pytest.mark.parametrize("raw", [
+    "{not json",
+    json.dumps({**_cfg().to_json(), "models": [{**_cfg().to_json()["models"][0],
+                                                "prefill": {"buckets": [{"causal": True, "query_tokens": 256,
+                                                                         "kv_len": 256, "params": {"backend": "fa4"}}]}}]}),
+    json.dumps({**_cfg().to_json(), "models": [{**_cfg().to_json()["models"][0], "prefill": 7}]}),
+])
+def test_a_broken_prefill_section_logs_one_warning_and_plans_the_default(plugin, vllm_config, tmp_path,
+                                                                         monkeypatch, caplog, raw):
+    _install(tmp_path, monkeypatch, raw=raw)
+    with caplog.at_level(logging.WARNING):
+        layers = [_backend(vllm_config) for _ in range(2)]
+    warned = [r.getMessage() for r in caplog.records if "ignored (using defaults)" in r.getMessage()]
+    assert len(warned) == 1, warned
+    b = layers[0]
+    assert b.entry is None
+    b.prepare_metadata(prefill_metadata([16, 48, 64, 128], "cpu", chunks=[[16384]]))
+    assert {v[0] for v in _planned(b).values()} == {"fa3"}
+    monkeypatch.setenv(tc.STRICT_ENV, "1")       # strict mode: the same file is an error
+    tc.clear_cache()
+    with pytest.raises(tc.TunedConfigError):
+        _backend(vllm_config)
+
+
+def test_a_refused_tuned_backend_falls_back_for_good(plugin, vllm_config, tmp_path, monkeypatch, caplog):
+    _install(tmp_path, monkeypatch)
+    RecordingRaggedWrapper.refuse = {"fa2"}
+    b = _backend(vllm_config)
+    with pytest.raises(Exception, match="not supported"):    # fa2 is the fallback: nothing below it
+        b.prepare_metadata(prefill_metadata([16, 48, 64, 128], "cpu"))
+    RecordingRaggedWrapper.refuse = {"fa3"}
+    b = _backend(vllm_config)
+    with caplog.at_level(logging.WARNING):
+        b.prepare_metadata(prefill_metadata([256], "cpu", chunks=[[1024]]))    # both want fa3
+        b.prepare_metadata(prefill_metadata([2048], "cpu"))
+    assert {v[0] for v in _planned(b).values()} == {"fa2"} and b.backends.allowed == ("fa2",)
+    assert sum("cannot plan here" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_device_index_pointers_without_host_lengths_plan_the_default(plugin, vllm_config, tmp_path,
+                                                                     monkeypatch):
+    from types import SimpleNamespace
+    from vllm_metax.backend.flashinfer_prefill import chunk_statistic
+    _install(tmp_path, monkeypatch)
+    b = _backend(vllm_config)
+    md = prefill_metadata([16, 48, 64, 128], "cpu")
+    md.query_lens_cpu = None                 # only query_start_loc: no host statistic
+    b.prepare_metadata(md)
+    assert _planned(b)[None][0] == "fa3"
+    # a chunk without vLLM's host fields: its host index pointers say, device ones would not
+    host = SimpleNamespace(query_start_loc=torch.tensor([0, 256], dtype=torch.int32),
+                           cu_seq_lens=torch.tensor([0, 16384], dtype=torch.int32))
+    assert chunk_statistic(host) == (256, 16384)
+    meta = SimpleNamespace(query_start_loc=torch.tensor([0, 256], device="meta"),
+                           cu_seq_lens=torch.tensor([0, 16384], device="meta"))
+    assert chunk_statistic(meta) is None
+
+
+def test_plans_that_switch_backends_reuse_their_wrappers(plugin, vllm_config, tmp_path, monkeypatch):
+    _install(tmp_path, monkeypatch)
+    b = _backend(vllm_config)
+    for _ in range(3):        # fa2, then fa3, then fa2 again, step after step
+        b.prepare_metadata(prefill_metadata([16, 48, 64, 128], "cpu", chunks=[[16384] * 4]))
+        assert _planned(b)[None][0] == "fa2"
+        b.prepare_metadata(prefill_metadata([256], "cpu", chunks=[[1024]]))
+        assert _planned(b)[None][0] == "fa3" and _planned(b)[0][0] == "fa3"
+    # one wrapper per (plan slot, backend): new tokens fa2/fa3, chunk 0 fa2/fa3
+    assert sorted(w.backend for w in RecordingRaggedWrapper.instances) == ["fa2", "fa2", "fa3", "fa3"]
