@@ -121,7 +121,7 @@ def profile_rows(heads: int, batch: int, what: str, fn, out: list, n: int = 200)
     pr.disable()
     st = pstats.Stats(pr)
     top = sorted(st.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:14]
-    for (file, line, func), (cc, nc, tt, ct, _) in top:
+    for (file, line, func), (_, nc, tt, ct, _) in top:
         out.append({"heads": heads, "batch": batch, "what": what,
                     "function": f"{Path(file).name}:{line}({func})",
                     "calls_per_step": nc / n, "own_us_per_step": tt / n * 1e6,

@@ -95,6 +95,8 @@ def main(argv=None) -> int:
     ap.add_argument("--backends", default="fa3,fa2")
     args = ap.parse_args(argv)
     import torch
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU, and torch sees none here: run it on the GPU machine")
     rows, lines = [], []
     name = torch.cuda.get_device_name()
     lines.append(f"# small-work floor on {name}, torch {torch.__version__}")

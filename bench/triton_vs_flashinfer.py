@@ -192,7 +192,7 @@ def shape_summary(rows: list[dict], page: int, test: bool = True) -> dict:
         s["p16_over_p64"] = d16["median_us"] / default["median_us"]
     if compare:
         if fa3 and best:     # does Triton (tuned) beat fa3 beyond noise?
-            sig, p, ratio = compare(fa3["kernel_us"], best["kernel_us"])
+            sig, p, _ = compare(fa3["kernel_us"], best["kernel_us"])
             s["triton_wins"], s["triton_wins_p"] = sig, p
         if default and best and best is not default:
             sig, p, _ = compare(default["kernel_us"], best["kernel_us"])
@@ -200,8 +200,8 @@ def shape_summary(rows: list[dict], page: int, test: bool = True) -> dict:
         elif default and best:
             s["tuning_significant"] = False
         if d16 and default:
-            faster16, p1, _ = compare(default["kernel_us"], d16["kernel_us"])
-            faster64, p2, _ = compare(d16["kernel_us"], default["kernel_us"])
+            faster16, _, _ = compare(default["kernel_us"], d16["kernel_us"])
+            faster64, _, _ = compare(d16["kernel_us"], default["kernel_us"])
             s["page_verdict"] = "p16 faster" if faster16 else "p64 faster" if faster64 else "no difference"
     return s
 
@@ -297,7 +297,9 @@ def render(doc: dict, summ: dict) -> str:
     elif summ["triton_wins"]:
         lines.append(f"* Triton beats fa3 beyond noise at: {', '.join(summ['triton_wins'])}")
     else:
-        lines.append("* Triton never beats fa3 beyond noise (Mann-Whitney p < 0.002 and >= 1.05x).")
+        from mla_tune.tune.choose import MIN_RATIO, P_THRESHOLD
+        lines.append(f"* Triton never beats fa3 beyond noise (Mann-Whitney p < {P_THRESHOLD:g} and "
+                     f">= {MIN_RATIO:g}x).")
     if doc.get("skipped"):
         lines.append(f"* Not measured (time budget or setup failure): {', '.join(doc['skipped'])}")
     bad = [(s["workload"], x) for s in summ["shapes"] for x in s["invalid"]]

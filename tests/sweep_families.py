@@ -22,13 +22,13 @@ import time
 
 from mla_tune.families import register_family
 from mla_tune.families.base import Candidate, CandidateInvalid
-from mla_tune.families.reference import ReferenceBackend
+from mla_tune.families.reference import ReferenceFamily
 
 FAULTY_BACKENDS = ("torch", "abort", "segv", "hang", "poison", "refuse")
 _poisoned = False
 
 
-class FaultyBackend(ReferenceBackend):
+class FaultyBackend(ReferenceFamily):
     family = "faulty"
     backends = FAULTY_BACKENDS
 
@@ -69,7 +69,7 @@ class RefusingBackend(FaultyBackend):
         return super().prepare(workload, candidate, problem)
 
 
-class SleepyBackend(ReferenceBackend):
+class SleepyBackend(ReferenceFamily):
     family = "sleepy"
     pause_s = float(os.environ.get("MLA_TUNE_TEST_PAUSE", "0.15"))
 
@@ -84,7 +84,7 @@ class SleepyBackend(ReferenceBackend):
         return super().prepare(workload, candidate, problem)
 
 
-class GpuFaultBackend(ReferenceBackend):
+class GpuFaultBackend(ReferenceFamily):
     """On a GPU: "oob" launches a Triton kernel that stores far out of bounds, a real illegal
     memory access that poisons the CUDA context (reported at the next synchronisation)."""
 

@@ -49,6 +49,7 @@ def test_records_are_typed_at_the_store_boundary(tmp_path):
         assert bad.stored is ok.stored                          # one per workload id
         assert as_records(s.trials()) == s.records()             # the old rows convert the same
         assert [w.problem for w in s.workloads()] == [W]
+        assert s.records(prefill=True) == []                     # decode trials only, as trials()
         with pytest.raises(Exception):
             ok.status = "invalid"                               # frozen
 

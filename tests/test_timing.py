@@ -4,7 +4,7 @@ import pytest
 
 from mla_tune.measure import timing, trial
 from mla_tune.families import Candidate, CandidateInvalid, Prepared
-from mla_tune.families.reference import ReferenceBackend
+from mla_tune.families.reference import ReferenceFamily
 from mla_tune.measure.trial import MeasureSettings
 from mla_tune.problem.workload import custom_model, workload_for
 from mla_tune.store.results import stats_of
@@ -78,7 +78,7 @@ def test_interleaved_keeps_failures_as_data_and_goes_on():
 
 
 def test_interleaved_runs_the_correctness_gate():
-    class Wrong(ReferenceBackend):
+    class Wrong(ReferenceFamily):
         family = "wrong"
 
         def prepare(self, workload, candidate, problem):
@@ -87,7 +87,7 @@ def test_interleaved_runs_the_correctness_gate():
             p.run = lambda: inner() * 2
             return p
 
-    entries = [(ReferenceBackend(), Candidate("reference", "torch", 4)), (Wrong(), Candidate("wrong", "torch", 4))]
+    entries = [(ReferenceFamily(), Candidate("reference", "torch", 4)), (Wrong(), Candidate("wrong", "torch", 4))]
     res = trial.measure_interleaved(entries, _wl(), MeasureSettings(samples=2), rounds=1)
     assert res[0].status == "ok" and res[0].max_rel_error < 1e-6
     assert (res[1].status, res[1].invalid_reason) == ("invalid", "wrong_result")
@@ -108,7 +108,7 @@ def test_stats_of_spread_and_median():
 
 def test_reference_and_problems_are_made_once_per_workload_and_page():
     cache = trial.ProblemCache()
-    entries = [(ReferenceBackend(), Candidate("reference", "torch", p)) for p in (4, 4, 8)]
+    entries = [(ReferenceFamily(), Candidate("reference", "torch", p)) for p in (4, 4, 8)]
     s = MeasureSettings(samples=2)
     res = trial.measure_interleaved(entries[:2], _wl(), s, rounds=1, problems=cache)
     assert all(r.status == "ok" for r in res)

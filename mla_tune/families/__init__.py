@@ -86,7 +86,7 @@ class _Unavailable:
         raise CandidateInvalid("unsupported", self._reason)
 
 
-# Old names: mla_tune/tune/sweep.py and mla_tune/measure/worker.py (other owners) still use them.
+# Old names, kept while parallel branches may still use them (nothing here does): remove after.
 Backend = Family
 get_backend = get_family
 

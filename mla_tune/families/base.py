@@ -18,9 +18,9 @@ from mla_tune.problem.workload import Workload
 class Candidate:
     """One point of the search space: a family's kernel with a page size and its knobs."""
 
-    family: str
-    backend: str
-    page_size: int
+    family: str                     # the sweep family ("flashinfer", "triton", "reference")
+    backend: str                    # its backend value: FlashInfer's fa2/fa3/..., "triton", "torch"
+    page_size: int                  # the KV page (vLLM block) size
     params: dict = field(default_factory=dict, hash=False, compare=False)
 
     @property

@@ -83,8 +83,8 @@ class InlineRunner:
 
     def _backend(self, family: str):
         if family not in self._backends:
-            from mla_tune.families import get_backend
-            self._backends[family] = get_backend(family)
+            from mla_tune.families import get_family
+            self._backends[family] = get_family(family)
         return self._backends[family]
 
     def measure(self, workload, candidates: Sequence[Candidate],
@@ -188,7 +188,7 @@ def _worker_main(conn, families: dict, settings, log_path: str | None, parent_pi
     import faulthandler
     import sys
     faulthandler.enable(file=sys.stderr, all_threads=False)
-    from mla_tune.families import get_backend, register_family
+    from mla_tune.families import get_family, register_family
     for name, target in families.items():
         register_family(name, target)
     if str(settings.device).startswith("cuda") and not settings.min_pool_bytes:
@@ -208,7 +208,7 @@ def _worker_main(conn, families: dict, settings, log_path: str | None, parent_pi
         entries = []
         for family, cand in pairs:
             if family not in backends:
-                backends[family] = _Guarded(get_backend(family), settings.device)
+                backends[family] = _Guarded(get_family(family), settings.device)
             entries.append((backends[family], cand))
 
         done = [0]

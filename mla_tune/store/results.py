@@ -379,9 +379,9 @@ class ResultsStore:
             r["plan_stats"] = stats_of(r["samples"].get(PLAN_METRIC, []))
         return rows
 
-    def records(self, where: str = "1=1", args: Iterable = ()) -> list[TrialRecord]:
-        """`trials(where, args)` as typed TrialRecords (workload, candidate, samples)."""
-        return as_records(self.trials(where, args))
+    def records(self, where: str = "1=1", args: Iterable = (), prefill: bool = False) -> list[TrialRecord]:
+        """`trials(where, args, prefill)` as typed TrialRecords (workload, candidate, samples)."""
+        return as_records(self.trials(where, args, prefill))
 
     def workloads(self, where: str = "1=1", args: Iterable = ()) -> list[StoredWorkload]:
         """The stored workloads (alias w) matching `where`, in id order."""

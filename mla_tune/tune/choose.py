@@ -313,7 +313,7 @@ def family_default(family: str, workload, page_size: int) -> str | None:
         return None
 
 
-backend_default = family_default   # old name: mla_tune/tune/sweep.py (another owner) still calls it
+backend_default = family_default   # old name, kept while parallel branches may still call it; remove after their merge
 
 
 def _lookup_context(records: list[TrialRecord]) -> int | None:

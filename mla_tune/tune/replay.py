@@ -125,10 +125,10 @@ def _workload_key_of(r: dict) -> tuple:
 
 
 def _defaults_from_backends(b: Bucket, brows: list, cands: dict) -> list:
-    from mla_tune.tune.choose import backend_default
+    from mla_tune.tune.choose import family_default
     out = []
     for fam, page in sorted({(r["family"], r["page_size"]) for r in brows}):
-        key = backend_default(fam, b.workload, page)
+        key = family_default(fam, b.workload, page)
         if key in cands:
             out.append(cands[key])
     return out

@@ -395,14 +395,18 @@ class _Run:
         if self.shared is not None:
             return self._run_shared(pairs)
         fresh = list({c.key: c for _, c in pairs if c.key not in self.seen}.values())
-        evs = self.evaluate(fresh) if fresh else []
-        if len(evs) != len(fresh):
+        evs = self._keep(self.evaluate(fresh) if fresh else [], len(fresh))
+        for trial, c in pairs:
+            self.tell(trial, self.seen[c.key])
+        return evs
+
+    def _keep(self, evs: list[Evaluation], asked: int) -> list[Evaluation]:
+        """Remember evaluate()'s answers, one per candidate asked, for later trials and the outcome."""
+        if len(evs) != asked:
             raise RuntimeError("evaluate() must return one Evaluation per candidate")
         for ev in evs:
             self.seen[ev.candidate.key] = ev
             self.out.evaluations.append(ev)
-        for trial, c in pairs:
-            self.tell(trial, self.seen[c.key])
         return evs
 
     def _run_shared(self, pairs: list) -> list[Evaluation]:
@@ -417,12 +421,8 @@ class _Run:
             if c.key not in self.seen and c.key not in mine and self.shared.take(trial, c):
                 mine[c.key] = (trial, c)
         cands = [c for _, c in mine.values()]
-        evs = self.evaluate(cands, [self.shared.claim_key(c) for c in cands]) if cands else []
-        if len(evs) != len(cands):
-            raise RuntimeError("evaluate() must return one Evaluation per candidate")
-        for ev in evs:
-            self.seen[ev.candidate.key] = ev
-            self.out.evaluations.append(ev)
+        evs = self._keep(self.evaluate(cands, [self.shared.claim_key(c) for c in cands]) if cands else [],
+                         len(cands))
         for trial, c in pairs:
             try:
                 if c.key in self.seen:

@@ -213,7 +213,7 @@ class SweepOutcome:
 def resolve_families(requested: Sequence[str] | None, device: str) -> tuple[dict, dict]:
     """(available family -> backend, skipped family -> reason). Unknown names raise
     SweepInputError; `None` picks by device (GPU: flashinfer + triton, CPU: the reference)."""
-    from mla_tune.families import family_names, get_backend
+    from mla_tune.families import family_names, get_family
     names = list(requested) if requested else list(
         GPU_FAMILIES if device.startswith("cuda") else CPU_FAMILIES)
     unknown = [n for n in names if n not in family_names()]
@@ -222,7 +222,7 @@ def resolve_families(requested: Sequence[str] | None, device: str) -> tuple[dict
                               f"{', '.join(family_names())}")
     available, skipped = {}, {}
     for n in dict.fromkeys(names):
-        backend = get_backend(n)
+        backend = get_family(n)
         try:
             a = backend.available(device)
         except Exception as e:  # a family that cannot even say is a family that cannot run
