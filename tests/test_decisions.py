@@ -113,7 +113,7 @@ def test_the_shipped_h200_config_reads_into_typed_choices():
     written = [b["families"]["flashinfer"]["params"].get("kv_chunk") for m in raw["models"]
                for b in m["buckets"]]
     assert [c.kv_chunk for c in fi] == written
-    rule = sum(b["families"]["triton"].get("rule") == "vllm" for m in raw["models"]
+    rule = sum(b["families"]["triton"]["params"].get("rule") == "vllm" for m in raw["models"]
                for b in m["buckets"])
     assert sum(c.vllm_rule for c in tr) == rule
 
