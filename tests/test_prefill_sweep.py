@@ -304,3 +304,35 @@ def test_show_prints_the_prefill_section_and_merge_carries_prefill_trials(tmp_pa
     merge_into(merged, [db])                 # idempotent: nothing twice
     with ResultsStore(merged, create=False) as store:
         assert len(store.trials(prefill=True)) == 10 and len(store.trials()) == 1
+
+
+def test_report_shows_the_prefill_buckets_and_their_verdicts(tmp_path):
+    """`mla-tune report` shows what prefill-sweep measured: the table lists every bucket's time
+    per backend value and what emit serves (the one-screen summary: only the winners), JSON has
+    the same verdicts as emit, CSV a line per prefill trial beside the decode ones."""
+    import csv
+    import io
+    from mla_tune.cli import app
+    db = tmp_path / "results.db"
+    _store_sweep(db)
+    run = CliRunner().invoke(app, ["report", "--db", str(db), "--format", "json"])
+    assert run.exit_code == 0, run.output
+    rep = json.loads(run.stdout)
+    got = {(p["causal"], p["query_tokens"], p["kv_len"]): (p["chosen"], p["significant"])
+           for p in rep["prefill"]}
+    assert got == {(True, 256, 256): ("fa3", False), (True, 256, 64): ("fa2", True),
+                   (True, 2048, 2048): ("fa3", False), (False, 256, 16384): ("fa2", True),
+                   (False, 2048, 16384): ("fa2", False)}
+    assert all(set(p["times_us"]) | set(p["invalid"]) == {"fa2", "fa3"} for p in rep["prefill"])
+    (bad,) = [p for p in rep["prefill"] if p["invalid"]]
+    assert (bad["query_tokens"], bad["invalid"]) == (2048, {"fa3": "runtime"})
+    rows = list(csv.DictReader(io.StringIO(
+        CliRunner().invoke(app, ["report", "--db", str(db), "--format", "csv"]).stdout)))
+    pre = [r for r in rows if r["family"] == "flashinfer_prefill"]
+    assert len(pre) == 10 and {r["ragged"] for r in pre} == {"prefill-causal", "prefill-context"}
+    assert len(rows) > len(pre)                       # the decode bucket's lines are there too
+    summary = CliRunner().invoke(app, ["report", "--db", str(db), "--format", "markdown"]).stdout
+    full = CliRunner().invoke(app, ["report", "--db", str(db), "--format", "markdown",
+                                    "--full"]).stdout
+    assert "MLA prefill backend" in summary and "5 prefill buckets; 3 keep the device default" in summary
+    assert summary.count("| fa2 |") == 2 and full.count("| fa3 |") == 2 and full.count("| fa2 |") == 3

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from mla_tune.tune import choose as choosing
 from mla_tune.problem.workload import WorkloadMix
+from mla_tune.views import prefill_view
 from mla_tune.views.render import Column, OutputFormat, Table, render, times, to_csv
 from mla_tune.problem.roofline import floor_of, pct_of_floor
 from mla_tune.problem.defaults import DEFAULT_PAGE_SIZE, PLAN_METRIC
@@ -143,6 +144,8 @@ class Report:
     filter: TrialFilter
     devices: list                     # DeviceReport, GPU devices first
     mix: dict | None = None           # (batch, context) -> weight, None = uniform
+    prefill: list = field(default_factory=list)   # prefill_view.PrefillLine
+    prefill_records: list = field(default_factory=list)   # for the CSV
 
     def lines(self):
         """(device report, workload view, candidate line) for every line, in report order."""
@@ -159,6 +162,7 @@ class Report:
                 {"batch_size": b, "context_len": c, "weight": x} for (b, c), x in sorted(self.mix.items())],
             "rules": _rules(self.devices[0].choice) if self.devices else None,
             "devices": [_device_json(d) for d in self.devices],
+            "prefill": [ln.to_json() for ln in self.prefill],
         }
 
 
@@ -187,7 +191,9 @@ def build_report(store, flt: TrialFilter = TrialFilter(), mix: WorkloadMix | Non
         dev.workloads = _workload_views(drows, dev)
         devices.append(dev)
     devices.sort(key=lambda d: (d.is_reference, d.device_name))
-    return Report(str(store.path), flt, devices, dict(mix.weights) if mix and mix.weights else None)
+    return Report(str(store.path), flt, devices, dict(mix.weights) if mix and mix.weights else None,
+                  prefill_view.build_prefill(store, flt, **choose_kw),
+                  prefill_view.prefill_records(store, flt))
 
 
 def _workload_views(records: list[TrialRecord], dev: DeviceReport) -> list[WorkloadView]:
@@ -399,6 +405,7 @@ def report_tables(report: Report) -> list[Table]:
                           + ("; ".join(d.choice.notes) if d.choice.notes else "no warnings"))
         _add_global_rows(t, d)
         tables.append(t)
+    tables += prefill_view.prefill_tables(report.prefill)
     return tables
 
 
@@ -439,6 +446,7 @@ def summary_tables(report: Report) -> list[Table]:
                           + ("; " + "; ".join(d.choice.notes) if d.choice.notes else ""))
         _add_global_rows(t, d)
         tables.append(t)
+    tables += prefill_view.prefill_tables(report.prefill, full=False)
     return tables
 
 
@@ -477,6 +485,8 @@ def report_csv(report: Report) -> str:
               int(c.is_default), c.status, c.invalid_reason, c.message, c.n, c.median_us, c.spread,
               c.min_us, c.plan_median_us, c.compile_s, c.max_rel_error, c.pct_roofline, w.floor_us,
               w.bound, c.default_candidate, c.speedup_vs_default, int(c.chosen), int(c.winner))
+    for row in prefill_view.prefill_csv_rows(report.prefill_records):
+        t.add(*[row.get(col) for col in cols])
     return to_csv(t)
 
 
