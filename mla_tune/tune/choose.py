@@ -313,9 +313,6 @@ def family_default(family: str, workload, page_size: int) -> str | None:
         return None
 
 
-backend_default = family_default   # old name, kept while parallel branches may still call it; remove after their merge
-
-
 def _lookup_context(records: list[TrialRecord]) -> int | None:
     """The plugin's lookup statistic over the lengths a bucket was measured with."""
     from vllm_metax.decisions import bucket_context

@@ -91,7 +91,7 @@ def run_prefill_sweep(config: PrefillSweepConfig,
     """Measure every bucket's candidates that this device has no trial of yet (all of them with
     `remeasure`) and store each trial; `on_bucket(workload, results)` after each bucket."""
     import torch
-    from mla_tune.families.flashinfer_prefill import FlashInferPrefillBackend
+    from mla_tune.families.flashinfer_prefill import FlashInferPrefillFamily
     from mla_tune.measure.environment import capture_environment
     from mla_tune.measure.prefill_trial import measure_prefill
     from mla_tune.store.results import ResultsStore
@@ -99,7 +99,7 @@ def run_prefill_sweep(config: PrefillSweepConfig,
     from vllm_metax.device import detect_device
     t_start = time.monotonic()
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    family = config.family or FlashInferPrefillBackend()
+    family = config.family or FlashInferPrefillFamily()
     avail = family.available(device)
     if not avail.ok:
         raise PrefillSweepError(f"the prefill family cannot run on {device}: {avail.reason}")
