@@ -30,6 +30,7 @@ import time
 import torch
 
 from mla_tune.families.base import Prepared
+from mla_tune.problem.defaults import KERNEL_METRIC, PLAN_METRIC
 
 METHOD_GRAPH_EVENTS = "cuda_graph_events"   # events recorded inside the graph, around each run
 METHOD_GRAPH = "cuda_graph"                 # events around each replay of a one-run graph
@@ -271,7 +272,7 @@ def time_prepared(prepared: Prepared, settings) -> TimedSamples:
         kernel = timer.sample(settings.samples)
     finally:
         timer.close()
-    samples = {"kernel_us": kernel}
+    samples = {KERNEL_METRIC: kernel}
     if timer.plan_us:
-        samples["plan_us"] = timer.plan_us
+        samples[PLAN_METRIC] = timer.plan_us
     return TimedSamples(samples, timer.method, timer.note)
