@@ -36,7 +36,7 @@ from mla_tune.tune.buckets import (CPU_DB, DEFAULT_RAGGED, GPU_DB, Bucket, Defau
                                    measure_settings, parse_duration, parse_sizes, plan_buckets,
                                    resolve_lengths)
 from mla_tune.tune.search import (GRID_MAX, PATIENCE, Evaluation, SearchOutcome, SearchPolicy,
-                             SearchSpace, journal_storage, search)
+                             SearchSpace, search)
 from mla_tune.tune.choose import MIN_RATIO, P_THRESHOLD
 
 CPU_REFERENCE_NOTE = (
@@ -814,7 +814,6 @@ def _claim_and_measure(sb, so: SearchOutcome, evaluate, policy: SearchPolicy) ->
 def _add_finished_elsewhere(sb, so: SearchOutcome, outcome: SweepOutcome) -> None:
     """The bucket's candidates that other workers (or an earlier run) finished, as evaluations
     answered from the shared study, so the outcome covers the whole bucket."""
-    from mla_tune.families.base import Candidate
     have = {e.candidate.key for e in so.evaluations}
     for key, (value, reason, tid) in sb.finished().items():
         if key not in have:
@@ -888,7 +887,8 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["Bucket", "BucketOutcome",  # noqa: F822 - the lazy names of _ELSEWHERE included "CPU_REFERENCE_NOTE", "DefaultSpace", "PlannedBucket",
+# the lazy names of _ELSEWHERE included
+__all__ = ["Bucket", "BucketOutcome", "CPU_REFERENCE_NOTE", "DefaultSpace", "PlannedBucket",  # noqa: F822
            "SweepConfig", "SweepError", "SweepInputError", "SweepObserver", "SweepOutcome", "SweepPlan",
            "build_config", "measure_settings", "default_space", "detect_device", "emit_tuned_config",
            "estimate_note", "journal_path_for", "check_sweep_config", "default_db", "parse_duration",
