@@ -42,6 +42,7 @@ from mla_tune.problem.defaults import DEFAULT_PAGE_SIZE, KERNEL_METRIC
 from mla_tune.problem.workload import WorkloadMix
 from mla_tune.store.records import TrialRecord, as_records
 from vllm_metax.decisions import FLASHINFER, TRITON
+from vllm_metax.tuned_config import speedup
 
 P_THRESHOLD = 0.002
 MIN_RATIO = 1.05
@@ -109,9 +110,7 @@ class Verdict:
     @property
     def gain(self) -> float | None:
         """default time / chosen time (1.0 when the default stayed)."""
-        if self.time_us and self.default_time_us:
-            return self.default_time_us / self.time_us
-        return None
+        return speedup(self.default_time_us, self.time_us)
 
 
 @dataclass(frozen=True)
