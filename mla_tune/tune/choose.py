@@ -288,11 +288,8 @@ def latest_trials(trials: Iterable) -> list:
     return [r for _, r in sorted(latest.values(), key=lambda x: x[0])]
 
 
-def _measured(record, metric: str) -> Measured:
-    """A TrialRecord (or a `ResultsStore.trials()` row: the prefill choice still passes those)
-    reduced to what a verdict needs."""
-    if not isinstance(record, TrialRecord):
-        record = TrialRecord.from_row(record)
+def measured_of(record: TrialRecord, metric: str = METRIC) -> Measured:
+    """A TrialRecord reduced to what a verdict (`decide`) needs."""
     samples = tuple(record.values(metric))
     median = None
     if record.ok and samples:
@@ -418,7 +415,7 @@ def _choose_model(device_name, g, rows, mix, p_threshold, min_ratio, default_pag
                 cand_rows = [r for r in brows if r.candidate.family == fam and r.candidate.page_size == page]
                 if not cand_rows:
                     continue
-                measured = [_measured(r, metric) for r in cand_rows]
+                measured = [measured_of(r, metric) for r in cand_rows]
                 default_key = next((m.key for m in measured if m.is_default), None)
                 if default_key is None and default_of is not None:
                     wl = cand_rows[0].workload
