@@ -44,6 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.shape_run import add_shape_run_options, ints, read_earlier_run  # noqa: E402
 from mla_tune.tune.choose import MIN_RATIO, P_THRESHOLD  # noqa: E402
 from mla_tune.problem.workload import model_preset  # noqa: E402
 
@@ -1085,31 +1086,23 @@ def _f(x, fmt="{:.1f}"):
     return "-" if x is None else fmt.format(x)
 
 
-def _ints(text: str) -> tuple:
-    return tuple(int(x) for x in text.split(",") if x.strip())
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench/results", help="folder for prefill_choice.{json,md}")
     ap.add_argument("--backends", default="fa2,fa3")
-    ap.add_argument("--tp", type=_ints, default=TP_SIZES, help="DeepSeek-V3 TP sizes (1: 128 heads, 8: 16)")
-    ap.add_argument("--workspaces", type=_ints, default=WORKSPACE_ROWS)
-    ap.add_argument("--contexts", type=_ints, default=CONTINUE_CONTEXTS, help="part 2 context lengths L")
+    ap.add_argument("--tp", type=ints, default=TP_SIZES, help="DeepSeek-V3 TP sizes (1: 128 heads, 8: 16)")
+    ap.add_argument("--workspaces", type=ints, default=WORKSPACE_ROWS)
+    ap.add_argument("--contexts", type=ints, default=CONTINUE_CONTEXTS, help="part 2 context lengths L")
     ap.add_argument("--samples", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--modes", default="graph,eager", help="part 2 timing: graph and/or eager")
     ap.add_argument("--parts", default="backend,workspace")
-    ap.add_argument("--budget-s", type=float, default=170.0,
-                    help="start no new shape after this many seconds (results so far are kept)")
-    ap.add_argument("--quick", action="store_true", help="16 heads, a few sizes: a smoke run")
-    ap.add_argument("--analyze", metavar="JSON", help="re-decide and re-render an earlier run's JSON")
+    add_shape_run_options(ap, budget_s=170.0, quick="16 heads, a few sizes: a smoke run",
+                          analyze="re-decide and re-render an earlier run's JSON")
     args = ap.parse_args(argv)
     if args.analyze:
-        try:
-            doc = json.loads(Path(args.analyze).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            print(f"error: cannot read {args.analyze}: {e}", file=sys.stderr)
+        doc = read_earlier_run(args.analyze)
+        if doc is None:
             return 2
         print(render(doc, summarize(doc, scipy_compare())))
         return 0

@@ -31,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.shape_run import add_shape_run_options, ints, read_earlier_run  # noqa: E402
 from mla_tune.families.triton_mla import vllm_compiled_ops_missing  # noqa: E402
 from mla_tune.problem.defaults import KERNEL_METRIC  # noqa: E402
 from mla_tune.problem.workload import model_preset, workload_for  # noqa: E402
@@ -49,10 +50,6 @@ LOG: list[str] = []
 def say(msg: str = "") -> None:
     print(msg, flush=True)
     LOG.append(msg)
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
 
 
 # ---------------------------------------------------------------- measuring
@@ -311,30 +308,26 @@ def render(doc: dict, summ: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--tp", type=_ints, default=[1, 8], help="DeepSeek-V3 TP sizes (1: 128 heads, 8: 16)")
-    ap.add_argument("--batches", type=_ints, default=[1, 8, 32, 128])
-    ap.add_argument("--contexts", type=_ints, default=[1024, 4096, 32768])
+    ap.add_argument("--tp", type=ints, default=(1, 8), help="DeepSeek-V3 TP sizes (1: 128 heads, 8: 16)")
+    ap.add_argument("--batches", type=ints, default=(1, 8, 32, 128))
+    ap.add_argument("--contexts", type=ints, default=(1024, 4096, 32768))
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--no-page16", dest="page16", action="store_false",
                     help="skip Triton's default at page 16")
     ap.add_argument("--samples", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--budget-s", type=float, default=1e9,
-                    help="start no new shape after this many seconds (results so far are kept)")
-    ap.add_argument("--quick", action="store_true", help="B 1,32,128 x L 1K,32K (12 shapes)")
-    ap.add_argument("--analyze", metavar="JSON", help="recompute the summary of an earlier run's JSON")
+    add_shape_run_options(ap, budget_s=1e9, quick="B 1,32,128 x L 1K,32K (12 shapes)",
+                          analyze="recompute the summary of an earlier run's JSON")
     args = ap.parse_args(argv)
     if args.quick:
-        args.batches, args.contexts = [1, 32, 128], [1024, 32768]
+        args.batches, args.contexts = (1, 32, 128), (1024, 32768)
     for v in args.batches + args.contexts:
         if v < 1:
             ap.error(f"batch and context must be positive, got {v}")
     if args.analyze:
-        try:
-            doc = json.loads(Path(args.analyze).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            print(f"error: cannot read {args.analyze}: {e}", file=sys.stderr)
+        doc = read_earlier_run(args.analyze)
+        if doc is None:
             return 2
         text = render(doc, summarize(doc))
         print(text)

@@ -98,12 +98,12 @@ def test_every_prefill_family_candidate_matches_the_reference(causal, q, kv, n):
     """The tuner's family runs the plugin's op on the real kernel: every backend it declares
     passes the correctness gate (poisoned output, sampled rows, LSE for a chunk) and is timed."""
     _prefill_here()
-    from mla_tune.families.flashinfer_prefill import FlashInferPrefillBackend
+    from mla_tune.families.flashinfer_prefill import FlashInferPrefillFamily
     from mla_tune.measure.prefill_trial import measure_prefill
     from mla_tune.measure.trial import MeasureSettings
     from mla_tune.problem.prefill import PrefillWorkload
     from vllm_metax.decisions import device_prefill_backends
-    fam = FlashInferPrefillBackend()
+    fam = FlashInferPrefillFamily()
     w = PrefillWorkload(HEADS, KV_LORA, ROPE, scale(), causal, q, kv, n)
     space = fam.space(w)
     assert [c.backend for c in space] == list(device_prefill_backends().allowed)

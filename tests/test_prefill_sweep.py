@@ -77,7 +77,7 @@ def family(monkeypatch):
     import mla_tune.families.flashinfer_prefill as fp
     RecordingRaggedWrapper.instances, RecordingRaggedWrapper.refuse = [], set()
     monkeypatch.setattr(fp, "device_backends", lambda: HOPPER)
-    return fp.FlashInferPrefillBackend(wrapper_cls=RecordingRaggedWrapper)
+    return fp.FlashInferPrefillFamily(wrapper_cls=RecordingRaggedWrapper)
 
 
 def test_the_family_declares_what_the_plugin_may_plan(family, monkeypatch):
@@ -88,7 +88,7 @@ def test_the_family_declares_what_the_plugin_may_plan(family, monkeypatch):
     monkeypatch.setattr(fp, "device_backends", lambda: METAX)
     assert [c.key for c in family.space(w)] == ["flashinfer_prefill/fa2/p1"]
     assert family.default_candidate(w).backend == "fa2"
-    assert not fp.FlashInferPrefillBackend().available("cpu").ok
+    assert not fp.FlashInferPrefillFamily().available("cpu").ok
 
 
 def test_candidates_are_measured_gated_and_refusals_are_data(family):

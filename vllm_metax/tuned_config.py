@@ -101,9 +101,14 @@ class FamilyChoice:
 
     @property
     def gain(self) -> float | None:
-        if self.time_us and self.default_time_us:
-            return self.default_time_us / self.time_us
-        return None
+        return speedup(self.default_time_us, self.time_us)
+
+
+def speedup(default_time_us: float | None, time_us: float | None) -> float | None:
+    """default time / chosen time (None unless both were measured)."""
+    if time_us and default_time_us:
+        return default_time_us / time_us
+    return None
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,8 @@ from rich.table import Table
 
 from mla_tune.cli.app import EXIT_FAILURE, app, console, fail, given
 from mla_tune.measure.worker import Isolation
+from mla_tune.problem.defaults import SWEEP_PAGE_SIZES
+from mla_tune.tune.choose import MIN_RATIO
 from mla_tune.tune.search import SearchMode as Mode
 from mla_tune.validate import FLOAT, INT, PathOption
 
@@ -269,7 +271,8 @@ def sweep(
     q_dtype: str = typer.Option("bfloat16", "--q-dtype"),
     kv_dtype: str = typer.Option("bfloat16", "--kv-dtype"),
     page_size: Optional[List[int]] = typer.Option(None, "--page-size", help="KV page sizes (powers of "
-                                                  "two, 1-256); repeat (default 1, 16, 64)"),
+                                                  "two, 1-256); repeat (default "
+                                                  f"{', '.join(map(str, SWEEP_PAGE_SIZES))})"),
     family: Optional[List[str]] = typer.Option(None, "--family", help="kernel families; repeat "
                                                "(default: GPU flashinfer + triton, CPU reference)"),
     mode: Mode = typer.Option(Mode.auto, "--mode", help="auto (grid when the space is small), grid, tpe"),
@@ -300,7 +303,7 @@ def sweep(
     mix: Optional[Path] = PathOption(None, "--mix", help="CSV of batch,context,weight rows: the "
                                        "workload mix the page size is chosen for (default uniform); "
                                        "every row must be a swept bucket"),
-    min_ratio: float = typer.Option(1.05, "--min-ratio", help="smallest speed-up that displaces a default",
+    min_ratio: float = typer.Option(MIN_RATIO, "--min-ratio", help="smallest speed-up that displaces a default",
                                     **FLOAT["min_ratio"].typer),
     seed: int = typer.Option(0, "--seed", help="sampler seed", **INT["seed"].typer),
     name: str = typer.Option("sweep", "--name", help="label stored with each trial and the optuna study"),

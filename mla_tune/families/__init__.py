@@ -86,9 +86,5 @@ class _Unavailable:
         raise CandidateInvalid("unsupported", self._reason)
 
 
-# Old names, kept while parallel branches may still use them (nothing here does): remove after.
-Backend = Family
-get_backend = get_family
-
-__all__ = ["Availability", "Backend", "Candidate", "CandidateInvalid", "Family", "Prepared",
-           "family_names", "family_targets", "get_backend", "get_family", "register_family"]
+__all__ = ["Availability", "Candidate", "CandidateInvalid", "Family", "Prepared",
+           "family_names", "family_targets", "get_family", "register_family"]

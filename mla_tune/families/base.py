@@ -101,7 +101,3 @@ class Family(Protocol):
     def default_candidate(self, workload: Workload, page_size: int) -> Candidate: ...
 
     def prepare(self, workload: Workload, candidate: Candidate, problem) -> Prepared: ...
-
-
-# Old name, kept while the parallel sweep/prefill branches still use it; remove after their merge.
-Backend = Family

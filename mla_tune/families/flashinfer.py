@@ -198,7 +198,3 @@ def _chunk_refusal(kernel, kv_chunk: str) -> str:
 def _looks_like_compile_error(e: BaseException) -> bool:
     text = f"{type(e).__name__} {e}".lower()
     return any(w in text for w in ("ninja", "nvcc", "compil", "build failed", "jit"))
-
-
-# Old name, kept while the parallel sweep/prefill branches still use it; remove after their merge.
-FlashInferBackend = FlashInferFamily

@@ -31,7 +31,7 @@ def device_backends():
     return device_prefill_backends()
 
 
-class FlashInferPrefillBackend:
+class FlashInferPrefillFamily:
     family = FAMILY
 
     def __init__(self, workspace_bytes: int | None = None, wrapper_cls: type | None = None):
@@ -116,4 +116,4 @@ class FlashInferPrefillBackend:
         return prepared
 
 
-__all__ = ["FAMILY", "FlashInferPrefillBackend"]
+__all__ = ["FAMILY", "FlashInferPrefillFamily"]

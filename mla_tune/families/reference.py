@@ -30,7 +30,3 @@ class ReferenceFamily:
             return holder["out"]
 
         return Prepared(run=run, plan=None, out=None, compile_s=0.0, graphable=False)
-
-
-# Old name, kept while the parallel sweep/prefill branches still use it; remove after their merge.
-ReferenceBackend = ReferenceFamily

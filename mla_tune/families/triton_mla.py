@@ -217,7 +217,3 @@ def _decode_rows(block_table: torch.Tensor, seq_lens: torch.Tensor, q_len: int):
     offsets = torch.arange(1 - q_len, 1, device=seq_lens.device, dtype=seq_lens.dtype)
     return (block_table.repeat_interleave(q_len, dim=0),
             (seq_lens.unsqueeze(1) + offsets).flatten().clamp(min=0))
-
-
-# Old name, kept while the parallel sweep/prefill branches still use it; remove after their merge.
-TritonMLABackend = TritonMLAFamily

@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 from mla_tune.families.base import Candidate, CandidateInvalid
 from mla_tune.measure.timing import KernelTimer, TimedSamples
 from mla_tune.measure.trial import TOLERANCE, MeasureSettings, TrialResult, invalid_result
+from mla_tune.problem.defaults import KERNEL_METRIC, PLAN_METRIC
 from mla_tune.problem.prefill import (PrefillWorkload, check_rows, make_prefill_problem,
                                       prefill_reference, relative_error)
 
@@ -96,9 +97,9 @@ def measure_prefill(entries: Sequence[tuple[object, Candidate]], w: PrefillWorkl
     for i, (_, c) in enumerate(entries):
         if i not in results:
             t = timers[i]
-            s = {"kernel_us": samples[i]}
+            s = {KERNEL_METRIC: samples[i]}
             if t.plan_us:
-                s["plan_us"] = t.plan_us
+                s[PLAN_METRIC] = t.plan_us
             results[i] = TrialResult(c, "ok", TimedSamples(s, t.method, t.note), message=t.note,
                                      compile_s=meta[i][0], max_rel_error=meta[i][1])
         if i in timers:

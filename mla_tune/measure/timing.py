@@ -30,6 +30,7 @@ import time
 import torch
 
 from mla_tune.families.base import Prepared
+from mla_tune.problem.defaults import KERNEL_METRIC, PLAN_METRIC
 
 METHOD_GRAPH_EVENTS = "cuda_graph_events"   # events recorded inside the graph, around each run
 METHOD_GRAPH = "cuda_graph"                 # events around each replay of a one-run graph
@@ -161,10 +162,15 @@ class KernelTimer:
             self.graph = None
             self.method = METHOD_EVENTS
             self.note = f"CUDA graph capture failed, events around eager launches: {type(e).__name__}: {e}"
-            try:
-                torch.cuda.synchronize(self.device)
-            except Exception:
-                pass
+            self._drain()
+
+    def _drain(self) -> None:
+        """Wait out what a refused capture left queued (a device that cannot even sync is
+        reported by the next run, not here)."""
+        try:
+            torch.cuda.synchronize(self.device)
+        except Exception:
+            pass
 
     def _capture_timed(self) -> None:
         """A graph of RUNS_PER_GRAPH x (flush, event, run, event): the launch latency of a
@@ -192,10 +198,7 @@ class KernelTimer:
         except Exception as e:  # noqa: BLE001 - keep the one-run graph with events around replays
             self.timed_graph = None
             self.note = f"in-graph events unavailable ({type(e).__name__}: {e}); events around replays"
-            try:
-                torch.cuda.synchronize(self.device)
-            except Exception:
-                pass
+            self._drain()
 
     def launch(self):
         """One timed unit without its events: a graph replay, or an eager run where no graph was captured."""
@@ -271,7 +274,7 @@ def time_prepared(prepared: Prepared, settings) -> TimedSamples:
         kernel = timer.sample(settings.samples)
     finally:
         timer.close()
-    samples = {"kernel_us": kernel}
+    samples = {KERNEL_METRIC: kernel}
     if timer.plan_us:
-        samples["plan_us"] = timer.plan_us
+        samples[PLAN_METRIC] = timer.plan_us
     return TimedSamples(samples, timer.method, timer.note)

@@ -18,6 +18,7 @@ import torch
 
 from mla_tune.families.base import Candidate, CandidateInvalid
 from mla_tune.measure.timing import KernelTimer, TimedSamples, time_prepared
+from mla_tune.problem.defaults import KERNEL_METRIC, PLAN_METRIC
 from mla_tune.problem.workload import Workload
 from mla_tune.problem.instance import make_problem
 from mla_tune.problem.reference import mla_decode_reference, relative_error
@@ -147,9 +148,9 @@ def measure(backend, workload: Workload, candidate: Candidate, settings: Measure
         if settings.check:
             err = check_correctness(backend, workload, candidate, settings, seed=settings.seed + 1000)
         if settings.device == "cpu":
-            samples = {"kernel_us": _cpu_samples(prepared.run, settings.warmup, settings.samples)}
+            samples = {KERNEL_METRIC: _cpu_samples(prepared.run, settings.warmup, settings.samples)}
             if prepared.plan is not None:
-                samples["plan_us"] = _cpu_samples(prepared.plan, 1, settings.plan_samples)
+                samples[PLAN_METRIC] = _cpu_samples(prepared.plan, 1, settings.plan_samples)
         else:
             samples = time_prepared(prepared, settings)
         return TrialResult(candidate, "ok", samples, message=getattr(samples, "note", ""),
@@ -247,9 +248,9 @@ def measure_interleaved(entries: Sequence[tuple[object, Candidate]], workload: W
     results = []
     for e in todo:
         if e.result is None:
-            samples = {"kernel_us": e.kernel_us}
+            samples = {KERNEL_METRIC: e.kernel_us}
             if e.timer.plan_us:
-                samples["plan_us"] = e.timer.plan_us
+                samples[PLAN_METRIC] = e.timer.plan_us
             e.result = TrialResult(e.candidate, "ok", TimedSamples(samples, e.timer.method, e.timer.note),
                                    message=e.timer.note, compile_s=e.compile_s,
                                    max_rel_error=e.max_rel_error)

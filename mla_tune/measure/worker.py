@@ -36,8 +36,6 @@ from typing import Callable, Sequence
 
 from mla_tune.families.base import Candidate
 
-FAULT_REASONS = ("crash", "timeout")
-
 # CUDA errors that are sticky: after one, every CUDA call in the process fails
 STICKY_CUDA_ERRORS = (
     "illegal memory access", "unspecified launch failure", "device-side assert",

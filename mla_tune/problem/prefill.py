@@ -19,7 +19,7 @@ asked for (`prefill=True`).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from mla_tune.problem.workload import DTYPES, ModelDims, ProblemError
 
@@ -122,9 +122,6 @@ class PrefillWorkload:
         kind = "new" if self.causal else "ctx"
         return (f"H{self.num_heads} {kind} q{self.query_tokens} kv{self.kv_len}"
                 + (f" x{self.requests} req" if self.requests > 1 else ""))
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def prefill_workload(model: ModelDims, tp_size: int, causal: bool, query_tokens: int,

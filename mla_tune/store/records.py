@@ -13,6 +13,7 @@ from typing import Mapping
 
 from mla_tune.families.base import Candidate
 from mla_tune.problem.defaults import KERNEL_METRIC
+from mla_tune.problem.prefill import LAYOUTS as PREFILL_LAYOUTS, PrefillWorkload
 from mla_tune.problem.workload import Workload
 
 # what readers group and show by; the problem Workload has every column (softmax scale, seed too)
@@ -40,7 +41,7 @@ class StoredWorkload:
     total_kv_tokens: int
     bytes: int
     flops: int
-    problem: Workload | None = field(default=None, compare=False, repr=False)
+    problem: Workload | PrefillWorkload | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_row(cls, row: Mapping) -> "StoredWorkload":
@@ -60,8 +61,10 @@ class StoredWorkload:
                 self.kv_dtype, self.ragged)
 
 
-def _problem(row: Mapping) -> Workload | None:
+def _problem(row: Mapping) -> Workload | PrefillWorkload | None:
     try:
+        if row.get("ragged") in PREFILL_LAYOUTS:
+            return PrefillWorkload.from_row(row)
         return Workload.from_row(row)   # a ragged workload with its stored per-request lengths
     except Exception:  # noqa: BLE001 - any stored value the model refuses (another version's row)
         return None
@@ -113,8 +116,9 @@ class TrialRecord:
             started_at=row.get("started_at"), finished_at=row.get("finished_at"))
 
     @property
-    def workload(self) -> Workload | None:
-        """The problem Workload measured (None if this version no longer accepts the stored one)."""
+    def workload(self) -> Workload | PrefillWorkload | None:
+        """The problem workload measured, decode or prefill (None if this version no longer
+        accepts the stored one)."""
         return self.stored.problem
 
     @property

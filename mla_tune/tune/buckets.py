@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Sequence
 
 from mla_tune.measure.trial import MeasureSettings
+from mla_tune.problem.defaults import SWEEP_PAGE_SIZES
 from mla_tune.problem.workload import (RAGGED_KINDS, LengthTrace, ModelDims, ProblemError, Workload,
                                       load_trace, log2_grid, workload_for)
 
@@ -136,9 +137,9 @@ def default_space(device: str) -> DefaultSpace:
     small space the torch reference covers in seconds."""
     if str(device).startswith("cuda"):
         return DefaultSpace((1, 8), tuple(log2_grid(1, 128)), tuple(log2_grid(1024, 32768)),
-                            (1, 16, 64), samples=20, warmup=3, timeout_s=180.0, time_budget_s=540.0,
+                            SWEEP_PAGE_SIZES, samples=20, warmup=3, timeout_s=180.0, time_budget_s=540.0,
                             ragged=DEFAULT_RAGGED)
-    return DefaultSpace((8,), (1, 4), (256, 1024), (1, 16, 64), samples=10, warmup=2,
+    return DefaultSpace((8,), (1, 4), (256, 1024), SWEEP_PAGE_SIZES, samples=10, warmup=2,
                         timeout_s=120.0, time_budget_s=0.0)
 
 

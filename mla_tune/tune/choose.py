@@ -42,6 +42,7 @@ from mla_tune.problem.defaults import DEFAULT_PAGE_SIZE, KERNEL_METRIC
 from mla_tune.problem.workload import WorkloadMix
 from mla_tune.store.records import TrialRecord, as_records
 from vllm_metax.decisions import FLASHINFER, TRITON
+from vllm_metax.tuned_config import speedup
 
 P_THRESHOLD = 0.002
 MIN_RATIO = 1.05
@@ -109,9 +110,7 @@ class Verdict:
     @property
     def gain(self) -> float | None:
         """default time / chosen time (1.0 when the default stayed)."""
-        if self.time_us and self.default_time_us:
-            return self.default_time_us / self.time_us
-        return None
+        return speedup(self.default_time_us, self.time_us)
 
 
 @dataclass(frozen=True)
@@ -289,11 +288,8 @@ def latest_trials(trials: Iterable) -> list:
     return [r for _, r in sorted(latest.values(), key=lambda x: x[0])]
 
 
-def _measured(record, metric: str) -> Measured:
-    """A TrialRecord (or a `ResultsStore.trials()` row: the prefill choice still passes those)
-    reduced to what a verdict needs."""
-    if not isinstance(record, TrialRecord):
-        record = TrialRecord.from_row(record)
+def measured_of(record: TrialRecord, metric: str = METRIC) -> Measured:
+    """A TrialRecord reduced to what a verdict (`decide`) needs."""
     samples = tuple(record.values(metric))
     median = None
     if record.ok and samples:
@@ -311,9 +307,6 @@ def family_default(family: str, workload, page_size: int) -> str | None:
         return get_family(family).default_candidate(workload, page_size).key
     except Exception:   # an unavailable or unknown family cannot name its default
         return None
-
-
-backend_default = family_default   # old name, kept while parallel branches may still call it; remove after their merge
 
 
 def _lookup_context(records: list[TrialRecord]) -> int | None:
@@ -422,7 +415,7 @@ def _choose_model(device_name, g, rows, mix, p_threshold, min_ratio, default_pag
                 cand_rows = [r for r in brows if r.candidate.family == fam and r.candidate.page_size == page]
                 if not cand_rows:
                     continue
-                measured = [_measured(r, metric) for r in cand_rows]
+                measured = [measured_of(r, metric) for r in cand_rows]
                 default_key = next((m.key for m in measured if m.is_default), None)
                 if default_key is None and default_of is not None:
                     wl = cand_rows[0].workload

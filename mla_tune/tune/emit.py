@@ -180,22 +180,22 @@ def build_tuned_config(store, flt: TrialFilter = TrialFilter(), mix: WorkloadMix
                          f"the buckets measured on {device}")
     choice = choosing.choose(records, mix, device_name=device, **choose_kw)
     run_ids = {r.run_id for r in choosing.latest_trials(records)}
-    prefill_rows = store.trials(*TrialFilter(device, flt.model, flt.runs).where(), prefill=True)
-    run_ids |= {r["run_id"] for r in choosing.latest_trials(prefill_rows)}
+    prefill = store.records(*TrialFilter(device, flt.model, flt.runs).where(), prefill=True)
+    run_ids |= {r.run_id for r in choosing.latest_trials(prefill)}
     runs = [r for r in store.runs() if r["id"] in run_ids]
     cfg = config_from_choice(choice, runs, Path(store.path).name, mix)
-    return with_prefill(cfg, prefill_rows, **{k: v for k, v in choose_kw.items()
-                                              if k in ("p_threshold", "min_ratio")})
+    return with_prefill(cfg, prefill, **{k: v for k, v in choose_kw.items()
+                                         if k in ("p_threshold", "min_ratio")})
 
 
-def with_prefill(cfg: tc.TunedConfig, prefill_rows: list, **choose_kw) -> tc.TunedConfig:
-    """`cfg` with each model entry's prefill section chosen from `prefill_rows` (the device's
-    prefill trials); prefill measured for dims without a decode entry is noted, not written."""
-    if not prefill_rows:
+def with_prefill(cfg: tc.TunedConfig, prefill: list, **choose_kw) -> tc.TunedConfig:
+    """`cfg` with each model entry's prefill section chosen from `prefill` (the device's prefill
+    TrialRecords); prefill measured for dims without a decode entry is noted, not written."""
+    if not prefill:
         return cfg
     import dataclasses
     from mla_tune.tune.prefill import choose_prefill, prefill_buckets
-    sections = {dims: prefill_buckets(vs) for dims, vs in choose_prefill(prefill_rows, **choose_kw).items()}
+    sections = {dims: prefill_buckets(vs) for dims, vs in choose_prefill(prefill, **choose_kw).items()}
     notes = cfg.provenance.setdefault("notes", [])
     models = []
     for m in cfg.models:
@@ -205,7 +205,7 @@ def with_prefill(cfg: tc.TunedConfig, prefill_rows: list, **choose_kw) -> tc.Tun
         notes.append(f"prefill measured for H{dims.num_heads} (kv_lora_rank {dims.kv_lora_rank}, "
                      f"{dims.q_dtype}) but no decode entry has those dims: its prefill section is "
                      "not written (sweep decode for it first)")
-    cfg.provenance["prefill_trials"] = len(choosing.latest_trials(prefill_rows))
+    cfg.provenance["prefill_trials"] = len(choosing.latest_trials(prefill))
     return dataclasses.replace(cfg, models=models)
 
 

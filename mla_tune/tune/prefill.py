@@ -91,7 +91,7 @@ def run_prefill_sweep(config: PrefillSweepConfig,
     """Measure every bucket's candidates that this device has no trial of yet (all of them with
     `remeasure`) and store each trial; `on_bucket(workload, results)` after each bucket."""
     import torch
-    from mla_tune.families.flashinfer_prefill import FlashInferPrefillBackend
+    from mla_tune.families.flashinfer_prefill import FlashInferPrefillFamily
     from mla_tune.measure.environment import capture_environment
     from mla_tune.measure.prefill_trial import measure_prefill
     from mla_tune.store.results import ResultsStore
@@ -99,7 +99,7 @@ def run_prefill_sweep(config: PrefillSweepConfig,
     from vllm_metax.device import detect_device
     t_start = time.monotonic()
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    family = config.family or FlashInferPrefillBackend()
+    family = config.family or FlashInferPrefillFamily()
     avail = family.available(device)
     if not avail.ok:
         raise PrefillSweepError(f"the prefill family cannot run on {device}: {avail.reason}")
@@ -153,23 +153,25 @@ class PrefillVerdict:
         return (w.causal, *prefill_statistic(w.query_tokens, w.total_kv_tokens, w.requests))
 
 
-def choose_prefill(rows: list, p_threshold: float | None = None,
+def choose_prefill(records: list, p_threshold: float | None = None,
                    min_ratio: float | None = None) -> dict:
-    """model key (vllm_metax.tuned_config.ModelDims) -> [PrefillVerdict], from prefill trial rows
-    of one device (`ResultsStore.trials(prefill=True)`); the latest trial per candidate counts."""
+    """model key (vllm_metax.tuned_config.ModelDims) -> [PrefillVerdict], from the prefill trials
+    of one device (`ResultsStore.records(prefill=True)`); the latest trial per candidate counts."""
     from mla_tune.tune import choose as choosing
     from vllm_metax.decisions import model_key
     p = choosing.P_THRESHOLD if p_threshold is None else p_threshold
     m = choosing.MIN_RATIO if min_ratio is None else min_ratio
     by_workload: dict = {}
-    for r in choosing.latest_trials(rows):
-        by_workload.setdefault(r["workload_id"], []).append(r)
+    for r in choosing.latest_trials(records):
+        by_workload.setdefault(r.stored.id, []).append(r)
     out: dict = {}
-    for wrows in by_workload.values():
-        w = PrefillWorkload.from_row(wrows[0])
-        measured = [choosing._measured(r, choosing.METRIC) for r in wrows]
+    for wrecords in by_workload.values():
+        w, first = wrecords[0].workload, wrecords[0].candidate
+        if not isinstance(w, PrefillWorkload):
+            raise ProblemError(f"not a prefill workload (layout {wrecords[0].stored.ragged!r})")
+        measured = [choosing.measured_of(r) for r in wrecords]
         default = next((x.key for x in measured if x.is_default), None)
-        v = choosing.decide(measured, default, wrows[0]["family"], int(wrows[0]["page_size"]), p, m)
+        v = choosing.decide(measured, default, first.family, first.page_size, p, m)
         dims = model_key(w.num_heads, w.kv_lora_rank, w.qk_rope_head_dim, w.q_dtype, w.q_dtype)
         out.setdefault(dims, []).append(PrefillVerdict(w, v))
     for vs in out.values():

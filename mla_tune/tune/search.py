@@ -289,10 +289,7 @@ def journal_storage(path):
     recovery read it; only an OS crash can cut the tail, a torn last line optuna's reader skips,
     and every measurement is in results.db, which SQLite syncs itself."""
     from optuna.storages import JournalStorage
-    try:
-        from optuna.storages.journal import JournalFileBackend
-    except ImportError:      # optuna < 4
-        from optuna.storages import JournalFileStorage as JournalFileBackend
+    from optuna.storages.journal import JournalFileBackend
     return JournalStorage(_unsynced(JournalFileBackend)(str(path)))
 
 

@@ -29,13 +29,15 @@ from typing import Sequence
 
 from mla_tune.families.base import Candidate, CandidateInvalid
 from mla_tune.measure.trial import MeasureSettings
+from mla_tune.problem.defaults import KERNEL_METRIC, SWEEP_PAGE_SIZES
 from mla_tune.problem.workload import ProblemError, Workload, WorkloadMix
 from mla_tune.tune.buckets import (CPU_DB, DEFAULT_RAGGED, GPU_DB, Bucket, DefaultSpace,  # noqa: F401
                                    default_db, default_space, detect_device, journal_path_for,
                                    measure_settings, parse_duration, parse_sizes, plan_buckets,
                                    resolve_lengths)
 from mla_tune.tune.search import (GRID_MAX, PATIENCE, Evaluation, SearchOutcome, SearchPolicy,
-                             SearchSpace, journal_storage, search)
+                             SearchSpace, search)
+from mla_tune.tune.choose import MIN_RATIO, P_THRESHOLD
 
 CPU_REFERENCE_NOTE = (
     "No CUDA device here (torch.cuda.is_available() is False), so this sweep measures the CPU "
@@ -44,7 +46,6 @@ CPU_REFERENCE_NOTE = (
     "FlashInfer or Triton speed. Run on a GPU for real measurements.")
 GPU_FAMILIES = ("flashinfer", "triton")
 CPU_FAMILIES = ("reference",)
-METRIC = "kernel_us"
 
 
 class SweepError(Exception):
@@ -67,7 +68,7 @@ class SweepConfig:
     buckets: list
     db: Path | None = None               # None: default_db(device)
     families: Sequence[str] | None = None
-    page_sizes: Sequence[int] = (1, 16, 64)
+    page_sizes: Sequence[int] = SWEEP_PAGE_SIZES
     device: str | None = None
     settings: MeasureSettings | None = None
     mode: str = "auto"
@@ -83,8 +84,8 @@ class SweepConfig:
     name: str = "sweep"
     journal: Path | bool | None = None
     mix: WorkloadMix | None = None
-    min_ratio: float = 1.05
-    p_threshold: float = 0.002
+    min_ratio: float = MIN_RATIO
+    p_threshold: float = P_THRESHOLD
     emit: bool | None = None             # None: on a GPU yes, for the CPU reference no
     configs_dir: Path = Path("configs")
     command: str = ""
@@ -269,7 +270,7 @@ def _space_for(bucket: Bucket, backends: dict, page_sizes: Sequence[int], refuse
 
 
 def _value(row_or_result_samples: dict | None, ok: bool) -> float | None:
-    xs = (row_or_result_samples or {}).get(METRIC) or []
+    xs = (row_or_result_samples or {}).get(KERNEL_METRIC) or []
     return float(statistics.median(xs)) if ok and xs else None
 
 
@@ -542,7 +543,7 @@ class _Measurer:
                     if policy.deadline is not None:
                         policy.deadline += r.compile_s
                 split["samples_s"] = split.get("samples_s", 0.0) + sum(
-                    (r.samples or {}).get(METRIC) or ()) / 1e6
+                    (r.samples or {}).get(KERNEL_METRIC) or ()) / 1e6
                 evs[c.key] = self._report(p, best, ev)
                 self.outcome.measured += 1
             return [evs[c.key] for c in cands]
@@ -813,7 +814,6 @@ def _claim_and_measure(sb, so: SearchOutcome, evaluate, policy: SearchPolicy) ->
 def _add_finished_elsewhere(sb, so: SearchOutcome, outcome: SweepOutcome) -> None:
     """The bucket's candidates that other workers (or an earlier run) finished, as evaluations
     answered from the shared study, so the outcome covers the whole bucket."""
-    from mla_tune.families.base import Candidate
     have = {e.candidate.key for e in so.evaluations}
     for key, (value, reason, tid) in sb.finished().items():
         if key not in have:
@@ -887,7 +887,8 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["Bucket", "BucketOutcome",  # noqa: F822 - the lazy names of _ELSEWHERE included "CPU_REFERENCE_NOTE", "DefaultSpace", "PlannedBucket",
+# the lazy names of _ELSEWHERE included
+__all__ = ["Bucket", "BucketOutcome", "CPU_REFERENCE_NOTE", "DefaultSpace", "PlannedBucket",  # noqa: F822
            "SweepConfig", "SweepError", "SweepInputError", "SweepObserver", "SweepOutcome", "SweepPlan",
            "build_config", "measure_settings", "default_space", "detect_device", "emit_tuned_config",
            "estimate_note", "journal_path_for", "check_sweep_config", "default_db", "parse_duration",

@@ -333,15 +333,11 @@ class MLADecodeKernel:
         API's fa2/fa3 with the internals `vllm_metax.ops.fast_replan` uses)."""
         return self.fast_replan and self.api == API_KEYWORD and fr.capable(self.wrapper)
 
-    def fast_replan_usable(self, meta: PagedMetadata, num_heads: int, causal: bool) -> bool:
-        """Whether FlashInfer's plan() checks provably pass for this batch (`fast_replan.usable`)."""
-        return fr.usable(meta, num_heads, causal, self.wrapper_device)
-
     def _replan_fast(self, meta: PagedMetadata, num_heads: int, head_dim_ckv: int,
                      causal: bool = False, kv_chunk: float | None = None) -> bool:
         """Re-plan through `vllm_metax.ops.fast_replan` (called only when the other plan
         arguments equal the last public plan's). False: the public plan() decides (the batch
-        is outside `fast_replan_usable`, a graph buffer is too small, or the internals are not
+        is outside `fast_replan.usable`, a graph buffer is too small, or the internals are not
         as expected: then the fast path is switched off for this kernel)."""
         if not self.fast_replan:
             return False
@@ -355,11 +351,6 @@ class MLADecodeKernel:
             return False
         self.last_schedule = made_by
         return True
-
-    @property
-    def wrapper_device(self) -> torch.device:
-        be = getattr(self.wrapper, "_planned_backend", None)
-        return getattr(be, "device", None) or torch.device("cuda")
 
     def run(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor,
             kpe_cache: torch.Tensor, out: torch.Tensor | None = None,
