@@ -53,46 +53,42 @@ def prefill_records(store, flt: TrialFilter) -> list[TrialRecord]:
 def build_prefill(store, flt: TrialFilter, **choose_kw) -> list[PrefillLine]:
     """One line per (device, prefill bucket), devices and heads in a stable order."""
     from mla_tune.tune.prefill import choose_prefill
-    rows = store.trials(*flt.where(), prefill=True)
+    records = prefill_records(store, flt)
     by_device: dict = {}
-    for r in rows:
-        by_device.setdefault(r["device_name"] or "", []).append(r)
+    for r in records:
+        by_device.setdefault(r.device_name or "", []).append(r)
     lines = []
     for device in sorted(by_device):
         for dims, verdicts in sorted(choose_prefill(by_device[device], **choose_kw).items(),
                                      key=lambda kv: -kv[0].num_heads):
             for pv in verdicts:
                 w, v = pv.workload, pv.verdict
-                line = PrefillLine(device, w.num_heads, w.model, w.causal, w.query_tokens,
-                                   w.requests, w.kv_len,
-                                   default=v.default.backend if v.default else None,
-                                   chosen=v.chosen.backend if v.chosen else None, ratio=v.ratio,
-                                   p_value=v.p_value, significant=bool(v.significant),
-                                   reason=v.reason)
-                lines.append(line)
-    _fill_all_backends(lines, rows)
+                lines.append(PrefillLine(device, w.num_heads, w.model, w.causal, w.query_tokens,
+                                         w.requests, w.kv_len,
+                                         default=v.default.backend if v.default else None,
+                                         chosen=v.chosen.backend if v.chosen else None,
+                                         ratio=v.ratio, p_value=v.p_value,
+                                         significant=bool(v.significant), reason=v.reason))
+    _fill_all_backends(lines, records)
     return lines
 
 
-def _fill_all_backends(lines: list[PrefillLine], rows: list) -> None:
+def _fill_all_backends(lines: list[PrefillLine], records: list[TrialRecord]) -> None:
     """Each backend value's latest time (or why it has none) per bucket."""
-    from mla_tune.problem.prefill import PrefillWorkload
     from mla_tune.tune import choose as choosing
     index = {(ln.device_name, ln.num_heads, ln.causal, ln.query_tokens, ln.requests, ln.kv_len): ln
              for ln in lines}
-    for r in choosing.latest_trials(rows):
-        rec = r if isinstance(r, TrialRecord) else TrialRecord.from_row(r)
-        w = PrefillWorkload.from_row(r)
+    for rec in choosing.latest_trials(records):
+        w = rec.workload
         ln = index.get((rec.device_name or "", w.num_heads, w.causal, w.query_tokens, w.requests,
-                        w.kv_len))
+                        w.kv_len)) if w is not None else None
         if ln is None:
             continue
-        backend = rec.candidate.backend
         st = rec.stats() if rec.ok else None
         if st is not None:
-            ln.times_us[backend] = st.median
+            ln.times_us[rec.candidate.backend] = st.median
         else:
-            ln.invalid[backend] = rec.invalid_reason or rec.status
+            ln.invalid[rec.candidate.backend] = rec.invalid_reason or rec.status
 
 
 def prefill_tables(lines: list[PrefillLine], full: bool = True) -> list[Table]:
