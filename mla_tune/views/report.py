@@ -22,7 +22,7 @@ from mla_tune.views import prefill_view
 from mla_tune.views.render import Column, OutputFormat, Table, render, times, to_csv
 from mla_tune.problem.roofline import floor_of, pct_of_floor
 from mla_tune.problem.defaults import DEFAULT_PAGE_SIZE, PLAN_METRIC
-from mla_tune.store.records import TrialRecord
+from mla_tune.store.records import StoredWorkload, TrialRecord
 from mla_tune.store.selection import CPU_RUN_KIND, TrialFilter, device_key, select_trials
 
 CPU_LABEL = "CPU torch reference: timings of the correctness oracle, not of a GPU kernel"
@@ -80,25 +80,17 @@ class CandidateLine:
         return f"{self.invalid_reason}: {first[0]}" if first else str(self.invalid_reason)
 
 
-@dataclass
-class WorkloadView:
-    workload_id: int
-    model: str
-    num_heads: int
-    kv_lora_rank: int
-    qk_rope_head_dim: int
-    q_dtype: str
-    kv_dtype: str
-    ragged: str
-    batch_size: int
-    context_len: int
-    q_len: int
-    total_kv_tokens: int
-    bytes: int
-    flops: int
-    floor_us: float | None            # at the run's ceilings (None without them)
-    bound: str | None                 # "memory" or "compute"
+@dataclass(frozen=True)
+class WorkloadView(StoredWorkload):
+    """A stored workload as the report shows it: its roofline floor and its candidate lines."""
+
+    floor_us: float | None = None     # at the run's ceilings (None without them)
+    bound: str | None = None          # "memory" or "compute"
     lines: list = field(default_factory=list)
+
+    @property
+    def workload_id(self) -> int:
+        return self.id
 
     @property
     def label(self) -> str:
@@ -106,10 +98,11 @@ class WorkloadView:
         r = f" {self.ragged}" if self.ragged != "uniform" else ""
         return f"B{self.batch_size} L{self.context_len}{q}{r}"
 
-    @property
-    def entry_key(self) -> tuple:
-        return (self.model, self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim, self.q_dtype,
-                self.kv_dtype, self.ragged)
+    def to_json(self) -> dict:
+        shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                 if f.name not in ("id", "problem", "lines")}
+        return {"workload_id": self.id, **shown, "label": self.label,
+                "candidates": [_line_json(c) for c in self.lines]}
 
 
 @dataclass
@@ -207,10 +200,9 @@ def _workload_views(records: list[TrialRecord], dev: DeviceReport) -> list[Workl
         ceil = next(((r.copy_gbps, r.matmul_tflops) for r in wrecs
                      if r.copy_gbps and r.matmul_tflops), (None, None))
         floor = floor_of(wl, *ceil) if wl is not None and ceil[0] else None
-        wv = WorkloadView(wid, sw.model, sw.num_heads, sw.kv_lora_rank, sw.qk_rope_head_dim,
-                          sw.q_dtype, sw.kv_dtype, sw.ragged, sw.batch_size, sw.context_len,
-                          sw.q_len, sw.total_kv_tokens, sw.bytes, sw.flops,
-                          floor.us if floor else None, floor.bound if floor else None)
+        wv = WorkloadView(**{f.name: getattr(sw, f.name) for f in dataclasses.fields(sw)},
+                          floor_us=floor.us if floor else None,
+                          bound=floor.bound if floor else None)
         defaults = _family_defaults(wrecs, wl)
         for r in wrecs:
             st, pst = r.stats(), r.stats(PLAN_METRIC)
@@ -324,9 +316,7 @@ def _device_json(d: DeviceReport) -> dict:
         "device_name": d.device_name, "kind": d.kind,
         "note": CPU_LABEL if d.is_reference else None,
         "runs": d.runs, "superseded_trials": d.superseded, "notes": list(d.choice.notes),
-        "workloads": [{**{k: v for k, v in dataclasses.asdict(w).items() if k != "lines"},
-                       "label": w.label, "candidates": [_line_json(c) for c in w.lines]}
-                      for w in d.workloads],
+        "workloads": [w.to_json() for w in d.workloads],
         "models": [_entry_json(m) for m in d.choice.models],
     }
 
