@@ -108,15 +108,12 @@ def bucket_context(seq_lens: Sequence[int]) -> int:
 
 # ---------------------------------------------------------------- the MLA prefill backend
 
-PREFILL_VALUES = PREFILL_BACKENDS   # the ragged-prefill backends the plugin plans (never "auto")
-
-
 def prefill_backends(is_metax: bool, capability: tuple | None) -> FlashInferBackends:
     """The ragged-prefill backend values a device may plan and its untuned default: the decode
     rule (`flashinfer_backends`: fa3/fa2 on Hopper, default fa3; fa2 only on MetaX, whose
     FlashInfer build has no fa3, and on every other GPU), limited to fa2/fa3."""
     fb = flashinfer_backends(is_metax, capability)
-    return FlashInferBackends(tuple(b for b in fb.allowed if b in PREFILL_VALUES), fb.default,
+    return FlashInferBackends(tuple(b for b in fb.allowed if b in PREFILL_BACKENDS), fb.default,
                               fb.fallback)
 
 
@@ -233,7 +230,7 @@ def bucket_choice(bucket, family: str) -> FlashInferChoice | TritonChoice | None
 
 
 __all__ = ["AUTO", "FALLBACK_BACKEND", "FLASHINFER", "FlashInferBackends", "FlashInferChoice",
-           "PREFILL_VALUES", "TRITON", "TritonChoice", "VLLM_RULE", "bucket_choice",
+           "TRITON", "TritonChoice", "VLLM_RULE", "bucket_choice",
            "bucket_context", "device_flashinfer_backends", "device_prefill_backends", "dtype_name",
            "family_choice", "flashinfer_backends", "kv_chunk_factor", "model_key",
            "prefill_backend", "prefill_backends", "prefill_statistic", "unservable_prefill"]

@@ -17,7 +17,8 @@ from typing import Callable, Sequence
 import torch
 
 from mla_tune.families.base import Candidate, CandidateInvalid
-from mla_tune.measure.timing import KernelTimer, TimedSamples, time_prepared
+from mla_tune.measure.sampling import REL_WIDTH, enough_samples
+from mla_tune.measure.timing import KernelTimer, TimedSamples, time_prepared, warm_up
 from mla_tune.problem.defaults import KERNEL_METRIC, PLAN_METRIC
 from mla_tune.problem.workload import Workload
 from mla_tune.problem.instance import make_problem
@@ -200,8 +201,6 @@ def measure_interleaved(entries: Sequence[tuple[object, Candidate]], workload: W
     settings.min_samples on) leaves the rounds early. `on_prepared(candidate, ok)` is called
     after each preparation (progress).
     """
-    from mla_tune.measure.sampling import REL_WIDTH, enough_samples
-    from mla_tune.measure.timing import warm_up
     rounds = settings.rounds if rounds is None else rounds
     cache = PROBLEMS if problems is None else problems
     todo: list[_Entry] = [_Entry(b, c) for b, c in entries]
