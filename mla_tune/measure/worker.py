@@ -162,6 +162,20 @@ class _Guarded:
         return call
 
 
+PROFILE_ENV = "MLA_TUNE_PROFILE"     # a folder: each worker writes its cProfile stats there
+
+
+def _profiler():
+    """A cProfile.Profile when MLA_TUNE_PROFILE names a folder (where the worker's time goes,
+    cumulative over its batches, rewritten after each one), else None."""
+    folder = os.environ.get(PROFILE_ENV)
+    if not folder:
+        return None
+    import cProfile
+    os.makedirs(folder, exist_ok=True)
+    return cProfile.Profile()
+
+
 def _die_with_parent() -> None:
     """Ask Linux to SIGKILL this worker when its parent goes (kill -9 of the sweep included)."""
     try:
@@ -193,6 +207,7 @@ def _worker_main(conn, families: dict, settings, log_path: str | None, parent_pi
         from mla_tune.measure.timing import default_pool_bytes
         settings = replace(settings, min_pool_bytes=default_pool_bytes(settings.device))
     backends: dict = {}
+    profile = _profiler()
     conn.send(("ready", os.getpid()))
     while True:
         try:
@@ -221,7 +236,14 @@ def _worker_main(conn, families: dict, settings, log_path: str | None, parent_pi
             conn.send(("prepared", index[cand.key], bool(ok)))
 
         try:
-            results = measure_batch(workload, entries, settings, prepared)
+            if profile is not None:
+                profile.enable()
+            try:
+                results = measure_batch(workload, entries, settings, prepared)
+            finally:
+                if profile is not None:
+                    profile.disable()
+                    profile.dump_stats(os.path.join(os.environ[PROFILE_ENV], f"worker-{os.getpid()}.prof"))
         except _ContextPoisoned as p:
             # while preparing, each step synchronises, so the error belongs to that candidate;
             # while sampling, an asynchronous error may surface in a neighbour's launch
