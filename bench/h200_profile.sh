@@ -17,5 +17,5 @@ echo "sweep rc=$?"; tail -8 "$OUT/sweep.txt"
 python3 -c "import sqlite3, sys; c=sqlite3.connect(sys.argv[1]); c.execute('pragma wal_checkpoint(truncate)')" "$OUT/results.db"
 rm -rf "$OUT/configs"
 echo "== pytest -m gpu"
-timeout ${PYTEST_S:-330} python3 -m pytest -m gpu -q -p no:cacheprovider -x tests > "$OUT/pytest_gpu.txt" 2>&1
+timeout ${PYTEST_S:-330} python3 -m pytest -m gpu -q -p no:cacheprovider tests > "$OUT/pytest_gpu.txt" 2>&1
 echo "pytest rc=$?"; tail -5 "$OUT/pytest_gpu.txt"
