@@ -340,13 +340,20 @@ def test_the_platform_runs_vllms_worker_through_the_ops_check(gpu, tmp_path):
 # ---------------------------------------------------------------------------- vendor package clash
 
 class _Dist:
-    def __init__(self, name, top=(), files=(), eps=()):
+    """A distribution's metadata as importlib.metadata reads it: top_level.txt and a file list
+    (a wheel's RECORD lines, or an egg's installed-files.txt relative to its .egg-info)."""
+
+    def __init__(self, name, top=(), files=(), eps=(), egg=False):
         self.metadata = {"Name": name}
         self.version = "0.11.2"
-        self._top, self.files, self.entry_points = top, list(files), list(eps)
+        self._top, self.entry_points = top, list(eps)
+        self._lists = ({"installed-files.txt": "\n".join(f"../{f}" for f in files)} if egg else
+                       {"RECORD": "".join(f"{f},sha256=x,1\n" for f in files)}) if files else {}
 
     def read_text(self, f):
-        return "\n".join(self._top) if f == "top_level.txt" else None
+        if f == "top_level.txt":
+            return "\n".join(self._top)
+        return self._lists.get(f)
 
 
 def test_the_vendor_plugin_owning_vllm_metax_is_detected():
@@ -356,8 +363,12 @@ def test_the_vendor_plugin_owning_vllm_metax_is_detected():
                    eps=[EntryPoint("metax", "vllm_metax:register", "vllm.platform_plugins")])
     ours = _Dist("mla-tune", top=["mla_tune", "vllm_metax"])
     other = _Dist("numpy", top=["numpy"])
-    files_only = _Dist("vllm_metax_fork", files=["vllm_metax/__init__.py"])
-    assert other_owners([vendor, ours, other, files_only]) == ["vllm-metax 0.11.2", "vllm_metax_fork 0.11.2"]
+    files_only = _Dist("vllm_metax_fork", files=["vllm_metax_fork/x.py", "vllm_metax/__init__.py"])
+    egg = _Dist("old-egg", files=["vllm_metax/ops/a.py"], egg=True)
+    # a vllm_metax folder inside another package, or a package whose name only starts so: no clash
+    nested = _Dist("nested", files=["other/vllm_metax/a.py", "vllm_metax_fork/b.py", "vllm_metax.pth"])
+    assert other_owners([vendor, ours, other, files_only, egg, nested]) == [
+        "old-egg 0.11.2", "vllm-metax 0.11.2", "vllm_metax_fork 0.11.2"]
     msg = clash_message(other_owners([vendor]))
     assert "vllm-metax 0.11.2" in msg and "\n" not in msg
     assert clash_message([]) is None

@@ -4,6 +4,7 @@ silently. Stdlib only (importlib.metadata), cheap enough for plugin registration
 
 from __future__ import annotations
 
+import re
 from importlib import metadata
 
 OWN_DISTRIBUTION = "mla-tune"
@@ -12,6 +13,22 @@ PLATFORM_GROUP = "vllm.platform_plugins"
 
 def _canonical(name: str) -> str:
     return name.lower().replace("_", "-").replace(".", "-")
+
+
+# a line of a file list (RECORD, installed-files.txt relative to the .egg-info, SOURCES.txt) that
+# names a file of the vllm_metax package
+_PACKAGE_FILE = re.compile(r"^(?:\.{1,2}/)*vllm_metax[/\\]", re.MULTILINE)
+
+
+def _lists_package(dist) -> bool:
+    """Whether the distribution's file list holds a vllm_metax/ file: one regex over the list's
+    text, not `dist.files` (a path object per installed file: seconds over a full vLLM
+    environment, paid by every process that loads the plugin)."""
+    for name in ("RECORD", "installed-files.txt", "SOURCES.txt"):
+        text = dist.read_text(name)
+        if text:
+            return bool(_PACKAGE_FILE.search(text))
+    return False
 
 
 def other_owners(distributions=None) -> list[str]:
@@ -23,9 +40,7 @@ def other_owners(distributions=None) -> list[str]:
         if not name or _canonical(name) == OWN_DISTRIBUTION:
             continue
         top = (dist.read_text("top_level.txt") or "").split()
-        files = dist.files or []
-        owns_package = "vllm_metax" in top or any(
-            str(f).replace("\\", "/").startswith("vllm_metax/") for f in files)
+        owns_package = "vllm_metax" in top or _lists_package(dist)
         plugin = any(ep.group == PLATFORM_GROUP and ep.name == "metax" for ep in dist.entry_points)
         if owns_package or plugin:
             found.add(f"{name} {dist.version}")
