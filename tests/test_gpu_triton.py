@@ -72,3 +72,39 @@ def test_measure_times_a_graph_captured_candidate(triton_family):
     assert r.compile_s is not None and r.max_rel_error < 2e-2
     # Triton launches capture into a CUDA graph: no fall back to eager launches
     assert r.samples.method not in (timing.METHOD_EVENTS, timing.METHOD_WALL), r.samples.note
+
+
+def test_the_background_compile_is_exactly_what_the_measuring_worker_then_finds(tmp_path):
+    """jit_prebuild's Triton pool compiles without launching into Triton's on-disk cache; a
+    fresh process then measuring the real candidates on the real (ragged, batch 4) workload adds
+    nothing to that cache: every kernel it needed was already there, same specialisation."""
+    import json
+    import subprocess
+    import sys
+    from mla_tune.measure.jit_prebuild import triton_jobs
+    w = workload_for(V3, 8, 4, 3000, ragged="lognormal", seed=2)
+    # split counts no other test compiles, so a stale cache cannot make this pass
+    cands = [Candidate("triton", "triton", 16, {"num_kv_splits": n}) for n in (3, 5)]
+    jobs = triton_jobs([(w, cands)])
+    assert len(jobs) == 2
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path), VLLM_METAX_FORCE="1")
+    code = ("import json, sys; from mla_tune.measure.jit_prebuild import main_triton; "
+            "print(main_triton(2, json.loads(sys.argv[1])))")
+    r = subprocess.run([sys.executable, "-c", code, json.dumps(jobs)], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.stdout.strip().splitlines()[-1] == "2", r.stderr[-2000:]
+    built = sorted(p.name for p in tmp_path.iterdir())
+    assert len(built) >= 2, built
+    measure_code = ("import json, sys\n"
+                    "from mla_tune.families import Candidate, get_family\n"
+                    "from mla_tune.measure.trial import MeasureSettings, check_correctness\n"
+                    "from mla_tune.problem.workload import model_preset, workload_for\n"
+                    "w = workload_for(model_preset('deepseek-v3'), 8, 4, 3000, ragged='lognormal', seed=2)\n"
+                    "for n in (3, 5):\n"
+                    "    c = Candidate('triton', 'triton', 16, {'num_kv_splits': n})\n"
+                    "    print(check_correctness(get_family('triton'), w, c, MeasureSettings(device='cuda'), seed=1))\n")
+    r = subprocess.run([sys.executable, "-c", measure_code], env=env, capture_output=True, text=True,
+                       timeout=600)
+    errs = [float(x) for x in r.stdout.split()]
+    assert len(errs) == 2 and all(e < 2e-2 for e in errs), r.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == built

@@ -1,22 +1,33 @@
-"""FlashInfer's fa2/fa3 MLA modules compiled in a background process while the sweep measures.
+"""FlashInfer's fa2/fa3 MLA modules and vLLM's Triton MLA kernels compiled in background
+processes while the sweep measures.
 
-Each module (one per backend, dtype and head dims; not per page size or batch) takes ~20 s of
+FlashInfer: each module (one per backend, dtype and head dims; not per page size or batch) takes ~20 s of
 nvcc on first use, and the worker would compile them one after the other, inside its first
 bucket. `start_prebuild` launches one child process that builds every module the sweep will
 plan, in parallel threads, through FlashInfer's own JIT spec and its file lock: the worker's
 first plan() of a module waits on that lock (or finds it built) instead of compiling it again.
 The child touches no CUDA stream (it runs ninja), so it cannot disturb a measurement beyond
 sharing the CPU. Best effort: any failure leaves the compile to the worker, as before.
-`MLA_TUNE_JIT_PREBUILD=0` turns it off.
+
+Triton: vLLM's decode kernel is compiled once per head count, page size and split count (all
+three are constexprs: 0.8 s each, 78 of them in the H200 default sweep, one after the other in
+the worker). `start_triton_prebuild` hands every specialisation the sweep's candidates need, in
+the order the sweep meets them, to a pool of processes that compile without launching anything
+(Triton's own warm-up path, `JITFunction.run(warmup=True)`, on unwritten tensors of the real
+shapes and strides); each writes Triton's on-disk cache, where the worker's first launch finds
+the kernel. A specialisation the worker reaches first is simply compiled there, as before.
+
+`MLA_TUNE_JIT_PREBUILD=0` turns both off.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
-from typing import Iterable
+from typing import Iterable, Sequence
 
 ENV = "MLA_TUNE_JIT_PREBUILD"
 BACKENDS = ("fa2", "fa3")
@@ -57,12 +68,21 @@ def finish_prebuild(proc, wait_s: float = 0.0) -> None:
         proc.wait(timeout=wait_s) if wait_s else None
     except subprocess.TimeoutExpired:
         pass
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    # the child leads its own session: end its whole group (the Triton pool's processes too)
+    _signal_group(proc, signal.SIGTERM)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        _signal_group(proc, signal.SIGKILL)
+        proc.wait()
+
+
+def _signal_group(proc, sig) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError, OSError):
+        if proc.poll() is None:
+            proc.send_signal(sig)
 
 
 def _build(backend: str, spec: list) -> None:
@@ -91,3 +111,112 @@ def main(backends_json: str, specs_json: str) -> None:
         t.start()
     for t in threads:
         t.join()
+
+
+# ---------------------------------------------------------------- vLLM's Triton MLA kernels
+
+TRITON_FAMILY = "triton"       # mla_tune.families.triton_mla.TritonMLAFamily.family
+MAX_TRITON_PROCS = 8
+
+
+def triton_jobs(buckets: Iterable[tuple]) -> list[dict]:
+    """One compile job per Triton kernel specialisation that the Triton candidates of `buckets`
+    ((workload, candidates) pairs, in sweep order) need, first needed first: dtypes, head dims,
+    q_len, page size, split count and the block table's width class (its row stride is an
+    integer argument, which Triton specialises by divisibility by 16 and by being 1). A job
+    holds a one-request workload with the longest request's length: the same table width."""
+    seen, jobs = set(), []
+    for w, cands in buckets:
+        longest = max(w.seq_lens)
+        for c in cands:
+            if c.family != TRITON_FAMILY:
+                continue
+            width = -(-longest // c.page_size)
+            key = (w.q_dtype, w.kv_dtype, w.num_heads, w.kv_lora_rank, w.qk_rope_head_dim, w.q_len,
+                   c.page_size, c.params.get("num_kv_splits"), width == 1, width % 16 == 0)
+            if key in seen:
+                continue
+            seen.add(key)
+            jobs.append({"num_heads": w.num_heads, "kv_lora_rank": w.kv_lora_rank,
+                         "qk_rope_head_dim": w.qk_rope_head_dim, "softmax_scale": w.softmax_scale,
+                         "context_len": longest, "q_len": w.q_len, "q_dtype": w.q_dtype,
+                         "kv_dtype": w.kv_dtype, "backend": c.backend, "page_size": c.page_size,
+                         "params": c.params})
+    return jobs
+
+
+def triton_procs() -> int:
+    """Compiling processes: half the cores (the worker and FlashInfer's nvcc need the rest), at
+    most MAX_TRITON_PROCS."""
+    return max(1, min(MAX_TRITON_PROCS, (os.cpu_count() or 2) // 2))
+
+
+def start_triton_prebuild(jobs: Sequence[dict], procs: int | None = None):
+    """The background compile of `jobs` (a Popen), or None when turned off or nothing to do."""
+    if not enabled() or not jobs:
+        return None
+    code = f"from {__name__} import main_triton; main_triton({int(procs or triton_procs())})"
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+    except OSError:
+        return None
+    try:
+        proc.stdin.write(json.dumps(list(jobs)).encode())
+        proc.stdin.close()
+    except OSError:          # the child died at once: the worker compiles, as without it
+        pass
+    return proc
+
+
+def compile_only() -> None:
+    """Make every Triton launch in this process compile and return without running (Triton's
+    warm-up path), so a kernel family's own launch code fills the cache without a GPU kernel."""
+    from triton.runtime.jit import JITFunction
+    if getattr(JITFunction.run, "_mla_tune_compile_only", False):
+        return
+    launch = JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        return launch(self, *args, grid=grid, warmup=True, **kwargs)
+
+    run._mla_tune_compile_only = True
+    JITFunction.run = run
+
+
+def compile_triton(job: dict) -> bool:
+    """Compile one job's kernels through the Triton family's own prepare() on an unwritten
+    problem (needs compile_only() first); False where it failed (the worker will say why)."""
+    try:
+        import torch
+        from mla_tune.families.base import Candidate
+        from mla_tune.families.triton_mla import TritonMLAFamily
+        from mla_tune.problem.instance import make_problem
+        from mla_tune.problem.workload import Workload
+        w = Workload(job["num_heads"], job["kv_lora_rank"], job["qk_rope_head_dim"],
+                     job["softmax_scale"], 1, job["context_len"], job["q_len"],
+                     q_dtype=job["q_dtype"], kv_dtype=job["kv_dtype"])
+        cand = Candidate(TRITON_FAMILY, job["backend"], job["page_size"], dict(job["params"]))
+        problem = make_problem(w, cand.page_size, "cuda", fill=False)
+        TritonMLAFamily().prepare(w, cand, problem)
+        del problem
+        torch.cuda.empty_cache()
+        return True
+    except Exception:   # noqa: BLE001 - best effort, see the module docstring
+        return False
+
+
+def main_triton(procs: int, jobs: Sequence[dict] | None = None) -> int:
+    """The child: read the jobs (JSON on stdin unless given) and compile them on `procs`
+    processes (here, one after the other, when 1); returns how many compiled."""
+    if jobs is None:
+        jobs = json.loads(sys.stdin.read() or "[]")
+    if procs <= 1:
+        compile_only()
+        return sum(compile_triton(j) for j in jobs)
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+    with ProcessPoolExecutor(procs, mp_context=mp.get_context("spawn"),
+                             initializer=compile_only) as pool:
+        return sum(pool.map(compile_triton, jobs))

@@ -33,11 +33,12 @@ class ProblemData:
 
 
 def make_problem(workload: Workload, page_size: int, device: str | torch.device = "cpu",
-                 seed: int = 0, min_pool_bytes: int = 0) -> ProblemData:
+                 seed: int = 0, min_pool_bytes: int = 0, fill: bool = True) -> ProblemData:
     """Fill a KV pool with random data and give each request randomly chosen, shuffled pages.
 
     `min_pool_bytes` makes the pool larger than the requests need (e.g. > L2), so repeated runs
-    do not read from cache; the used pages are scattered through it.
+    do not read from cache; the used pages are scattered through it. `fill=False` leaves the
+    pool and queries unwritten (no kernel runs: shapes and strides for a compile, not a run).
     """
     if page_size < 1:
         raise ValueError(f"page size must be >= 1, got {page_size}")
@@ -57,10 +58,11 @@ def make_problem(workload: Workload, page_size: int, device: str | torch.device 
         block_table[b, :n] = perm[o:o + n]
         o += n
     kv_cache = torch.empty(num_pages, page_size, R + P, dtype=kv_dt, device=device)
-    _fill_random(kv_cache, seed + 1)
     T = workload.batch_size * workload.q_len
     q = torch.empty(T, H, R + P, dtype=torch_dtype(workload.q_dtype), device=device)
-    _fill_random(q, seed + 2)
+    if fill:
+        _fill_random(kv_cache, seed + 1)
+        _fill_random(q, seed + 2)
     return ProblemData(workload, page_size, q[..., :R], q[..., R:], kv_cache[..., :R],
                        kv_cache[..., R:], kv_cache, block_table.to(device),
                        torch.tensor(lens, dtype=torch.int32))

@@ -659,7 +659,7 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
     config = check_sweep_config(config)      # every input checked before anything is written
     _tag_remeasure(config)
     store = ResultsStore(config.db)
-    heartbeat = prebuild = None
+    heartbeat = prebuild = triton_prebuild = None
     try:
         plan, ctx = plan_sweep(config, store)
         if not plan.families:
@@ -670,6 +670,11 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
             # and measures (MLA_TUNE_JIT_PREBUILD=0: the worker compiles them on first use)
             from mla_tune.measure.jit_prebuild import start_prebuild
             prebuild = start_prebuild([p.bucket.workload for p in plan.buckets if len(p.space)])
+        if plan.kind == "gpu" and "triton" in plan.families:
+            # and vLLM's Triton kernels, one specialisation per (heads, page, splits), on a pool
+            from mla_tune.measure.jit_prebuild import start_triton_prebuild, triton_jobs
+            triton_prebuild = start_triton_prebuild(triton_jobs(
+                (p.bucket.workload, p.space.candidates) for p in plan.buckets if len(p.space)))
         device_name = _device_name(plan.device)
         for p in plan.buckets:
             w = p.bucket.workload
@@ -781,9 +786,10 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
         obs.on_done(outcome)
         return outcome
     finally:
-        if prebuild is not None:
-            from mla_tune.measure.jit_prebuild import finish_prebuild
-            finish_prebuild(prebuild)
+        for proc in (prebuild, triton_prebuild):
+            if proc is not None:
+                from mla_tune.measure.jit_prebuild import finish_prebuild
+                finish_prebuild(proc)
         if heartbeat is not None:
             heartbeat.close()
         store.close()
