@@ -64,24 +64,15 @@ def reference_output(problem, workload: Workload):
                                 workload.q_len)
 
 
-def check_correctness(backend, workload: Workload, candidate: Candidate, settings: MeasureSettings,
-                      seed: int, check=None) -> float:
-    """Relative error of the candidate against the reference on fresh data; raises CandidateInvalid.
-    `check` is a (problem, reference output) pair made for this workload and page size with
-    `seed` (ProblemCache.check), so that candidates share one reference computation."""
-    if check is None:
-        problem = make_problem(workload, candidate.page_size, settings.device, seed=seed)
-        ref = None
-    else:
-        problem, ref = check
-    prepared = backend.prepare(workload, candidate, problem)
+def check_output(prepared, ref, workload: Workload, settings: MeasureSettings) -> float:
+    """Relative error of a prepared candidate's output against the reference output `ref` of
+    the problem it was prepared on: its output buffer is poisoned first (every element must be
+    written), then it runs once. Raises CandidateInvalid."""
     if prepared.out is not None:
         prepared.out.fill_(float("nan"))      # poison: every element must be written
     out = prepared.run()
     if settings.device != "cpu":
         torch.cuda.synchronize()
-    if ref is None:
-        ref = reference_output(problem, workload)
     err = relative_error(out, ref)
     tol = TOLERANCE[workload.q_dtype]
     if not err <= tol:
@@ -89,17 +80,27 @@ def check_correctness(backend, workload: Workload, candidate: Candidate, setting
     return err
 
 
+def check_correctness(backend, workload: Workload, candidate: Candidate, settings: MeasureSettings,
+                      seed: int) -> float:
+    """Relative error of the candidate against the reference on a fresh problem made with
+    `seed`; raises CandidateInvalid."""
+    problem = make_problem(workload, candidate.page_size, settings.device, seed=seed)
+    prepared = backend.prepare(workload, candidate, problem)
+    return check_output(prepared, reference_output(problem, workload), workload, settings)
+
+
 class ProblemCache:
     """The problem instances of the workload being measured: per page size the timing instance
-    and the correctness instance with its reference output, made once and shared by every
-    candidate of that page size, across batches while the same workload comes back. Only the
-    page sizes of the latest batch are kept (grid batches go page size by page size), so the
-    memory held is what one batch needs."""
+    and its reference output, made once and shared by every candidate of that page size, across
+    batches while the same workload comes back. Each candidate is checked on the instance it is
+    then timed on (prepared once, not twice); the data is fresh to it, and its output buffer and
+    workspace are its own. Only the page sizes of the latest batch are kept (grid batches go page
+    size by page size), so the memory held is what one batch needs."""
 
     def __init__(self):
         self.workload = None
         self._timing: dict = {}
-        self._check: dict = {}
+        self._reference: dict = {}
         self.made = 0                 # instances made (tests)
         self.references = 0           # reference outputs computed (tests)
 
@@ -108,7 +109,7 @@ class ProblemCache:
             self.clear()
             self.workload = workload
         pages = set(page_sizes)
-        for d in (self._timing, self._check):
+        for d in (self._timing, self._reference):
             for p in [p for p in d if p not in pages]:
                 del d[p]
 
@@ -120,18 +121,18 @@ class ProblemCache:
             self.made += 1
         return self._timing[page_size]
 
-    def check(self, workload: Workload, page_size: int, settings: MeasureSettings, seed: int):
-        if page_size not in self._check:
-            problem = make_problem(workload, page_size, settings.device, seed=seed)
-            self.made += 1
-            self._check[page_size] = (problem, reference_output(problem, workload))
+    def reference(self, workload: Workload, page_size: int, settings: MeasureSettings):
+        """The reference output of the timing instance of `page_size`."""
+        if page_size not in self._reference:
+            self._reference[page_size] = reference_output(
+                self.timing(workload, page_size, settings), workload)
             self.references += 1
-        return self._check[page_size]
+        return self._reference[page_size]
 
     def clear(self) -> None:
         self.workload = None
         self._timing.clear()
-        self._check.clear()
+        self._reference.clear()
 
 
 PROBLEMS = ProblemCache()      # this process's; the worker measures one workload at a time
@@ -192,9 +193,9 @@ def measure_interleaved(entries: Sequence[tuple[object, Candidate]], workload: W
     `entries` are (backend, candidate) pairs (families may differ); `settings` a
     measure.MeasureSettings (`samples` is the most per candidate, split over `rounds`, default
     settings.rounds). Each candidate is first prepared on a problem shared by all candidates of
-    its page size, correctness-checked on fresh data whose reference output is computed once per
-    page size (measure.check_correctness, `problems`: default this process's PROBLEMS) and
-    captured; failures become invalid TrialResults with their reason, exactly as measure.measure
+    its page size, correctness-checked there (a run into a poisoned output buffer, against
+    the reference output computed once per page size: check_output; `problems`: default this
+    process's PROBLEMS) and captured; failures become invalid TrialResults with their reason, exactly as measure.measure
     makes them. The GPU is warmed once for the batch (timing.warm_up), then each round takes
     ceil(samples / rounds) samples from every live candidate, the order rotated by one per round;
     a candidate whose median is already known well enough (sampling.enough_samples, from
@@ -212,10 +213,9 @@ def measure_interleaved(entries: Sequence[tuple[object, Candidate]], workload: W
             prepared = e.backend.prepare(workload, e.candidate, problem)
             e.compile_s = prepared.compile_s or (time.perf_counter() - t0)
             if settings.check:
-                seed = settings.seed + 1000
-                e.max_rel_error = check_correctness(
-                    e.backend, workload, e.candidate, settings, seed=seed,
-                    check=cache.check(workload, e.candidate.page_size, settings, seed))
+                e.max_rel_error = check_output(
+                    prepared, cache.reference(workload, e.candidate.page_size, settings),
+                    workload, settings)
             e.timer = KernelTimer(prepared, settings.device, settings.warmup, settings.plan_samples,
                                   warm=False)
         except Exception as exc:  # noqa: BLE001 - every failure is data
