@@ -203,6 +203,35 @@ def test_time_prepared_uses_graphs_and_is_positive():
     assert len(r.samples["plan_us"]) == 10
 
 
+@pytest.mark.parametrize("graph_events", [True, False])
+def test_a_candidate_is_captured_once_and_keeps_the_allocator_cache(monkeypatch, graph_events):
+    """One CUDA graph capture per candidate (the timed graph, or the one-run graph when in-graph
+    events are off), and none of torch.cuda.graph's empty_cache(): the memory the caching
+    allocator holds is not handed back to the driver by a capture."""
+    _fi()
+    from mla_tune.families import Candidate
+    from mla_tune.families.flashinfer import FlashInferFamily
+    from mla_tune.measure import timing
+    from mla_tune.problem.instance import make_problem
+    w = _workload(16, batch=8, context=2048, ragged="uniform")
+    problem = make_problem(w, 64, "cuda", seed=1)
+    prepared = FlashInferFamily().prepare(w, Candidate("flashinfer", "fa2", 64), problem)
+    spare = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    del spare                               # a cached, unused block empty_cache would release
+    reserved = torch.cuda.memory_reserved()
+    begun = []
+    original = torch.cuda.CUDAGraph.capture_begin
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin",
+                        lambda self, *a, **k: begun.append(1) or original(self, *a, **k))
+    timer = timing.KernelTimer(prepared, "cuda", warmup=2, plan_samples=2, graph_events=graph_events)
+    assert len(begun) == 1
+    assert timer.method == (timing.METHOD_GRAPH_EVENTS if graph_events else timing.METHOD_GRAPH), timer.note
+    assert torch.cuda.memory_reserved() >= reserved
+    xs = timer.sample(12)
+    assert len(xs) == 12 and min(xs) > 0
+    timer.close()
+
+
 @pytest.mark.parametrize("compact", [True, False])
 @pytest.mark.parametrize("graph", [False, True])
 @pytest.mark.parametrize("backend", ["fa2", "fa3"])
