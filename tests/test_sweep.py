@@ -435,6 +435,30 @@ def test_the_time_line_splits_the_wall():
     assert line.startswith("time: 100.0 s = timed samples 20.0 s + JIT 10.0 s + other measuring 30.0 s")
     assert "start-up 15.0 s + search/store/choice 25.0 s (20% of the wall" in line
     assert SweepOutcome(SweepPlan("cpu", "cpu-reference", [], {}, [])).time_line() == ""
+    assert "\n" not in line                  # no worker split measured: one line
+
+
+def test_the_worker_split_adds_up_to_other_measuring():
+    """A real measured batch (CPU reference family) reports its phases; the time line's second
+    line names them with JIT out of preparing and the timed samples out of sampling."""
+    from mla_tune.families.reference import ReferenceFamily
+    from mla_tune.measure import trial
+    from mla_tune.measure.trial import PHASES, MeasureSettings
+    from mla_tune.tune.sweep import PHASE_NAMES, SweepOutcome, SweepPlan
+    from mla_tune.families import Candidate
+    from mla_tune.problem.workload import custom_model, workload_for
+    assert tuple(PHASE_NAMES) == PHASES
+    w = workload_for(custom_model(2, 32, 16), 1, 2, 8)
+    entries = [(ReferenceFamily(), Candidate("reference", "torch", p)) for p in (4, 8)]
+    res = trial.measure_interleaved(entries, w, MeasureSettings(samples=3), rounds=1,
+                                    problems=trial.ProblemCache())
+    for r in res:
+        assert r.status == "ok" and set(r.phase_s) == set(PHASES) and all(v >= 0 for v in r.phase_s.values())
+    split = {k: sum(r.phase_s[k] for r in res) for k in PHASES}
+    o = SweepOutcome(SweepPlan("cuda", "gpu", [], {}, []), seconds=10.0,
+                     time_split={**split, "measure_s": 5.0, "samples_s": 0.0, "jit_s": 0.0})
+    second = o.time_line().splitlines()[1]
+    assert second.startswith("other measuring: preparing ") and "correctness checks" in second
 
 
 def test_the_journal_is_written_without_fsync_and_reads_back(tmp_path, monkeypatch):

@@ -55,6 +55,15 @@ class TrialResult:
     message: str = ""
     compile_s: float | None = None
     max_rel_error: float | None = None
+    # where its measuring time went (PHASES -> seconds; a batch's warm-up and sampling rounds are
+    # shared evenly by the candidates sampled in them); for the sweep's `time:` split, not stored
+    phase_s: dict = field(default_factory=dict)
+
+
+# prepare (instance, plan, first-use JIT), check (the correctness run and, once per page size, the
+# reference), timer (warm-up runs, plan timing, graph capture), warm (the batch's clock warm-up),
+# sample (the interleaved sampling rounds, the timed samples' own GPU time included)
+PHASES = ("prepare_s", "check_s", "timer_s", "warm_s", "sample_s")
 
 
 def reference_output(problem, workload: Workload):
@@ -183,6 +192,7 @@ class _Entry:
     max_rel_error: float | None = None
     kernel_us: list = field(default_factory=list)
     result: object = None      # a finished (invalid) TrialResult
+    phase_s: dict = field(default_factory=dict)
 
 
 def measure_interleaved(entries: Sequence[tuple[object, Candidate]], workload: Workload, settings,
@@ -207,29 +217,39 @@ def measure_interleaved(entries: Sequence[tuple[object, Candidate]], workload: W
     todo: list[_Entry] = [_Entry(b, c) for b, c in entries]
     cache.keep_only(workload, {e.candidate.page_size for e in todo})
     for e in todo:
+        phase = "prepare_s"
+        t = time.perf_counter()
         try:
-            t0 = time.perf_counter()
             problem = cache.timing(workload, e.candidate.page_size, settings)
             prepared = e.backend.prepare(workload, e.candidate, problem)
-            e.compile_s = prepared.compile_s or (time.perf_counter() - t0)
+            e.compile_s = prepared.compile_s or (time.perf_counter() - t)
             if settings.check:
+                t = _phase_done(e, phase, t)
+                phase = "check_s"
                 e.max_rel_error = check_output(
                     prepared, cache.reference(workload, e.candidate.page_size, settings),
                     workload, settings)
+            t = _phase_done(e, phase, t)
+            phase = "timer_s"
             e.timer = KernelTimer(prepared, settings.device, settings.warmup, settings.plan_samples,
                                   warm=False)
         except Exception as exc:  # noqa: BLE001 - every failure is data
             e.result = invalid_result(e.candidate, exc)
             e.timer = None
+        _phase_done(e, phase, t)
         if on_prepared is not None:
             on_prepared(e.candidate, e.result is None)
     live = [e for e in todo if e.timer is not None]
+    t = time.perf_counter()
     try:
         warm_up([e.timer for e in live])     # clocks up once for the batch, not per candidate
     except Exception as exc:  # noqa: BLE001 - a launch that fails here fails its sampling too
         for e in live:
             e.result = invalid_result(e.candidate, exc)
         live = []
+    _share(live, "warm_s", time.perf_counter() - t)
+    t = time.perf_counter()
+    sampled = list(live)
     per_round = max(1, math.ceil(settings.samples / max(rounds, 1)))
     least = settings.samples if settings.min_samples is None else settings.min_samples
     r = 0
@@ -244,6 +264,7 @@ def measure_interleaved(entries: Sequence[tuple[object, Candidate]], workload: W
         r += 1
         live = [e for e in live if e.result is None and len(e.kernel_us) < settings.samples
                 and not enough_samples(e.kernel_us, least, REL_WIDTH)]
+    _share(sampled, "sample_s", time.perf_counter() - t)
     results = []
     for e in todo:
         if e.result is None:
@@ -253,10 +274,22 @@ def measure_interleaved(entries: Sequence[tuple[object, Candidate]], workload: W
             e.result = TrialResult(e.candidate, "ok", TimedSamples(samples, e.timer.method, e.timer.note),
                                    message=e.timer.note, compile_s=e.compile_s,
                                    max_rel_error=e.max_rel_error)
+        e.result.phase_s = e.phase_s
         if e.timer is not None:
             e.timer.close()
         results.append(e.result)
     return results
+
+
+def _phase_done(e: _Entry, phase: str, since: float) -> float:
+    now = time.perf_counter()
+    e.phase_s[phase] = e.phase_s.get(phase, 0.0) + now - since
+    return now
+
+
+def _share(entries: list, phase: str, seconds: float) -> None:
+    for e in entries:
+        e.phase_s[phase] = e.phase_s.get(phase, 0.0) + seconds / len(entries)
 
 
 def invalid_result(candidate: Candidate, exc: BaseException) -> TrialResult:

@@ -205,8 +205,22 @@ class SweepOutcome:
         parts = [("timed samples", t.get("samples_s", 0.0)), ("JIT", t.get("jit_s", 0.0)),
                  ("other measuring", other), ("start-up", t.get("startup_s", 0.0)),
                  ("search/store/choice", own)]
-        return (f"time: {wall:.1f} s = " + " + ".join(f"{name} {v:.1f} s" for name, v in parts)
+        line = (f"time: {wall:.1f} s = " + " + ".join(f"{name} {v:.1f} s" for name, v in parts)
                 + f" ({100 * t.get('samples_s', 0.0) / wall if wall else 0:.0f}% of the wall in timed samples)")
+        if any(k in t for k in PHASE_NAMES):
+            # the measuring worker's own split, JIT taken out of preparing and the timed samples
+            # out of sampling, so the parts add up to "other measuring" (plus what crossed the pipe)
+            net = dict(t)
+            net["prepare_s"] = max(0.0, t.get("prepare_s", 0.0) - t.get("jit_s", 0.0))
+            net["sample_s"] = max(0.0, t.get("sample_s", 0.0) - t.get("samples_s", 0.0))
+            line += "\nother measuring: " + ", ".join(
+                f"{name} {net.get(k, 0.0):.1f} s" for k, name in PHASE_NAMES.items())
+        return line
+
+
+PHASE_NAMES = {"prepare_s": "preparing", "check_s": "correctness checks",
+               "timer_s": "warm-up runs, plan timing and graph capture", "warm_s": "clock warm-up",
+               "sample_s": "sampling rounds beyond the timed samples"}   # measure.trial.PHASES
 
 
 # ---------------------------------------------------------------- planning
@@ -544,6 +558,8 @@ class _Measurer:
                         policy.deadline += r.compile_s
                 split["samples_s"] = split.get("samples_s", 0.0) + sum(
                     (r.samples or {}).get(KERNEL_METRIC) or ()) / 1e6
+                for k, v in (getattr(r, "phase_s", None) or {}).items():
+                    split[k] = split.get(k, 0.0) + v
                 evs[c.key] = self._report(p, best, ev)
                 self.outcome.measured += 1
             return [evs[c.key] for c in cands]
