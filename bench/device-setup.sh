@@ -1,12 +1,26 @@
 # Sourced (not run) by the bench/h200_*.sh device scripts: the carried FlashInfer/vLLM environment,
 # the sweep's wheels from .whl/ (bench/prepare-device-wheels.sh), the forced platform, and $OUT.
+[ -n "${PYTHONDONTWRITEBYTECODE:-}" ] && export PYTHONDONTWRITEBYTECODE_WAS=1
 source .carry/device-env.sh
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 .whl/*.whl
 export PYTHONPATH=$PYTHONPATH:/tmp/site2 VLLM_METAX_FORCE=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-# byte-compile what was unpacked, as pip does when it installs (the carry unpacks with
-# --no-compile): otherwise every process of a run compiles vLLM's sources again (profiled on the
-# H200: 9.8 s in the sweep, 6.6 s in its worker)
+# byte-compile, as pip does when it installs: the carry unpacks with --no-compile, and the image's
+# own packages (torch, transformers, sympy under /opt/torch/.venv) come without bytecode that this
+# user may write next to them, so every process of a run compiled them again (profiled on the
+# H200: 10.3 s of compile() in the sweep's process, 7.1 s in its worker). All bytecode goes to one
+# writable cache (PYTHONPYCACHEPREFIX); the warm import fills it for the image's packages.
+export PYTHONPYCACHEPREFIX=/tmp/pycache
+unset PYTHONDONTWRITEBYTECODE
+python3 -c "import os, sys, torch; print('device-setup: torch site-packages writable:', os.access(os.path.dirname(os.path.dirname(torch.__file__)), os.W_OK), '| dont_write_bytecode in the image env:', bool(os.environ.get('PYTHONDONTWRITEBYTECODE_WAS')))" 2>/dev/null
 t0=$(date +%s.%N)
 python3 -m compileall -q -j 0 /tmp/site /tmp/site2 mla_tune vllm_metax > /dev/null 2>&1
-echo "device-setup: byte-compiled the unpacked packages in $(python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.1f}')" "$t0" "$(date +%s.%N)") s (an install step, outside every timing)"
+python3 -c "
+import torch, torch._dynamo, torch._inductor, sympy, flashinfer
+try:
+    import transformers, vllm.v1.attention.ops.triton_decode_attention
+except Exception as e:
+    print('device-setup: warm import:', type(e).__name__, e)
+import mla_tune.tune.sweep, mla_tune.measure.worker, mla_tune.measure.trial, mla_tune.families.flashinfer, mla_tune.families.triton_mla
+" > /dev/null 2>&1
+echo "device-setup: byte-compiled the unpacked packages and the image's in $(python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.1f}')" "$t0" "$(date +%s.%N)") s (an install step, outside every timing)"

@@ -477,3 +477,43 @@ def test_the_journal_is_written_without_fsync_and_reads_back(tmp_path, monkeypat
     study.tell(t, 1.5)
     again = optuna.load_study(study_name="s", storage=journal_storage(path))   # a later process
     assert [x.value for x in again.trials] == [1.5]
+
+
+def test_a_gpu_sweep_starts_its_worker_before_planning_and_surfaces_its_start_error(monkeypatch, tmp_path):
+    """EarlyStart (what a GPU sweep starts before the families' imports): a real worker process
+    comes up in a thread and answers; a start that fails is raised by wait(), in the sweep's
+    thread; on the CPU nothing is started."""
+    from mla_tune.measure import worker as worker_mod
+    from mla_tune.measure.trial import MeasureSettings
+    from mla_tune.tune import sweep as sweep_mod
+    monkeypatch.setenv("MLA_TUNE_JIT_PREBUILD", "0")
+    monkeypatch.setattr(sweep_mod.CeilingsProbe, "CODE", "print('{}')")
+    buckets = plan_buckets(model_preset("deepseek-v3"), [8], [1], [256])
+    cfg = SweepConfig(buckets=buckets, device="cuda", families=["reference"], isolation="process",
+                      db=tmp_path / "r.db")
+    early = sweep_mod.EarlyStart(cfg, MeasureSettings(device="cpu"))
+    try:
+        assert isinstance(early.runner, worker_mod.WorkerRunner)
+        assert early.runner.preload == ("reference",)
+        early.wait()
+        assert early.runner._proc is not None and early.runner._proc.is_alive()
+        wl = buckets[0].workload
+        from mla_tune.families import Candidate
+        [r] = early.runner.measure(wl, [Candidate("reference", "torch", 16)])
+        assert r.status == "ok", r.message
+    finally:
+        early.close()
+    assert early.runner._proc is None
+
+    def refuse(self):
+        raise worker_mod.WorkerError("the measuring worker process did not start: test")
+
+    monkeypatch.setattr(worker_mod.WorkerRunner, "start", refuse)
+    early = sweep_mod.EarlyStart(cfg, MeasureSettings(device="cpu"))
+    with pytest.raises(worker_mod.WorkerError, match="did not start: test"):
+        early.wait()
+    early.close()
+    cpu = sweep_mod.EarlyStart(SweepConfig(buckets=buckets, device="cpu"), MeasureSettings())
+    assert cpu.runner is None and cpu.ceilings is None and cpu.prebuild is None
+    assert cpu.wait() < 0.1
+    cpu.close()

@@ -1,5 +1,7 @@
 """Timing harness logic on the CPU: sample counts, plan timing, interleaving order, failures as data."""
 
+import time
+
 import pytest
 
 from mla_tune.measure import timing, trial
@@ -159,7 +161,7 @@ def test_sampling_stops_early_only_where_the_median_is_known(monkeypatch):
 
 
 def test_gpu_warm_up_is_once_per_batch(monkeypatch):
-    launches, syncs = [], []
+    fills, syncs = [], []
 
     class FakeTimer:
         cuda = True
@@ -167,16 +169,22 @@ def test_gpu_warm_up_is_once_per_batch(monkeypatch):
         def __init__(self, name):
             self.name = name
 
-        def launch(self):
-            launches.append(self.name)
+        def launch(self):           # the clock warm-up must not replay the candidates' graphs
+            raise AssertionError("warm_up launched a candidate")
 
         def _sync(self):
             syncs.append(1)
 
-    n = timing.warm_up([FakeTimer("a"), FakeTimer("b"), None], min_s=0.0)
-    assert n == 6 and launches == ["a", "b"] * 3 and len(syncs) == 1   # >= 5 launches, one sync
-    launches.clear()
-    assert timing.warm_up([FakeTimer(x) for x in "abcdefg"], min_s=0.0) == 7   # one round of 7
+    n = timing.warm_up([FakeTimer("a"), FakeTimer("b"), None], min_s=0.0, fill=lambda: fills.append(1))
+    # one round of fills between two synchronisations, whatever the batch holds
+    assert n == timing.WARM_FILLS == len(fills) and len(syncs) == 1
+    fills.clear()
+    assert timing.warm_up([FakeTimer(x) for x in "abcdefg"], min_s=0.0,
+                          fill=lambda: fills.append(1)) == timing.WARM_FILLS
+    # until the asked-for time has passed: more rounds, each one synchronised
+    syncs.clear()
+    assert timing.warm_up([FakeTimer("a")], min_s=0.02, fill=lambda: time.sleep(0.001)) >= 2 * timing.WARM_FILLS - 1
+    assert len(syncs) >= 2
     assert timing.warm_up([]) == 0
     # the interleaved batch builds its timers without the per-candidate warm-up
     made = []

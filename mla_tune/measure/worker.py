@@ -185,7 +185,20 @@ def _die_with_parent() -> None:
         pass
 
 
-def _worker_main(conn, families: dict, settings, log_path: str | None, parent_pid: int) -> None:
+def _preload(names: Sequence[str], device: str) -> None:
+    """Import the kernels of families `names` now (their `available` check imports them), while
+    the sweep is still planning, rather than inside the first candidate's preparation. Best
+    effort: a family that cannot load says so when its first candidate is prepared."""
+    from mla_tune.families import get_family
+    for name in names:
+        try:
+            get_family(name).available(device)
+        except Exception:  # noqa: BLE001 - see the docstring
+            pass
+
+
+def _worker_main(conn, families: dict, settings, log_path: str | None, parent_pid: int,
+                 preload: Sequence[str] = ()) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is the sweep's to handle; it stops us
     if os.getppid() == 1 and parent_pid != 1:
@@ -209,6 +222,7 @@ def _worker_main(conn, families: dict, settings, log_path: str | None, parent_pi
     backends: dict = {}
     profile = _profiler()
     conn.send(("ready", os.getpid()))
+    _preload(preload, settings.device)
     while True:
         try:
             msg = conn.recv()
@@ -322,9 +336,11 @@ class WorkerRunner:
     isolated = True
 
     def __init__(self, settings, timeout_s: float = 120.0, start_timeout_s: float = 300.0,
-                 families: dict | None = None):
+                 families: dict | None = None, preload: Sequence[str] = ()):
+        """`preload`: families whose kernels each worker imports as soon as it is up."""
         from mla_tune.families import family_targets
         self.settings = settings
+        self.preload = tuple(preload)
         self.timeout_s = float(timeout_s)
         self.start_timeout_s = float(start_timeout_s)
         self.families = dict(families if families is not None else family_targets())
@@ -350,7 +366,8 @@ class WorkerRunner:
         os.close(fd)
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_worker_main, name="mla-tune-worker", daemon=True,
-                           args=(child, self.families, self.settings, self._log, os.getpid()))
+                           args=(child, self.families, self.settings, self._log, os.getpid(),
+                                 self.preload))
         with _main_module_hidden():
             proc.start()
         child.close()
@@ -511,5 +528,5 @@ def make_runner(settings, isolation: str = "auto", timeout_s: float = 120.0, fam
     if isolation == "auto":
         isolation = "inline" if families and set(families) <= {"reference"} else "process"
     if isolation == "process":
-        return WorkerRunner(settings, timeout_s=timeout_s)
+        return WorkerRunner(settings, timeout_s=timeout_s, preload=tuple(families or ()))
     return InlineRunner(settings)

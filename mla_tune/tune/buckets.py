@@ -137,7 +137,7 @@ def default_space(device: str) -> DefaultSpace:
     small space the torch reference covers in seconds."""
     if str(device).startswith("cuda"):
         return DefaultSpace((1, 8), tuple(log2_grid(1, 128)), tuple(log2_grid(1024, 32768)),
-                            SWEEP_PAGE_SIZES, samples=20, warmup=3, timeout_s=180.0, time_budget_s=540.0,
+                            SWEEP_PAGE_SIZES, samples=20, warmup=1, timeout_s=180.0, time_budget_s=540.0,
                             ragged=DEFAULT_RAGGED)
     return DefaultSpace((8,), (1, 4), (256, 1024), SWEEP_PAGE_SIZES, samples=10, warmup=2,
                         timeout_s=120.0, time_budget_s=0.0)
@@ -158,18 +158,26 @@ def resolve_lengths(spec: str) -> tuple[str, LengthTrace | None]:
     return trace.kind, trace
 
 
+SWEEP_PLAN_SAMPLES = 5     # host plan() timings per candidate in a sweep (shown, never chosen by)
+
+
 def measure_settings(device: str, samples: int, warmup: int) -> MeasureSettings:
     """How a sweep measures on `device`: up to `samples` per candidate, stopping from
     sampling.MIN_SAMPLES on where the median is already known (mla_tune.measure.sampling says why
     verdicts keep their power); on a GPU in rounds of one timed-graph replay
-    (KernelTimer.RUNS_PER_GRAPH samples), so no sample taken is thrown away."""
+    (KernelTimer.RUNS_PER_GRAPH samples), so no sample taken is thrown away. The host plan time
+    (`plan_us`) is reported, not chosen by, so a sweep takes SWEEP_PLAN_SAMPLES of it per
+    candidate (`mla-tune bench` takes more); a GPU sweep's single warm-up run comes on top of
+    the correctness run and the two eager runs before capture (timing.KernelTimer), so first
+    launches stay out of every sample."""
     from mla_tune.measure.sampling import MIN_SAMPLES
     rounds = 5
     if str(device).startswith("cuda"):
         from mla_tune.measure.timing import KernelTimer
         rounds = max(1, math.ceil(samples / KernelTimer.RUNS_PER_GRAPH))
     return MeasureSettings(device=device, warmup=warmup, samples=samples,
-                           min_samples=min(MIN_SAMPLES, samples), rounds=rounds)
+                           plan_samples=SWEEP_PLAN_SAMPLES, min_samples=min(MIN_SAMPLES, samples),
+                           rounds=rounds)
 
 
 def detect_device() -> str:

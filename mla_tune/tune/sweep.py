@@ -605,10 +605,12 @@ def check_search_settings(config: SweepConfig) -> None:
     v.check_float("min_ratio", config.min_ratio, "--min-ratio")
 
 
-def check_sweep_config(config: SweepConfig) -> SweepConfig:
+def check_sweep_config(config: SweepConfig, families: bool = True) -> SweepConfig:
     """Every value and path of a live sweep checked against its rule (mla_tune.validate), the
     device defaults filled in (DB, emit); raises before the sweep writes anything: no DB row, no
-    journal, no config. Returns the config with `device`, `db` and `emit` resolved."""
+    journal, no config. Returns the config with `device`, `db` and `emit` resolved.
+    `families=False` leaves out whether any kernel family can run here (check_families: it
+    imports the kernels' packages, FlashInfer and vLLM, seconds of the sweep's start-up)."""
     from mla_tune import validate as v
     from mla_tune.store.results import is_results_db
     device = config.device or detect_device()
@@ -646,11 +648,76 @@ def check_sweep_config(config: SweepConfig) -> SweepConfig:
         v.output_file(journal, "--journal", own=v.is_optuna_journal)
     if emit:
         v.output_folder(config.configs_dir, "--configs-dir")
-    backends, skipped = resolve_families(config.families, device)
+    config = replace(config, device=device, db=db, emit=emit)
+    if families:
+        check_families(config)
+    return config
+
+
+def check_families(config: SweepConfig) -> None:
+    """SweepError when no kernel family of `config` (device resolved) can run on its device."""
+    backends, skipped = resolve_families(config.families, config.device)
     if not backends:
         why = "; ".join(f"{f}: {r}" for f, r in skipped.items())
-        raise SweepError(f"no kernel family can run on {device} ({why})")
-    return replace(config, device=device, db=db, emit=emit)
+        raise SweepError(f"no kernel family can run on {config.device} ({why})")
+
+
+class EarlyStart:
+    """What a GPU sweep starts before it plans, so that it overlaps the planning's imports
+    (FlashInfer, vLLM: ~10 s on the H200): the measuring worker (in a thread: its fork server
+    imports torch and the measuring code, then the worker imports the families' kernels), the
+    ceilings probe and FlashInfer's background JIT build (jit_prebuild: its modules depend on
+    the buckets' head dims and dtypes only, not on a plan). Nothing here writes user data; on
+    the CPU, or with isolation inline, nothing starts."""
+
+    def __init__(self, config: SweepConfig, settings):
+        import threading
+        from mla_tune.measure.worker import make_runner
+        self.runner = self.ceilings = self.prebuild = None
+        self.error: BaseException | None = None
+        self._thread = None
+        self.waited_s = 0.0
+        if not str(config.device).startswith("cuda"):
+            return
+        self.runner = make_runner(settings, config.isolation, config.timeout_s,
+                                  list(config.families or GPU_FAMILIES))
+        if "flashinfer" in (config.families or GPU_FAMILIES):
+            from mla_tune.measure.jit_prebuild import start_prebuild
+            self.prebuild = start_prebuild([b.workload for b in config.buckets])
+        if getattr(self.runner, "isolated", False):
+            self.ceilings = CeilingsProbe().start()
+            self._thread = threading.Thread(target=self._start_worker, name="mla-tune-worker-start",
+                                            daemon=True)
+            self._thread.start()
+
+    def _start_worker(self) -> None:
+        try:
+            self.runner.start()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the sweep's thread by wait()
+            self.error = e
+
+    def wait(self) -> float:
+        """Wait for the worker to be up (re-raises its start's error); the seconds waited."""
+        t0 = time.monotonic()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.waited_s = time.monotonic() - t0
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise err
+        return self.waited_s
+
+    def close(self) -> None:
+        """End what was started (the runner's worker and the probe; the sweep's own finally
+        ends the JIT build with the Triton one)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self.ceilings is not None:
+            self.ceilings.close()
+        if self.runner is not None:
+            self.runner.close()
 
 
 def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> SweepOutcome:
@@ -672,20 +739,24 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
 
     obs = observer or SweepObserver()
     t_start = time.monotonic()
-    config = check_sweep_config(config)      # every input checked before anything is written
+    # every input checked before anything is written; the worker, the ceilings probe and
+    # FlashInfer's JIT build start before the families are resolved and planned (EarlyStart)
+    config = check_sweep_config(config, families=False)
     _tag_remeasure(config)
-    store = ResultsStore(config.db)
-    heartbeat = prebuild = triton_prebuild = None
+    d = default_space(config.device)
+    settings = config.settings or measure_settings(config.device, d.samples, d.warmup)
+    settings = replace(settings, device=config.device)
+    early = EarlyStart(config, settings)
+    store = None
+    heartbeat = triton_prebuild = None
+    prebuild = early.prebuild
     try:
+        check_families(config)
+        store = ResultsStore(config.db)
         plan, ctx = plan_sweep(config, store)
         if not plan.families:
             why = "; ".join(f"{f}: {r}" for f, r in plan.skipped.items())
             raise SweepError(f"no kernel family can run on {plan.device} ({why})")
-        if plan.kind == "gpu" and "flashinfer" in plan.families:
-            # FlashInfer's fa2/fa3 modules compile in the background while the sweep starts up
-            # and measures (MLA_TUNE_JIT_PREBUILD=0: the worker compiles them on first use)
-            from mla_tune.measure.jit_prebuild import start_prebuild
-            prebuild = start_prebuild([p.bucket.workload for p in plan.buckets if len(p.space)])
         if plan.kind == "gpu" and "triton" in plan.families:
             # and vLLM's Triton kernels, one specialisation per (heads, page, splits), on a pool
             from mla_tune.measure.jit_prebuild import start_triton_prebuild, triton_jobs
@@ -695,9 +766,6 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
         for p in plan.buckets:
             w = p.bucket.workload
             p.workload_id = store.workload_id(w, workload_bytes(w), workload_flops(w))
-        d = default_space(plan.device)
-        settings = config.settings or measure_settings(plan.device, d.samples, d.warmup)
-        settings = replace(settings, device=plan.device)
         storage = _open_storage(config, plan)
         if storage is not None:
             from mla_tune.tune.distributed import Heartbeat, _heartbeat_on
@@ -709,18 +777,18 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
         # how many refusals each bucket's space was built with: a refusal learnt in any earlier
         # bucket drops that candidate from every later one (not only from the next bucket)
         built_with = {i: len(refused) for i in range(len(plan.buckets))}
-        runner = make_runner(settings, config.isolation, config.timeout_s, plan.families)
+        runner = early.runner or make_runner(settings, config.isolation, config.timeout_s,
+                                             plan.families)
         measurer = _Measurer(store, runner, plan, config, outcome, obs, refused, device_name)
         if plan.kind == "gpu" and any(len(p.space) for p in plan.buckets):
-            # the ceilings child and the worker start side by side (neither touches the GPU
-            # until the ceilings are measured: the worker waits for its first batch)
-            measurer.ceilings = CeilingsProbe().start()
+            # the ceilings child and the worker started side by side before planning (neither
+            # touches the GPU until the ceilings are measured: the worker waits for its first
+            # batch); what is left of their start-up is waited for here
+            measurer.ceilings = early.ceilings or CeilingsProbe().start()
+            early.ceilings = None
             t_worker = time.monotonic()
-            try:
-                getattr(runner, "start", lambda: None)()
-            except Exception:
-                measurer.ceilings.close()
-                raise
+            early.wait()
+            getattr(runner, "start", lambda: None)()     # not started early (a CPU sweep): now
             outcome.time_split["startup_s"] = time.monotonic() - t_worker
         end = (time.monotonic() + config.time_budget_s) if config.time_budget_s else None
         weights = [bucket_weight(p) for p in plan.buckets]
@@ -802,13 +870,15 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
         obs.on_done(outcome)
         return outcome
     finally:
+        early.close()            # the worker and the probe, whether or not the sweep got to them
         for proc in (prebuild, triton_prebuild):
             if proc is not None:
                 from mla_tune.measure.jit_prebuild import finish_prebuild
                 finish_prebuild(proc)
         if heartbeat is not None:
             heartbeat.close()
-        store.close()
+        if store is not None:
+            store.close()
 
 
 POLL_S = 0.5     # how often a worker looks again at trials that other workers hold
@@ -913,6 +983,6 @@ def __getattr__(name):
 __all__ = ["Bucket", "BucketOutcome", "CPU_REFERENCE_NOTE", "DefaultSpace", "PlannedBucket",  # noqa: F822
            "SweepConfig", "SweepError", "SweepInputError", "SweepObserver", "SweepOutcome", "SweepPlan",
            "build_config", "measure_settings", "default_space", "detect_device", "emit_tuned_config",
-           "estimate_note", "journal_path_for", "check_sweep_config", "default_db", "parse_duration",
+           "estimate_note", "journal_path_for", "check_sweep_config", "check_families", "default_db", "parse_duration",
            "parse_sizes", "plan_bucket", "plan_buckets", "plan_sweep", "resolve_lengths",
            "replay_sweep", "resolve_families", "run_sweep", "stored_buckets"]
