@@ -6,7 +6,7 @@
 # `sweep wall N s`), results.db, configs/, tuned_vs_auto_h200.{md,json}.
 #   here, once: ../shared/gpu/prepare-carry --with-vllm && bench/prepare-device-wheels.sh
 #   on the device machine (carry .carry and .whl):  bash bench/h200_sweep.sh [total_seconds]
-# SWEEP_BUDGET caps the sweep (default 420 s, so the call fits 600 s even if it is slow; the goal
+# TUNED_VS_AUTO=0 skips the comparison. SWEEP_BUDGET caps the sweep (default 420 s, so the call fits 600 s even if it is slow; the goal
 # is <= 150 s, where the cap does not bind); MLA_TUNE_JIT_PREBUILD=0 compiles FlashInfer in the
 # worker instead of in the background.
 set -u
@@ -30,7 +30,7 @@ python3 -c "import sqlite3, sys; c=sqlite3.connect(sys.argv[1]); c.execute('prag
 cp "$OUT/configs/device_name=NVIDIA_H200.json" "$OUT/tuned_config_h200.json" 2>/dev/null
 
 echo "== tuned vs auto ($(left) s left)"
-if [ "$(left)" -gt 60 ]; then
+if [ "${TUNED_VS_AUTO:-1}" != 0 ] && [ "$(left)" -gt 60 ]; then
   timeout $(( $(left) - 10 )) python3 bench/tuned_vs_auto.py --db "$OUT/results.db" \
     --config "$OUT/configs/device_name=NVIDIA_H200.json" --out "$OUT" \
     --budget-s $(( $(left) - 50 )) > "$OUT/tuned_vs_auto.txt" 2>&1

@@ -430,10 +430,12 @@ def test_the_ceilings_probe_runs_beside_the_worker_and_is_ended(monkeypatch):
 def test_the_time_line_splits_the_wall():
     from mla_tune.tune.sweep import SweepOutcome, SweepPlan
     o = SweepOutcome(SweepPlan("cuda", "gpu", [], {}, []), seconds=100.0,
-                     time_split={"samples_s": 20.0, "jit_s": 10.0, "measure_s": 60.0, "startup_s": 15.0})
+                     time_split={"samples_s": 20.0, "jit_s": 10.0, "measure_s": 60.0, "startup_s": 15.0,
+                                 "plan_s": 8.0, "choose_s": 2.0})
     line = o.time_line()
     assert line.startswith("time: 100.0 s = timed samples 20.0 s + JIT 10.0 s + other measuring 30.0 s")
-    assert "start-up 15.0 s + search/store/choice 25.0 s (20% of the wall" in line
+    assert ("start-up 15.0 s + planning 8.0 s + search/store 15.0 s + choice/emit 2.0 s "
+            "(20% of the wall") in line
     assert SweepOutcome(SweepPlan("cpu", "cpu-reference", [], {}, [])).time_line() == ""
     assert "\n" not in line                  # no worker split measured: one line
 

@@ -194,17 +194,21 @@ class SweepOutcome:
     def time_line(self) -> str:
         """Where the sweep's wall time went, in one line: the timed samples (GPU busy in the
         samples kept), first-use JIT, the rest of measuring in the worker (preparing, checking,
-        capturing, warm-up, transfers), starting workers and the run record, and this process's
-        search, store and choice."""
+        capturing, warm-up, transfers), waiting for the worker to start and the run record, and
+        this process's own work: planning (input checks, the families' imports, every bucket's
+        space and study, up to the first bucket), the search and store between batches, and the
+        choice and emitted config at the end."""
         t = self.time_split
         if not t:
             return ""
         wall = self.seconds or sum(t.values())
-        own = max(0.0, wall - t.get("measure_s", 0.0) - t.get("startup_s", 0.0))
+        own = max(0.0, wall - t.get("measure_s", 0.0) - t.get("startup_s", 0.0)
+                  - t.get("plan_s", 0.0) - t.get("choose_s", 0.0))
         other = max(0.0, t.get("measure_s", 0.0) - t.get("samples_s", 0.0) - t.get("jit_s", 0.0))
         parts = [("timed samples", t.get("samples_s", 0.0)), ("JIT", t.get("jit_s", 0.0)),
                  ("other measuring", other), ("start-up", t.get("startup_s", 0.0)),
-                 ("search/store/choice", own)]
+                 ("planning", t.get("plan_s", 0.0)), ("search/store", own),
+                 ("choice/emit", t.get("choose_s", 0.0))]
         line = (f"time: {wall:.1f} s = " + " + ".join(f"{name} {v:.1f} s" for name, v in parts)
                 + f" ({100 * t.get('samples_s', 0.0) / wall if wall else 0:.0f}% of the wall in timed samples)")
         if any(k in t for k in PHASE_NAMES):
@@ -790,6 +794,8 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
             early.wait()
             getattr(runner, "start", lambda: None)()     # not started early (a CPU sweep): now
             outcome.time_split["startup_s"] = time.monotonic() - t_worker
+        split = outcome.time_split
+        split["plan_s"] = max(0.0, time.monotonic() - t_start - split.get("startup_s", 0.0))
         end = (time.monotonic() + config.time_budget_s) if config.time_budget_s else None
         weights = [bucket_weight(p) for p in plan.buckets]
         n = len(plan.buckets)
@@ -858,6 +864,7 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
         if config.role == "worker":       # the launcher chooses and emits, once, after its workers
             outcome.seconds = time.monotonic() - t_start
             return outcome
+        t_choose = time.monotonic()
         outcome.rows = _rows_for(store, [p.workload_id for p in plan.buckets], device_name)
         outcome.choice = _choose(outcome.rows, config, device_name)
         if config.emit and outcome.choice is not None:
@@ -867,6 +874,8 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
                                  f"device (--emit --configs-dir DIR writes one); the trials are "
                                  f"in {config.db}")
         outcome.seconds = time.monotonic() - t_start
+        if split:
+            split["choose_s"] = time.monotonic() - t_choose
         obs.on_done(outcome)
         return outcome
     finally:
