@@ -6,8 +6,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 
 export PYTHONPATH=$PYTHONPATH:/tmp/site2 VLLM_METAX_FORCE=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # byte-compile, as pip does when it installs: the carry unpacks with --no-compile, and the image's
-# own packages (torch, transformers, sympy under /opt/torch/.venv) come without bytecode that this
-# user may write next to them, so every process of a run compiled them again (profiled on the
+# own packages (torch, transformers, sympy under /opt/torch/.venv) had no bytecode Python used, so
+# every process of a run compiled them again (profiled on the
 # H200: 10.3 s of compile() in the sweep's process, 7.1 s in its worker). All bytecode goes to one
 # writable cache (PYTHONPYCACHEPREFIX); the warm import fills it for the image's packages.
 export PYTHONPYCACHEPREFIX=/tmp/pycache
