@@ -1,6 +1,5 @@
 # Sourced (not run) by the bench/h200_*.sh device scripts: the carried FlashInfer/vLLM environment,
 # the sweep's wheels from .whl/ (bench/prepare-device-wheels.sh), the forced platform, and $OUT.
-[ -n "${PYTHONDONTWRITEBYTECODE:-}" ] && export PYTHONDONTWRITEBYTECODE_WAS=1
 source .carry/device-env.sh
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 .whl/*.whl
 export PYTHONPATH=$PYTHONPATH:/tmp/site2 VLLM_METAX_FORCE=1
@@ -12,7 +11,6 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # writable cache (PYTHONPYCACHEPREFIX); the warm import fills it for the image's packages.
 export PYTHONPYCACHEPREFIX=/tmp/pycache
 unset PYTHONDONTWRITEBYTECODE
-python3 -c "import os, sys, torch; print('device-setup: torch site-packages writable:', os.access(os.path.dirname(os.path.dirname(torch.__file__)), os.W_OK), '| dont_write_bytecode in the image env:', bool(os.environ.get('PYTHONDONTWRITEBYTECODE_WAS')))" 2>/dev/null
 t0=$(date +%s.%N)
 python3 -m compileall -q -j 0 /tmp/site /tmp/site2 mla_tune vllm_metax > /dev/null 2>&1
 python3 -c "

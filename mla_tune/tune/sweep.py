@@ -316,10 +316,11 @@ def plan_bucket(bucket: Bucket, space: SearchSpace, config: SweepConfig,
                          workload_id, index)
 
 
-def plan_sweep(config: SweepConfig, store=None) -> tuple[SweepPlan, dict]:
-    """Resolve the device and families and build every bucket's search space (nothing runs)."""
+def plan_sweep(config: SweepConfig, store=None, families: tuple | None = None) -> tuple[SweepPlan, dict]:
+    """Resolve the device and families (`families`: what resolve_families already answered)
+    and build every bucket's search space (nothing runs)."""
     device = config.device or detect_device()
-    backends, skipped = resolve_families(config.families, device)
+    backends, skipped = families or resolve_families(config.families, device)
     kind = "gpu" if device.startswith("cuda") else "cpu-reference"
     note = CPU_REFERENCE_NOTE if kind == "cpu-reference" and "reference" in backends else ""
     if device.startswith("cuda") and "reference" in backends:
@@ -658,12 +659,13 @@ def check_sweep_config(config: SweepConfig, families: bool = True) -> SweepConfi
     return config
 
 
-def check_families(config: SweepConfig) -> None:
-    """SweepError when no kernel family of `config` (device resolved) can run on its device."""
+def check_families(config: SweepConfig) -> tuple[dict, dict]:
+    """resolve_families for `config` (device resolved); SweepError when no family can run."""
     backends, skipped = resolve_families(config.families, config.device)
     if not backends:
         why = "; ".join(f"{f}: {r}" for f, r in skipped.items())
         raise SweepError(f"no kernel family can run on {config.device} ({why})")
+    return backends, skipped
 
 
 class EarlyStart:
@@ -680,7 +682,6 @@ class EarlyStart:
         self.runner = self.ceilings = self.prebuild = None
         self.error: BaseException | None = None
         self._thread = None
-        self.waited_s = 0.0
         if not str(config.device).startswith("cuda"):
             return
         self.runner = make_runner(settings, config.isolation, config.timeout_s,
@@ -706,11 +707,10 @@ class EarlyStart:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        self.waited_s = time.monotonic() - t0
         if self.error is not None:
             err, self.error = self.error, None
             raise err
-        return self.waited_s
+        return time.monotonic() - t0
 
     def close(self) -> None:
         """End what was started (the runner's worker and the probe; the sweep's own finally
@@ -755,12 +755,9 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
     heartbeat = triton_prebuild = None
     prebuild = early.prebuild
     try:
-        check_families(config)
+        families = check_families(config)
         store = ResultsStore(config.db)
-        plan, ctx = plan_sweep(config, store)
-        if not plan.families:
-            why = "; ".join(f"{f}: {r}" for f, r in plan.skipped.items())
-            raise SweepError(f"no kernel family can run on {plan.device} ({why})")
+        plan, ctx = plan_sweep(config, store, families)   # check_families raised if none can run
         if plan.kind == "gpu" and "triton" in plan.families:
             # and vLLM's Triton kernels, one specialisation per (heads, page, splits), on a pool
             from mla_tune.measure.jit_prebuild import start_triton_prebuild, triton_jobs
@@ -792,7 +789,7 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
             early.ceilings = None
             t_worker = time.monotonic()
             early.wait()
-            getattr(runner, "start", lambda: None)()     # not started early (a CPU sweep): now
+            getattr(runner, "start", lambda: None)()     # a worker that died since: started again
             outcome.time_split["startup_s"] = time.monotonic() - t_worker
         split = outcome.time_split
         split["plan_s"] = max(0.0, time.monotonic() - t_start - split.get("startup_s", 0.0))
@@ -874,8 +871,7 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
                                  f"device (--emit --configs-dir DIR writes one); the trials are "
                                  f"in {config.db}")
         outcome.seconds = time.monotonic() - t_start
-        if split:
-            split["choose_s"] = time.monotonic() - t_choose
+        split["choose_s"] = time.monotonic() - t_choose
         obs.on_done(outcome)
         return outcome
     finally:
