@@ -438,6 +438,13 @@ def test_the_time_line_splits_the_wall():
             "(20% of the wall") in line
     assert SweepOutcome(SweepPlan("cpu", "cpu-reference", [], {}, [])).time_line() == ""
     assert "\n" not in line                  # no worker split measured: one line
+    # planning's own parts, what they leave of plan_s named as the rest
+    o.time_split["planning"] = {"checks_s": 0.5, "families_s": 4.0, "spaces_s": 1.5, "store_s": 1.0}
+    more = o.time_line()
+    assert more.splitlines()[0] == line
+    assert more.splitlines()[1] == ("planning: input checks 0.5 s, worker/probe/JIT start 0.0 s, "
+                                    "families (their imports) 4.0 s, search spaces 1.5 s, "
+                                    "workloads, studies and prebuild start 1.0 s, the rest 1.0 s")
 
 
 def test_the_worker_split_adds_up_to_other_measuring():

@@ -13,9 +13,12 @@ L2 is the realistic state; the KV pool itself is larger than L2 (`default_pool_b
 Order per candidate: warm-up runs (JIT and first-launch costs stay out of every sample; the
 compile time is `Prepared.compile_s`), then `plan()` timed on the host (a server plans every
 decode step; samples in "plan_us"), then a final plan, then graph capture, then at least
-MIN_WARM_S of GPU load so the clocks have ramped up (`warm_up`: once per interleaved batch). Nothing replans after capture. The graph's output is checked against the eager output; if capture fails or the replay
-differs, samples fall back to events around eager launches, and `TimedSamples.method` /
-`.note` say so (trial.py stores the note in the trial message).
+MIN_WARM_S of GPU load so the clocks have ramped up (`warm_up`: once per interleaved batch).
+Nothing replans after capture. The graph's first replay is checked against the last warm-up run's
+output (its output buffer poisoned first) and, if it matches, gives the first samples; if capture
+fails or the replay differs, samples fall back to a one-run graph, then to events around eager
+launches, and `TimedSamples.method` / `.note` say so (trial.py stores the note in the trial
+message).
 
 This module knows samples only: `mla_tune.measure.trial` turns them into trial results, and its
 `measure_interleaved` shares the GPU between several candidates with the `KernelTimer`s made here.
@@ -120,9 +123,15 @@ class KernelTimer:
         self.note = ""
         self.graph = None
         self.timed_graph = None
+        self._eager = None          # the eager output a graph's first replay is checked against
+        self._unchecked = False     # the timed graph's first replay is still to be checked
         for _ in range(max(warmup, 1)):
             prepared.run()
         self._sync()
+        if self.cuda and use_graph and prepared.graphable:
+            # the last warm-up run's output is the eager output the graph must reproduce (the
+            # re-plans below are of the same metadata, so the captured state must give it too)
+            self._eager = prepared.out.clone() if isinstance(prepared.out, torch.Tensor) else None
         self.plan_us = self._time_plan(plan_samples)
         if self.cuda:
             if use_graph and prepared.graphable:
@@ -162,20 +171,15 @@ class KernelTimer:
         self._sync()
         return out
 
-    def _eager_output(self):
-        """The eager output (a copy) after one more run on the capture stream, as torch advises
-        before a capture; None where the candidate has no output tensor."""
-        out = self.prepared.out
-        self.prepared.run()
-        self._sync()
-        eager = out.clone() if isinstance(out, torch.Tensor) else None
+    def _side_stream_run(self) -> None:
+        """One run on the capture stream before the first capture, as torch advises (lazy
+        initialisations then happen outside the capture)."""
         side = capture_stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             self.prepared.run()
         torch.cuda.current_stream(self.device).wait_stream(side)
         self._sync()
-        return eager
 
     def _check_replay(self, graph, eager) -> None:
         """Replay `graph` into a poisoned output; raise where it differs from the eager output."""
@@ -192,11 +196,11 @@ class KernelTimer:
     def _capture(self) -> None:
         """A one-run graph, sampled with events around each replay."""
         try:
-            eager = self._eager_output()
+            self._side_stream_run()
             graph = torch.cuda.CUDAGraph()
             with capturing(graph, self.device):
                 self.prepared.run()
-            self._check_replay(graph, eager)
+            self._check_replay(graph, self._eager)
             self.graph = graph
         except Exception as e:  # capture is an optimisation: fall back, and say so
             self.graph = None
@@ -214,10 +218,13 @@ class KernelTimer:
 
     def _capture_timed(self) -> None:
         """A graph of RUNS_PER_GRAPH x (flush, event, run, event): the launch latency of a
-        replay falls outside the events, so a sample is the run alone; its output is checked
-        against the eager output (falls back to a one-run graph if anything is refused)."""
+        replay falls outside the events, so a sample is the run alone. Its output is checked
+        against the eager output on its first replay, which is also the first round of samples
+        (`_first_replay`): checking it here would replay all its runs once more for nothing
+        (the sum of one run of every candidate is ~2.2 s in the H200 default sweep). A refused
+        capture falls back to a one-run graph here, a wrong first replay there."""
         try:
-            eager = self._eager_output()
+            self._side_stream_run()
             buf = flush_buffer(self.device) if self.flush else None
             events = [(torch.cuda.Event(enable_timing=True, external=True),
                        torch.cuda.Event(enable_timing=True, external=True))
@@ -230,20 +237,41 @@ class KernelTimer:
                     start.record()
                     self.prepared.run()
                     end.record()
-            self._check_replay(graph, eager)
-            probe = [s.elapsed_time(e) for s, e in events]
-            if not all(math.isfinite(x) and x > 0 for x in probe):
-                raise RuntimeError(f"in-graph events gave {probe}")
             self.timed_graph, self._timed_events = graph, events
+            self._unchecked = True
             self.method = METHOD_GRAPH_EVENTS
         except Exception as e:  # noqa: BLE001 - a one-run graph with events around replays instead
-            self.timed_graph = None
-            self.note = f"in-graph events unavailable ({type(e).__name__}: {e}); events around replays"
-            self._drain()
+            self._timed_refused(e)
+
+    def _timed_refused(self, e: BaseException) -> None:
+        self.timed_graph = None
+        self._unchecked = False
+        self.note = f"in-graph events unavailable ({type(e).__name__}: {e}); events around replays"
+        self._drain()
+
+    def _first_replay(self) -> list[float] | None:
+        """The timed graph's first replay, into a poisoned output: checked against the eager
+        output, its events must be finite and positive; then its times are samples. Where it
+        fails, the timed graph is dropped for a one-run graph (or eager events) and None is
+        returned."""
+        self._unchecked = False
+        try:
+            self._check_replay(self.timed_graph, self._eager)
+            times = [s.elapsed_time(e) for s, e in self._timed_events]
+            if not all(math.isfinite(x) and x > 0 for x in times):
+                raise RuntimeError(f"in-graph events gave {times}")
+            return [x * 1e3 for x in times]
+        except Exception as e:  # noqa: BLE001
+            self._timed_refused(e)
+            self.method = METHOD_GRAPH
+            self._capture()
+            return None
 
     def launch(self):
         """One timed unit: a replay of the timed graph (its events are read only by sample())
         or of the one-run graph, or an eager run where no graph was captured."""
+        if self._unchecked:
+            self._first_replay()
         if self.timed_graph is not None:
             self.timed_graph.replay()
         elif self.graph is not None:
@@ -251,8 +279,7 @@ class KernelTimer:
         else:
             self.prepared.run()
 
-    def _sample_in_graph(self, n: int) -> list[float]:
-        out: list[float] = []
+    def _sample_in_graph(self, n: int, out: list[float]) -> list[float]:
         while len(out) < n:
             self.timed_graph.replay()
             self._sync()
@@ -269,8 +296,12 @@ class KernelTimer:
                 self.prepared.run()
                 out.append((time.perf_counter() - t) * 1e6)
             return out
+        if self._unchecked:
+            first = self._first_replay()
+            if first is not None:
+                return self._sample_in_graph(n, first)
         if self.timed_graph is not None:
-            return self._sample_in_graph(n)
+            return self._sample_in_graph(n, [])
         buf = flush_buffer(self.device) if self.flush else None
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                   for _ in range(n)]
@@ -286,6 +317,7 @@ class KernelTimer:
     def close(self) -> None:
         self.graph = None
         self.timed_graph = None
+        self._eager = None
 
 
 def warm_up(timers, min_s: float | None = None, fill=None) -> int:

@@ -201,7 +201,7 @@ class SweepOutcome:
         t = self.time_split
         if not t:
             return ""
-        wall = self.seconds or sum(t.values())
+        wall = self.seconds or sum(v for v in t.values() if isinstance(v, (int, float)))
         own = max(0.0, wall - t.get("measure_s", 0.0) - t.get("startup_s", 0.0)
                   - t.get("plan_s", 0.0) - t.get("choose_s", 0.0))
         other = max(0.0, t.get("measure_s", 0.0) - t.get("samples_s", 0.0) - t.get("jit_s", 0.0))
@@ -219,8 +219,18 @@ class SweepOutcome:
             net["sample_s"] = max(0.0, t.get("sample_s", 0.0) - t.get("samples_s", 0.0))
             line += "\nother measuring: " + ", ".join(
                 f"{name} {net.get(k, 0.0):.1f} s" for k, name in PHASE_NAMES.items())
+        pl = t.get("planning")
+        if pl:
+            rest = max(0.0, t.get("plan_s", 0.0) - sum(pl.values()))
+            line += "\nplanning: " + ", ".join(
+                f"{name} {v:.1f} s" for name, v in
+                [(n, pl.get(k, 0.0)) for k, n in PLANNING_NAMES.items()] + [("the rest", rest)])
         return line
 
+
+PLANNING_NAMES = {"checks_s": "input checks", "early_s": "worker/probe/JIT start",
+                  "families_s": "families (their imports)", "spaces_s": "search spaces",
+                  "store_s": "workloads, studies and prebuild start"}
 
 PHASE_NAMES = {"prepare_s": "preparing", "check_s": "correctness checks",
                "timer_s": "warm-up runs, plan timing and graph capture", "warm_s": "clock warm-up",
@@ -750,14 +760,22 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
     d = default_space(config.device)
     settings = config.settings or measure_settings(config.device, d.samples, d.warmup)
     settings = replace(settings, device=config.device)
+    t_checked = time.monotonic()
     early = EarlyStart(config, settings)
     store = None
     heartbeat = triton_prebuild = None
     prebuild = early.prebuild
+    planning = {"checks_s": t_checked - t_start}      # planning's own split (time_line)
     try:
+        t = time.monotonic()
+        planning["early_s"] = t - t_checked
         families = check_families(config)
+        planning["families_s"] = time.monotonic() - t
+        t = time.monotonic()
         store = ResultsStore(config.db)
         plan, ctx = plan_sweep(config, store, families)   # check_families raised if none can run
+        planning["spaces_s"] = time.monotonic() - t
+        t = time.monotonic()
         if plan.kind == "gpu" and "triton" in plan.families:
             # and vLLM's Triton kernels, one specialisation per (heads, page, splits), on a pool
             from mla_tune.measure.jit_prebuild import start_triton_prebuild, triton_jobs
@@ -773,6 +791,7 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
             if _heartbeat_on(storage):
                 heartbeat = Heartbeat(storage, storage.get_heartbeat_interval())
         outcome = SweepOutcome(plan)
+        planning["store_s"] = time.monotonic() - t
         obs.on_start(plan)
         refused = ctx["refused"]
         # how many refusals each bucket's space was built with: a refusal learnt in any earlier
@@ -793,6 +812,7 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
             outcome.time_split["startup_s"] = time.monotonic() - t_worker
         split = outcome.time_split
         split["plan_s"] = max(0.0, time.monotonic() - t_start - split.get("startup_s", 0.0))
+        split["planning"] = planning
         end = (time.monotonic() + config.time_budget_s) if config.time_budget_s else None
         weights = [bucket_weight(p) for p in plan.buckets]
         n = len(plan.buckets)
