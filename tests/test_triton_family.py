@@ -174,3 +174,53 @@ def test_kernel_matches_the_reference_under_the_triton_interpreter():
     status, n_samples, compile_s = out["measure"]
     assert status == "ok" and n_samples == 2 and compile_s > 0
     assert out["bf16"][:2] == ["invalid", "unsupported"] and "bfloat16" in out["bf16"][2]
+
+
+_RULE_CHILD = textwrap.dedent("""
+    import json, sys
+    from mla_tune.families import triton_mla as fam
+    fam._kernel()
+    read = fam.rule_from_source()
+    heavy = "vllm.config" in sys.modules
+    imported = fam.imported_rule()
+    grid = [(L, sm) for L in (1, 511, 512, 1023, 1024, 1500, 4096, 8191, 32768, 1 << 20)
+            for sm in (1, 8, 78, 132, 1 << 30)]
+    print("RESULT " + json.dumps({"read": read is not None, "heavy_before_import": heavy,
+        "same": all(read(L, sm) == imported(L, sm) for L, sm in grid),
+        "rule_is_read": fam._vllm_rule() is not imported}))
+""")
+
+
+@pytest.mark.vllm
+def test_vllms_split_rule_read_from_its_source_equals_the_imported_one():
+    """The planner reads vLLM's num_kv_splits rule from the installed source instead of importing
+    the backend module (vllm.config and the MLA layers); both give the same splits."""
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-c", _RULE_CHILD], env=env, capture_output=True,
+                          text=True, timeout=300)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert out == {"read": True, "heavy_before_import": False, "same": True, "rule_is_read": True}
+
+
+@pytest.mark.vllm
+def test_a_rule_source_in_another_shape_is_imported_instead(monkeypatch, tmp_path):
+    """A rule that reads something the source-reader does not know makes it answer None."""
+    import types
+    pkg = tmp_path / "attention"
+    (pkg / "backends" / "mla").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    src = pkg / "backends" / "mla" / "triton_mla.py"
+    fake_attention = types.SimpleNamespace(__file__=str(pkg / "__init__.py"))
+    fake_triton = types.SimpleNamespace(triton=types.SimpleNamespace(next_power_of_2=lambda n: n))
+    monkeypatch.setitem(sys.modules, "vllm.v1.attention", fake_attention)
+    monkeypatch.setitem(sys.modules, "vllm.triton_utils", fake_triton)
+    import vllm.v1
+    monkeypatch.setattr(vllm.v1, "attention", fake_attention, raising=False)
+    src.write_text("K = 4\ndef _compute_num_kv_splits(n, sm):\n    return min(n // K, sm)\n")
+    assert fam.rule_from_source()(64, 100) == 16
+    src.write_text("import os\ndef _compute_num_kv_splits(n, sm):\n    return int(os.environ['X'])\n")
+    assert fam.rule_from_source() is None
+    src.write_text("def other(n, sm):\n    return 1\n")
+    assert fam.rule_from_source() is None

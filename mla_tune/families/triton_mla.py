@@ -21,6 +21,7 @@ it is a tuning knob:
 
 from __future__ import annotations
 
+import builtins
 import importlib.util
 import math
 import os
@@ -78,12 +79,54 @@ def _kernel():
     return decode_attention_fwd
 
 
+RULE_NAME = "_compute_num_kv_splits"
+
+
 @lru_cache(maxsize=1)
 def _vllm_rule():
-    """vLLM's own num_kv_splits rule, `_compute_num_kv_splits(max_seq_len, sm_count)`."""
+    """vLLM's own num_kv_splits rule, `_compute_num_kv_splits(max_seq_len, sm_count)`: compiled
+    from the installed backend's source (`rule_from_source`), else imported from it."""
     _kernel()
+    return rule_from_source() or imported_rule()
+
+
+def imported_rule():
     from vllm.v1.attention.backends.mla.triton_mla import _compute_num_kv_splits
     return _compute_num_kv_splits
+
+
+def rule_from_source():
+    """The rule compiled from vLLM's installed `v1/attention/backends/mla/triton_mla.py`, with
+    the module-level constants it reads, without importing that module: the import pulls in
+    vllm.config and the MLA layers (10.6 s of the H200 default sweep's 13.7 s of planning, in the
+    process that only needs this one function). None where the source is not in the shape
+    this reads (a function of triton and its own module's constants only): import it then."""
+    import ast
+    import vllm.v1.attention as attention
+    from vllm.triton_utils import triton
+    path = Path(attention.__file__).parent / "backends" / "mla" / "triton_mla.py"
+    try:
+        tree = ast.parse(path.read_text(), str(path))
+    except (OSError, SyntaxError, ValueError):
+        return None
+    func = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == RULE_NAME), None)
+    if func is None or func.decorator_list:
+        return None
+    consts = {}
+    for n in tree.body:
+        if (isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name)
+                and isinstance(n.value, ast.Constant)):
+            consts[n.targets[0].id] = n
+    args = {a.arg for a in func.args.args}
+    local = {t.id for t in ast.walk(func) if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store)}
+    used = {t.id for t in ast.walk(func) if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Load)}
+    free = used - args - local - set(dir(builtins)) - {"triton"}
+    if not free <= set(consts):
+        return None
+    body = [consts[name] for name in sorted(free)] + [func]
+    ns: dict = {"triton": triton}
+    exec(compile(ast.Module(body=body, type_ignores=[]), str(path), "exec"), ns)
+    return ns[RULE_NAME]
 
 
 def _sm_count() -> int | None:
