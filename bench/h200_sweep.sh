@@ -6,7 +6,8 @@
 # `sweep wall N s`), results.db, configs/, tuned_vs_auto_h200.{md,json}.
 #   here, once: ../shared/gpu/prepare-carry --with-vllm && bench/prepare-device-wheels.sh
 #   on the device machine (carry .carry and .whl):  bash bench/h200_sweep.sh [total_seconds]
-# TUNED_VS_AUTO=0 skips the comparison. SWEEP_BUDGET caps the sweep (default 420 s, so the call fits 600 s even if it is slow; the goal
+# TUNED_VS_AUTO=0 skips the comparison; PREFILL=1 runs the prefill sweep into the same DB and
+# emits the config again (decode + prefill sections) before the comparison. SWEEP_BUDGET caps the sweep (default 420 s, so the call fits 600 s even if it is slow; the goal
 # is <= 150 s, where the cap does not bind); MLA_TUNE_JIT_PREBUILD=0 compiles FlashInfer in the
 # worker instead of in the background.
 set -u
@@ -26,6 +27,17 @@ echo "== default sweep, time budget ${budget} s"
 echo "sweep rc=$?"
 tail -12 "$OUT/sweep.txt"
 python3 -c "import sqlite3, sys; c=sqlite3.connect(sys.argv[1]); c.execute('pragma wal_checkpoint(truncate)')" "$OUT/results.db"
+if [ "${PREFILL:-0}" = 1 ]; then
+  # the DB that ships holds the prefill trials too: the prefill sweep into the same DB, then the
+  # config emitted again from it (decode and prefill sections)
+  echo "== prefill-sweep ($(left) s left)"
+  /usr/bin/time -f "prefill-sweep wall %e s" timeout 120 python3 -m mla_tune prefill-sweep \
+    --db "$OUT/results.db" > "$OUT/prefill_sweep.txt" 2>&1
+  echo "prefill-sweep rc=$?"; tail -4 "$OUT/prefill_sweep.txt"
+  python3 -c "import sqlite3, sys; c=sqlite3.connect(sys.argv[1]); c.execute('pragma wal_checkpoint(truncate)')" "$OUT/results.db"
+  python3 -m mla_tune emit --db "$OUT/results.db" --out "$OUT/configs" > "$OUT/emit.txt" 2>&1
+  echo "emit rc=$?"; tail -3 "$OUT/emit.txt"
+fi
 # the device tool brings back no file with '=' in its name: a copy under a plain name
 cp "$OUT/configs/device_name=NVIDIA_H200.json" "$OUT/tuned_config_h200.json" 2>/dev/null
 

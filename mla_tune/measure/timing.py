@@ -15,8 +15,8 @@ compile time is `Prepared.compile_s`), then `plan()` timed on the host (a server
 decode step; samples in "plan_us"), then a final plan, then graph capture, then at least
 MIN_WARM_S of GPU load so the clocks have ramped up (`warm_up`: once per interleaved batch).
 Nothing replans after capture. The graph's first replay is checked against the last warm-up run's
-output (its output buffer poisoned first) and, if it matches, gives the first samples (its first
-runs run slow: FIRST_REPLAY_DISCARD of them are dropped); if capture
+output (its output buffer poisoned first) and, if it matches, gives the first samples (an untimed
+run heads every replay: a replay's first run runs slow); if capture
 fails or the replay differs, samples fall back to a one-run graph, then to events around eager
 launches, and `TimedSamples.method` / `.note` say so (trial.py stores the note in the trial
 message).
@@ -110,10 +110,11 @@ class KernelTimer:
     """
 
     RUNS_PER_GRAPH = 10      # samples one replay of the timed graph yields
-    # runs of a graph's first replay that are not samples: they run slow (H200 default sweep,
-    # 1530 FlashInfer trials: runs 0-3 of the first replay +6.3/+1.9/+1.2/+0.8% over the
-    # candidate's later median, p90 +17/+14/+9/+6%; the later runs of later replays +-0.5%)
-    FIRST_REPLAY_DISCARD = 4
+    # an untimed (flush, run) heads the timed graph: a replay's first run is slow (H200 default
+    # sweep, 778 FlashInfer trials: run 0 of a replay +2.7-6.8% over the candidate's median, p90
+    # +13-18%, the graph's first replay most; bench/results/replay_warmup_h200.txt: the leading
+    # run takes it to within +-0.5%)
+    LEAD_RUNS = 1
     MIN_WARM_S = 0.03        # GPU busy time before the first sample, so clocks have ramped up
 
     def __init__(self, prepared: Prepared, device="cuda", warmup: int = 3, plan_samples: int = 20,
@@ -222,8 +223,8 @@ class KernelTimer:
             pass
 
     def _capture_timed(self) -> None:
-        """A graph of RUNS_PER_GRAPH x (flush, event, run, event): the launch latency of a
-        replay falls outside the events, so a sample is the run alone. Its output is checked
+        """A graph of LEAD_RUNS x (flush, run) and RUNS_PER_GRAPH x (flush, event, run, event):
+        the launch latency of a replay falls outside the events, so a sample is the run alone. Its output is checked
         against the eager output on its first replay, which is also the first round of samples
         (`_first_replay`): checking it here would replay all its runs once more for nothing
         (the sum of one run of every candidate is ~2.2 s in the H200 default sweep). A refused
@@ -236,6 +237,10 @@ class KernelTimer:
                       for _ in range(self.RUNS_PER_GRAPH)]
             graph = torch.cuda.CUDAGraph()
             with capturing(graph, self.device):
+                for _ in range(self.LEAD_RUNS):     # untimed: a replay's first run is slow
+                    if buf is not None:
+                        buf.zero_()
+                    self.prepared.run()
                 for start, end in events:
                     if buf is not None:
                         buf.zero_()
@@ -265,7 +270,7 @@ class KernelTimer:
             times = [s.elapsed_time(e) for s, e in self._timed_events]
             if not all(math.isfinite(x) and x > 0 for x in times):
                 raise RuntimeError(f"in-graph events gave {times}")
-            return [x * 1e3 for x in times[self.FIRST_REPLAY_DISCARD:]]
+            return [x * 1e3 for x in times]
         except Exception as e:  # noqa: BLE001
             self._timed_refused(e)
             self.method = METHOD_GRAPH

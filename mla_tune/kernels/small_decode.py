@@ -1,0 +1,306 @@
+"""A split-KV Triton MLA decode kernel for small work (batch x context <= ~8K KV tokens), paged KV.
+
+Absorbed MLA, q_len 1: per head, scores = (q_nope . ckv + q_pe . kpe) * scale over the request's
+tokens, softmax, out = P @ ckv. The grid is (splits, head blocks, batch); a program reduces one
+contiguous token range of one request (BLOCK_N tokens an iteration, read through the page table,
+tl.dot with fp32 accumulation for QK and PV) into a normalised partial (acc / l, log2-sum-exp) in
+a workspace. How the partials are merged (`merge`):
+
+* "fused" (one launch): after writing its partial, a program bumps a per-(request, head block)
+  int32 counter (CTA barrier, then one acq_rel atomic); the last one to arrive merges every
+  split's partial from the workspace into the output and resets the counter to 0, so a CUDA-graph
+  replay needs no memset. That one program reads all S partials of its (request, head block):
+  S x BLOCK_H x R x 4 bytes through one SM, so it suits few splits.
+* "kernel" (two launches): a second small kernel merges, spread over (head, 512/DC column
+  blocks, request) programs, so no single program reads all partials of a request.
+
+The merge is a runtime flag, not a constexpr: one compile serves both. A request whose range fits
+one split writes the output directly (no partial, no counter). Splits past a request's length
+do nothing. This module imports nothing from mla_tune: it only needs
+torch and triton.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+MERGES = ("fused", "kernel")
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _split_range(seq_len, NUM_SPLITS, BLOCK_N: tl.constexpr):
+    """Tokens per split (a multiple of BLOCK_N, at least BLOCK_N) and the splits holding any."""
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.maximum(chunk, BLOCK_N)
+    return chunk, tl.cdiv(seq_len, chunk)
+
+
+@triton.jit
+def _merge_splits(WS_ACC, WS_LSE, out_rows, ws_b, n_active, offs_h, hmask,
+                  HP: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, MERGE_D: tl.constexpr):
+    """The fused merge, run by the last split of a (request, head block): every split's partial
+    from the workspace (its own too: the accumulator is dead by now, so the merge costs no
+    registers beyond its tiles), MERGE_D columns at a time, the next split's tile loaded before
+    the current one is folded in. Loads are .cg: from L2, never a stale L1 line."""
+    offs_hp = tl.arange(0, BLOCK_H)
+    for d0 in tl.static_range(0, R, MERGE_D):
+        offs_d = d0 + tl.arange(0, MERGE_D)
+        big_m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, MERGE_D], tl.float32)
+        row = ws_b * HP + offs_h
+        nxt_lse = tl.load(WS_LSE + row, cache_modifier=".cg")
+        nxt_acc = tl.load(WS_ACC + row[:, None] * R + offs_d[None, :], cache_modifier=".cg")
+        for s_i in range(0, n_active):
+            cur_lse = nxt_lse
+            cur_acc = nxt_acc
+            row = (ws_b + s_i + 1) * HP + offs_h
+            ok = (offs_hp >= 0) & (s_i + 1 < n_active)
+            nxt_lse = tl.load(WS_LSE + row, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            nxt_acc = tl.load(WS_ACC + row[:, None] * R + offs_d[None, :], mask=ok[:, None], other=0.0,
+                              cache_modifier=".cg")
+            m_new = tl.maximum(big_m, cur_lse)
+            alpha = tl.exp2(big_m - m_new)
+            w = tl.exp2(cur_lse - m_new)
+            acc = acc * alpha[:, None] + cur_acc.to(tl.float32) * w[:, None]
+            total = total * alpha + w
+            big_m = m_new
+        tl.store(out_rows[:, None] + offs_d[None, :], (acc / total[:, None]).to(out_rows.dtype.element_ty),
+                 mask=hmask[:, None])
+
+
+@triton.jit(do_not_specialize=["NUM_SPLITS", "stride_bt", "FUSED"])
+def _small_decode_kernel(
+    QN, QP, CKV, KPE, BT, SEQ, OUT, WS_ACC, WS_LSE, COUNTER,
+    stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,
+    stride_c_p, stride_c_t, stride_k_p, stride_k_t, stride_bt,
+    stride_o_b, stride_o_h,
+    qk_scale, NUM_SPLITS, FUSED,
+    H: tl.constexpr, HP: tl.constexpr, R: tl.constexpr, P: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, MERGE_D: tl.constexpr,
+    TRANS: tl.constexpr,
+):
+    split = tl.program_id(0)
+    hb = tl.program_id(1)
+    b = tl.program_id(2)
+    seq_len = tl.load(SEQ + b)
+    chunk, n_active = _split_range(seq_len, NUM_SPLITS, BLOCK_N)
+
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs_h < H
+    offs_r = tl.arange(0, R)
+    offs_p = tl.arange(0, P)
+    b64 = b.to(tl.int64)
+    out_rows = OUT + b64 * stride_o_b + offs_h * stride_o_h
+    out_ptrs = out_rows[:, None] + offs_r[None, :]
+
+    if split < n_active:
+        q_nope = tl.load(QN + b64 * stride_qn_b + offs_h[:, None] * stride_qn_h + offs_r[None, :],
+                         mask=hmask[:, None], other=0.0)
+        q_pe = tl.load(QP + b64 * stride_qp_b + offs_h[:, None] * stride_qp_h + offs_p[None, :],
+                       mask=hmask[:, None], other=0.0)
+        start = split * chunk
+        end = tl.minimum(start + chunk, seq_len)
+        bt_row = BT + b64 * stride_bt
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_H], tl.float32)
+        if TRANS:
+            # tokens as the dot's M (BLOCK_N >= 64: Hopper's wgmma, operands from shared memory)
+            q_nope_t = tl.trans(q_nope)
+            q_pe_t = tl.trans(q_pe)
+            acc_t = tl.zeros([R, BLOCK_H], tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_H, R], tl.float32)
+        for t0 in range(start, end, BLOCK_N):
+            offs_n = t0 + tl.arange(0, BLOCK_N)
+            nmask = offs_n < end
+            page = tl.load(bt_row + offs_n // PAGE, mask=nmask, other=0).to(tl.int64)
+            slot = offs_n % PAGE
+            ckv = tl.load(CKV + (page * stride_c_p + slot * stride_c_t)[:, None] + offs_r[None, :],
+                          mask=nmask[:, None], other=0.0)
+            kpe = tl.load(KPE + (page * stride_k_p + slot * stride_k_t)[:, None] + offs_p[None, :],
+                          mask=nmask[:, None], other=0.0)
+            if TRANS:
+                s_t = tl.dot(ckv, q_nope_t)
+                s_t = tl.dot(kpe, q_pe_t, s_t)
+                s_t = tl.where(nmask[:, None], s_t * qk_scale, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s_t, 0))
+                alpha = tl.exp2(m - m_new)
+                p_t = tl.exp2(s_t - m_new[None, :])
+                l = l * alpha + tl.sum(p_t, 0)
+                acc_t = tl.dot(tl.trans(ckv), p_t.to(ckv.dtype), acc_t * alpha[None, :])
+            else:
+                s = tl.dot(q_nope, tl.trans(ckv))
+                s = tl.dot(q_pe, tl.trans(kpe), s)
+                s = tl.where(nmask[None, :], s * qk_scale, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, 1))
+                alpha = tl.exp2(m - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                l = l * alpha + tl.sum(p, 1)
+                acc = tl.dot(p.to(ckv.dtype), ckv, acc * alpha[:, None])
+            m = m_new
+        if TRANS:
+            acc = tl.trans(acc_t)
+        acc = acc / l[:, None]
+        if n_active == 1:
+            tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=hmask[:, None])
+        else:
+            lse = m + tl.log2(l)
+            ws_row = (b64 * NUM_SPLITS + split) * HP + offs_h          # HP-padded: no mask needed
+            tl.store(WS_ACC + ws_row[:, None] * R + offs_r[None, :], acc.to(WS_ACC.dtype.element_ty))
+            tl.store(WS_LSE + ws_row, lse)
+            if FUSED != 0:
+                # every thread's partial is written before one thread's release of the counter
+                tl.debug_barrier()
+                cnt = COUNTER + b * (HP // BLOCK_H) + hb
+                arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+                if arrived == n_active - 1:
+                    _merge_splits(WS_ACC, WS_LSE, out_rows, b64 * NUM_SPLITS, n_active, offs_h, hmask,
+                                  HP, R, BLOCK_H, MERGE_D)
+                    tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+    if (seq_len == 0) & (split == 0):
+        tl.store(out_ptrs, tl.zeros([BLOCK_H, R], tl.float32).to(OUT.dtype.element_ty), mask=hmask[:, None])
+
+
+@triton.jit(do_not_specialize=["NUM_SPLITS"])
+def _merge_kernel(
+    WS_ACC, WS_LSE, SEQ, OUT, stride_o_b, stride_o_h, NUM_SPLITS,
+    HP: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, DC: tl.constexpr, ST: tl.constexpr,
+):
+    h = tl.program_id(0)
+    dc = tl.program_id(1)
+    b = tl.program_id(2)
+    seq_len = tl.load(SEQ + b)
+    chunk, n_active = _split_range(seq_len, NUM_SPLITS, BLOCK_N)
+    if n_active > 1:
+        b64 = b.to(tl.int64)
+        offs_s = tl.arange(0, ST)
+        offs_d = dc * DC + tl.arange(0, DC)
+        big_m = tl.full([1], float("-inf"), tl.float32)
+        total = tl.zeros([1], tl.float32)
+        acc = tl.zeros([DC], tl.float32)
+        for s0 in range(0, n_active, ST):
+            ss = s0 + offs_s
+            smask = ss < n_active
+            row = (b64 * NUM_SPLITS + ss) * HP + h
+            lse = tl.load(WS_LSE + row, mask=smask, other=float("-inf"))
+            part = tl.load(WS_ACC + row[:, None] * R + offs_d[None, :], mask=smask[:, None], other=0.0)
+            m_new = tl.maximum(big_m, tl.max(lse, 0))
+            alpha = tl.exp2(big_m - m_new)
+            w = tl.exp2(lse - m_new)
+            acc = acc * alpha + tl.sum(part.to(tl.float32) * w[:, None], 0)
+            total = total * alpha + tl.sum(w, 0)
+            big_m = m_new
+        tl.store(OUT + b64 * stride_o_b + h * stride_o_h + offs_d, (acc / total).to(OUT.dtype.element_ty))
+
+
+def default_block_h(num_heads: int) -> int:
+    """Head rows per program: 16 up to 32 heads (mma with M=16), 64 from 64 heads on (wgmma M=64)."""
+    return 16 if num_heads < 64 else 64
+
+
+class SmallDecode:
+    """The kernel with its knobs fixed and its workspaces allocated, so `run` only launches
+    (no allocation, no host sync: CUDA-graph capturable).
+
+    `num_splits`: KV splits per request (the grid's first axis; a request uses
+    ceil(len / chunk) of them, chunk = BLOCK_N-aligned len / num_splits). `merge`: "fused" (one
+    launch, the last split merges) or "kernel" (a second merge kernel). `partial_dtype`: the
+    workspace's partial-output dtype (float32; bfloat16 halves the merge traffic). `transposed`:
+    scores computed as ckv . q^T (tokens as the dot's M), the form that gives a 16-row head block
+    Hopper's wgmma. None picks the defaults below.
+    """
+
+    def __init__(self, num_heads: int, page_size: int, max_batch: int, num_splits: int,
+                 block_n: int = 64, num_warps: int | None = None, num_stages: int = 2,
+                 block_h: int | None = None, merge: str = "fused", partial_dtype: torch.dtype = torch.float32,
+                 transposed: bool | None = None,
+                 kv_lora_rank: int = 512, rope_dim: int = 64, device="cuda",
+                 merge_block_d: int = 128, merge_split_tile: int = 16, merge_num_warps: int = 4):
+        if merge not in MERGES:
+            raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
+        for label, v in (("page_size", page_size), ("block_n", block_n), ("kv_lora_rank", kv_lora_rank),
+                         ("rope_dim", rope_dim), ("merge_block_d", merge_block_d),
+                         ("merge_split_tile", merge_split_tile)):
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"{label} must be a power of two, got {v}")
+        self.block_h = block_h or default_block_h(num_heads)
+        if self.block_h < 16 or self.block_h & (self.block_h - 1):
+            raise ValueError(f"block_h must be a power of two >= 16 (tl.dot's M), got {self.block_h}")
+        if block_n < 16 or rope_dim < 16 or kv_lora_rank < 16:
+            raise ValueError("block_n, rope_dim and kv_lora_rank must be >= 16 (tl.dot's N and K)")
+        if num_splits < 1 or max_batch < 1 or num_heads < 1:
+            raise ValueError("num_heads, max_batch and num_splits must be >= 1")
+        if kv_lora_rank % merge_block_d:
+            raise ValueError(f"merge_block_d {merge_block_d} must divide kv_lora_rank {kv_lora_rank}")
+        self.num_heads, self.page_size, self.max_batch = num_heads, page_size, max_batch
+        self.num_splits, self.block_n, self.merge = num_splits, block_n, merge
+        # defaults from compiling for sm_90a (ptxas -v): a 64-row head block spills at 4 warps; a
+        # 16-row one gets wgmma (no spill) only with tokens as the dot's M, BLOCK_N >= 64
+        self.num_warps = num_warps or (8 if self.block_h >= 64 else 4)
+        self.num_stages = num_stages
+        self.transposed = (self.block_h < 64 and block_n >= 64) if transposed is None else bool(transposed)
+        self.R, self.P = kv_lora_rank, rope_dim
+        self.merge_block_d, self.merge_split_tile, self.merge_num_warps = (
+            merge_block_d, merge_split_tile, merge_num_warps)
+        self.head_blocks = -(-num_heads // self.block_h)
+        # the fused merge's tile: 8192 fp32 (32 KiB in flight, 64 registers a thread at 4 warps)
+        self.fused_merge_d = max(16, min(kv_lora_rank, 8192 // self.block_h))
+        self.padded_heads = self.head_blocks * self.block_h
+        dev = torch.device(device)
+        self.ws_acc = torch.empty(max_batch, num_splits, self.padded_heads, kv_lora_rank,
+                                  dtype=partial_dtype, device=dev)
+        self.ws_lse = torch.empty(max_batch, num_splits, self.padded_heads, dtype=torch.float32, device=dev)
+        # zeroed once here; the fused kernel leaves every counter at 0 after each launch
+        self.counter = torch.zeros(max_batch, self.head_blocks, dtype=torch.int32, device=dev)
+
+    def describe(self) -> dict:
+        return {"num_splits": self.num_splits, "block_n": self.block_n, "block_h": self.block_h,
+                "num_warps": self.num_warps, "num_stages": self.num_stages, "merge": self.merge,
+                "transposed": self.transposed,
+                "partial_dtype": str(self.ws_acc.dtype).replace("torch.", "")}
+
+    def run(self, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, scale: float, out):
+        """Launch over q_nope [B, H, R], q_pe [B, H, P], ckv_cache [pages, page, R],
+        kpe_cache [pages, page, P] (any strides but a unit last one), block_table int32
+        [B, max_pages], seq_lens int32 [B] on the device; writes out [B, H, R]."""
+        B, H, R = q_nope.shape
+        if H != self.num_heads or R != self.R or q_pe.shape[-1] != self.P or B > self.max_batch:
+            raise ValueError(f"q {tuple(q_nope.shape)} / {tuple(q_pe.shape)} does not fit this kernel "
+                             f"(heads {self.num_heads}, rank {self.R}, rope {self.P}, max batch {self.max_batch})")
+        if ckv_cache.shape[1] != self.page_size or kpe_cache.shape[1] != self.page_size:
+            raise ValueError(f"cache page size {ckv_cache.shape[1]} is not {self.page_size}")
+        for name, t in (("q_nope", q_nope), ("q_pe", q_pe), ("ckv_cache", ckv_cache),
+                        ("kpe_cache", kpe_cache), ("out", out)):
+            if t.stride(-1) != 1:
+                raise ValueError(f"{name} needs a unit stride in its last dim")
+        _small_decode_kernel[(self.num_splits, self.head_blocks, B)](
+            q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, out,
+            self.ws_acc, self.ws_lse, self.counter,
+            q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+            ckv_cache.stride(0), ckv_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1),
+            block_table.stride(0), out.stride(0), out.stride(1),
+            float(scale) * _LOG2E, self.num_splits, int(self.merge == "fused"),
+            H=H, HP=self.padded_heads, R=R, P=self.P, PAGE=self.page_size,
+            BLOCK_H=self.block_h, BLOCK_N=self.block_n,
+            MERGE_D=self.fused_merge_d, TRANS=self.transposed,
+            num_warps=self.num_warps, num_stages=self.num_stages,
+        )
+        if self.merge == "kernel" and self.num_splits > 1:
+            _merge_kernel[(H, R // self.merge_block_d, B)](
+                self.ws_acc, self.ws_lse, seq_lens, out, out.stride(0), out.stride(1), self.num_splits,
+                HP=self.padded_heads, R=R, BLOCK_N=self.block_n, DC=self.merge_block_d,
+                ST=self.merge_split_tile, num_warps=self.merge_num_warps, num_stages=1,
+            )
+        return out
+
+
+def splits_for(total_tokens_per_request: int, block_n: int, num_splits: int) -> int:
+    """The splits a request of this length actually uses (the kernel's own rule)."""
+    chunk = max(math.ceil(math.ceil(total_tokens_per_request / num_splits) / block_n) * block_n, block_n)
+    return math.ceil(total_tokens_per_request / chunk)

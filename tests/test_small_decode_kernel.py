@@ -1,0 +1,112 @@
+"""The small-work Triton MLA decode kernel (mla_tune.kernels.small_decode) against the torch
+reference under Triton's interpreter on the CPU: ragged lengths not a multiple of the page or of
+BLOCK_N, both merges (fused one-launch and the separate merge kernel), both score orientations,
+16 and 128 heads, and two runs in a row (the fused merge's counters reset themselves).
+
+The interpreter must be chosen before triton is imported (other tests import it first), so the
+checks run in one child process. Triton 3.8's interpreter miscomputes bfloat16 dots (numpy has
+no bfloat16), so the problems are float16: the same kernel code, another element type.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton", reason="the kernel is Triton; triton is not installed")
+
+_CHILD = textwrap.dedent("""
+    import json
+    import torch
+    from mla_tune.kernels.small_decode import SmallDecode
+    from mla_tune.problem.instance import make_problem
+    from mla_tune.problem.reference import mla_decode_reference, relative_error
+    from mla_tune.problem.workload import Workload
+
+    def problem(heads, lens, page):
+        w = Workload(heads, 512, 64, 192 ** -0.5, len(lens), max(lens), ragged="uniform-random",
+                     lengths=tuple(lens), q_dtype="float16", kv_dtype="float16")
+        p = make_problem(w, page, "cpu", seed=0)
+        ref = mla_decode_reference(p.q_nope, p.q_pe, p.ckv_cache, p.kpe_cache, p.block_table,
+                                   p.seq_lens_cpu, w.softmax_scale)
+        return w, p, ref
+
+    def run(k, w, p, seq_lens=None):
+        out = torch.full_like(p.q_nope, float("nan"))
+        k.run(p.q_nope, p.q_pe, p.ckv_cache, p.kpe_cache, p.block_table,
+              p.seq_lens_cpu if seq_lens is None else seq_lens, w.softmax_scale, out)
+        return out
+
+    cases = []
+    CONFIGS = [  # heads, lens, page, knobs
+        (16, [5, 70, 130], 16, dict(num_splits=4, block_n=32, merge="fused", transposed=False)),
+        (16, [5, 70, 130], 16, dict(num_splits=4, block_n=32, merge="kernel", transposed=False)),
+        (16, [5, 70, 130], 16, dict(num_splits=3, block_n=64, merge="fused", transposed=True)),
+        (16, [5, 70, 130], 16, dict(num_splits=1, block_n=16, merge="fused")),
+        (128, [100], 16, dict(num_splits=3, block_n=32, block_h=64, merge="fused", num_warps=8)),
+        (128, [100], 16, dict(num_splits=2, block_n=64, block_h=16, merge="kernel", transposed=True,
+                              merge_block_d=512)),
+    ]
+    for heads, lens, page, knobs in CONFIGS:
+        w, p, ref = problem(heads, lens, page)
+        k = SmallDecode(heads, page, len(lens), device="cpu", **knobs)
+        out = run(k, w, p)
+        cases.append([f"H{heads} {lens} p{page} {knobs}", relative_error(out, ref),
+                      int(torch.count_nonzero(k.counter))])
+
+    # two runs in a row of one fused kernel: the second finds the counters at 0 again
+    w, p, ref = problem(16, [5, 70, 130], 16)
+    k = SmallDecode(16, 16, 3, num_splits=4, block_n=32, merge="fused", device="cpu")
+    twice = []
+    for _ in range(2):
+        out = run(k, w, p)
+        twice.append([relative_error(out, ref), int(torch.count_nonzero(k.counter))])
+
+    # a request of length 0 gets zeros, and the others are unaffected
+    w, p, ref = problem(16, [40, 40], 16)
+    k = SmallDecode(16, 16, 2, num_splits=4, block_n=16, merge="fused", device="cpu")
+    out = run(k, w, p, torch.tensor([0, 40], dtype=torch.int32))
+    empty = [float(out[0].abs().max()), relative_error(out[1], ref[1])]
+    print("RESULT " + json.dumps({"cases": cases, "twice": twice, "empty": empty}))
+""")
+
+
+@pytest.mark.slow
+def test_kernel_matches_the_reference_under_the_triton_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert len(out["cases"]) == 6
+    for label, err, counters in out["cases"]:
+        assert err < 2e-2, (label, err)
+        assert counters == 0, (label, "counters left non-zero", counters)
+    (err1, c1), (err2, c2) = out["twice"]
+    assert err1 < 2e-2 and err2 < 2e-2, out["twice"]
+    assert c1 == 0 and c2 == 0, out["twice"]
+    zero_max, other_err = out["empty"]
+    assert zero_max == 0.0 and other_err < 2e-2, out["empty"]
+
+
+def test_knobs_are_checked_before_anything_runs():
+    torch = pytest.importorskip("torch")
+    from mla_tune.kernels.small_decode import SmallDecode, default_block_h, splits_for
+    with pytest.raises(ValueError, match="merge"):
+        SmallDecode(16, 16, 1, 4, merge="two", device="cpu")
+    with pytest.raises(ValueError, match="block_h"):
+        SmallDecode(16, 16, 1, 4, block_h=8, device="cpu")
+    with pytest.raises(ValueError, match="power of two"):
+        SmallDecode(16, 48, 1, 4, device="cpu")
+    k = SmallDecode(128, 64, 2, 8, device="cpu")
+    assert (k.block_h, k.num_warps, k.head_blocks) == (64, 8, 2)
+    assert k.ws_acc.shape == (2, 8, 128, 512) and k.counter.dtype == torch.int32
+    assert default_block_h(16) == 16 and default_block_h(128) == 64
+    # BLOCK_N-aligned chunks: 1024 tokens over 64 splits of >= 64 tokens use 16 of them
+    assert splits_for(1024, 64, 64) == 16 and splits_for(130, 32, 4) == 3 and splits_for(5, 32, 4) == 1
