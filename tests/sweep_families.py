@@ -7,6 +7,9 @@
   "torch" behaves. The default is "torch".
 * "sleepy": the torch reference with a pause in every preparation, so a test can kill a sweep
   while it runs.
+* "slowstart": the torch reference whose first run in a sweep pauses (a worker's one-time
+  start-up costs: first CUDA use, first capture), the later ones do not (`each`: every
+  candidate's first run pauses).
 * "gpufault" (GPU only): "oob" makes a real illegal memory access from a Triton kernel.
 
 `register()` adds both to mla_tune.families' registry in this process; a worker process gets
@@ -84,6 +87,36 @@ class SleepyBackend(ReferenceFamily):
         return super().prepare(workload, candidate, problem)
 
 
+class SlowStartBackend(ReferenceFamily):
+    family = "slowstart"
+    first_pause_s = 2.0
+    each = False        # True: every candidate's first run pauses (its own cost, not start-up)
+
+    def __init__(self):
+        super().__init__()
+        self.started = False
+
+    def space(self, workload, page_sizes):
+        return [Candidate(self.family, "torch", p) for p in page_sizes]
+
+    def default_candidate(self, workload, page_size):
+        return Candidate(self.family, "torch", page_size)
+
+    def prepare(self, workload, candidate, problem):
+        prepared = super().prepare(workload, candidate, problem)
+        run = prepared.run
+        if self.each:
+            self.started = False
+
+        def first_slow():
+            if not self.started:      # after preparation, as a first capture or clock ramp is
+                self.started = True
+                time.sleep(self.first_pause_s)
+            return run()
+        prepared.run = first_slow
+        return prepared
+
+
 class GpuFaultBackend(ReferenceFamily):
     """On a GPU: "oob" launches a Triton kernel that stores far out of bounds, a real illegal
     memory access that poisons the CUDA context (reported at the next synchronisation)."""
@@ -116,5 +149,6 @@ def _store_out_of_bounds(t):
 def register() -> None:
     register_family("faulty", f"{__name__}:FaultyBackend")
     register_family("sleepy", f"{__name__}:SleepyBackend")
+    register_family("slowstart", f"{__name__}:SlowStartBackend")
     register_family("refusing", f"{__name__}:RefusingBackend")
     register_family("gpufault", f"{__name__}:GpuFaultBackend")

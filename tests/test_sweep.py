@@ -245,6 +245,25 @@ def test_time_budget_stops_and_a_rerun_continues(tmp_path):
     assert len(set(trial_keys(db))) == len(trial_keys(db)) == 9
 
 
+def test_the_first_round_trips_start_up_costs_are_not_the_first_buckets_share(tmp_path, monkeypatch):
+    """H200 2026-12-04: the first bucket's first round took 3.6 s beyond JIT (first CUDA use,
+    first capture, clocks ramping up from idle), over its ~1.7 s share of a 300 s budget, and lost
+    its other page sizes in a sweep that then used 124 s of the 300. Here the first run pauses 2 s,
+    over the first bucket's ~1.7 s share of a 5 s budget: nothing may be cut."""
+    monkeypatch.setattr(sweep_families.SlowStartBackend, "first_pause_s", 2.0)
+    db = tmp_path / "r.db"
+    cfg = dict(db=db, device="cpu", emit=False, batches="1,2,4", contexts="64",
+               page_sizes=[16, 64, 128], samples=3, warmup=1, isolation="inline", time_budget="5s")
+    out = run_sweep(build_config(**cfg, families=["slowstart"]))
+    assert out.stopped_early == 0 and out.measured == 9
+    assert len(set(trial_keys(db))) == 9
+    # the control: a pause in every candidate's first run is the search's own time, and is cut
+    monkeypatch.setattr(sweep_families.SlowStartBackend, "first_pause_s", 1.0)
+    monkeypatch.setattr(sweep_families.SlowStartBackend, "each", True)
+    cut = run_sweep(build_config(**{**cfg, "db": tmp_path / "c.db"}, families=["slowstart"]))
+    assert cut.stopped_early >= 1 and cut.measured < 9
+
+
 def test_time_budget_is_shared_by_expected_cost_and_slack_moves_on():
     """The default grid on 2026-12-02 cut the largest buckets (B64-128 x L16K-32K) while small ones
     left time unused: shares now follow trials x bytes moved, and an early finish is re-shared."""
