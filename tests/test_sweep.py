@@ -247,7 +247,7 @@ def test_time_budget_stops_and_a_rerun_continues(tmp_path):
 
 def test_the_first_round_trips_start_up_costs_are_not_the_first_buckets_share(tmp_path, monkeypatch):
     """H200 2026-12-04: the first bucket's first round took 3.6 s beyond JIT (first CUDA use,
-    first capture, clocks ramping up from idle), over its ~1.7 s share of a 300 s budget, and lost
+    first capture, clocks ramping up from idle), over its share of a 300 s budget (~1.7 s, estimated), and lost
     its other page sizes in a sweep that then used 124 s of the 300. Here the first run pauses 2 s,
     over the first bucket's ~1.7 s share of a 5 s budget: nothing may be cut."""
     monkeypatch.setattr(sweep_families.SlowStartBackend, "first_pause_s", 2.0)

@@ -558,8 +558,9 @@ class _Measurer:
             # the sweep's first round trip carries the worker's one-time costs (first CUDA use,
             # first capture, clocks ramping up from idle, modules loaded): start-up, not the
             # bucket's search. H200 2026-12-04: 3.6 s beyond JIT for 18 candidates of the first
-            # bucket (~1 s for 31-35 in the buckets after it), over a share of ~1.7 s of a 300 s
-            # budget, so the first bucket lost its other page sizes in a sweep that used 124 s.
+            # bucket (~1 s for 31-35 in the buckets after it), over a share of ~1.7 s (estimated from
+            # the bucket weights) of a 300 s budget, so the first bucket lost its other page sizes
+            # in a sweep that used 124 s.
             first_round, self.first_round = self.first_round, False
             jit_in_round = 0.0
             for c, r in zip(todo, results):
