@@ -24,6 +24,7 @@ from vllm_metax.tuned_config import KV_CHUNKS, PREFILL_BACKENDS, ModelDims
 
 FLASHINFER = "flashinfer"
 TRITON = "triton"
+FLASHMLA = "flashmla"        # FlashMLA (vLLM's FLASHMLA backend): one candidate, no knobs
 AUTO = "auto"               # FlashInfer's own policy value: never planned by the plugin
 FALLBACK_BACKEND = "fa2"    # what a refused backend falls back to: FlashInfer's generic SM80+ MLA
 VLLM_RULE = "vllm"          # TritonChoice params["rule"]: the split count is vLLM's own rule
@@ -229,7 +230,7 @@ def bucket_choice(bucket, family: str) -> FlashInferChoice | TritonChoice | None
     return family_choice(family, fc.params) if fc is not None else None
 
 
-__all__ = ["AUTO", "FALLBACK_BACKEND", "FLASHINFER", "FlashInferBackends", "FlashInferChoice",
+__all__ = ["AUTO", "FALLBACK_BACKEND", "FLASHINFER", "FLASHMLA", "FlashInferBackends", "FlashInferChoice",
            "TRITON", "TritonChoice", "VLLM_RULE", "bucket_choice",
            "bucket_context", "device_flashinfer_backends", "device_prefill_backends", "dtype_name",
            "family_choice", "flashinfer_backends", "kv_chunk_factor", "model_key",

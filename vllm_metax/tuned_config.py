@@ -31,7 +31,7 @@ STRICT_ENV = "VLLM_METAX_MLA_CONFIG_STRICT"
 PACKAGED_ENV = "VLLM_METAX_MLA_PACKAGED_FOLDER"   # tests only: stand-in for the shipped folder
 PACKAGED_FOLDER = Path(os.environ.get(PACKAGED_ENV) or Path(__file__).resolve().parent / "configs")
 ATTENTION_BACKENDS = ("FLASHINFER_MLA", "TRITON_MLA", "FLASHMLA")
-FAMILIES = ("flashinfer", "triton")
+FAMILIES = ("flashinfer", "triton", "flashmla")
 
 # What a value may be, for the reader here and for every mla-tune input (mla_tune/validate.py uses
 # these same bounds): a value outside them is refused, never clamped.
@@ -41,6 +41,8 @@ PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # KV block sizes: powers of two
 FLASHINFER_BACKENDS = ("auto", "fa2", "fa3", "cutlass", "cutile", "trtllm-gen", "xqa", "cute-dsl",
                        "cute-dsl-monolithic", "cute-dsl-modular")
 TRITON_BACKEND = "triton"
+FLASHMLA_BACKEND = "flashmla"   # the flashmla family's one backend value (FlashMLA has no knobs)
+FLASHMLA_PAGE_SIZE = 64         # FlashMLA's only KV block size
 # FlashInfer fa2/fa3 KV chunking (params.kv_chunk): the KV chunk limit of FlashInfer's MLAPlan
 # scaled by this factor ("none": never split a request's KV); absent = MLAPlan's own limit.
 KV_CHUNKS = ("x0.25", "x0.5", "x2", "x4", "none")
@@ -323,6 +325,11 @@ def check_params(family: str, params: dict, where: str) -> dict:
         if "kv_chunk" in params and params["kv_chunk"] not in KV_CHUNKS:
             raise TunedConfigError(f"{where}: params.kv_chunk must be one of "
                                    f"{', '.join(KV_CHUNKS)}, got {params['kv_chunk']!r}")
+    elif family == "flashmla":
+        known = {"backend"}
+        if params.get("backend") != FLASHMLA_BACKEND:
+            raise TunedConfigError(f"{where}: params.backend must be {FLASHMLA_BACKEND!r}, "
+                                   f"got {params.get('backend')!r}")
     else:
         known = {"backend", "num_kv_splits", "rule"}
         if params.get("backend", TRITON_BACKEND) != TRITON_BACKEND:

@@ -12,6 +12,7 @@ _FAMILIES = {
     "reference": "mla_tune.families.reference:ReferenceFamily",
     "flashinfer": "mla_tune.families.flashinfer:FlashInferFamily",
     "triton": "mla_tune.families.triton_mla:TritonMLAFamily",
+    "flashmla": "mla_tune.families.flashmla:FlashMLAFamily",
 }
 
 
@@ -38,6 +39,10 @@ def check_candidate(c: Candidate) -> Candidate:
     if c.family == "reference":
         if c.backend != "torch" or c.params:
             raise ValueError(f"{c.key!r}: the reference family is reference/torch/p<page>, no knobs")
+    elif c.family == "flashmla":
+        if c.backend != tc.FLASHMLA_BACKEND or c.params or c.page_size != tc.FLASHMLA_PAGE_SIZE:
+            raise ValueError(f"{c.key!r}: the flashmla family is flashmla/{tc.FLASHMLA_BACKEND}/"
+                             f"p{tc.FLASHMLA_PAGE_SIZE}, no knobs")
     elif c.family in ("flashinfer", "triton"):
         if c.family == "flashinfer" and c.params:
             raise ValueError(f"{c.key!r}: a flashinfer candidate has no knobs (its backend is the "

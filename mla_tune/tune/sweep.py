@@ -44,7 +44,7 @@ CPU_REFERENCE_NOTE = (
     "torch reference: the correctness oracle run with torch on the CPU, not a serving kernel. Its "
     "numbers exercise the pipeline (store, search, winners, config); they say nothing about "
     "FlashInfer or Triton speed. Run on a GPU for real measurements.")
-GPU_FAMILIES = ("flashinfer", "triton")
+GPU_FAMILIES = ("flashinfer", "triton")   # flashmla: opt-in (--family flashmla) until the plugin serves FLASHMLA
 CPU_FAMILIES = ("reference",)
 
 

@@ -1,0 +1,104 @@
+"""FlashMLA's dense decode kernel (vLLM's FLASHMLA backend) as a measurable family, through the
+plugin's op (`vllm_metax.ops.flashmla.FlashMLADecode`: the call the plugin's FLASHMLA backend makes).
+
+What a caller of FlashMLA's dense decode can choose, and what of it is a knob: nothing but the
+backend itself. The page size is fixed at 64; the split schedule (how many KV splits per request,
+which SM part takes which) is computed by FlashMLA's own scheduler kernel from the sequence
+lengths and the SM count, with no parameter. So the family has one candidate per bucket,
+`flashmla/flashmla/p64`, and what the tuner learns from it is the backend choice: FLASHMLA
+against FLASHINFER_MLA and TRITON_MLA, per bucket and over the mix.
+
+Timing: `run()` attends with the step's schedule already computed, which is what every layer
+after a step's first costs (the schedule kernel runs once per step, on the first layer); `plan()`
+forgets the schedule and computes it again with one eager call (the per-step GPU work beyond the
+layers), so plan_us is that call's host + device time, not host work only.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from mla_tune.families.base import Availability, Candidate, CandidateInvalid, Prepared
+from mla_tune.families.triton_mla import _packed_query
+from mla_tune.problem.instance import torch_dtype
+from mla_tune.problem.workload import Workload
+
+FAMILY = "flashmla"
+BACKEND = "flashmla"
+
+
+def _op():
+    from vllm_metax.ops import flashmla
+    return flashmla
+
+
+class FlashMLAFamily:
+    family = FAMILY
+
+    def available(self, device: str) -> Availability:
+        if not str(device).startswith("cuda"):
+            return Availability(False, "FlashMLA needs a CUDA device")
+        ok, why = _op().flashmla_available(device)
+        return Availability(ok, why or f"FlashMLA dense decode ({_op().library_path().name})")
+
+    def space(self, workload: Workload, page_sizes: list[int]) -> list[Candidate]:
+        page = _op().PAGE_SIZE
+        return [Candidate(self.family, BACKEND, page)] if page in page_sizes else []
+
+    def default_candidate(self, workload: Workload, page_size: int = 64) -> Candidate:
+        return Candidate(self.family, BACKEND, page_size)
+
+    def prepare(self, workload: Workload, candidate: Candidate, problem) -> Prepared:
+        op = _op()
+        if candidate.backend != BACKEND or candidate.params:
+            raise CandidateInvalid("unsupported", f"{candidate.key}: FlashMLA has one candidate, "
+                                   f"{FAMILY}/{BACKEND}/p{op.PAGE_SIZE}, no knobs")
+        q_dt, kv_dt = torch_dtype(workload.q_dtype), torch_dtype(workload.kv_dtype)
+        why = op.check_shapes(workload.num_heads, workload.kv_lora_rank, workload.qk_rope_head_dim,
+                              candidate.page_size, q_dt, kv_dt)
+        if why:
+            raise CandidateInvalid("unsupported", why)
+        dev = problem.device
+        if dev.type != "cuda":
+            raise CandidateInvalid("unsupported", "FlashMLA needs a CUDA device")
+        ok, why = op.flashmla_available(dev)
+        if not ok:
+            raise CandidateInvalid("unsupported", why)
+        B, T = workload.batch_size, workload.batch_size * workload.q_len
+        H, R = workload.num_heads, workload.kv_lora_rank
+        q = _packed_query(problem.q_nope, problem.q_pe).reshape(B, workload.q_len, H, -1)
+        seq_lens = problem.seq_lens_cpu.to(dev)
+        out = torch.empty(B, workload.q_len, H, R, dtype=q_dt, device=dev)
+        out_rows = out.view(T, H, R)         # [B*q_len, H, R]: the layout the reference has
+        # vLLM's FlashMLA backend passes causal=True (a no-op at q_len 1)
+        kernel = op.FlashMLADecode(workload.softmax_scale, causal=True)
+
+        if workload.q_len == 1:
+            def run():
+                kernel.run(q, problem.kv_cache, problem.block_table, seq_lens, out)
+                return out_rows
+        else:
+            # at q_len > 1 FlashMLA wants its own output layout (it refuses a [B, q_len, H, 512]
+            # out): its output, copied (vLLM's backend also takes FlashMLA's own tensor)
+            def run():
+                o, _ = kernel.run(q, problem.kv_cache, problem.block_table, seq_lens, None)
+                out.copy_(o)
+                return out_rows
+
+        def plan():
+            kernel.new_step()
+            run()
+
+        t0 = time.perf_counter()
+        try:
+            plan()
+            torch.cuda.synchronize(dev)
+        except RuntimeError as e:           # FlashMLA's TORCH_CHECKs: a shape it refuses
+            raise CandidateInvalid("unsupported", f"FlashMLA refused: {str(e).splitlines()[0][:300]}") from None
+        compile_s = time.perf_counter() - t0
+        prepared = Prepared(run=run, plan=plan, out=out_rows, compile_s=compile_s,
+                            graphable=True)
+        prepared.kernel = kernel
+        return prepared
