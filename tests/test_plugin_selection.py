@@ -218,3 +218,14 @@ def test_registration_points_both_enums_at_the_plugin(platform):
     assert E.TRITON_MLA.get_path() == TRITON_MLA_CLASS
     assert E.FLASHINFER_MLA.get_class().get_name() == "FLASHINFER_MLA"
     assert E.TRITON_MLA.get_class().get_name() == "TRITON_MLA"
+
+
+def test_vllms_own_flashmla_is_unavailable_on_the_platform_even_with_its_library_installed(
+        platform, base_config):
+    """What `mla-tune doctor` says of FLASHMLA: vLLM loads vllm._flashmla_C only under its CUDA
+    platform, so on MetaxPlatform an explicit FLASHMLA is refused and an automatic choice skips it."""
+    from vllm_metax.ops import flashmla as op
+    assert op.library_path() is not None                 # the vllm extra ships the library
+    with pytest.raises(ValueError, match="(?i)flashmla"):
+        _select(platform, base_config, "FLASHMLA")
+    assert _select(platform, base_config) == FLASHINFER_MLA_CLASS

@@ -152,9 +152,13 @@ def _attention_backends(dev, flashinfer_ok: tuple[bool, str], order: list[str]) 
             out.append(Check(name, OK if has_triton and has_vllm else NO, why))
         elif name == "FLASHMLA":
             built = _vllm_has_file("vllm/_flashmla_C")
-            out.append(Check(name, WARN if built else NO,
-                             "vLLM's compiled FlashMLA is installed; vLLM checks at selection "
-                             "whether it loads on this device" if built
+            # vllm.v1.attention.ops.flashmla loads the library only under vLLM's CUDA platform
+            # (current_platform.is_cuda()); vllm_metax's platform is out-of-tree, so there
+            # vLLM's FLASHMLA reports itself unavailable and selection falls through to the next
+            out.append(Check(name, NO,
+                             "vLLM's compiled FlashMLA is installed, but vLLM loads it only on its own "
+                             "CUDA platform, so on vllm_metax's platform FLASHMLA is skipped at "
+                             "selection; `mla-tune sweep --family flashmla` measures it" if built
                              else "vLLM's compiled FlashMLA (vllm._flashmla_C) is not installed"))
         else:
             out.append(Check(name, WARN, "not checked by the doctor"))
