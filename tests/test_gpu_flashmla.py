@@ -45,22 +45,22 @@ def test_q_len_2_causal_matches_the_reference(fm):
 
 
 def test_a_new_steps_schedule_is_what_the_captured_graph_replays(fm):
-    w2 = workload_for(V3, 8, 4, 3000, ragged="uniform", seed=2)
-    p2 = make_problem(w2, 64, "cuda", seed=1)
-    prepared2 = fm.prepare(w2, CAND, p2)
-    ref = mla_decode_reference(p2.q_nope, p2.q_pe, p2.ckv_cache, p2.kpe_cache, p2.block_table,
-                               p2.seq_lens_cpu, w2.softmax_scale, w2.q_len)
-    g2 = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g2):
-        prepared2.run()
-    kernel = prepared2.kernel
+    w = workload_for(V3, 8, 4, 3000, ragged="uniform", seed=2)
+    p = make_problem(w, 64, "cuda", seed=1)
+    prepared = fm.prepare(w, CAND, p)
+    ref = mla_decode_reference(p.q_nope, p.q_pe, p.ckv_cache, p.kpe_cache, p.block_table,
+                               p.seq_lens_cpu, w.softmax_scale, w.q_len)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        prepared.run()
+    kernel = prepared.kernel
     before = kernel.tile_scheduler_metadata.data_ptr()
-    prepared2.plan()                         # new step: same shapes, copied into the same tensors
+    prepared.plan()                         # new step: same shapes, copied into the same tensors
     assert kernel.tile_scheduler_metadata.data_ptr() == before
-    prepared2.out.zero_()
-    g2.replay()
+    prepared.out.zero_()
+    g.replay()
     torch.cuda.synchronize()
-    assert relative_error(prepared2.out, ref) < 2e-2
+    assert relative_error(prepared.out, ref) < 2e-2
 
 
 def test_measure_times_a_graph_captured_candidate(fm):

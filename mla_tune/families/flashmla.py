@@ -24,9 +24,8 @@ from mla_tune.families.base import Availability, Candidate, CandidateInvalid, Pr
 from mla_tune.families.triton_mla import _packed_query
 from mla_tune.problem.instance import torch_dtype
 from mla_tune.problem.workload import Workload
-
-FAMILY = "flashmla"
-BACKEND = "flashmla"
+from vllm_metax.decisions import FLASHMLA as FAMILY
+from vllm_metax.tuned_config import FLASHMLA_BACKEND as BACKEND, FLASHMLA_PAGE_SIZE
 
 
 def _op():
@@ -44,17 +43,17 @@ class FlashMLAFamily:
         return Availability(ok, why or f"FlashMLA dense decode ({_op().library_path().name})")
 
     def space(self, workload: Workload, page_sizes: list[int]) -> list[Candidate]:
-        page = _op().PAGE_SIZE
+        page = FLASHMLA_PAGE_SIZE
         return [Candidate(self.family, BACKEND, page)] if page in page_sizes else []
 
-    def default_candidate(self, workload: Workload, page_size: int = 64) -> Candidate:
+    def default_candidate(self, workload: Workload, page_size: int = FLASHMLA_PAGE_SIZE) -> Candidate:
         return Candidate(self.family, BACKEND, page_size)
 
     def prepare(self, workload: Workload, candidate: Candidate, problem) -> Prepared:
         op = _op()
         if candidate.backend != BACKEND or candidate.params:
             raise CandidateInvalid("unsupported", f"{candidate.key}: FlashMLA has one candidate, "
-                                   f"{FAMILY}/{BACKEND}/p{op.PAGE_SIZE}, no knobs")
+                                   f"{FAMILY}/{BACKEND}/p{FLASHMLA_PAGE_SIZE}, no knobs")
         q_dt, kv_dt = torch_dtype(workload.q_dtype), torch_dtype(workload.kv_dtype)
         why = op.check_shapes(workload.num_heads, workload.kv_lora_rank, workload.qk_rope_head_dim,
                               candidate.page_size, q_dt, kv_dt)

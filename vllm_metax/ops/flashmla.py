@@ -32,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-PAGE_SIZE = 64                 # FlashMLA's only KV block size
+from vllm_metax.tuned_config import FLASHMLA_PAGE_SIZE as PAGE_SIZE   # FlashMLA's only KV block size
+
 HEAD_DIM = 576                 # kv_lora_rank + qk_rope_head_dim
 HEAD_DIM_V = 512               # kv_lora_rank
 LIBRARY_GLOB = "_flashmla_C*.so"
@@ -120,6 +121,10 @@ class FlashMLADecode:
     the captured call (its tensors then live in the graph's pool)."""
 
     def __init__(self, softmax_scale: float, causal: bool = False):
+        ok, why = load_library()
+        if not ok:
+            raise RuntimeError(why)
+        self._fwd = getattr(torch.ops, OP_NAMESPACE).dense_decode_fwd   # resolved once, not per layer
         self.softmax_scale = float(softmax_scale)
         self.causal = bool(causal)
         self.tile_scheduler_metadata: torch.Tensor | None = None
@@ -137,11 +142,8 @@ class FlashMLADecode:
         """q [B, q_len, H, 576], kv_cache [pages, 64, 576] (vLLM's layout), block_table int32
         [B, max_pages], seq_lens int32 [B] on the device; out [B, q_len, H, 512] (contiguous) or
         None. Returns (out, lse [B, H, q_len])."""
-        ok, why = load_library()
-        if not ok:
-            raise RuntimeError(why)
         stale = self._stale
-        o, lse, tsm, ns = getattr(torch.ops, OP_NAMESPACE).dense_decode_fwd(
+        o, lse, tsm, ns = self._fwd(
             q, kv_cache.unsqueeze(-2), HEAD_DIM_V, seq_lens, block_table, self.softmax_scale,
             self.causal, None if stale else self.tile_scheduler_metadata,
             None if stale else self.num_splits, out)
