@@ -4,7 +4,7 @@
 
 For each shape (heads, batch, context) at page 64 it builds the problem the tuner measures
 (`make_problem`, KV pool of `default_pool_bytes()` with scattered pages, DeepSeek-V3's scale at
-TP 128/heads), checks `mla_tune.kernels.small_decode.SmallDecode` against the torch reference
+TP 128/heads), checks `vllm_metax.ops.split_decode.SplitDecode` against the torch reference
 (relative error < 2e-2, run twice so the fused merge's counter reset is checked too), and times it
 with the tuner's own harness (`KernelTimer`: CUDA-graph replays, events inside the graph, cold
 L2), next to FlashInfer fa3 through the project's flashinfer family and the harness floor (a
@@ -46,6 +46,7 @@ VARIANTS = {
     128: [(64, 32, 8, False), (64, 64, 8, False), (64, 64, 8, True), (16, 64, 4, True), (16, 32, 4, False)],
 }
 MERGE_ORDER = ("fused", "kernel")
+FA3_CHUNKS: tuple = ()     # --fa3-chunks: fa3 also at each of the tuner's kv_chunk factors
 DEVICE = "cuda"     # the CLI runs on CUDA only; a CPU dry run (Triton's interpreter) may set "cpu"
 LOG: list[str] = []
 
@@ -58,7 +59,7 @@ def say(msg: str = "") -> None:
 def split_choices(batch: int, ctx: int, block_n: int, head_blocks: int) -> list[int]:
     """The num_splits worth timing: each must give a request more splits in use than the one
     before (the kernel's rule: BLOCK_N-aligned chunks), and the grid stays under ~8 waves."""
-    from mla_tune.kernels.small_decode import splits_for
+    from vllm_metax.ops.split_decode import splits_for
     out, seen = [], set()
     for s in SPLITS:
         used = splits_for(ctx, block_n, s)
@@ -80,14 +81,29 @@ def base_configs(heads: int, batch: int, ctx: int) -> list[dict]:
     return out
 
 
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
 def refinements(best: dict) -> list[dict]:
-    """Around a shape's best: one pipeline stage fewer, and bf16 partials (half the merge traffic)."""
-    return [dict(best, num_stages=1), dict(best, partial="bfloat16")]
+    """Around a shape's best: one pipeline stage fewer, bf16 partials (half the merge traffic), and
+    for the merge kernel narrower column blocks with every split in one tile (more merge programs,
+    no loop over splits: the merge's latency chain is one load deep)."""
+    out = [dict(best, num_stages=1), dict(best, partial="bfloat16")]
+    if best["merge"] == "kernel":
+        st = min(128, _pow2_at_least(best["num_splits"]))
+        for d in (32, 64):
+            for partial in ("float32", "bfloat16"):
+                out.append(dict(best, merge_d=d, merge_st=st, partial=partial))
+    return out
 
 
 def label(c: dict) -> str:
+    merge = c["merge"]
+    if merge == "kernel" and (c.get("merge_d", 128), c.get("merge_st", 16)) != (128, 16):
+        merge += f" md{c['merge_d']} mst{c['merge_st']}"
     return (f"S{c['num_splits']} bn{c['block_n']} bh{c['block_h']} w{c['num_warps']} st{c['num_stages']}"
-            f"{' T' if c['transposed'] else ''} {c['merge']}{' bf16ws' if c['partial'] == 'bfloat16' else ''}")
+            f"{' T' if c['transposed'] else ''} {merge}{' bf16ws' if c['partial'] == 'bfloat16' else ''}")
 
 
 def sync(torch) -> None:
@@ -135,13 +151,14 @@ class Shape:
 
 def run_config(torch, shape: Shape, c: dict) -> dict:
     from mla_tune.families.base import Prepared
-    from mla_tune.kernels.small_decode import SmallDecode
+    from vllm_metax.ops.split_decode import SplitDecode
     from mla_tune.problem.reference import relative_error
     p, w = shape.problem, shape.workload
-    dec = SmallDecode(shape.heads, PAGE, shape.batch, c["num_splits"], block_n=c["block_n"],
+    dec = SplitDecode(shape.heads, PAGE, shape.batch, c["num_splits"], block_n=c["block_n"],
                       num_warps=c["num_warps"], num_stages=c["num_stages"], block_h=c["block_h"],
                       merge=c["merge"], transposed=c["transposed"],
-                      partial_dtype=getattr(torch, c["partial"]), device=DEVICE)
+                      partial_dtype=getattr(torch, c["partial"]), device=DEVICE,
+                      merge_block_d=c.get("merge_d", 128), merge_split_tile=c.get("merge_st", 16))
     out = torch.empty_like(p.q_nope)
     args = (p.q_nope, p.q_pe, p.ckv_cache, p.kpe_cache, p.block_table, shape.seq_lens,
             w.softmax_scale, out)
@@ -169,7 +186,9 @@ def run_config(torch, shape: Shape, c: dict) -> dict:
     return row
 
 
-def fa3_row(torch, shape: Shape) -> dict:
+def fa3_row(torch, shape: Shape, kv_chunk: str | None = None) -> dict:
+    """fa3 at MLAPlan's chunking, or at one of the tuner's kv_chunk factors (what a tuned
+    FlashInfer config can serve)."""
     from mla_tune.families import Candidate, get_family
     from mla_tune.problem.reference import relative_error
     fam = get_family("flashinfer")
@@ -178,6 +197,8 @@ def fa3_row(torch, shape: Shape) -> dict:
         return {"status": "unavailable", "message": ok.reason}
     default = fam.default_candidate(shape.workload, PAGE)
     cand = default if default.backend == "fa3" else Candidate("flashinfer", "fa3", PAGE)
+    if kv_chunk is not None:
+        cand = Candidate("flashinfer", "fa3", PAGE, {"kv_chunk": kv_chunk})
     prepared = fam.prepare(shape.workload, cand, shape.problem)
     prepared.run()
     sync(torch)
@@ -229,6 +250,9 @@ def first_pass(torch, heads, batch, ctx, deadline: float):
     doc = {"heads": heads, "batch": batch, "context": ctx, "page_size": PAGE,
            "softmax_scale": shape.workload.softmax_scale, "configs": [], "skipped": []}
     doc["fa3"] = guarded(f"{shape.name} fa3", fa3_row, torch, shape)
+    if FA3_CHUNKS:
+        doc["fa3_chunked"] = {c: guarded(f"{shape.name} fa3 kv_chunk={c}", fa3_row, torch, shape, c)
+                              for c in FA3_CHUNKS}
     doc["floor"] = guarded(f"{shape.name} floor", floor_row, torch, shape)
     run_configs(torch, shape, doc, base_configs(heads, batch, ctx), deadline)
     doc["wall_s"] = time.perf_counter() - t0
@@ -244,10 +268,11 @@ def second_pass(torch, shape: Shape, doc: dict, deadline: float) -> None:
     t0 = time.perf_counter()
     best = min(ok, key=lambda r: r["median_us"])
     base = {k: best[k] for k in ("num_splits", "block_n", "block_h", "num_warps", "num_stages",
-                                 "transposed", "merge", "partial")}
+                                 "transposed", "merge", "partial") if k in best}
+    base.update({k: best[k] for k in ("merge_d", "merge_st") if k in best})
     have = {r["config"] for r in doc["configs"]}
     todo = [c for c in refinements(base) if label(c) not in have]
-    from mla_tune.kernels.small_decode import splits_for
+    from vllm_metax.ops.split_decode import splits_for
     if splits_for(shape.ctx, base["block_n"], base["num_splits"]) == 1:
         todo = [c for c in todo if c["partial"] == "float32"]      # no partials to shrink
     run_configs(torch, shape, doc, todo, deadline)
@@ -264,6 +289,12 @@ def summarise(doc: dict) -> None:
     doc["fa3_us"] = fa3_us
     doc["floor_us"] = doc.get("floor", {}).get("median_us")
     doc["fa3_over_best"] = fa3_us / best["median_us"] if best and fa3_us else None
+    tuned = [(r["median_us"], c) for c, r in doc.get("fa3_chunked", {}).items() if r.get("status") == "ok"]
+    if fa3_us:
+        tuned.append((fa3_us, "default"))
+    doc["fa3_tuned_us"], doc["fa3_tuned_chunk"] = min(tuned) if tuned else (None, None)
+    doc["fa3_tuned_over_best"] = (doc["fa3_tuned_us"] / best["median_us"]
+                                  if best and doc["fa3_tuned_us"] else None)
     doc["meets_goal"] = bool(best and best["median_us"] <= GOAL_US)
     by_merge = {}
     for r in ok:
@@ -281,19 +312,35 @@ def report_shape(doc: dict, t_start: float) -> None:
     fa3 = doc.get("fa3", {})
     why = "" if fa3.get("status") == "ok" else f" ({fa3.get('status')}: {str(fa3.get('message', ''))[:120]})"
     say(f"H{doc['heads']} B{doc['batch']} L{doc['context']}: best {fmt(doc.get('best_us'))} us "
-        f"({doc.get('best')}); fa3 {fmt(doc.get('fa3_us'))} us{why}; floor {fmt(doc.get('floor_us'))} us; "
+        f"({doc.get('best')}); fa3 {fmt(doc.get('fa3_us'))} us{why}; fa3 best chunking "
+        f"{fmt(doc.get('fa3_tuned_us'))} us ({doc.get('fa3_tuned_chunk')}); floor {fmt(doc.get('floor_us'))} us; "
         f"{len(ok_rows(doc))}/{len(doc.get('configs', []))} configs ok, {len(doc.get('skipped', []))} skipped; "
         "best by merge " + ", ".join(f"{m} {v['median_us']:.1f}" for m, v in doc.get("best_by_merge", {}).items())
         + f"; {time.perf_counter() - t_start:.0f} s so far")
 
 
 def main(argv=None) -> int:
+    global SPLITS, FA3_CHUNKS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=".", help="folder for small_decode_kernel_<device>.{txt,json}")
     ap.add_argument("--budget-s", type=float, default=140.0,
                     help="configs not started by then are skipped (and listed); default 140")
     ap.add_argument("--shapes", default="", help="only these, e.g. '16x1x8192,128x8x1024'")
+    ap.add_argument("--splits", default=",".join(map(str, SPLITS)),
+                    help=f"num_splits values to time (default {','.join(map(str, SPLITS))})")
+    ap.add_argument("--fa3-chunks", action="store_true",
+                    help="also time fa3 at every kv_chunk factor of the tuner (the best a tuned config serves)")
+    ap.add_argument("--tag", default="", help="results file suffix: small_decode_kernel<_tag>_<device>")
     args = ap.parse_args(argv)
+    try:
+        SPLITS = tuple(sorted({int(x) for x in args.splits.split(",")}))
+    except ValueError:
+        ap.error(f"--splits takes integers, e.g. 16,64,128; got {args.splits!r}")
+    if not SPLITS or SPLITS[0] < 1:
+        ap.error(f"--splits: each must be >= 1, got {args.splits!r}")
+    if args.fa3_chunks:
+        from vllm_metax.tuned_config import KV_CHUNKS
+        FA3_CHUNKS = KV_CHUNKS
     t_start = time.perf_counter()
     try:
         import torch
@@ -329,7 +376,9 @@ def main(argv=None) -> int:
     rows, shapes_done = [], []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = "h200" if "H200" in name else name.replace(" ", "_").lower()
+    tag = ("h200" if "H200" in name else name.replace(" ", "_").lower())
+    if args.tag:
+        tag = f"{args.tag}_{tag}"
 
     def write(total=None):      # after every shape too: a run cut short still leaves its rows
         (out / f"small_decode_kernel_{tag}.txt").write_text("\n".join(LOG) + "\n")
@@ -357,12 +406,14 @@ def main(argv=None) -> int:
         write()
     shapes_done.clear()
     say()
-    head = f"{'shape':<16} {'best us':>8} {'fa3 us':>7} {'floor':>6} {'fa3/best':>8} {'<=12us':>6}  best config"
+    head = (f"{'shape':<16} {'best us':>8} {'fa3 us':>7} {'fa3 tuned':>9} {'floor':>6} {'fa3/best':>8} "
+            f"{'tuned/best':>10} {'<=12us':>6}  best config")
     say(head)
     say("-" * len(head))
     for d in rows:
         say(f"{'H%d B%d L%d' % (d['heads'], d['batch'], d['context']):<16} {fmt(d.get('best_us')):>8} "
-            f"{fmt(d.get('fa3_us')):>7} {fmt(d.get('floor_us')):>6} {fmt(d.get('fa3_over_best'), '.2f'):>8} "
+            f"{fmt(d.get('fa3_us')):>7} {fmt(d.get('fa3_tuned_us')):>9} {fmt(d.get('floor_us')):>6} "
+            f"{fmt(d.get('fa3_over_best'), '.2f'):>8} {fmt(d.get('fa3_tuned_over_best'), '.2f'):>10} "
             f"{'yes' if d.get('meets_goal') else 'no':>6}  {d.get('best')}")
     total = time.perf_counter() - t_start
     say(f"total {total:.0f} s; goal <= {GOAL_US} us per call on small work")

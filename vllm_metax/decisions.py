@@ -20,11 +20,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from vllm_metax.tuned_config import KV_CHUNKS, PREFILL_BACKENDS, ModelDims
+from vllm_metax.tuned_config import (
+    KV_CHUNKS, MAX_SPLITS, PREFILL_BACKENDS, SPLIT_BACKEND, SPLIT_PARTIALS, ModelDims,
+)
 
 FLASHINFER = "flashinfer"
 TRITON = "triton"
 FLASHMLA = "flashmla"        # FlashMLA (vLLM's FLASHMLA backend): one candidate, no knobs
+SPLIT = "split"              # the split-KV Triton decode (vllm_metax.ops.split_decode)
+# FLASHINFER_MLA's decode runs a bucket with the split kernel only where the sweep measured it at
+# least this much faster than the bucket's FlashInfer choice (the choice rule's ratio: a tie
+# or noise keeps FlashInfer)
+SPLIT_MIN_GAIN = 1.05
 AUTO = "auto"               # FlashInfer's own policy value: never planned by the plugin
 FALLBACK_BACKEND = "fa2"    # what a refused backend falls back to: FlashInfer's generic SM80+ MLA
 VLLM_RULE = "vllm"          # TritonChoice params["rule"]: the split count is vLLM's own rule
@@ -200,11 +207,37 @@ class TritonChoice:
         return p
 
 
+@dataclass(frozen=True)
+class SplitChoice:
+    """A split bucket's choice: the split count per request and the partials' dtype
+    (`vllm_metax.ops.split_decode.served` builds the kernel from these)."""
+
+    num_splits: int
+    partial: str
+
+    def to_params(self) -> dict:
+        return {"backend": SPLIT_BACKEND, "num_splits": self.num_splits, "partial": self.partial}
+
+
+def split_serves(bucket) -> "SplitChoice | None":
+    """The split kernel's choice where FLASHINFER_MLA's decode should run it in this bucket: the
+    bucket names split as its best family, and split measured at least SPLIT_MIN_GAIN times
+    faster than the bucket's FlashInfer choice (both times from the same sweep). None: run
+    FlashInfer (no split choice, no FlashInfer time to compare, or too small a gain)."""
+    if bucket is None or bucket.best_family != SPLIT:
+        return None
+    sc, fc = bucket.families.get(SPLIT), bucket.families.get(FLASHINFER)
+    choice = family_choice(SPLIT, sc.params) if sc is not None else None
+    if choice is None or fc is None or not sc.time_us or not fc.time_us:
+        return None
+    return choice if fc.time_us >= SPLIT_MIN_GAIN * sc.time_us else None
+
+
 def _positive_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
-def family_choice(family: str, params) -> FlashInferChoice | TritonChoice | None:
+def family_choice(family: str, params) -> FlashInferChoice | TritonChoice | SplitChoice | None:
     """A stored `params` dict (a tuned config's, or a measured candidate's plan parameters) as
     its family's typed choice; None when it says nothing usable."""
     if not isinstance(params, dict):
@@ -221,6 +254,11 @@ def family_choice(family: str, params) -> FlashInferChoice | TritonChoice | None
         if rule:
             return TritonChoice(n if _positive_int(n) else None, True)
         return TritonChoice(n) if _positive_int(n) else None
+    if family == SPLIT:
+        n, partial = params.get("num_splits"), params.get("partial")
+        if _positive_int(n) and n <= MAX_SPLITS and partial in SPLIT_PARTIALS:
+            return SplitChoice(n, partial)
+        return None
     return None
 
 
@@ -231,7 +269,7 @@ def bucket_choice(bucket, family: str) -> FlashInferChoice | TritonChoice | None
 
 
 __all__ = ["AUTO", "FALLBACK_BACKEND", "FLASHINFER", "FLASHMLA", "FlashInferBackends", "FlashInferChoice",
-           "TRITON", "TritonChoice", "VLLM_RULE", "bucket_choice",
+           "SPLIT", "SPLIT_MIN_GAIN", "SplitChoice", "TRITON", "split_serves", "TritonChoice", "VLLM_RULE", "bucket_choice",
            "bucket_context", "device_flashinfer_backends", "device_prefill_backends", "dtype_name",
            "family_choice", "flashinfer_backends", "kv_chunk_factor", "model_key",
            "prefill_backend", "prefill_backends", "prefill_statistic", "unservable_prefill"]

@@ -31,7 +31,7 @@ STRICT_ENV = "VLLM_METAX_MLA_CONFIG_STRICT"
 PACKAGED_ENV = "VLLM_METAX_MLA_PACKAGED_FOLDER"   # tests only: stand-in for the shipped folder
 PACKAGED_FOLDER = Path(os.environ.get(PACKAGED_ENV) or Path(__file__).resolve().parent / "configs")
 ATTENTION_BACKENDS = ("FLASHINFER_MLA", "TRITON_MLA", "FLASHMLA")
-FAMILIES = ("flashinfer", "triton", "flashmla")
+FAMILIES = ("flashinfer", "triton", "flashmla", "split")
 
 # What a value may be, for the reader here and for every mla-tune input (mla_tune/validate.py uses
 # these same bounds): a value outside them is refused, never clamped.
@@ -43,6 +43,11 @@ FLASHINFER_BACKENDS = ("auto", "fa2", "fa3", "cutlass", "cutile", "trtllm-gen", 
 TRITON_BACKEND = "triton"
 FLASHMLA_BACKEND = "flashmla"   # the flashmla family's one backend value (FlashMLA has no knobs)
 FLASHMLA_PAGE_SIZE = 64         # FlashMLA's only KV block size
+# The split family (vllm_metax/ops/split_decode.py, served by FLASHINFER_MLA's decode for the
+# buckets it wins): its backend value, its split counts and the dtypes of its partials.
+SPLIT_BACKEND = "triton"
+MAX_SPLITS = 1056              # split_decode.MAX_PROGRAMS: one request's splits in one launch
+SPLIT_PARTIALS = ("bfloat16", "float32")
 # FlashInfer fa2/fa3 KV chunking (params.kv_chunk): the KV chunk limit of FlashInfer's MLAPlan
 # scaled by this factor ("none": never split a request's KV); absent = MLAPlan's own limit.
 KV_CHUNKS = ("x0.25", "x0.5", "x2", "x4", "none")
@@ -325,6 +330,15 @@ def check_params(family: str, params: dict, where: str) -> dict:
         if "kv_chunk" in params and params["kv_chunk"] not in KV_CHUNKS:
             raise TunedConfigError(f"{where}: params.kv_chunk must be one of "
                                    f"{', '.join(KV_CHUNKS)}, got {params['kv_chunk']!r}")
+    elif family == "split":
+        known = {"backend", "num_splits", "partial"}
+        if params.get("backend") != SPLIT_BACKEND:
+            raise TunedConfigError(f"{where}: params.backend must be {SPLIT_BACKEND!r}, "
+                                   f"got {params.get('backend')!r}")
+        _int_in(params, "num_splits", 1, MAX_SPLITS, where + ".params")
+        if params.get("partial") not in SPLIT_PARTIALS:
+            raise TunedConfigError(f"{where}: params.partial must be one of "
+                                   f"{', '.join(SPLIT_PARTIALS)}, got {params.get('partial')!r}")
     elif family == "flashmla":
         known = {"backend"}
         if params.get("backend") != FLASHMLA_BACKEND:

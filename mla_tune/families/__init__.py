@@ -13,6 +13,7 @@ _FAMILIES = {
     "flashinfer": "mla_tune.families.flashinfer:FlashInferFamily",
     "triton": "mla_tune.families.triton_mla:TritonMLAFamily",
     "flashmla": "mla_tune.families.flashmla:FlashMLAFamily",
+    "split": "mla_tune.families.split:SplitFamily",
 }
 
 
@@ -43,6 +44,15 @@ def check_candidate(c: Candidate) -> Candidate:
         if c.backend != tc.FLASHMLA_BACKEND or c.params or c.page_size != tc.FLASHMLA_PAGE_SIZE:
             raise ValueError(f"{c.key!r}: the flashmla family is flashmla/{tc.FLASHMLA_BACKEND}/"
                              f"p{tc.FLASHMLA_PAGE_SIZE}, no knobs")
+    elif c.family == "split":
+        if c.backend != tc.SPLIT_BACKEND:
+            raise ValueError(f"{c.key!r}: the split family's backend is {tc.SPLIT_BACKEND!r}")
+        if set(c.params) != {"num_splits", "partial"}:
+            raise ValueError(f"{c.key!r}: a split candidate names num_splits=N,partial=<dtype>")
+        try:
+            tc.check_params(c.family, {"backend": c.backend, **c.params}, f"candidate {c.key!r}")
+        except tc.TunedConfigError as e:
+            raise ValueError(str(e)) from None
     elif c.family in ("flashinfer", "triton"):
         if c.family == "flashinfer" and c.params:
             raise ValueError(f"{c.key!r}: a flashinfer candidate has no knobs (its backend is the "

@@ -49,7 +49,8 @@ MIN_RATIO = 1.05
 METRIC = KERNEL_METRIC            # what winners are chosen by
 NO_SIGNIFICANT_DIFFERENCE = "no significant difference"
 # sweep family -> vLLM's attention backend. flashmla is measured (opt-in) but not mapped: the plugin
-# does not serve FLASHMLA on its platform yet, so it must not rank it in the backend order
+# does not serve FLASHMLA on its platform yet, so it must not rank it in the backend order. split
+# is not a backend of its own: FLASHINFER_MLA's decode runs it per bucket (decisions.split_serves)
 ATTENTION_BACKEND = {FLASHINFER: "FLASHINFER_MLA", TRITON: "TRITON_MLA"}
 
 

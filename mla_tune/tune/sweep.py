@@ -44,7 +44,9 @@ CPU_REFERENCE_NOTE = (
     "torch reference: the correctness oracle run with torch on the CPU, not a serving kernel. Its "
     "numbers exercise the pipeline (store, search, winners, config); they say nothing about "
     "FlashInfer or Triton speed. Run on a GPU for real measurements.")
-GPU_FAMILIES = ("flashinfer", "triton")   # flashmla: opt-in (--family flashmla) until the plugin serves FLASHMLA
+# flashmla: opt-in (--family flashmla) until the plugin serves FLASHMLA; split is served by
+# FLASHINFER_MLA's decode in the buckets it wins
+GPU_FAMILIES = ("flashinfer", "triton", "split")
 CPU_FAMILIES = ("reference",)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from mla_tune.views.report import CandidateLine, DeviceReport, Report, ReportError, entry_title
 
 MAX_BATCH_PANELS = 8             # time-vs-context panels per entry; more batch sizes are thinned out
-FAMILY_CMAPS = {"flashinfer": "Blues", "triton": "Oranges", "flashmla": "Greens", "reference": "Greys"}
+FAMILY_CMAPS = {"flashinfer": "Blues", "triton": "Oranges", "flashmla": "Greens", "split": "Purples", "reference": "Greys"}
 
 
 def _entries(report: Report):

@@ -399,7 +399,7 @@ def report_tables(report: Report) -> list[Table]:
     return tables
 
 
-_FAMILY_ABBR = {"flashinfer": "fi", "triton": "tr", "flashmla": "fm", "reference": "ref"}
+_FAMILY_ABBR = {"flashinfer": "fi", "triton": "tr", "flashmla": "fm", "split": "sp", "reference": "ref"}
 
 
 def _best_cell(b) -> str | None:

@@ -53,6 +53,7 @@ from vllm_metax.ops.flashinfer_mla import (
     flashinfer_available,
 )
 from vllm_metax.ops.paged_metadata import PagedMetadata, build_paged_metadata
+from vllm_metax.ops import split_decode
 from vllm_metax.tuned_config import ModelEntry
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,8 @@ class PlanChoice:
         self.entry = entry
         self.backends = backends
         self._graph: dict = {}
+        self._graph_split: dict = {}
+        self.split_enabled = True
         self._warn_unservable()
 
     @property
@@ -130,6 +133,41 @@ class PlanChoice:
         votes = collections.Counter(
             self.for_bucket(x) for x in self.entry.buckets if x.batch_size == b and x.q_len == q)
         return votes.most_common(1)[0][0] if votes else self.default
+
+    def split_for(self, batch_size: int, context_len: int, q_len: int = 1,
+                  graph: bool = False) -> decisions.SplitChoice | None:
+        """The split kernel's knobs where this step should run it instead of FlashInfer
+        (`decisions.split_serves` of the nearest tuned bucket), else None. A captured graph fixes
+        its kernel for every context: split there only where it serves most buckets of the
+        nearest tuned batch size, with the knobs most of those name (ties: the longest context's)."""
+        if self.entry is None or q_len != 1 or not self.split_enabled:
+            return None
+        if graph:
+            if batch_size not in self._graph_split:
+                self._graph_split[batch_size] = self._split_graph_choice(batch_size)
+            return self._graph_split[batch_size]
+        found = self.entry.lookup(batch_size, context_len, q_len)
+        return decisions.split_serves(found.bucket) if found is not None else None
+
+    def _split_graph_choice(self, batch_size: int) -> decisions.SplitChoice | None:
+        found = self.entry.lookup(batch_size, 1, 1)
+        if found is None:
+            return None
+        at_b = [x for x in self.entry.buckets if x.batch_size == found.bucket.batch_size and x.q_len == 1]
+        served = [(x.context_len, c) for x in at_b if (c := decisions.split_serves(x)) is not None]
+        if 2 * len(served) <= len(at_b):
+            return None
+        votes = collections.Counter(c for _, c in served)
+        top = max(votes.values())
+        return max((t for t in served if votes[t[1]] == top), key=lambda t: t[0])[1]
+
+    def disable_split(self, reason: str) -> None:
+        """The split kernel cannot run here: FlashInfer plans every step from now on."""
+        if self.split_enabled:
+            logger.warning("vllm_metax MLA: the tuned config's split-KV decode kernel cannot run "
+                           "here (%s); FlashInfer decodes every step", reason)
+        self.split_enabled = False
+        self._graph_split.clear()
 
     def refuse(self, backend: str, reason: str) -> str:
         """FlashInfer refused `backend` here: never choose it again; returns the fallback."""
@@ -206,6 +244,8 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder[FlashInferMLAMetadat
         self._kernels: dict[str, MLADecodeKernel] = {}
         self._graph_kernels: dict[tuple, MLADecodeKernel] = {}
         self._graph_buffers: dict[tuple, GraphBuffers] = {}
+        self._split_kernels: dict[tuple, split_decode.SplitDecode] = {}
+        self._split_workspaces: dict[str, tuple] = {}
         self._common: CommonAttentionMetadata | None = None
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
@@ -264,8 +304,15 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder[FlashInferMLAMetadat
         seq_lens = np.maximum(self._host_seq_lens(seq_lens_device, num_decodes).numpy(), q_len,
                               dtype=np.int32)
         graph = self._use_graph(num_decodes, num_decode_tokens)
-        backend, kv_chunk = self.choice.step(num_decodes, decisions.bucket_context(seq_lens), q_len,
-                                             graph)
+        context = decisions.bucket_context(seq_lens)
+        step = self._split_step(num_decodes, context, q_len, graph, block_table_tensor, seq_lens_device)
+        if step is not None:
+            return FlashInferMLADecodeMetadata(
+                block_table=block_table_tensor, seq_lens=seq_lens_device,
+                dcp_tot_seq_lens=dcp_tot_seq_lens_device, kernel=step, backend=decisions.SPLIT,
+                paged=None, num_rows=num_decodes, q_len=1, sm_scale=self.sm_scale,
+                page_size=self.page_size, return_lse=False, cuda_graph=graph)
+        backend, kv_chunk = self.choice.step(num_decodes, context, q_len, graph)
         block_table = block_table_tensor[:num_decodes]
         # The block table itself is the page list (strided metadata, nothing launched) wherever
         # the fast re-plan takes it; into a graph's buffer it is copied whole, so there only
@@ -291,6 +338,55 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder[FlashInferMLAMetadat
             dcp_tot_seq_lens=dcp_tot_seq_lens_device, kernel=kernel, backend=backend,
             paged=meta, num_rows=num_decodes * q_len, q_len=q_len, sm_scale=self.sm_scale,
             page_size=self.page_size, return_lse=self.plan_lse, cuda_graph=graph)
+
+
+    # ------------------------------------------------------------ the split kernel
+
+    def _split_step(self, num_decodes: int, context: int, q_len: int, graph: bool,
+                    block_table_tensor: torch.Tensor,
+                    seq_lens_device: torch.Tensor) -> split_decode.SplitStep | None:
+        """The split kernel's step where the tuned config serves it here (q_len 1, no decode
+        LSE, a launch its workspace holds, a kernel that passed its check on this device)."""
+        if self.plan_lse or q_len != 1:
+            return None
+        choice = self.choice.split_for(num_decodes, context, q_len, graph)
+        if choice is None or not split_decode.fits(self.num_heads, num_decodes, choice.num_splits):
+            return None
+        kernel = self._split_kernel(choice)
+        if kernel is None:
+            return None
+        return split_decode.SplitStep(kernel, block_table_tensor[:num_decodes],
+                                      seq_lens_device[:num_decodes], self.sm_scale)
+
+    def _split_kernel(self, choice: decisions.SplitChoice) -> split_decode.SplitDecode | None:
+        """The served kernel of these knobs, made once and checked once against a torch
+        reference on this device (a compile error or a wrong result turns the split kernel off
+        for the process, with one warning: FlashInfer decodes instead)."""
+        key = (choice.num_splits, choice.partial)
+        if key in self._split_kernels:
+            return self._split_kernels[key]
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None         # never compile or check inside a capture: FlashInfer this time
+        kernel, why = None, None
+        try:
+            rows = split_decode.served_rows(self.num_heads)
+            ws = self._split_workspaces.get(choice.partial)
+            if ws is None:
+                hb = split_decode.default_block_h(self.num_heads)
+                ws = split_decode.allocate_workspace(rows, -(-self.num_heads // hb) * hb, self.head_dim_ckv,
+                                                     getattr(torch, choice.partial), self.device)
+                self._split_workspaces[choice.partial] = ws
+            kernel = split_decode.served(choice.num_splits, choice.partial, self.num_heads, self.page_size,
+                                         rows, self.device, workspace=ws, kv_lora_rank=self.head_dim_ckv,
+                                         rope_dim=self.head_dim_kpe)
+            why = split_decode.self_check(kernel, self.q_dtype, self.device)
+        except Exception as e:  # noqa: BLE001 - a config this device cannot run must not crash vLLM
+            why = f"{type(e).__name__}: {e}"
+        if why:
+            self.choice.disable_split(f"num_splits={choice.num_splits}, partial={choice.partial}: {why}")
+            kernel = None
+        self._split_kernels[key] = kernel
+        return kernel
 
 
 def _model_features(vllm_config) -> list[str]:

@@ -1,4 +1,7 @@
-"""A split-KV Triton MLA decode kernel for small work (batch x context <= ~8K KV tokens), paged KV.
+"""A split-KV Triton MLA decode kernel (paged KV, q_len 1), for the batches FlashInfer's MLA kernels
+spread badly: few requests, where FlashInfer's in-kernel merge of many KV chunks runs one
+(request, head) per merge item (measured on the H200: 1.1-1.65x faster than FlashInfer fa3 at 16
+heads, batch 1-2, bench/results/small_decode_kernel*_h200.txt).
 
 Absorbed MLA, q_len 1: per head, scores = (q_nope . ckv + q_pe . kpe) * scale over the request's
 tokens, softmax, out = P @ ckv. The grid is (splits, head blocks, batch); a program reduces one
@@ -18,6 +21,11 @@ The merge is a runtime flag, not a constexpr: one compile serves both. A request
 one split writes the output directly (no partial, no counter). Splits past a request's length
 do nothing. This module imports nothing from mla_tune: it only needs
 torch and triton.
+
+`served(params, ...)` is the one configuration the tuner measures and the plugin serves for the
+tuned-config family `split` (`vllm_metax.decisions.SplitChoice`): its knobs are the split count and
+the partials' dtype; the rest is fixed here (BLOCK_N 64, 8 warps, 2 stages, the merge kernel with
+64-column blocks and up to 128 splits in one tile).
 """
 
 from __future__ import annotations
@@ -30,6 +38,15 @@ import triton.language as tl
 
 MERGES = ("fused", "kernel")
 _LOG2E = 1.4426950408889634
+# A launch's programs (splits x head blocks x requests) are capped at 8 waves of an H200's 132 SMs:
+# it sizes the served workspace (rows = MAX_PROGRAMS // head blocks) and bounds the tuner's space.
+MAX_PROGRAMS = 1056
+SERVED_BLOCK_N = 64
+SERVED_MERGE_D = 64
+# splits the merge kernel folds per load: one tile for up to 128 splits (masked rows cost no
+# memory traffic), and one compile for every split count
+SERVED_MERGE_SPLITS = 128
+PARTIAL_DTYPES = ("bfloat16", "float32")
 
 
 @triton.jit
@@ -204,7 +221,7 @@ def default_block_h(num_heads: int) -> int:
     return 16 if num_heads < 64 else 64
 
 
-class SmallDecode:
+class SplitDecode:
     """The kernel with its knobs fixed and its workspaces allocated, so `run` only launches
     (no allocation, no host sync: CUDA-graph capturable).
 
@@ -221,7 +238,8 @@ class SmallDecode:
                  block_h: int | None = None, merge: str = "fused", partial_dtype: torch.dtype = torch.float32,
                  transposed: bool | None = None,
                  kv_lora_rank: int = 512, rope_dim: int = 64, device="cuda",
-                 merge_block_d: int = 128, merge_split_tile: int = 16, merge_num_warps: int = 4):
+                 merge_block_d: int = 128, merge_split_tile: int = 16, merge_num_warps: int = 4,
+                 workspace: "tuple[torch.Tensor, torch.Tensor] | None" = None):
         if merge not in MERGES:
             raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
         for label, v in (("page_size", page_size), ("block_n", block_n), ("kv_lora_rank", kv_lora_rank),
@@ -253,9 +271,19 @@ class SmallDecode:
         self.fused_merge_d = max(16, min(kv_lora_rank, 8192 // self.block_h))
         self.padded_heads = self.head_blocks * self.block_h
         dev = torch.device(device)
-        self.ws_acc = torch.empty(max_batch, num_splits, self.padded_heads, kv_lora_rank,
-                                  dtype=partial_dtype, device=dev)
-        self.ws_lse = torch.empty(max_batch, num_splits, self.padded_heads, dtype=torch.float32, device=dev)
+        if workspace is None:
+            workspace = allocate_workspace(max_batch * num_splits, self.padded_heads, kv_lora_rank,
+                                           partial_dtype, dev)
+        self.ws_acc, self.ws_lse = workspace
+        # rows of (request, split) partials the workspace holds: a batch needs B x num_splits
+        self.ws_rows = self.ws_lse.shape[0]
+        if (self.ws_acc.shape[1:] != (self.padded_heads, kv_lora_rank) or self.ws_acc.dtype != partial_dtype
+                or self.ws_lse.shape[1:] != (self.padded_heads,) or self.ws_acc.shape[0] != self.ws_rows):
+            raise ValueError(f"workspace {tuple(self.ws_acc.shape)} {self.ws_acc.dtype} does not fit "
+                             f"{self.padded_heads} padded heads x rank {kv_lora_rank} {partial_dtype}")
+        self.max_batch = min(max_batch, self.ws_rows // num_splits)
+        if self.max_batch < 1:
+            raise ValueError(f"a workspace of {self.ws_rows} rows cannot hold {num_splits} splits")
         # zeroed once here; the fused kernel leaves every counter at 0 after each launch
         self.counter = torch.zeros(max_batch, self.head_blocks, dtype=torch.int32, device=dev)
 
@@ -270,7 +298,7 @@ class SmallDecode:
         kpe_cache [pages, page, P] (any strides but a unit last one), block_table int32
         [B, max_pages], seq_lens int32 [B] on the device; writes out [B, H, R]."""
         B, H, R = q_nope.shape
-        if H != self.num_heads or R != self.R or q_pe.shape[-1] != self.P or B > self.max_batch:
+        if H != self.num_heads or R != self.R or q_pe.shape[-1] != self.P or B > self.max_batch or B < 1:
             raise ValueError(f"q {tuple(q_nope.shape)} / {tuple(q_pe.shape)} does not fit this kernel "
                              f"(heads {self.num_heads}, rank {self.R}, rope {self.P}, max batch {self.max_batch})")
         if ckv_cache.shape[1] != self.page_size or kpe_cache.shape[1] != self.page_size:
@@ -300,7 +328,101 @@ class SmallDecode:
         return out
 
 
+def allocate_workspace(rows: int, padded_heads: int, kv_lora_rank: int, partial_dtype: torch.dtype,
+                       device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partials for `rows` (request, split) pairs: [rows, padded_heads, rank] and their LSE."""
+    return (torch.empty(rows, padded_heads, kv_lora_rank, dtype=partial_dtype, device=device),
+            torch.empty(rows, padded_heads, dtype=torch.float32, device=device))
+
+
+def served_rows(num_heads: int) -> int:
+    """(request, split) rows of the served workspace: MAX_PROGRAMS over the head blocks."""
+    return MAX_PROGRAMS // -(-num_heads // default_block_h(num_heads))
+
+
+def fits(num_heads: int, batch_size: int, num_splits: int) -> bool:
+    """Whether a launch of this batch and split count stays within MAX_PROGRAMS (what the
+    served workspace holds)."""
+    return batch_size * num_splits <= served_rows(num_heads)
+
+
+def served(num_splits: int, partial: str, num_heads: int, page_size: int, max_batch: int, device,
+           workspace=None, kv_lora_rank: int = 512, rope_dim: int = 64) -> "SplitDecode":
+    """The served configuration of the `split` family for these knobs (validated: ValueError)."""
+    if partial not in PARTIAL_DTYPES:
+        raise ValueError(f"partial must be one of {', '.join(PARTIAL_DTYPES)}, got {partial!r}")
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 1 <= num_splits <= MAX_PROGRAMS:
+        raise ValueError(f"num_splits must be an integer in 1..{MAX_PROGRAMS}, got {num_splits!r}")
+    return SplitDecode(num_heads, page_size, max_batch, num_splits, block_n=SERVED_BLOCK_N,
+                       num_warps=8, num_stages=2, merge="kernel", partial_dtype=getattr(torch, partial),
+                       transposed=False, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, device=device,
+                       merge_block_d=min(SERVED_MERGE_D, kv_lora_rank),
+                       merge_split_tile=SERVED_MERGE_SPLITS,
+                       workspace=workspace)
+
+
 def splits_for(total_tokens_per_request: int, block_n: int, num_splits: int) -> int:
     """The splits a request of this length actually uses (the kernel's own rule)."""
     chunk = max(math.ceil(math.ceil(total_tokens_per_request / num_splits) / block_n) * block_n, block_n)
     return math.ceil(total_tokens_per_request / chunk)
+
+
+class SplitStep:
+    """One decode step of the split kernel in the form FLASHINFER_MLA's impl calls every layer
+    (`run(q_nope, q_pe, ckv, kpe, out=...)`): the step's device block table and sequence lengths
+    are bound here, so a captured graph replays with whatever those buffers hold next step."""
+
+    use_cuda_graph = False
+    graph_buffers = None
+
+    def __init__(self, kernel: SplitDecode, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                 scale: float):
+        self.kernel, self.block_table, self.seq_lens, self.scale = kernel, block_table, seq_lens, scale
+
+    def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, return_lse: bool = False):
+        if return_lse:
+            raise ValueError("the split kernel does not return the decode LSE")
+        if out is None:
+            out = torch.empty(q_nope.shape, dtype=q_nope.dtype, device=q_nope.device)
+        return self.kernel.run(q_nope, q_pe, ckv_cache, kpe_cache, self.block_table, self.seq_lens,
+                               self.scale, out)
+
+
+def self_check(kernel: SplitDecode, dtype: torch.dtype, device, page_size: int | None = None,
+               lens=(1, 77, 300), tol: float = 2e-2) -> str | None:
+    """Run `kernel` once on a small random paged problem (ragged lengths, shuffled pages) against
+    a float32 torch reference: None when it matches, else why not (a compile error included).
+    What the plugin runs before it serves a tuned split choice on this device."""
+    try:
+        page = page_size or kernel.page_size
+        H, R, P = kernel.num_heads, kernel.R, kernel.P
+        B = min(len(lens), kernel.max_batch)
+        lens = list(lens)[:B]
+        g = torch.Generator(device="cpu").manual_seed(0)
+        pages_per = [-(-n // page) for n in lens]
+        n_pages = sum(pages_per) + 3
+        kv = torch.randn(n_pages, page, R + P, generator=g).to(dtype)
+        q = (torch.randn(B, H, R + P, generator=g) * 0.3).to(dtype)
+        perm = torch.randperm(n_pages, generator=g)
+        bt = torch.zeros(B, max(pages_per), dtype=torch.int32)
+        at = 0
+        for b, n in enumerate(pages_per):
+            bt[b, :n] = perm[at:at + n].to(torch.int32)
+            at += n
+        scale = (R + P) ** -0.5
+        ref = torch.empty(B, H, R)
+        for b, n in enumerate(lens):
+            tok = kv[bt[b, :pages_per[b]].long()].reshape(-1, R + P)[:n].float()
+            p = torch.softmax((q[b].float() @ tok.T) * scale, dim=-1)
+            ref[b] = p @ tok[:, :R]
+        kv_d, q_d = kv.to(device), q.to(device)
+        out = torch.full((B, H, R), float("nan"), dtype=dtype, device=device)
+        kernel.run(q_d[..., :R], q_d[..., R:], kv_d[..., :R], kv_d[..., R:], bt.to(device),
+                   torch.tensor(lens, dtype=torch.int32, device=device), scale, out)
+        got = out.float().cpu()
+        err = float((got - ref).norm() / ref.norm().clamp_min(1e-12))
+        if not err < tol:         # NaN fails too
+            return f"wrong result on a {B}-request check problem (relative error {err:.3g})"
+        return None
+    except Exception as e:  # noqa: BLE001 - a compile or launch failure is a reason, never a crash
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"

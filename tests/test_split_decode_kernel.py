@@ -1,4 +1,4 @@
-"""The small-work Triton MLA decode kernel (mla_tune.kernels.small_decode) against the torch
+"""The small-work Triton MLA decode kernel (vllm_metax.ops.split_decode) against the torch
 reference under Triton's interpreter on the CPU: ragged lengths not a multiple of the page or of
 BLOCK_N, both merges (fused one-launch and the separate merge kernel), both score orientations,
 16 and 128 heads, and two runs in a row (the fused merge's counters reset themselves).
@@ -23,7 +23,7 @@ pytest.importorskip("triton", reason="the kernel is Triton; triton is not instal
 _CHILD = textwrap.dedent("""
     import json
     import torch
-    from mla_tune.kernels.small_decode import SmallDecode
+    from vllm_metax.ops.split_decode import SplitDecode
     from mla_tune.problem.instance import make_problem
     from mla_tune.problem.reference import mla_decode_reference, relative_error
     from mla_tune.problem.workload import Workload
@@ -54,14 +54,14 @@ _CHILD = textwrap.dedent("""
     ]
     for heads, lens, page, knobs in CONFIGS:
         w, p, ref = problem(heads, lens, page)
-        k = SmallDecode(heads, page, len(lens), device="cpu", **knobs)
+        k = SplitDecode(heads, page, len(lens), device="cpu", **knobs)
         out = run(k, w, p)
         cases.append([f"H{heads} {lens} p{page} {knobs}", relative_error(out, ref),
                       int(torch.count_nonzero(k.counter))])
 
     # two runs in a row of one fused kernel: the second finds the counters at 0 again
     w, p, ref = problem(16, [5, 70, 130], 16)
-    k = SmallDecode(16, 16, 3, num_splits=4, block_n=32, merge="fused", device="cpu")
+    k = SplitDecode(16, 16, 3, num_splits=4, block_n=32, merge="fused", device="cpu")
     twice = []
     for _ in range(2):
         out = run(k, w, p)
@@ -69,7 +69,7 @@ _CHILD = textwrap.dedent("""
 
     # a request of length 0 gets zeros, and the others are unaffected
     w, p, ref = problem(16, [40, 40], 16)
-    k = SmallDecode(16, 16, 2, num_splits=4, block_n=16, merge="fused", device="cpu")
+    k = SplitDecode(16, 16, 2, num_splits=4, block_n=16, merge="fused", device="cpu")
     out = run(k, w, p, torch.tensor([0, 40], dtype=torch.int32))
     empty = [float(out[0].abs().max()), relative_error(out[1], ref[1])]
     print("RESULT " + json.dumps({"cases": cases, "twice": twice, "empty": empty}))
@@ -97,16 +97,16 @@ def test_kernel_matches_the_reference_under_the_triton_interpreter():
 
 def test_knobs_are_checked_before_anything_runs():
     torch = pytest.importorskip("torch")
-    from mla_tune.kernels.small_decode import SmallDecode, default_block_h, splits_for
+    from vllm_metax.ops.split_decode import SplitDecode, default_block_h, splits_for
     with pytest.raises(ValueError, match="merge"):
-        SmallDecode(16, 16, 1, 4, merge="two", device="cpu")
+        SplitDecode(16, 16, 1, 4, merge="two", device="cpu")
     with pytest.raises(ValueError, match="block_h"):
-        SmallDecode(16, 16, 1, 4, block_h=8, device="cpu")
+        SplitDecode(16, 16, 1, 4, block_h=8, device="cpu")
     with pytest.raises(ValueError, match="power of two"):
-        SmallDecode(16, 48, 1, 4, device="cpu")
-    k = SmallDecode(128, 64, 2, 8, device="cpu")
+        SplitDecode(16, 48, 1, 4, device="cpu")
+    k = SplitDecode(128, 64, 2, 8, device="cpu")
     assert (k.block_h, k.num_warps, k.head_blocks) == (64, 8, 2)
-    assert k.ws_acc.shape == (2, 8, 128, 512) and k.counter.dtype == torch.int32
+    assert k.ws_acc.shape == (2 * 8, 128, 512) and k.counter.dtype == torch.int32
     assert default_block_h(16) == 16 and default_block_h(128) == 64
     # BLOCK_N-aligned chunks: 1024 tokens over 64 splits of >= 64 tokens use 16 of them
     assert splits_for(1024, 64, 64) == 16 and splits_for(130, 32, 4) == 3 and splits_for(5, 32, 4) == 1

@@ -1,0 +1,145 @@
+"""The split-KV Triton decode kernel (`vllm_metax.ops.split_decode`) as a measurable family: the
+kernel FLASHINFER_MLA's decode serves for the buckets where it beats FlashInfer
+(`vllm_metax.decisions.split_serves`).
+
+Why it exists: FlashInfer's MLA kernels merge a request's KV chunks with one (request, head) per
+merge item, so at batch 1-2 with 16 heads they can neither split a long context finely nor merge
+the splits fast (their best KV chunking there is x2, fewer splits). This kernel reduces each split
+into a partial and merges them in a second kernel spread over (head, 64 columns, request)
+programs. Measured on the H200 at 16 heads (bench/results/small_decode_kernel_merge_h200.txt):
+1.15-1.65x faster than fa3 at batch 1-2, slower from batch 4 and at 128 heads.
+
+Knobs (`vllm_metax.ops.split_decode.served` fixes the rest): `num_splits`, the splits per
+request, every power of two from 4 whose splits a request of the bucket's longest length actually
+uses (BLOCK_N-aligned chunks) and whose launch fits `MAX_PROGRAMS`; `partial`, the partials'
+dtype: bfloat16 for every split count (half the merge traffic; measured faster at every shape),
+float32 at the default count. The default: one wave of 132 programs (splits x head blocks x
+requests), as a server would pick without measuring. q_len 1 and page 64 (the default page) only.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from mla_tune.families.base import Availability, Candidate, CandidateInvalid, Prepared
+from mla_tune.problem.defaults import DEFAULT_PAGE_SIZE
+from mla_tune.problem.workload import Workload
+from vllm_metax.decisions import SPLIT as FAMILY
+from vllm_metax.tuned_config import SPLIT_BACKEND as BACKEND
+
+WAVE = 132                 # programs of one wave on the H200 the default is written for
+SPLIT_COUNTS = tuple(2 ** i for i in range(2, 9))     # 4..256
+
+
+def _op():
+    from vllm_metax.ops import split_decode
+    return split_decode
+
+
+def useful_splits(num_heads: int, batch_size: int, max_len: int) -> list[int]:
+    """SPLIT_COUNTS that give a request of `max_len` more splits in use than the count before, and
+    whose launch fits the served workspace."""
+    op = _op()
+    out, seen = [], set()
+    for s in SPLIT_COUNTS:
+        used = op.splits_for(max_len, op.SERVED_BLOCK_N, s)
+        if used in seen or not op.fits(num_heads, batch_size, s):
+            continue
+        seen.add(used)
+        out.append(s)
+    return out
+
+
+def default_splits(num_heads: int, batch_size: int, max_len: int) -> int | None:
+    """One wave: the largest useful count with splits x head blocks x requests <= WAVE (the
+    smallest useful one where none is that small); None when no count is useful."""
+    useful = useful_splits(num_heads, batch_size, max_len)
+    if not useful:
+        return None
+    hb = -(-num_heads // _op().default_block_h(num_heads))
+    fit = [s for s in useful if s * hb * batch_size <= WAVE]
+    return fit[-1] if fit else useful[0]
+
+
+class SplitFamily:
+    family = FAMILY
+
+    def available(self, device: str) -> Availability:
+        if not str(device).startswith("cuda"):
+            return Availability(False, "the split kernel is timed on a CUDA device (Triton)")
+        try:
+            import triton  # noqa: F401
+        except ImportError as e:
+            return Availability(False, f"triton is not importable: {e}")
+        return Availability(True, "split-KV Triton decode (vllm_metax.ops.split_decode)")
+
+    @staticmethod
+    def _servable(workload: Workload) -> bool:
+        return workload.q_len == 1
+
+    def space(self, workload: Workload, page_sizes: list[int]) -> list[Candidate]:
+        if not self._servable(workload) or DEFAULT_PAGE_SIZE not in page_sizes:
+            return []
+        max_len = max(workload.seq_lens)
+        default = default_splits(workload.num_heads, workload.batch_size, max_len)
+        out = [Candidate(self.family, BACKEND, DEFAULT_PAGE_SIZE, {"num_splits": s, "partial": "bfloat16"})
+               for s in useful_splits(workload.num_heads, workload.batch_size, max_len)]
+        if default is not None:
+            out.append(Candidate(self.family, BACKEND, DEFAULT_PAGE_SIZE,
+                                 {"num_splits": default, "partial": "float32"}))
+        return out
+
+    def default_candidate(self, workload: Workload, page_size: int = DEFAULT_PAGE_SIZE) -> Candidate:
+        s = default_splits(workload.num_heads, workload.batch_size, max(workload.seq_lens))
+        if s is None or not self._servable(workload):
+            raise CandidateInvalid("unsupported", "the split kernel has no candidate here "
+                                   "(q_len 1 only, and a launch within its workspace)")
+        return Candidate(self.family, BACKEND, page_size, {"num_splits": s, "partial": "bfloat16"})
+
+    def prepare(self, workload: Workload, candidate: Candidate, problem) -> Prepared:
+        op = _op()
+        if candidate.backend != BACKEND or set(candidate.params) != {"num_splits", "partial"}:
+            raise CandidateInvalid("unsupported", f"{candidate.key}: a split candidate is "
+                                   f"{FAMILY}/{BACKEND}/p<page>/num_splits=N,partial=<dtype>")
+        if not self._servable(workload):
+            raise CandidateInvalid("unsupported", "the split kernel decodes q_len 1 only")
+        dev = problem.device
+        if dev.type != "cuda" and not _interpreted():
+            raise CandidateInvalid("unsupported", "the split kernel needs a CUDA device (or Triton's interpreter)")
+        s, partial = candidate.params["num_splits"], candidate.params["partial"]
+        H = workload.num_heads
+        if not op.fits(H, workload.batch_size, s if isinstance(s, int) else 0):
+            raise CandidateInvalid("unsupported", f"num_splits={s} x {workload.batch_size} requests "
+                                   f"exceeds the served workspace ({op.served_rows(H)} rows)")
+        try:
+            kernel = op.served(s, partial, H, candidate.page_size, workload.batch_size, dev,
+                               kv_lora_rank=workload.kv_lora_rank, rope_dim=workload.qk_rope_head_dim)
+        except ValueError as e:
+            raise CandidateInvalid("unsupported", str(e)) from None
+        seq_lens = problem.seq_lens_cpu.to(dev)
+        out = torch.empty_like(problem.q_nope)
+        args = (problem.q_nope, problem.q_pe, problem.ckv_cache, problem.kpe_cache, problem.block_table,
+                seq_lens, workload.softmax_scale, out)
+
+        def run():
+            return kernel.run(*args)
+
+        t0 = time.perf_counter()
+        try:
+            run()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+        except Exception as e:  # noqa: BLE001 - Triton's compile errors have no common base
+            reason = "compile" if "triton" in type(e).__module__ or "Compil" in type(e).__name__ else "runtime"
+            raise CandidateInvalid(reason, f"split kernel: {type(e).__name__}: {str(e)[:300]}") from None
+        prepared = Prepared(run=run, plan=None, out=out, compile_s=time.perf_counter() - t0,
+                            graphable=True)
+        prepared.kernel = kernel
+        return prepared
+
+
+def _interpreted() -> bool:
+    import os
+    return os.environ.get("TRITON_INTERPRET") == "1"
