@@ -1,0 +1,169 @@
+"""The split-KV Triton decode (`vllm_metax.ops.split_decode`) on a real GPU: the family the sweep
+measures against the torch reference, the plugin's check of it, and FLASHINFER_MLA serving a tuned
+split bucket through vLLM 0.33.0's own builder and impl, eager and under full CUDA-graph capture
+and replay (the graph binds vLLM's persistent block table and sequence lengths, so a replay with
+next step's contents must match the reference for them).
+
+On the GPU machine vLLM is carried as Python files only: VLLM_METAX_FORCE=1 makes the plugin the
+platform.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import plugin_support as ps
+from mla_tune.families import Candidate, get_family
+from mla_tune.problem.instance import make_problem
+from mla_tune.problem.reference import mla_decode_reference, relative_error
+from mla_tune.problem.workload import Workload
+from vllm_metax import decisions, tuned_config as tc
+from vllm_metax.ops import split_decode as op
+
+pytestmark = [pytest.mark.gpu]
+
+TOL = 2e-2
+DEVICE = "cuda"
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("knobs", [(4, "bfloat16"), (64, "bfloat16"), (16, "float32")])
+def test_family_matches_the_reference_on_ragged_lengths(heads, knobs):
+    lens = (1, 63, 64, 65, 700, 4096, 130, 2049)
+    w = Workload(heads, 512, 64, 192 ** -0.5, len(lens), max(lens), ragged="uniform-random", lengths=lens)
+    p = make_problem(w, 64, DEVICE, seed=heads)
+    fam = get_family("split")
+    assert fam.available(DEVICE).ok
+    cand = Candidate("split", "triton", 64, {"num_splits": knobs[0], "partial": knobs[1]})
+    prepared = fam.prepare(w, cand, p)
+    ref = mla_decode_reference(p.q_nope, p.q_pe, p.ckv_cache, p.kpe_cache, p.block_table, p.seq_lens_cpu,
+                               w.softmax_scale)
+    for _ in range(2):
+        prepared.out.fill_(float("nan"))
+        out = prepared.run()
+        torch.cuda.synchronize()
+        assert relative_error(out, ref) < TOL, relative_error(out, ref)
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("partial", ["bfloat16", "float32"])
+def test_the_plugins_check_passes_here(heads, partial):
+    k = op.served(32, partial, heads, 16, op.served_rows(heads), DEVICE)
+    assert op.self_check(k, torch.bfloat16, DEVICE) is None
+
+
+def _entry(split_params, batches=(1, 2, 8)):
+    dims = tc.ModelDims(ps.NUM_HEADS, ps.KV_LORA_RANK, ps.ROPE_DIM, "bfloat16", "bfloat16")
+    buckets = []
+    for b in batches:
+        for c in (256, 4096):
+            fams = {"flashinfer": tc.FamilyChoice({"backend": "fa3"}, time_us=30.0),
+                    "split": tc.FamilyChoice(dict(split_params), time_us=20.0)}
+            buckets.append(tc.Bucket(b, c, 1, fams, "split"))
+    return tc.ModelEntry(dims, 64, ["FLASHINFER_MLA", "TRITON_MLA"], buckets)
+
+
+@pytest.fixture(scope="module")
+def model_root(tmp_path_factory):
+    os.environ.setdefault("VLLM_METAX_FORCE", "1")
+    tc.clear_cache()
+    return ps.make_vllm_config(tmp_path_factory.mktemp("model"))
+
+
+def _config(base, cudagraph=False):
+    from vllm.config import CacheConfig, CompilationConfig, VllmConfig
+    return VllmConfig(model_config=base.model_config, cache_config=CacheConfig(block_size=64),
+                      compilation_config=CompilationConfig(
+                          cudagraph_mode="FULL_AND_PIECEWISE" if cudagraph else "PIECEWISE",
+                          cudagraph_capture_sizes=[1, 2, 4, 8]))
+
+
+def _builder(vc, split_params):
+    from vllm_metax.backend.flashinfer_mla import PlanChoice
+    builder = ps.make_builder(vc, device=DEVICE)
+    builder.choice = PlanChoice(_entry(split_params), decisions.FlashInferBackends(("fa3", "fa2"), "fa3"))
+    return builder
+
+
+def _inputs(rows, num_pages, seed):
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    q = torch.randn(rows, ps.NUM_HEADS, 576, device=DEVICE, generator=g).to(torch.bfloat16)
+    kv = torch.randn(num_pages, 64, 576, device=DEVICE, generator=g).to(torch.bfloat16)
+    return q, kv
+
+
+def _reference(q, kv, bt, lens):
+    return mla_decode_reference(q[..., :512], q[..., 512:], kv[..., :512], kv[..., 512:], bt, lens,
+                                ps.softmax_scale())
+
+
+@pytest.mark.vllm
+def test_flashinfer_mla_serves_a_tuned_split_bucket_eagerly(model_root):
+    vc = _config(model_root)
+    builder = _builder(vc, {"backend": "triton", "num_splits": 32, "partial": "bfloat16"})
+    impl = ps.make_impl(vc)
+    for seed, seq_lens in ((1, [1, 300, 4096]), (2, [5000, 64])):
+        bt, lens, common, num_pages = ps.ragged_batch(seq_lens, 64, device=DEVICE, seed=seed)
+        md = builder.build(0, common)
+        assert md.decode.backend == decisions.SPLIT and md.decode.paged is None
+        q, kv = _inputs(len(seq_lens), num_pages, seed)
+        out, lse = impl.forward_mqa((q[..., :512], q[..., 512:]), kv, md, None)
+        assert lse is None and relative_error(out, _reference(q, kv, bt, lens)) < TOL
+    # batch 8 is tuned to split too; a batch of 16 snaps to it: the same kernel
+    bt, lens, common, num_pages = ps.ragged_batch([700] * 16, 64, device=DEVICE, seed=3)
+    md = builder.build(0, common)
+    assert md.decode.backend == decisions.SPLIT and len(builder._split_kernels) == 1
+    q, kv = _inputs(16, num_pages, 3)
+    out, _ = impl.forward_mqa((q[..., :512], q[..., 512:]), kv, md, None)
+    assert relative_error(out, _reference(q, kv, bt, lens)) < TOL
+
+
+@pytest.mark.vllm
+def test_split_under_full_cudagraph_capture_and_replay(model_root):
+    vc = _config(model_root, cudagraph=True)
+    builder = _builder(vc, {"backend": "triton", "num_splits": 64, "partial": "bfloat16"})
+    impl = ps.make_impl(vc)
+    batch, num_pages, width = 8, 900, 96
+    # vLLM's persistent buffers: the block table and lengths a captured graph reads every replay
+    static_bt = torch.zeros(batch + 4, width, dtype=torch.int32, device=DEVICE)
+    static_lens = torch.zeros(batch + 4, dtype=torch.int32, device=DEVICE)
+    static_q = torch.zeros(batch, ps.NUM_HEADS, 576, dtype=torch.bfloat16, device=DEVICE)
+    static_kv = torch.zeros(num_pages, 64, 576, dtype=torch.bfloat16, device=DEVICE)
+
+    def step(seq_lens, seed):
+        bt, lens, common, _ = ps.ragged_batch(seq_lens, 64, num_pages=num_pages, seed=seed, device=DEVICE)
+        static_bt.zero_()
+        static_bt[:batch, :bt.shape[1]].copy_(bt[:batch])
+        static_lens[:batch].copy_(lens.to(DEVICE))
+        common.block_table_tensor = static_bt[:batch]
+        common.seq_lens = static_lens[:batch]
+        md = builder.build(0, common)
+        q, kv = _inputs(batch, num_pages, seed)
+        static_q.copy_(q)
+        static_kv.copy_(kv)
+        return md, static_bt[:batch].clone(), lens
+
+    def forward(md):
+        return impl.forward_mqa((static_q[..., :512], static_q[..., 512:]), static_kv, md, None)[0]
+
+    md, bt, lens = step([100, 7, 3000, 64, 1, 512, 2047, 900], seed=1)
+    assert md.decode.cuda_graph and md.decode.backend == decisions.SPLIT
+    eager = forward(md)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = forward(md)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = _reference(static_q, static_kv, bt, lens)
+    assert relative_error(eager, ref) < TOL and relative_error(captured, ref) < TOL
+    for seed, seq_lens in ((2, [4096, 4096, 1, 1, 70, 800, 33, 1000]), (3, [5] * 8),
+                           (4, [2000, 10, 10, 10, 10, 10, 10, 5000])):
+        md2, bt2, lens2 = step(seq_lens, seed)
+        assert md2.decode.backend == decisions.SPLIT and md2.decode.kernel.kernel is md.decode.kernel.kernel
+        graph.replay()
+        torch.cuda.synchronize()
+        assert relative_error(captured, _reference(static_q, static_kv, bt2, lens2)) < TOL, seed
