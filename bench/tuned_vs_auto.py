@@ -8,9 +8,11 @@ For every decode bucket the sweep measured (q_len 1, uniform and ragged lengths;
 (`mla_tune.measure.trial.measure_interleaved`: correctness gate against the torch reference,
 CUDA-graph replays timed with events, cold L2) of three things:
 
-* tuned: what the plugin plans for that batch from `--config` — the backend and KV chunking of
-  the bucket `PlanChoice.step` finds for the batch's (size, mean length), at the config's page
-  size, through the plugin's op with its fast re-plan (as served);
+* tuned: what the plugin plans for that batch from `--config` — the split-KV Triton kernel where
+  `PlanChoice.split_for` serves it (a bucket the sweep measured split >= 1.05x faster than
+  FlashInfer in, a launch its workspace holds), else the backend and KV chunking of the bucket
+  `PlanChoice.step` finds for the batch's (size, mean length), at the config's page size, through
+  the plugin's op with its fast re-plan (as an eager step serves it);
 * auto: FlashInfer's own `auto` at page 64, planned by FlashInfer's public plan() every step
   (its C++ MLAPlan schedule; no fast re-plan): FlashInfer as it ships;
 * vllm: vLLM's default decode kernel on this platform, TRITON_MLA with vLLM's num_kv_splits rule,
@@ -68,12 +70,19 @@ def stored_workloads(db: str):
 
 
 def served_candidate(choice, page_size: int, workload):
-    """The candidate the plugin plans for this batch: PlanChoice.step on its real lengths."""
+    """The candidate the plugin plans for this batch: the split kernel where PlanChoice.split_for
+    serves it (and its workspace holds the launch, as the builder checks), else PlanChoice.step,
+    on its real lengths."""
     from mla_tune.families.base import Candidate
     from vllm_metax import decisions
+    from vllm_metax.ops import split_decode
     from vllm_metax.tuned_config import KV_CHUNKS
-    backend, factor = choice.step(workload.batch_size, decisions.bucket_context(workload.seq_lens),
-                                  workload.q_len)
+    context = decisions.bucket_context(workload.seq_lens)
+    split = choice.split_for(workload.batch_size, context, workload.q_len)
+    if split is not None and split_decode.fits(workload.num_heads, workload.batch_size, split.num_splits):
+        return Candidate(decisions.SPLIT, "triton", page_size,
+                         {"num_splits": split.num_splits, "partial": split.partial})
+    backend, factor = choice.step(workload.batch_size, context, workload.q_len)
     params = {}
     if factor is not None:
         params["kv_chunk"] = next(c for c in KV_CHUNKS if decisions.kv_chunk_factor(c) == factor)
@@ -85,6 +94,7 @@ def measure_all(args) -> dict:
 
     from mla_tune.families.base import Candidate
     from mla_tune.families.flashinfer import FlashInferFamily
+    from mla_tune.families.split import SplitFamily
     from mla_tune.families.triton_mla import TritonMLAFamily
     from mla_tune.measure.environment import capture_environment
     from mla_tune.measure.timing import default_pool_bytes
@@ -102,6 +112,7 @@ def measure_all(args) -> dict:
     ceilings = measure_ceilings("cuda")
     say(f"copy {ceilings['copy_gbps']:.0f} GB/s, bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s")
     tuned_fi, auto_fi, tr = FlashInferFamily(), FlashInferFamily(fast_replan=False), TritonMLAFamily()
+    split_fam = SplitFamily()
     settings = MeasureSettings(device="cuda", warmup=args.warmup, samples=args.samples,
                                min_pool_bytes=default_pool_bytes("cuda"), check=True)
     doc = {"environment": env, "ceilings": ceilings, "config": str(args.config), "settings": vars(args),
@@ -117,7 +128,7 @@ def measure_all(args) -> dict:
         entry = cfg.entry_for(dims)
         page = entry.page_size if entry is not None else DEFAULT_PAGE_SIZE
         tuned = served_candidate(PlanChoice(entry, fb), page, w)
-        entries = [(tuned_fi, tuned), (auto_fi, Candidate("flashinfer", "auto", DEFAULT_PAGE_SIZE)),
+        entries = [(split_fam if tuned.family == decisions.SPLIT else tuned_fi, tuned), (auto_fi, Candidate("flashinfer", "auto", DEFAULT_PAGE_SIZE)),
                    (tr, tr.default_candidate(w, DEFAULT_PAGE_SIZE))]
         try:
             results = measure_interleaved(entries, w, settings, rounds=args.rounds)

@@ -40,6 +40,8 @@ def test_space_is_page_64_q_len_1_and_only_splits_a_request_uses():
         ["split/triton/p64/num_splits=16,partial=float32"]
     assert fam.default_candidate(w, 64).params == {"num_splits": 16, "partial": "bfloat16"}
     assert fam.space(w, [1, 16]) == []               # the default page only
+    with pytest.raises(Exception, match="page 64"):
+        fam.default_candidate(w, 16)
     w2 = workload_for(V3, 8, 1, 1024, q_len=2)
     assert fam.space(w2, [64]) == []
     with pytest.raises(Exception, match="q_len 1"):

@@ -49,6 +49,29 @@ def test_the_tuned_candidate_is_what_plan_choice_serves(bench):
     assert bench.served_candidate(PlanChoice(None, hopper), 64, w).key == "flashinfer/fa3/p64"
 
 
+@pytest.mark.vllm
+def test_the_tuned_candidate_is_the_split_kernel_where_the_plugin_serves_it(bench):
+    pytest.importorskip("vllm")
+    from mla_tune.problem.workload import model_preset, workload_for
+    from vllm_metax.backend.flashinfer_mla import PlanChoice
+    w = workload_for(model_preset("deepseek-v3"), 8, 2, 4096)
+    dims = decisions.model_key(w.num_heads, w.kv_lora_rank, w.qk_rope_head_dim, w.q_dtype, w.kv_dtype)
+    hopper = decisions.flashinfer_backends(False, (9, 0))
+
+    def entry(split_us, splits=32):
+        fams = {"flashinfer": tc.FamilyChoice({"backend": "fa3", "kv_chunk": "x2"}, time_us=20.0),
+                "split": tc.FamilyChoice({"backend": "triton", "num_splits": splits, "partial": "bfloat16"},
+                                         time_us=split_us)}
+        best = "split" if split_us < 20.0 else "flashinfer"
+        return tc.ModelEntry(dims, 64, ["FLASHINFER_MLA"], [tc.Bucket(2, 4096, 1, fams, best)])
+    assert bench.served_candidate(PlanChoice(entry(17.0), hopper), 64, w).key == \
+        "split/triton/p64/num_splits=32,partial=bfloat16"
+    # 1.03x is not served, and neither is a launch the served workspace cannot hold
+    assert bench.served_candidate(PlanChoice(entry(19.4), hopper), 64, w).key == "flashinfer/fa3/p64/kv_chunk=x2"
+    w600 = workload_for(model_preset("deepseek-v3"), 8, 600, 4096)
+    assert bench.served_candidate(PlanChoice(entry(17.0, splits=4), hopper), 64, w600).family == "flashinfer"
+
+
 def _row(heads, batch, ctx, tuned, auto, vllm, lengths="uniform"):
     kv = batch * ctx
     return {"workload": f"H{heads} B{batch} L{ctx}", "heads": heads, "batch": batch, "context": ctx,

@@ -93,9 +93,9 @@ class SplitFamily:
 
     def default_candidate(self, workload: Workload, page_size: int = DEFAULT_PAGE_SIZE) -> Candidate:
         s = default_splits(workload.num_heads, workload.batch_size, max(workload.seq_lens))
-        if s is None or not self._servable(workload):
-            raise CandidateInvalid("unsupported", "the split kernel has no candidate here "
-                                   "(q_len 1 only, and a launch within its workspace)")
+        if s is None or not self._servable(workload) or page_size != DEFAULT_PAGE_SIZE:
+            raise CandidateInvalid("unsupported", f"the split kernel has no candidate here (q_len 1 "
+                                   f"and page {DEFAULT_PAGE_SIZE} only, a launch within its workspace)")
         return Candidate(self.family, BACKEND, page_size, {"num_splits": s, "partial": "bfloat16"})
 
     def prepare(self, workload: Workload, candidate: Candidate, problem) -> Prepared:
