@@ -142,6 +142,15 @@ def test_plan_choice_per_step_and_per_graph():
     assert choice.split_for(2, 1024, graph=True) == decisions.SplitChoice(16, "bfloat16")   # nearest: 1
     choice.disable_split("test")
     assert choice.split_for(1, 1000) is None and choice.split_for(1, 5, graph=True) is None
+    assert choice.split_choices() == []
+
+
+@pytest.mark.vllm
+def test_split_choices_lists_each_served_knob_set_once():
+    s64 = {**SPLIT, "num_splits": 64}
+    choice = _plan_choice([_bucket(1, 1024, 13.0, 18.0), _bucket(1, 8192, 13.0, 18.0),
+                           _bucket(1, 32768, 32.0, 42.0, params=s64), _bucket(2, 32768, 32.0, 33.0, params=s64)])
+    assert choice.split_choices() == [decisions.SplitChoice(16, "bfloat16"), decisions.SplitChoice(64, "bfloat16")]
 
 
 @pytest.mark.vllm
@@ -206,8 +215,10 @@ def test_a_tuned_split_bucket_is_served_with_the_steps_block_table_and_scale(spl
         return out
 
     monkeypatch.setattr(op.SplitDecode, "run", reference_run)
-    monkeypatch.setattr(op, "self_check", lambda kernel, dtype, device: None)
+    checked = []
+    monkeypatch.setattr(op, "self_check", lambda kernel, dtype, device: checked.append(kernel.num_splits))
     builder = ps.make_builder(vc)
+    assert checked == [4] and builder.choice.split_enabled      # made and checked up front
     impl = ps.make_impl(vc)
     md, bt, lens, num_pages = _decode(ps, builder, [5, 300, 77])
     assert md.backend == decisions.SPLIT and md.paged is None and not ps.RecordingKernel.instances
@@ -231,8 +242,9 @@ def test_a_tuned_split_bucket_is_served_with_the_steps_block_table_and_scale(spl
 @pytest.mark.vllm
 def test_a_split_kernel_that_fails_its_check_falls_back_to_flashinfer_once(split_builder, caplog):
     fb, ps, vc = split_builder           # the real kernel on a CPU tensor without the interpreter
-    builder = ps.make_builder(vc)
     with caplog.at_level(logging.WARNING, logger="vllm_metax.backend.flashinfer_mla"):
+        builder = ps.make_builder(vc)        # checked when the builder is made, before any graph
+        assert not builder.choice.split_enabled
         md, *_ = _decode(ps, builder, [5, 300, 77])
         md2, *_ = _decode(ps, builder, [50, 30], seed=1)
     assert md.backend == "fa3" and md2.backend == "fa3"

@@ -161,6 +161,13 @@ class PlanChoice:
         top = max(votes.values())
         return max((t for t in served if votes[t[1]] == top), key=lambda t: t[0])[1]
 
+    def split_choices(self) -> list:
+        """Every split choice the entry may serve (distinct knobs, in bucket order)."""
+        if self.entry is None or not self.split_enabled:
+            return []
+        found = (decisions.split_serves(b) for b in self.entry.buckets if b.q_len == 1)
+        return list(dict.fromkeys(c for c in found if c is not None))
+
     def disable_split(self, reason: str) -> None:
         """The split kernel cannot run here: FlashInfer plans every step from now on."""
         if self.split_enabled:
@@ -247,6 +254,10 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder[FlashInferMLAMetadat
         self._split_kernels: dict[tuple, split_decode.SplitDecode] = {}
         self._split_workspaces: dict[str, tuple] = {}
         self._common: CommonAttentionMetadata | None = None
+        # every split kernel the config can serve is made and checked now, before vLLM captures a
+        # graph: a capture must find the same choice its replays will make
+        for choice in self.choice.split_choices():
+            self._split_kernel(choice)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> FlashInferMLAMetadata:
@@ -366,7 +377,10 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder[FlashInferMLAMetadat
         if key in self._split_kernels:
             return self._split_kernels[key]
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None         # never compile or check inside a capture: FlashInfer this time
+            # never compile or check inside a capture, and never serve it after one: a graph
+            # captured with FlashInfer must not be replayed with a split step's metadata
+            self.choice.disable_split("first needed inside a CUDA-graph capture")
+            return None
         kernel, why = None, None
         try:
             rows = split_decode.served_rows(self.num_heads)
