@@ -72,7 +72,19 @@ _CHILD = textwrap.dedent("""
     k = SplitDecode(16, 16, 2, num_splits=4, block_n=16, merge="fused", device="cpu")
     out = run(k, w, p, torch.tensor([0, 40], dtype=torch.int32))
     empty = [float(out[0].abs().max()), relative_error(out[1], ref[1])]
-    print("RESULT " + json.dumps({"cases": cases, "twice": twice, "empty": empty}))
+
+    # the configuration the plugin serves (split_decode.served: merge kernel, 64-column blocks,
+    # up to 128 splits in one tile), with more splits than one tile holds too, and the plugin's
+    # own check of it (float32 partials: the interpreter has no bfloat16)
+    from vllm_metax.ops.split_decode import allocate_workspace, self_check, served, served_rows
+    served_cases = []
+    for heads, lens, splits in ((16, [1, 63, 64, 65, 300], 4), (16, [9000], 160), (128, [5, 200], 8)):
+        w, p, ref = problem(heads, lens, 16)
+        ws = allocate_workspace(served_rows(heads), 16 if heads < 64 else heads, 512, torch.float32, "cpu")
+        k = served(splits, "float32", heads, 16, served_rows(heads), "cpu", workspace=ws)
+        served_cases.append([f"H{heads} {lens} S{splits}", relative_error(run(k, w, p), ref),
+                             self_check(k, torch.float16, "cpu")])
+    print("RESULT " + json.dumps({"cases": cases, "twice": twice, "empty": empty, "served": served_cases}))
 """)
 
 
@@ -93,6 +105,9 @@ def test_kernel_matches_the_reference_under_the_triton_interpreter():
     assert c1 == 0 and c2 == 0, out["twice"]
     zero_max, other_err = out["empty"]
     assert zero_max == 0.0 and other_err < 2e-2, out["empty"]
+    assert len(out["served"]) == 3
+    for label, err, check in out["served"]:
+        assert err < 2e-2 and check is None, (label, err, check)
 
 
 def test_knobs_are_checked_before_anything_runs():

@@ -251,3 +251,17 @@ def test_a_split_kernel_that_fails_its_check_falls_back_to_flashinfer_once(split
     warnings = [r for r in caplog.records if "split-KV decode kernel cannot run" in r.getMessage()]
     assert len(warnings) == 1 and "num_splits=4" in warnings[0].getMessage()
     assert not builder.choice.split_enabled
+
+
+def test_the_self_check_reports_a_wrong_result_or_a_failure_and_never_raises():
+    k = op.served(8, "float32", 16, 16, 64, "cpu")
+
+    def zeros(q_nope, q_pe, ckv, kpe, bt, lens, scale, out):
+        return out.zero_()
+
+    def raises(*a):
+        raise RuntimeError("PTX assembly failed\nmore")
+    k.run = zeros
+    assert "wrong result" in op.self_check(k, torch.float16, "cpu")
+    k.run = raises
+    assert op.self_check(k, torch.float16, "cpu") == "RuntimeError: PTX assembly failed"
