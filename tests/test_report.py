@@ -207,3 +207,11 @@ def test_cli_missing_or_foreign_db_is_one_line_and_not_created(tmp_path):
     res = _cli("--db", junk)
     assert res.exit_code == 2 and "not a SQLite file" in res.stderr
     assert junk.read_text() == "not a database"
+
+
+def test_the_summary_legend_names_the_families_the_table_shows():
+    from mla_tune.views.report import _legend
+    assert _legend({"flashinfer", "split"}) == \
+        "fi = FlashInfer, sp = split-KV Triton decode (served by FLASHINFER_MLA)"
+    assert _legend({"reference"}) == "ref = torch reference"
+    assert _legend({None}).startswith("fi = FlashInfer, tr = Triton MLA, fm = FlashMLA")

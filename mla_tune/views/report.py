@@ -400,6 +400,14 @@ def report_tables(report: Report) -> list[Table]:
 
 
 _FAMILY_ABBR = {"flashinfer": "fi", "triton": "tr", "flashmla": "fm", "split": "sp", "reference": "ref"}
+_FAMILY_WORDS = {"flashinfer": "FlashInfer", "triton": "Triton MLA", "flashmla": "FlashMLA",
+                 "split": "split-KV Triton decode (served by FLASHINFER_MLA)", "reference": "torch reference"}
+
+
+def _legend(families) -> str:
+    """The abbreviations of the families a table shows (all of them when it shows none)."""
+    shown = [f for f in _FAMILY_ABBR if f in families] or list(_FAMILY_ABBR)
+    return ", ".join(f"{_FAMILY_ABBR[f]} = {_FAMILY_WORDS[f]}" for f in shown)
 
 
 def _best_cell(b) -> str | None:
@@ -425,7 +433,7 @@ def summary_tables(report: Report) -> list[Table]:
                 Column(f"L{c}", justify="right") for c in contexts]
             page = f"page {m.page_size}" if m.page_size is not None else "no page chosen"
             t = Table(f"{title} · {entry_title(m)}: fastest per bucket, us ({page})", cols,
-                      caption="fi = FlashInfer, tr = Triton MLA, ref = torch reference; * = the "
+                      caption=_legend({b.best_family for b in m.buckets}) + "; * = the "
                               "tuned choice beat its family default significantly")
             for q, bsz in rows:
                 t.add(bsz, *([q] if show_q else []), *[cells.get((q, bsz, c)) for c in contexts])
