@@ -48,8 +48,12 @@ def metax(host, tmp_path):
     mod.mxSmlGetDeviceInfo = lambda i: types.SimpleNamespace(deviceName=b"MetaX C500")
     host.setitem(sys.modules, "pymxsml", mod)
     _detect_device.cache_clear()
+    split = {"flashinfer": tc.FamilyChoice({"backend": "fa2"}, time_us=30.0),
+             "split": tc.FamilyChoice({"backend": "triton", "num_splits": 64, "partial": "bfloat16"},
+                                      time_us=20.0)}
     entry = tc.ModelEntry(tc.ModelDims(16, 512, 64), 32, ["TRITON_MLA", "FLASHINFER_MLA"],
-                          [tc.Bucket(8, 4096, 1, {"flashinfer": tc.FamilyChoice({"backend": "fa2"})}, "flashinfer")],
+                          [tc.Bucket(8, 4096, 1, {"flashinfer": tc.FamilyChoice({"backend": "fa2"})}, "flashinfer"),
+                           tc.Bucket(1, 4096, 1, split, "split")],
                           "deepseek-v3", 8)
     tc.write_tuned_config(tc.TunedConfig("MetaX C500", {}, [entry]), tmp_path)
     host.setenv(tc.FOLDER_ENV, str(tmp_path))
@@ -83,6 +87,7 @@ def test_doctor_on_a_simulated_metax_host(metax):
     assert rep["plugin"]["status"] == "ok" and "MetaX C500" in rep["plugin"]["detail"]
     assert rep["tuned_config"]["path"] == str(metax / "device_name=MetaX_C500.json")
     assert rep["tuned_config"]["entries"][0]["page_size"] == 32
+    assert (rep["tuned_config"]["entries"][0]["buckets"], rep["tuned_config"]["entries"][0]["split_buckets"]) == (2, 1)
     # the tuned order decides for deepseek-v3 at TP 8 (16 heads per rank)
     assert [b["what"] for b in rep["attention_backends"]][:2] == ["TRITON_MLA", "FLASHINFER_MLA"]
     fi = {b["what"]: b for b in rep["flashinfer_backends"]}

@@ -59,11 +59,12 @@ class Doctor:
         t = self.tuned_config
         tuned = Table("Tuned config", [Column("model", justify="left"), Column("tp"),
                                        Column("dims", justify="left"), Column("page size"),
-                                       Column("backend order", justify="left"), Column("buckets")],
+                                       Column("backend order", justify="left"), Column("buckets"),
+                                       Column("split-KV buckets")],
                       caption=f"{t.get('path') or 'no file'}: {t.get('reason', '')}")
         for e in t.get("entries", []):
             tuned.add(e["model"], e["tp_size"], e["dims"], e["page_size"],
-                      " > ".join(e["backend_order"]), e["buckets"])
+                      " > ".join(e["backend_order"]), e["buckets"], e.get("split_buckets", 0))
         return [summary, backends, fi, tuned]
 
     def render(self, fmt: str | OutputFormat) -> str | list:
@@ -194,7 +195,7 @@ def _flashinfer_backends(probe: bool) -> list[Check]:
 
 
 def _tuned_config(device_name: str, dims) -> tuple[dict, list[str] | None]:
-    from vllm_metax import tuned_config as tc
+    from vllm_metax import decisions, tuned_config as tc
 
     res = tc.resolve_tuned_config(device_name)      # strict mode raises TunedConfigError
     info = {"device_name": device_name, "file_name": tc.config_filename(device_name),
@@ -208,7 +209,9 @@ def _tuned_config(device_name: str, dims) -> tuple[dict, list[str] | None]:
             info["entries"].append({
                 "model": m.model, "tp_size": m.tp_size, "page_size": m.page_size,
                 "dims": f"H{d.num_heads} ckv{d.kv_lora_rank} kpe{d.qk_rope_head_dim} {d.q_dtype}/{d.kv_dtype}",
-                "backend_order": list(m.backend_order), "buckets": len(m.buckets)})
+                "backend_order": list(m.backend_order), "buckets": len(m.buckets),
+                # buckets whose decode FLASHINFER_MLA runs with the split-KV Triton kernel
+                "split_buckets": sum(decisions.split_serves(b) is not None for b in m.buckets)})
         if dims is not None:
             entry = res.config.entry_for(dims)
             info["entry_for_model"] = entry is not None
