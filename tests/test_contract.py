@@ -1,7 +1,10 @@
 """What is tuned is what is served: `mla-tune emit` over a stored sweep writes a tuned config, and
 the plugin's own metadata builders (FLASHINFER_MLA with a recording kernel, TRITON_MLA), driven
 through vLLM's MLA `build()` with that very file, plan for every bucket what the file says: the
-FlashInfer backend value, the Triton split count, or vLLM's split rule where the bucket kept it.
+FlashInfer backend value, the Triton split count, or vLLM's split rule where the bucket kept it,
+and the split-KV Triton decode with the file's knobs wherever `decisions.split_serves` says so (its
+on-device check is taken as passed here: the kernel itself is checked in
+tests/test_split_decode_kernel.py and tests/test_gpu_split.py).
 
 Two stored sweeps: a temporary copy of the shipped results.db (the H200 sweep behind
 configs/device_name=NVIDIA_H200.json: 96 buckets, 28 of them keeping vLLM's Triton rule) and a
@@ -88,16 +91,25 @@ def _expected_splits(params: dict) -> int | None:
     return None if params.get("rule") == "vllm" else params["num_kv_splits"]
 
 
-def _check_every_bucket(entry: dict, fi, tr, page: int, flashinfer_expected) -> dict:
-    seen = {"flashinfer": [], "triton": []}
+def _check_every_bucket(entry: dict, fi, tr, page: int, flashinfer_expected, split_expected=None) -> dict:
+    seen = {"flashinfer": [], "triton": [], "split": []}
     for b in entry["buckets"]:
         lens = [b["context_len"]] * b["batch_size"]         # the bucket as the tuner measured it
         md = _step(fi, lens, page)
-        want = flashinfer_expected(b["families"]["flashinfer"]["params"]["backend"])
-        assert md.backend == want, b
-        assert isinstance(md.kernel, ps.RecordingKernel) and md.kernel.backend == want
-        assert md.kernel.plans[-1]["meta"].kv_len.tolist() == lens     # this step, planned there
-        seen["flashinfer"].append(want)
+        split = split_expected(b, md.cuda_graph) if split_expected else None
+        if split is not None:
+            from vllm_metax.ops.split_decode import SplitStep
+            assert md.backend == decisions.SPLIT and isinstance(md.kernel, SplitStep), b
+            assert (md.kernel.kernel.num_splits, str(md.kernel.kernel.ws_acc.dtype)) == \
+                (split.num_splits, f"torch.{split.partial}"), b
+            assert md.kernel.seq_lens.tolist() == lens
+            seen["split"].append((b["batch_size"], b["context_len"], split.num_splits))
+        else:
+            want = flashinfer_expected(b["families"]["flashinfer"]["params"]["backend"])
+            assert md.backend == want, b
+            assert isinstance(md.kernel, ps.RecordingKernel) and md.kernel.backend == want
+            assert md.kernel.plans[-1]["meta"].kv_len.tolist() == lens     # this step, planned there
+            seen["flashinfer"].append(want)
         splits = _step(tr, lens, page).num_kv_splits
         assert splits == _expected_splits(b["families"]["triton"]["params"]), b
         seen["triton"].append(splits)
@@ -106,7 +118,9 @@ def _check_every_bucket(entry: dict, fi, tr, page: int, flashinfer_expected) -> 
 
 # ---------------------------------------------------------------- the shipped H200 sweep
 
-def test_emit_of_the_shipped_sweep_is_served_bucket_for_bucket(plugin, model_root, tmp_path):
+def test_emit_of_the_shipped_sweep_is_served_bucket_for_bucket(plugin, model_root, tmp_path, monkeypatch):
+    from vllm_metax.ops import split_decode
+    monkeypatch.setattr(split_decode, "self_check", lambda kernel, dtype, device: None)
     db = tmp_path / "results.db"
     shutil.copy(ROOT / "results.db", db)
     with ResultsStore(db, create=False) as store:
@@ -116,15 +130,40 @@ def test_emit_of_the_shipped_sweep_is_served_bucket_for_bucket(plugin, model_roo
     shipped = json.loads((ROOT / "configs" / "device_name=NVIDIA_H200.json").read_text())
     assert [[b["families"] for b in m["buckets"]] for m in data["models"]] == \
         [[b["families"] for b in m["buckets"]] for m in shipped["models"]]
-    rule_buckets = 0
-    for entry in data["models"]:
+    rule_buckets, split_buckets = 0, 0
+    typed = tc.read_tuned_config(path)
+    for entry, typed_entry in zip(data["models"], typed.models):
         page = entry["global"]["page_size"]
         fi, tr = _builders(model_root, entry["dims"]["num_heads"], page)
         assert fi.choice.entry is not None and tr.tuned_splits.entry is not None
+        by_key = {(b.batch_size, b.context_len, b.q_len): decisions.split_serves(b) for b in typed_entry.buckets}
+
+        def graph_vote(batch):
+            """A captured graph's split knobs: served in most buckets of its batch, the knobs most
+            of those name, ties to the longest context's."""
+            at = [(c, v) for (bb, c, q), v in by_key.items() if bb == batch and q == 1]
+            served = [(c, v) for c, v in at if v is not None]
+            if 2 * len(served) <= len(at):
+                return None
+            n = {v: sum(1 for _, w in served if w == v) for _, v in served}
+            return max((t for t in served if n[t[1]] == max(n.values())), key=lambda t: t[0])[1]
+
+        def expected_split(b, graph):
+            return graph_vote(b["batch_size"]) if graph else by_key[(b["batch_size"], b["context_len"], b["q_len"])]
         # "auto" was that sweep's untuned baseline; on SM90 FlashInfer's auto is fa3, and fa3 is
         # what the plugin plans untuned
         seen = _check_every_bucket(entry, fi, tr, page,
-                                   lambda v: "fa3" if v == decisions.AUTO else v)
+                                   lambda v: "fa3" if v == decisions.AUTO else v,
+                                   expected_split)
+        split_buckets += len(seen["split"])
+        from vllm_metax.ops.split_decode import SERVED_BLOCK_N, splits_for
+        for batch, ctx, served_splits in seen["split"]:
+            tuned = by_key[(batch, ctx, 1)]
+            if tuned is not None:     # the graph's count cuts each request as its bucket's count did
+                assert splits_for(ctx, SERVED_BLOCK_N, served_splits) == \
+                    splits_for(ctx, SERVED_BLOCK_N, tuned.num_splits), (batch, ctx)
+        if entry["dims"]["num_heads"] == 16:
+            assert sorted({(b, n) for b, _, n in seen["split"]}) == [(1, 128), (2, 64)]
         assert len(seen["triton"]) == len(entry["buckets"])
         rule_buckets += seen["triton"].count(None)
         assert any(n is not None for n in seen["triton"])
@@ -132,6 +171,10 @@ def test_emit_of_the_shipped_sweep_is_served_bucket_for_bucket(plugin, model_roo
     kept = sum(1 for m in shipped["models"] for b in m["buckets"]
                if b["families"].get("triton", {}).get("params", {}).get("rule") == "vllm")
     assert kept > 0 and rule_buckets == kept
+    # the split kernel serves the 16-head buckets of batch 1 and 2 (most of their buckets: one
+    # kernel per captured graph), with 128 and 64 splits (the count each of their longer contexts
+    # won; a short request uses as many 64-token splits as it has, the count its bucket won)
+    assert split_buckets == 12
 
 
 # ---------------------------------------------------------------- a sweep with mixed winners
