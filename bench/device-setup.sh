@@ -1,6 +1,16 @@
 # Sourced (not run) by the bench/h200_*.sh device scripts: the carried FlashInfer/vLLM environment,
 # the sweep's wheels from .whl/ (bench/prepare-device-wheels.sh), the forced platform, and $OUT.
 source .carry/device-env.sh
+# device-env.sh installs .carry/wheels only on a bare machine; a warm one keeps what an earlier call
+# installed, so a wheel added to the carry since then would be missing (vLLM's imports then fail in
+# every test that builds its config): install the ones whose dist-info is not there yet
+missing=()
+for w in .carry/wheels/*.whl; do
+  [ -e "$w" ] || continue
+  n=$(basename "$w" | cut -d- -f1-2)
+  ls -d /tmp/site/"$n".dist-info >/dev/null 2>&1 || missing+=("$w")
+done
+[ ${#missing[@]} -eq 0 ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${missing[@]}"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 .whl/*.whl
 export PYTHONPATH=$PYTHONPATH:/tmp/site2 VLLM_METAX_FORCE=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
