@@ -71,15 +71,13 @@ def stored_workloads(db: str):
 
 def served_candidate(choice, page_size: int, workload):
     """The candidate the plugin plans for this batch: the split kernel where PlanChoice.split_for
-    serves it (and its workspace holds the launch, as the builder checks), else PlanChoice.step,
-    on its real lengths."""
+    serves it, else PlanChoice.step, on its real lengths."""
     from mla_tune.families.base import Candidate
     from vllm_metax import decisions
-    from vllm_metax.ops import split_decode
     from vllm_metax.tuned_config import KV_CHUNKS
     context = decisions.bucket_context(workload.seq_lens)
     split = choice.split_for(workload.batch_size, context, workload.q_len)
-    if split is not None and split_decode.fits(workload.num_heads, workload.batch_size, split.num_splits):
+    if split is not None:
         return Candidate(decisions.SPLIT, "triton", page_size,
                          {"num_splits": split.num_splits, "partial": split.partial})
     backend, factor = choice.step(workload.batch_size, context, workload.q_len)

@@ -180,6 +180,23 @@ def ragged_batch(seq_lens, page_size, q_len=1, extra_rows=0, num_pages=None, see
     return block_table.to(device), lens, common, num_pages
 
 
+def install_recording_plugin(monkeypatch, device, *more_modules):
+    """The plugin on a pretend `device` (a DeviceInfo) with FlashInfer's wrapper replaced by
+    RecordingKernel and no decode workspace; `more_modules` also see the pretend device.
+    Returns the FLASHINFER_MLA backend module."""
+    import vllm_metax.backend as backend_pkg
+    import vllm_metax.backend.flashinfer_mla as fb
+    import vllm_metax.platform as P
+
+    ensure_metax_platform()
+    RecordingKernel.instances.clear()
+    monkeypatch.setattr(fb, "MLADecodeKernel", RecordingKernel)
+    monkeypatch.setattr(fb, "shared_workspace", lambda device: torch.empty(16, dtype=torch.uint8))
+    for mod in (backend_pkg, P, *more_modules):
+        monkeypatch.setattr(mod, "detect_device", lambda: device)
+    return fb
+
+
 class RecordingKernel:
     """Stand-in for vllm_metax.ops.flashinfer_mla.MLADecodeKernel on the CPU.
 

@@ -45,17 +45,9 @@ def model_root(tmp_path_factory):
 @pytest.fixture
 def plugin(monkeypatch, tmp_path):
     """The plugin on a pretend H200, FlashInfer's wrapper replaced by the recording kernel."""
-    import vllm_metax.backend as backend_pkg
-    import vllm_metax.backend.flashinfer_mla as fb
     import vllm_metax.backend.triton_mla as tm
-    import vllm_metax.platform as P
 
-    ps.ensure_metax_platform()
-    ps.RecordingKernel.instances.clear()
-    monkeypatch.setattr(fb, "MLADecodeKernel", ps.RecordingKernel)
-    monkeypatch.setattr(fb, "shared_workspace", lambda device: torch.empty(16, dtype=torch.uint8))
-    for mod in (backend_pkg, P, tm):
-        monkeypatch.setattr(mod, "detect_device", lambda: H200)
+    ps.install_recording_plugin(monkeypatch, H200, tm)
     monkeypatch.setenv(tc.FOLDER_ENV, str(tmp_path / "configs"))
     tc.clear_cache()
     yield tmp_path / "configs"

@@ -39,16 +39,7 @@ def base_config(model_root):
 @pytest.fixture
 def fb(monkeypatch):
     """The backend module with the recording kernel and a pretend Hopper GPU."""
-    import vllm_metax.backend as backend_pkg
-    import vllm_metax.backend.flashinfer_mla as fb
-    import vllm_metax.platform as P
-
-    ps.ensure_metax_platform()
-    ps.RecordingKernel.instances.clear()
-    monkeypatch.setattr(fb, "MLADecodeKernel", ps.RecordingKernel)
-    monkeypatch.setattr(fb, "shared_workspace", lambda device: torch.empty(16, dtype=torch.uint8))
-    for mod in (backend_pkg, P):
-        monkeypatch.setattr(mod, "detect_device", lambda: H200)
+    fb = ps.install_recording_plugin(monkeypatch, H200)
     monkeypatch.delenv(tc.FOLDER_ENV, raising=False)
     tc.clear_cache()
     yield fb

@@ -169,18 +169,10 @@ def split_builder(monkeypatch, tmp_path):
     """FLASHINFER_MLA's builder (FlashInfer replaced by the recording double of
     tests/test_plugin_backend.py) with a tuned config whose B1-B4 buckets name split."""
     import plugin_support as ps
-    import vllm_metax.backend as backend_pkg
-    import vllm_metax.backend.flashinfer_mla as fb
-    import vllm_metax.platform as P
     from vllm_metax.device import DeviceInfo
 
     h200 = DeviceInfo("Test GPU 9000", "torch", False, 132, (9, 0))
-    ps.ensure_metax_platform()
-    ps.RecordingKernel.instances.clear()
-    monkeypatch.setattr(fb, "MLADecodeKernel", ps.RecordingKernel)
-    monkeypatch.setattr(fb, "shared_workspace", lambda device: torch.empty(16, dtype=torch.uint8))
-    for mod in (backend_pkg, P):
-        monkeypatch.setattr(mod, "detect_device", lambda: h200)
+    fb = ps.install_recording_plugin(monkeypatch, h200)
     dims = tc.ModelDims(ps.NUM_HEADS, ps.KV_LORA_RANK, ps.ROPE_DIM, "bfloat16", "bfloat16")
     buckets = [_bucket(b, c, 10.0, 20.0, params={**SPLIT, "num_splits": 4}) for b in (1, 4) for c in (64, 512)]
     buckets.append(_bucket(16, 512, 30.0, 20.0, best="flashinfer"))

@@ -77,6 +77,10 @@ class PlanChoice:
         self._graph: dict = {}
         self._graph_split: dict = {}
         self.split_enabled = True
+        # bucket -> the split kernel's knobs, where it serves that bucket (decided once, per file)
+        self._splits: dict[int, decisions.SplitChoice] = {} if entry is None else {
+            id(b): c for b in entry.buckets if b.q_len == 1 and (c := decisions.split_serves(b)) is not None}
+        self._found: tuple = (None, None)     # the last step's (lookup key, bucket): one lookup a step
         self._warn_unservable()
 
     @property
@@ -111,7 +115,7 @@ class PlanChoice:
         A captured graph keeps its batch size's backend (`for_graph`); the chunking is only data
         the step's plan writes, so it follows the bucket in graphs too. The chunk factor is the
         bucket's only where the served backend is the one it was tuned for."""
-        found = None if self.entry is None else self.entry.lookup(batch_size, context_len, q_len)
+        found = self._lookup(batch_size, context_len, q_len)
         typed = decisions.bucket_choice(found.bucket, FAMILY) if found is not None else None
         backend = self.for_graph(batch_size, q_len) if graph else self.backends.serve(typed)
         chunk = typed.kv_chunk_factor if typed is not None and typed.backend == backend else None
@@ -137,24 +141,37 @@ class PlanChoice:
     def split_for(self, batch_size: int, context_len: int, q_len: int = 1,
                   graph: bool = False) -> decisions.SplitChoice | None:
         """The split kernel's knobs where this step should run it instead of FlashInfer
-        (`decisions.split_serves` of the nearest tuned bucket), else None. A captured graph fixes
+        (`decisions.split_serves` of the nearest tuned bucket, for a launch its workspace holds),
+        else None. A captured graph fixes
         its kernel for every context: split there only where it serves most buckets of the
         nearest tuned batch size, with the knobs most of those name (ties: the longest context's)."""
-        if self.entry is None or q_len != 1 or not self.split_enabled:
+        if not self._splits or q_len != 1 or not self.split_enabled:
             return None
         if graph:
             if batch_size not in self._graph_split:
                 self._graph_split[batch_size] = self._split_graph_choice(batch_size)
-            return self._graph_split[batch_size]
-        found = self.entry.lookup(batch_size, context_len, q_len)
-        return decisions.split_serves(found.bucket) if found is not None else None
+            choice = self._graph_split[batch_size]
+        else:
+            found = self._lookup(batch_size, context_len, q_len)
+            choice = self._splits.get(id(found.bucket)) if found is not None else None
+        if choice is None or not split_decode.fits(self.entry.dims.num_heads, batch_size, choice.num_splits):
+            return None
+        return choice
+
+    def _lookup(self, batch_size: int, context_len: int, q_len: int):
+        """`entry.lookup`, remembered for the last key: a step asks for the split kernel and then
+        for the FlashInfer plan with the same key."""
+        key = (batch_size, context_len, q_len)
+        if self._found[0] != key:
+            self._found = (key, None if self.entry is None else self.entry.lookup(*key))
+        return self._found[1]
 
     def _split_graph_choice(self, batch_size: int) -> decisions.SplitChoice | None:
         found = self.entry.lookup(batch_size, 1, 1)
         if found is None:
             return None
         at_b = [x for x in self.entry.buckets if x.batch_size == found.bucket.batch_size and x.q_len == 1]
-        served = [(x.context_len, c) for x in at_b if (c := decisions.split_serves(x)) is not None]
+        served = [(x.context_len, c) for x in at_b if (c := self._splits.get(id(x))) is not None]
         if 2 * len(served) <= len(at_b):
             return None
         votes = collections.Counter(c for _, c in served)
@@ -163,10 +180,7 @@ class PlanChoice:
 
     def split_choices(self) -> list:
         """Every split choice the entry may serve (distinct knobs, in bucket order)."""
-        if self.entry is None or not self.split_enabled:
-            return []
-        found = (decisions.split_serves(b) for b in self.entry.buckets if b.q_len == 1)
-        return list(dict.fromkeys(c for c in found if c is not None))
+        return list(dict.fromkeys(self._splits.values())) if self.split_enabled else []
 
     def disable_split(self, reason: str) -> None:
         """The split kernel cannot run here: FlashInfer plans every step from now on."""
@@ -361,7 +375,7 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder[FlashInferMLAMetadat
         if self.plan_lse or q_len != 1:
             return None
         choice = self.choice.split_for(num_decodes, context, q_len, graph)
-        if choice is None or not split_decode.fits(self.num_heads, num_decodes, choice.num_splits):
+        if choice is None:
             return None
         kernel = self._split_kernel(choice)
         if kernel is None:
@@ -383,15 +397,13 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder[FlashInferMLAMetadat
             return None
         kernel, why = None, None
         try:
-            rows = split_decode.served_rows(self.num_heads)
             ws = self._split_workspaces.get(choice.partial)
             if ws is None:
-                hb = split_decode.default_block_h(self.num_heads)
-                ws = split_decode.allocate_workspace(rows, -(-self.num_heads // hb) * hb, self.head_dim_ckv,
-                                                     getattr(torch, choice.partial), self.device)
+                ws = split_decode.served_workspace(self.num_heads, self.head_dim_ckv, choice.partial, self.device)
                 self._split_workspaces[choice.partial] = ws
             kernel = split_decode.served(choice.num_splits, choice.partial, self.num_heads, self.page_size,
-                                         rows, self.device, workspace=ws, kv_lora_rank=self.head_dim_ckv,
+                                         split_decode.served_rows(self.num_heads), self.device,
+                                         workspace=ws, kv_lora_rank=self.head_dim_ckv,
                                          rope_dim=self.head_dim_kpe)
             why = split_decode.self_check(kernel, self.q_dtype, self.device)
         except Exception as e:  # noqa: BLE001 - a config this device cannot run must not crash vLLM

@@ -340,6 +340,13 @@ def served_rows(num_heads: int) -> int:
     return MAX_PROGRAMS // -(-num_heads // default_block_h(num_heads))
 
 
+def served_workspace(num_heads: int, kv_lora_rank: int, partial: str, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The served workspace: `served_rows` rows over the heads padded to whole head blocks."""
+    hb = default_block_h(num_heads)
+    return allocate_workspace(served_rows(num_heads), -(-num_heads // hb) * hb, kv_lora_rank,
+                              getattr(torch, partial), device)
+
+
 def fits(num_heads: int, batch_size: int, num_splits: int) -> bool:
     """Whether a launch of this batch and split count stays within MAX_PROGRAMS (what the
     served workspace holds)."""
