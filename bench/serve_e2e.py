@@ -41,14 +41,20 @@ STEP_TOKENS = 256
 TUNED_PAGE = 32
 
 RUNS = {
-    # name: (attention backend, cuda graphs, tuned config, small context workspace)
+    # name: (attention backend, cuda graphs, tuned config, small context workspace); tuned config:
+    # False (none), "fa2" (write_fa2_config), "shipped" (the packaged configs/ folder, as a user
+    # gets it: on the H200 its 16-head buckets of batch 1-2 decode with the split-KV kernel)
     "flashinfer_eager": ("FLASHINFER_MLA", False, False, False),
     "flashinfer_graphs": ("FLASHINFER_MLA", True, False, False),
     "triton_eager": ("TRITON_MLA", False, False, False),
     "triton_graphs": ("TRITON_MLA", True, False, False),
-    "flashinfer_tuned_fa2_page32": ("FLASHINFER_MLA", False, True, False),
+    "flashinfer_tuned_fa2_page32": ("FLASHINFER_MLA", False, "fa2", False),
     "flashinfer_eager_smallws": ("FLASHINFER_MLA", False, False, True),
+    "shipped_split_eager": ("FLASHINFER_MLA", False, "shipped", False),
+    "shipped_split_graphs": ("FLASHINFER_MLA", True, "shipped", False),
 }
+# decode batches of at most 2 in the shipped-config runs: the buckets its split kernel serves
+MAX_SEQS = {"shipped_split_eager": 2, "shipped_split_graphs": 2}
 
 
 # ----------------------------------------------------------------------------- model and prompts
@@ -223,10 +229,14 @@ def run_engine(name: str, model_dir: Path, out_json: Path) -> None:
     os.environ.setdefault("VLLM_METAX_FORCE", "1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"     # engine core in this process
     record = {"name": name, "backend": backend, "cuda_graphs": graphs, "tuned": tuned}
-    if tuned:
+    if tuned == "fa2":
         folder = out_json.parent / f"tuned-{name}"
         write_fa2_config(folder)
         os.environ["VLLM_METAX_MLA_CONFIG_FOLDER"] = str(folder)
+    elif tuned == "shipped":
+        from vllm_metax import tuned_config as tc
+        os.environ.pop(tc.FOLDER_ENV, None)      # the packaged folder, nothing else
+        record["config_folder"] = str(tc.PACKAGED_FOLDER)
     if small_ws:
         from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadataBuilder
         MLACommonMetadataBuilder.determine_chunked_prefill_workspace_size = staticmethod(lambda cfg: 128)
@@ -248,15 +258,25 @@ def run_engine(name: str, model_dir: Path, out_json: Path) -> None:
         return orig_pplan(self, *a, **k)
 
     op.MLADecodeKernel.plan, pop.MLAPrefillKernel.plan = plan, pplan
+    # the split-KV decode kernel's launches that Python sees (eager steps, graph captures)
+    from vllm_metax.ops import split_decode as sd
+    orig_split = sd.SplitDecode.run
+
+    def split_run(self, *a, **k):
+        key = f"split/S{self.num_splits}/{self.load}"
+        planned[key] = planned.get(key, 0) + 1
+        return orig_split(self, *a, **k)
+
+    sd.SplitDecode.run = split_run
 
     from vllm import LLM, SamplingParams
     kw = dict(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16",
-              max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=STEP_TOKENS, max_num_seqs=8,
+              max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=STEP_TOKENS, max_num_seqs=MAX_SEQS.get(name, 8),
               gpu_memory_utilization=0.25, attention_backend=backend, seed=0,
               enable_prefix_caching=False)
     if graphs:
         kw["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
-                                    "cudagraph_capture_sizes": [1, 2, 4, 8]}
+                                    "cudagraph_capture_sizes": [1, 2, 4, 8][:2 if name in MAX_SEQS else 4]}
     else:
         kw["enforce_eager"] = True
     t0 = time.perf_counter()

@@ -46,6 +46,19 @@ VARIANTS = {
     128: [(64, 32, 8, False), (64, 64, 8, False), (64, 64, 8, True), (16, 64, 4, True), (16, 32, 4, False)],
 }
 MERGE_ORDER = ("fused", "kernel")
+# --tma: the served configuration (pointer loads) against the TMA kernel (load "tma": tiles
+# double-buffered in shared memory, both dots read there), every one with the served merge
+# (merge kernel, 64-column blocks, all splits in one tile, bf16 partials). sm_90a ptxas (Triton
+# 3.6): BLOCK_H 16 transposed at 8 warps and BLOCK_H 64 at 8 warps keep the two stages without
+# spilling; 4 warps spill >1 KB, non-transposed BLOCK_H 16 loses the second stage.
+TMA_VARIANTS = {
+    16: [dict(block_h=16, block_n=64, num_warps=8, transposed=False, load="gather"),
+         dict(block_h=16, block_n=64, num_warps=8, transposed=True, load="tma")],
+    128: [dict(block_h=64, block_n=64, num_warps=8, transposed=False, load="gather"),
+          dict(block_h=64, block_n=64, num_warps=8, transposed=False, load="tma"),
+          dict(block_h=16, block_n=64, num_warps=8, transposed=True, load="tma")],
+}
+TMA_MODE = False
 FA3_CHUNKS: tuple = ()     # --fa3-chunks: fa3 also at each of the tuner's kv_chunk factors
 DEVICE = "cuda"     # the CLI runs on CUDA only; a CPU dry run (Triton's interpreter) may set "cpu"
 LOG: list[str] = []
@@ -72,6 +85,13 @@ def split_choices(batch: int, ctx: int, block_n: int, head_blocks: int) -> list[
 
 def base_configs(heads: int, batch: int, ctx: int) -> list[dict]:
     out = []
+    if TMA_MODE:
+        for v in TMA_VARIANTS[heads]:
+            hb = -(-heads // v["block_h"])
+            for s in split_choices(batch, ctx, v["block_n"], hb):
+                out.append(dict(v, num_splits=s, num_stages=2, merge="kernel", partial="bfloat16",
+                                merge_d=64, merge_st=128))
+        return out
     for block_h, block_n, warps, trans in VARIANTS[heads]:
         hb = -(-heads // block_h)
         for s in split_choices(batch, ctx, block_n, hb):
@@ -103,7 +123,8 @@ def label(c: dict) -> str:
     if merge == "kernel" and (c.get("merge_d", 128), c.get("merge_st", 16)) != (128, 16):
         merge += f" md{c['merge_d']} mst{c['merge_st']}"
     return (f"S{c['num_splits']} bn{c['block_n']} bh{c['block_h']} w{c['num_warps']} st{c['num_stages']}"
-            f"{' T' if c['transposed'] else ''} {merge}{' bf16ws' if c['partial'] == 'bfloat16' else ''}")
+            f"{' T' if c['transposed'] else ''} {merge}{' bf16ws' if c['partial'] == 'bfloat16' else ''}"
+            f"{' tma' if c.get('load') == 'tma' else ''}")
 
 
 def sync(torch) -> None:
@@ -158,7 +179,8 @@ def run_config(torch, shape: Shape, c: dict) -> dict:
                       num_warps=c["num_warps"], num_stages=c["num_stages"], block_h=c["block_h"],
                       merge=c["merge"], transposed=c["transposed"],
                       partial_dtype=getattr(torch, c["partial"]), device=DEVICE,
-                      merge_block_d=c.get("merge_d", 128), merge_split_tile=c.get("merge_st", 16))
+                      merge_block_d=c.get("merge_d", 128), merge_split_tile=c.get("merge_st", 16),
+                      load=c.get("load", "gather"))
     out = torch.empty_like(p.q_nope)
     args = (p.q_nope, p.q_pe, p.ckv_cache, p.kpe_cache, p.block_table, shape.seq_lens,
             w.softmax_scale, out)
@@ -173,6 +195,8 @@ def run_config(torch, shape: Shape, c: dict) -> dict:
             row["first_run_s"] = round(time.perf_counter() - t0, 3)    # the compile, where new
         errs.append(relative_error(out, shape.ref))
     row["rel_err"] = max(errs)
+    row["served_by"] = ("tma" if c.get("load") == "tma" and dec._descriptors(p.ckv_cache, p.kpe_cache)
+                        else "pointer")
     row["counters_left"] = int(torch.count_nonzero(dec.counter))
     if row["rel_err"] >= MAX_ERR or row["counters_left"]:
         row["status"] = "wrong"
@@ -298,8 +322,9 @@ def summarise(doc: dict) -> None:
     doc["meets_goal"] = bool(best and best["median_us"] <= GOAL_US)
     by_merge = {}
     for r in ok:
-        if r["merge"] not in by_merge or r["median_us"] < by_merge[r["merge"]]["median_us"]:
-            by_merge[r["merge"]] = r
+        key = r["merge"] if not TMA_MODE else ("tma" if r.get("load") == "tma" else "pointer")
+        if key not in by_merge or r["median_us"] < by_merge[key]["median_us"]:
+            by_merge[key] = r
     doc["best_by_merge"] = {m: {"config": r["config"], "median_us": r["median_us"]}
                             for m, r in by_merge.items()}
 
@@ -315,12 +340,12 @@ def report_shape(doc: dict, t_start: float) -> None:
         f"({doc.get('best')}); fa3 {fmt(doc.get('fa3_us'))} us{why}; fa3 best chunking "
         f"{fmt(doc.get('fa3_tuned_us'))} us ({doc.get('fa3_tuned_chunk')}); floor {fmt(doc.get('floor_us'))} us; "
         f"{len(ok_rows(doc))}/{len(doc.get('configs', []))} configs ok, {len(doc.get('skipped', []))} skipped; "
-        "best by merge " + ", ".join(f"{m} {v['median_us']:.1f}" for m, v in doc.get("best_by_merge", {}).items())
+        f"best by {'merge' if not TMA_MODE else 'load'} " + ", ".join(f"{m} {v['median_us']:.1f}" for m, v in doc.get("best_by_merge", {}).items())
         + f"; {time.perf_counter() - t_start:.0f} s so far")
 
 
 def main(argv=None) -> int:
-    global SPLITS, FA3_CHUNKS
+    global SPLITS, FA3_CHUNKS, TMA_MODE
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=".", help="folder for small_decode_kernel_<device>.{txt,json}")
     ap.add_argument("--budget-s", type=float, default=140.0,
@@ -330,6 +355,8 @@ def main(argv=None) -> int:
                     help=f"num_splits values to time (default {','.join(map(str, SPLITS))})")
     ap.add_argument("--fa3-chunks", action="store_true",
                     help="also time fa3 at every kv_chunk factor of the tuner (the best a tuned config serves)")
+    ap.add_argument("--tma", action="store_true",
+                    help="the served configuration against the TMA kernel (TMA_VARIANTS), no refinements")
     ap.add_argument("--tag", default="", help="results file suffix: small_decode_kernel<_tag>_<device>")
     args = ap.parse_args(argv)
     try:
@@ -338,6 +365,7 @@ def main(argv=None) -> int:
         ap.error(f"--splits takes integers, e.g. 16,64,128; got {args.splits!r}")
     if not SPLITS or SPLITS[0] < 1:
         ap.error(f"--splits: each must be >= 1, got {args.splits!r}")
+    TMA_MODE = args.tma
     if args.fa3_chunks:
         from vllm_metax.tuned_config import KV_CHUNKS
         FA3_CHUNKS = KV_CHUNKS
@@ -398,8 +426,9 @@ def main(argv=None) -> int:
         summarise(doc)
         report_shape(doc, t_start)
         write()
-    say("refinements (num_stages 1, bf16 partials) around each shape's best:")
-    for shape, doc in shapes_done:
+    if not TMA_MODE:
+        say("refinements (num_stages 1, bf16 partials) around each shape's best:")
+    for shape, doc in shapes_done if not TMA_MODE else ():
         guarded(f"{shape.name} refinements", second_pass, torch, shape, doc, deadline)
         summarise(doc)
         report_shape(doc, t_start)

@@ -1,6 +1,7 @@
 """The small-work Triton MLA decode kernel (vllm_metax.ops.split_decode) against the torch
 reference under Triton's interpreter on the CPU: ragged lengths not a multiple of the page or of
 BLOCK_N, both merges (fused one-launch and the separate merge kernel), both score orientations,
+both tile loads (pointer gathers; the TMA kernel's descriptors, and its fallback to pointers),
 16 and 128 heads, and two runs in a row (the fused merge's counters reset themselves).
 
 The interpreter must be chosen before triton is imported (other tests import it first), so the
@@ -51,6 +52,12 @@ _CHILD = textwrap.dedent("""
         (128, [100], 16, dict(num_splits=3, block_n=32, block_h=64, merge="fused", num_warps=8)),
         (128, [100], 16, dict(num_splits=2, block_n=64, block_h=16, merge="kernel", transposed=True,
                               merge_block_d=512)),
+        # the TMA kernel: tiles of one page (BLOCK_N <= page), a tail tile past a split's end
+        (16, [5, 70, 130, 64], 64, dict(num_splits=4, block_n=16, merge="kernel", load="tma",
+                                        transposed=False)),
+        (16, [5, 70, 130], 32, dict(num_splits=3, block_n=32, merge="kernel", load="tma", transposed=True)),
+        (128, [100, 3], 64, dict(num_splits=2, block_n=32, block_h=64, merge="kernel", load="tma",
+                                 num_warps=8)),
     ]
     for heads, lens, page, knobs in CONFIGS:
         w, p, ref = problem(heads, lens, page)
@@ -58,6 +65,19 @@ _CHILD = textwrap.dedent("""
         out = run(k, w, p)
         cases.append([f"H{heads} {lens} p{page} {knobs}", relative_error(out, ref),
                       int(torch.count_nonzero(k.counter))])
+        if knobs.get("load") == "tma":      # the TMA kernel ran, not the pointer fallback
+            assert k._descriptors(p.ckv_cache, p.kpe_cache) is not None, knobs
+
+    # the TMA kernel on a cache whose pages are not rows of one view (a page-padded pool): the
+    # pointer kernel serves it, same result
+    w, p, ref = problem(16, [5, 70, 130], 32)
+    k = SplitDecode(16, 32, 3, num_splits=3, block_n=32, merge="kernel", load="tma", device="cpu")
+    pad = torch.zeros(p.ckv_cache.shape[0], 40, 576, dtype=p.ckv_cache.dtype)
+    pad[:, :32, :512], pad[:, :32, 512:] = p.ckv_cache, p.kpe_cache
+    out = torch.full_like(p.q_nope, float("nan"))
+    k.run(p.q_nope, p.q_pe, pad[:, :32, :512], pad[:, :32, 512:], p.block_table, p.seq_lens_cpu,
+          w.softmax_scale, out)
+    padded = [k._descriptors(pad[:, :32, :512], pad[:, :32, 512:]) is None, relative_error(out, ref)]
 
     # two runs in a row of one fused kernel: the second finds the counters at 0 again
     w, p, ref = problem(16, [5, 70, 130], 16)
@@ -72,19 +92,26 @@ _CHILD = textwrap.dedent("""
     k = SplitDecode(16, 16, 2, num_splits=4, block_n=16, merge="fused", device="cpu")
     out = run(k, w, p, torch.tensor([0, 40], dtype=torch.int32))
     empty = [float(out[0].abs().max()), relative_error(out[1], ref[1])]
+    k = SplitDecode(16, 16, 2, num_splits=4, block_n=16, merge="kernel", load="tma", device="cpu")
+    out = run(k, w, p, torch.tensor([0, 40], dtype=torch.int32))
+    empty += [float(out[0].abs().max()), relative_error(out[1], ref[1])]
 
     # the configuration the plugin serves (split_decode.served: merge kernel, 64-column blocks,
     # up to 128 splits in one tile), with more splits than one tile holds too, and the plugin's
     # own check of it (float32 partials: the interpreter has no bfloat16)
     from vllm_metax.ops.split_decode import allocate_workspace, self_check, served, served_rows
     served_cases = []
-    for heads, lens, splits in ((16, [1, 63, 64, 65, 300], 4), (16, [9000], 160), (128, [5, 200], 8)):
-        w, p, ref = problem(heads, lens, 16)
+    # page 16: the pointer kernel (a 64-token tile spans pages); page 64: the TMA kernel
+    for heads, lens, splits, page in ((16, [1, 63, 64, 65, 300], 4, 16), (16, [9000], 160, 16),
+                                      (128, [5, 200], 8, 16), (16, [1, 63, 64, 65, 300], 4, 64),
+                                      (128, [5, 200], 8, 64)):
+        w, p, ref = problem(heads, lens, page)
         ws = allocate_workspace(served_rows(heads), 16 if heads < 64 else heads, 512, torch.float32, "cpu")
-        k = served(splits, "float32", heads, 16, served_rows(heads), "cpu", workspace=ws)
-        served_cases.append([f"H{heads} {lens} S{splits}", relative_error(run(k, w, p), ref),
-                             self_check(k, torch.float16, "cpu")])
-    print("RESULT " + json.dumps({"cases": cases, "twice": twice, "empty": empty, "served": served_cases}))
+        k = served(splits, "float32", heads, page, served_rows(heads), "cpu", workspace=ws)
+        served_cases.append([f"H{heads} {lens} S{splits} p{page}", relative_error(run(k, w, p), ref),
+                             self_check(k, torch.float16, "cpu"), k.load, k.transposed])
+    print("RESULT " + json.dumps({"cases": cases, "twice": twice, "empty": empty, "served": served_cases,
+                                  "padded": padded}))
 """)
 
 
@@ -96,18 +123,25 @@ def test_kernel_matches_the_reference_under_the_triton_interpreter():
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     out = json.loads(lines[-1][len("RESULT "):])
-    assert len(out["cases"]) == 6
+    assert len(out["cases"]) == 9
     for label, err, counters in out["cases"]:
         assert err < 2e-2, (label, err)
         assert counters == 0, (label, "counters left non-zero", counters)
     (err1, c1), (err2, c2) = out["twice"]
     assert err1 < 2e-2 and err2 < 2e-2, out["twice"]
     assert c1 == 0 and c2 == 0, out["twice"]
-    zero_max, other_err = out["empty"]
+    zero_max, other_err, tma_zero_max, tma_other_err = out["empty"]
     assert zero_max == 0.0 and other_err < 2e-2, out["empty"]
-    assert len(out["served"]) == 3
-    for label, err, check in out["served"]:
+    assert tma_zero_max == 0.0 and tma_other_err < 2e-2, out["empty"]
+    fell_back, padded_err = out["padded"]
+    assert fell_back and padded_err < 2e-2, out["padded"]
+    assert len(out["served"]) == 5
+    for label, err, check, load, _ in out["served"]:
         assert err < 2e-2 and check is None, (label, err, check)
+    # what is served: the pointer kernel below a 64-token page, the TMA kernel from it (tokens as
+    # the dots' M at 16 heads, a 64-row head block at 128)
+    assert [(row[3], row[4]) for row in out["served"]] == [
+        ("gather", False), ("gather", False), ("gather", False), ("tma", True), ("tma", False)]
 
 
 def test_knobs_are_checked_before_anything_runs():

@@ -24,8 +24,10 @@ torch and triton.
 
 `served(params, ...)` is the one configuration the tuner measures and the plugin serves for the
 tuned-config family `split` (`vllm_metax.decisions.SplitChoice`): its knobs are the split count and
-the partials' dtype; the rest is fixed here (BLOCK_N 64, 8 warps, 2 stages, the merge kernel with
-64-column blocks and up to 128 splits in one tile).
+the partials' dtype; the rest is fixed here (the TMA kernel `_split_tma_kernel` with BLOCK_N 64,
+8 warps, 2 stages, tokens as the dots' M below 64 heads; the merge kernel with 64-column blocks and
+up to 128 splits in one tile). On the H200 the TMA kernel was 1-4% faster than the pointer kernel
+at 16 heads and 10-20% at 128 (bench/results/small_decode_kernel_tma_h200.txt).
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
 
 MERGES = ("fused", "kernel")
+LOADS = ("gather", "tma")
 _LOG2E = 1.4426950408889634
 # A launch's programs (splits x head blocks x requests) are capped at 8 waves of an H200's 132 SMs:
 # it sizes the served workspace (rows = MAX_PROGRAMS // head blocks) and bounds the tuner's space.
@@ -184,6 +188,109 @@ def _small_decode_kernel(
         tl.store(out_ptrs, tl.zeros([BLOCK_H, R], tl.float32).to(OUT.dtype.element_ty), mask=hmask[:, None])
 
 
+@triton.jit
+def _tile_update(qa, qb, ckv, kpe, m, l, acc, qk_scale, t0, end, BLOCK_N: tl.constexpr,
+                 TRANS: tl.constexpr, MASKED: tl.constexpr):
+    """One BLOCK_N-token tile folded into the running (max, sum, accumulator) of a split.
+    TRANS: tokens as the dots' M (`qa`, `qb` are q^T, `acc` is [R, BLOCK_H]); MASKED: the tile
+    runs past the split's end (only a split's last tile can)."""
+    offs_n = t0 + tl.arange(0, BLOCK_N)
+    if TRANS:
+        s_t = tl.dot(kpe, qb, tl.dot(ckv, qa)) * qk_scale
+        if MASKED:
+            s_t = tl.where((offs_n < end)[:, None], s_t, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s_t, 0))
+        alpha = tl.exp2(m - m_new)
+        p_t = tl.exp2(s_t - m_new[None, :])
+        l = l * alpha + tl.sum(p_t, 0)
+        acc = tl.dot(tl.trans(ckv), p_t.to(ckv.dtype), acc * alpha[None, :])
+    else:
+        s = tl.dot(qb, tl.trans(kpe), tl.dot(qa, tl.trans(ckv))) * qk_scale
+        if MASKED:
+            s = tl.where((offs_n < end)[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(ckv.dtype), ckv, acc * alpha[:, None])
+    return m_new, l, acc
+
+
+@triton.jit(do_not_specialize=["NUM_SPLITS", "stride_bt"])
+def _split_tma_kernel(
+    QN, QP, CKV_DESC, KPE_DESC, BT, SEQ, OUT, WS_ACC, WS_LSE,
+    stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, stride_bt, stride_o_b, stride_o_h,
+    qk_scale, NUM_SPLITS,
+    H: tl.constexpr, HP: tl.constexpr, R: tl.constexpr, P: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, TRANS: tl.constexpr,
+):
+    """The split kernel with its KV tiles fetched by the tensor-memory accelerator: the caches
+    are [pages x PAGE, R] / [.., P] row views (`CKV_DESC`, `KPE_DESC`, block [BLOCK_N, R|P]),
+    a tile is BLOCK_N rows of one page (PAGE % BLOCK_N == 0), so Triton's pipeliner
+    double-buffers the copies in shared memory and both dots read them there (wgmma, no register
+    copy of the tile). The pointer kernel above loads each tile into registers unpipelined
+    (sm_90a ptxas: 255 registers and spills at 16 and 128 heads). The tail tile past a split's
+    end is zeroed in registers (stale cache slots never reach the PV dot). Partials go to the
+    workspace for `_merge_kernel`; a request of one split writes the output directly."""
+    split = tl.program_id(0)
+    hb = tl.program_id(1)
+    b = tl.program_id(2)
+    seq_len = tl.load(SEQ + b)
+    chunk, n_active = _split_range(seq_len, NUM_SPLITS, BLOCK_N)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs_h < H
+    offs_r = tl.arange(0, R)
+    offs_p = tl.arange(0, P)
+    b64 = b.to(tl.int64)
+    # the output's pointers are formed only where stored: a [BLOCK_H, R] tile of 64-bit pointers
+    # live across the loop costs 64 registers a thread at 8 warps (ptxas: spills)
+    out_row = OUT + b64 * stride_o_b
+    if split < n_active:
+        q_nope = tl.load(QN + b64 * stride_qn_b + offs_h[:, None] * stride_qn_h + offs_r[None, :],
+                         mask=hmask[:, None], other=0.0)
+        q_pe = tl.load(QP + b64 * stride_qp_b + offs_h[:, None] * stride_qp_h + offs_p[None, :],
+                       mask=hmask[:, None], other=0.0)
+        start = split * chunk
+        end = tl.minimum(start + chunk, seq_len)
+        full_end = start + ((end - start) // BLOCK_N) * BLOCK_N
+        bt_row = BT + b64 * stride_bt
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_H], tl.float32)
+        if TRANS:
+            qa = tl.trans(q_nope)
+            qb = tl.trans(q_pe)
+            acc = tl.zeros([R, BLOCK_H], tl.float32)
+        else:
+            qa = q_nope
+            qb = q_pe
+            acc = tl.zeros([BLOCK_H, R], tl.float32)
+        for t0 in range(start, full_end, BLOCK_N):
+            row = tl.load(bt_row + t0 // PAGE) * PAGE + t0 % PAGE
+            ckv = CKV_DESC.load([row, 0])
+            kpe = KPE_DESC.load([row, 0])
+            m, l, acc = _tile_update(qa, qb, ckv, kpe, m, l, acc, qk_scale, t0, end, BLOCK_N, TRANS, False)
+        if full_end < end:
+            row = tl.load(bt_row + full_end // PAGE) * PAGE + full_end % PAGE
+            keep = (full_end + tl.arange(0, BLOCK_N)) < end
+            ckv = tl.where(keep[:, None], CKV_DESC.load([row, 0]), 0.0)
+            kpe = tl.where(keep[:, None], KPE_DESC.load([row, 0]), 0.0)
+            m, l, acc = _tile_update(qa, qb, ckv, kpe, m, l, acc, qk_scale, full_end, end, BLOCK_N, TRANS,
+                                     True)
+        if TRANS:
+            acc = tl.trans(acc)
+        acc = acc / l[:, None]
+        if n_active == 1:
+            tl.store(out_row + offs_h[:, None] * stride_o_h + offs_r[None, :], acc.to(OUT.dtype.element_ty),
+                     mask=hmask[:, None])
+        else:
+            ws_row = (b64 * NUM_SPLITS + split) * HP + offs_h          # HP-padded: no mask needed
+            tl.store(WS_ACC + ws_row[:, None] * R + offs_r[None, :], acc.to(WS_ACC.dtype.element_ty))
+            tl.store(WS_LSE + ws_row, m + tl.log2(l))
+    if (seq_len == 0) & (split == 0):
+        tl.store(out_row + offs_h[:, None] * stride_o_h + offs_r[None, :],
+                 tl.zeros([BLOCK_H, R], tl.float32).to(OUT.dtype.element_ty), mask=hmask[:, None])
+
+
 @triton.jit(do_not_specialize=["NUM_SPLITS"])
 def _merge_kernel(
     WS_ACC, WS_LSE, SEQ, OUT, stride_o_b, stride_o_h, NUM_SPLITS,
@@ -230,7 +337,11 @@ class SplitDecode:
     launch, the last split merges) or "kernel" (a second merge kernel). `partial_dtype`: the
     workspace's partial-output dtype (float32; bfloat16 halves the merge traffic). `transposed`:
     scores computed as ckv . q^T (tokens as the dot's M), the form that gives a 16-row head block
-    Hopper's wgmma. None picks the defaults below.
+    Hopper's wgmma. None picks the defaults below. `load`: "gather" (the pointer kernel: every
+    tile through registers) or "tma" (`_split_tma_kernel`: tiles copied by the tensor-memory
+    accelerator into shared memory, double-buffered; merge "kernel" only, BLOCK_N dividing the
+    page, and caches whose pages are rows of one [pages x page, width] view; a cache that is not
+    is served by the pointer kernel instead).
     """
 
     def __init__(self, num_heads: int, page_size: int, max_batch: int, num_splits: int,
@@ -239,9 +350,14 @@ class SplitDecode:
                  transposed: bool | None = None,
                  kv_lora_rank: int = 512, rope_dim: int = 64, device="cuda",
                  merge_block_d: int = 128, merge_split_tile: int = 16, merge_num_warps: int = 4,
-                 workspace: "tuple[torch.Tensor, torch.Tensor] | None" = None):
+                 workspace: "tuple[torch.Tensor, torch.Tensor] | None" = None, load: str = "gather"):
         if merge not in MERGES:
             raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
+        if load not in LOADS:
+            raise ValueError(f"load must be one of {LOADS}, got {load!r}")
+        if load == "tma" and (merge != "kernel" or block_n > page_size):
+            raise ValueError(f"load 'tma' needs merge 'kernel' and block_n <= page_size, got merge {merge!r}, "
+                             f"block_n {block_n}, page_size {page_size}")
         for label, v in (("page_size", page_size), ("block_n", block_n), ("kv_lora_rank", kv_lora_rank),
                          ("rope_dim", rope_dim), ("merge_block_d", merge_block_d),
                          ("merge_split_tile", merge_split_tile)):
@@ -257,7 +373,7 @@ class SplitDecode:
         if kv_lora_rank % merge_block_d:
             raise ValueError(f"merge_block_d {merge_block_d} must divide kv_lora_rank {kv_lora_rank}")
         self.num_heads, self.page_size, self.max_batch = num_heads, page_size, max_batch
-        self.num_splits, self.block_n, self.merge = num_splits, block_n, merge
+        self.num_splits, self.block_n, self.merge, self.load = num_splits, block_n, merge, load
         # defaults from compiling for sm_90a (ptxas -v): a 64-row head block spills at 4 warps; a
         # 16-row one gets wgmma (no spill) only with tokens as the dot's M, BLOCK_N >= 64
         self.num_warps = num_warps or (8 if self.block_h >= 64 else 4)
@@ -290,7 +406,7 @@ class SplitDecode:
     def describe(self) -> dict:
         return {"num_splits": self.num_splits, "block_n": self.block_n, "block_h": self.block_h,
                 "num_warps": self.num_warps, "num_stages": self.num_stages, "merge": self.merge,
-                "transposed": self.transposed,
+                "transposed": self.transposed, "load": self.load,
                 "partial_dtype": str(self.ws_acc.dtype).replace("torch.", "")}
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, scale: float, out):
@@ -307,6 +423,41 @@ class SplitDecode:
                         ("kpe_cache", kpe_cache), ("out", out)):
             if t.stride(-1) != 1:
                 raise ValueError(f"{name} needs a unit stride in its last dim")
+        descs = self._descriptors(ckv_cache, kpe_cache) if self.load == "tma" else None
+        if descs is not None:
+            _split_tma_kernel[(self.num_splits, self.head_blocks, B)](
+                q_nope, q_pe, descs[0], descs[1], block_table, seq_lens, out, self.ws_acc, self.ws_lse,
+                q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+                block_table.stride(0), out.stride(0), out.stride(1),
+                float(scale) * _LOG2E, self.num_splits,
+                H=H, HP=self.padded_heads, R=R, P=self.P, PAGE=self.page_size,
+                BLOCK_H=self.block_h, BLOCK_N=self.block_n, TRANS=self.transposed,
+                num_warps=self.num_warps, num_stages=self.num_stages,
+            )
+        else:
+            self._pointer_kernel(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, scale, out)
+        if self.merge == "kernel" and self.num_splits > 1:
+            _merge_kernel[(H, R // self.merge_block_d, B)](
+                self.ws_acc, self.ws_lse, seq_lens, out, out.stride(0), out.stride(1), self.num_splits,
+                HP=self.padded_heads, R=R, BLOCK_N=self.block_n, DC=self.merge_block_d,
+                ST=self.merge_split_tile, num_warps=self.merge_num_warps, num_stages=1,
+            )
+        return out
+
+    def _descriptors(self, ckv_cache, kpe_cache):
+        """The caches' TMA descriptors (host objects of a few fields: built every launch, so no
+        cache tensor is kept alive here), or None where a cache's pages are not rows of one 2-D
+        view with 16-byte aligned rows (the pointer kernel serves those)."""
+        if not all(t.dim() == 3 and t.stride(0) == t.shape[1] * t.stride(1) and t.stride(2) == 1
+                   and (t.stride(1) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+                   for t in (ckv_cache, kpe_cache)):
+            return None
+        rows = ckv_cache.shape[0] * ckv_cache.shape[1]
+        return (_TensorDescriptor(ckv_cache, [rows, self.R], [ckv_cache.stride(1), 1], [self.block_n, self.R]),
+                _TensorDescriptor(kpe_cache, [rows, self.P], [kpe_cache.stride(1), 1], [self.block_n, self.P]))
+
+    def _pointer_kernel(self, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, scale, out):
+        B, H, R = q_nope.shape
         _small_decode_kernel[(self.num_splits, self.head_blocks, B)](
             q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, out,
             self.ws_acc, self.ws_lse, self.counter,
@@ -319,13 +470,6 @@ class SplitDecode:
             MERGE_D=self.fused_merge_d, TRANS=self.transposed,
             num_warps=self.num_warps, num_stages=self.num_stages,
         )
-        if self.merge == "kernel" and self.num_splits > 1:
-            _merge_kernel[(H, R // self.merge_block_d, B)](
-                self.ws_acc, self.ws_lse, seq_lens, out, out.stride(0), out.stride(1), self.num_splits,
-                HP=self.padded_heads, R=R, BLOCK_N=self.block_n, DC=self.merge_block_d,
-                ST=self.merge_split_tile, num_warps=self.merge_num_warps, num_stages=1,
-            )
-        return out
 
 
 def allocate_workspace(rows: int, padded_heads: int, kv_lora_rank: int, partial_dtype: torch.dtype,
@@ -360,12 +504,13 @@ def served(num_splits: int, partial: str, num_heads: int, page_size: int, max_ba
         raise ValueError(f"partial must be one of {', '.join(PARTIAL_DTYPES)}, got {partial!r}")
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 1 <= num_splits <= MAX_PROGRAMS:
         raise ValueError(f"num_splits must be an integer in 1..{MAX_PROGRAMS}, got {num_splits!r}")
+    tma = SERVED_BLOCK_N <= page_size          # a TMA tile lies in one page; else the pointer kernel
     return SplitDecode(num_heads, page_size, max_batch, num_splits, block_n=SERVED_BLOCK_N,
                        num_warps=8, num_stages=2, merge="kernel", partial_dtype=getattr(torch, partial),
-                       transposed=False, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, device=device,
-                       merge_block_d=min(SERVED_MERGE_D, kv_lora_rank),
-                       merge_split_tile=SERVED_MERGE_SPLITS,
-                       workspace=workspace)
+                       transposed=tma and default_block_h(num_heads) < 64, kv_lora_rank=kv_lora_rank,
+                       rope_dim=rope_dim, device=device, merge_block_d=min(SERVED_MERGE_D, kv_lora_rank),
+                       merge_split_tile=SERVED_MERGE_SPLITS, workspace=workspace,
+                       load="tma" if tma else "gather")
 
 
 def splits_for(total_tokens_per_request: int, block_n: int, num_splits: int) -> int:
