@@ -50,7 +50,11 @@ MERGE_ORDER = ("fused", "kernel")
 # double-buffered in shared memory, both dots read there), every one with the served merge
 # (merge kernel, 64-column blocks, all splits in one tile, bf16 partials). sm_90a ptxas (Triton
 # 3.6): BLOCK_H 16 transposed at 8 warps and BLOCK_H 64 at 8 warps keep the two stages without
-# spilling; 4 warps spill >1 KB, non-transposed BLOCK_H 16 loses the second stage.
+# spilling; 4 warps spill >1 KB, non-transposed BLOCK_H 16 loses the second stage. Two programs an
+# SM would need one stage (93 KB of shared memory) and 128 registers (656 B of spills; Triton's
+# maxnreg launch option): measured wrong on the H200 (relative error 5-7, with and without the cap,
+# small_decode_kernel_tma_occupancy_h200.txt), as the pointer kernel's transposed one-stage configuration was
+# (small_decode_kernel_h200.txt): SplitDecode refuses transposed with one stage.
 TMA_VARIANTS = {
     16: [dict(block_h=16, block_n=64, num_warps=8, transposed=False, load="gather"),
          dict(block_h=16, block_n=64, num_warps=8, transposed=True, load="tma")],
@@ -89,7 +93,7 @@ def base_configs(heads: int, batch: int, ctx: int) -> list[dict]:
         for v in TMA_VARIANTS[heads]:
             hb = -(-heads // v["block_h"])
             for s in split_choices(batch, ctx, v["block_n"], hb):
-                out.append(dict(v, num_splits=s, num_stages=2, merge="kernel", partial="bfloat16",
+                out.append(dict(dict(num_stages=2), **v, num_splits=s, merge="kernel", partial="bfloat16",
                                 merge_d=64, merge_st=128))
         return out
     for block_h, block_n, warps, trans in VARIANTS[heads]:

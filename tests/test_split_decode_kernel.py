@@ -149,6 +149,16 @@ def test_knobs_are_checked_before_anything_runs():
     from vllm_metax.ops.split_decode import SplitDecode, default_block_h, splits_for
     with pytest.raises(ValueError, match="merge"):
         SplitDecode(16, 16, 1, 4, merge="two", device="cpu")
+    with pytest.raises(ValueError, match="load"):
+        SplitDecode(16, 16, 1, 4, merge="kernel", load="dma", device="cpu")
+    # the TMA kernel: merge kernel only, tiles inside a page
+    for bad in (dict(merge="fused"), dict(block_n=64)):
+        with pytest.raises(ValueError, match="load 'tma' needs"):
+            SplitDecode(16, 32, 1, 4, **dict(dict(merge="kernel", block_n=32, load="tma"), **bad), device="cpu")
+    # tokens as the dots' M in one stage: measured wrong on the H200 with either load
+    for load in ("gather", "tma"):
+        with pytest.raises(ValueError, match="num_stages >= 2"):
+            SplitDecode(16, 64, 1, 4, merge="kernel", transposed=True, num_stages=1, load=load, device="cpu")
     with pytest.raises(ValueError, match="block_h"):
         SplitDecode(16, 16, 1, 4, block_h=8, device="cpu")
     with pytest.raises(ValueError, match="power of two"):

@@ -379,6 +379,12 @@ class SplitDecode:
         self.num_warps = num_warps or (8 if self.block_h >= 64 else 4)
         self.num_stages = num_stages
         self.transposed = (self.block_h < 64 and block_n >= 64) if transposed is None else bool(transposed)
+        if self.transposed and num_stages < 2:
+            # wrong results on the H200 under Triton 3.6, both loads: the pointer kernel at 128
+            # heads (small_decode_kernel_h200.txt), the TMA kernel at every 16-head shape (relative
+            # error 5-7, small_decode_kernel_tma_occupancy_h200.txt); two stages are right
+            raise ValueError("transposed (tokens as the dots' M) needs num_stages >= 2: one stage "
+                             "computed wrong results on the H200")
         self.R, self.P = kv_lora_rank, rope_dim
         self.merge_block_d, self.merge_split_tile, self.merge_num_warps = (
             merge_block_d, merge_split_tile, merge_num_warps)
