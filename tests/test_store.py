@@ -7,7 +7,7 @@ from mla_tune.families.base import Candidate
 from mla_tune.problem.workload import Workload
 from mla_tune.problem.defaults import PLAN_METRIC
 from mla_tune.store.records import TrialRecord, as_records
-from mla_tune.store.results import SCHEMA_VERSION, ResultsStore, StoreError, stats_of
+from mla_tune.store.results import META_TABLE, SCHEMA_VERSION, ResultsStore, StoreError, stats_of
 
 W = Workload(16, 512, 64, 0.1, batch_size=4, context_len=1024)
 
@@ -85,6 +85,33 @@ def test_not_sqlite_left_untouched(tmp_path):
     with pytest.raises(StoreError, match="not a SQLite file"):
         ResultsStore(p)
     assert p.read_bytes() == b"hello world, not a database\n"
+
+
+def test_a_new_db_appears_whole_and_a_sweep_that_lost_the_race_opens_the_winners(tmp_path, monkeypatch):
+    # two sweeps started at once on a new DB: one saw the other's half-made file (a SQLite header,
+    # no meta table yet) and refused it as foreign (CI, test_distributed). Now the path only ever
+    # holds a whole DB: what is linked into place already has the meta table and the schema
+    import os
+    from mla_tune.store import results as r
+    p = tmp_path / "new.db"
+    linked, real_link = [], os.link
+
+    def link(src, dst):
+        whole = r.is_results_db(src)
+        if not linked:                    # this sweep's link; the other one wins just before it
+            linked.append(None)
+            with ResultsStore(p) as other:
+                other.db["note"].insert({"by": "winner"})
+        linked.append((whole, os.path.exists(dst)))
+        return real_link(src, dst)
+
+    monkeypatch.setattr(r.os, "link", link)
+    with ResultsStore(p) as store:        # the loser opens the winner's DB, nothing replaced
+        assert store.db[META_TABLE].exists() and list(store.db["note"].rows) == [{"by": "winner"}]
+    # each linked a whole DB; the winner found the path free, the loser found it taken
+    assert linked == [None, (True, False), (True, True)]
+    assert sorted(x.name for x in tmp_path.iterdir() if not x.name.startswith("new.db")) == []  # no private file left
+    assert r.is_results_db(p)
 
 
 def test_foreign_sqlite_left_untouched(tmp_path):

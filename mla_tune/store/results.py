@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sqlite3
 import statistics
 import time
@@ -176,6 +177,8 @@ class ResultsStore:
             raise StoreError(f"{self.path} is a directory, not a results DB")
         if self.path.exists() and not self.path.is_file():
             raise StoreError(f"{self.path} is not a regular file, so not a results DB; left untouched")
+        if create and not self.path.exists():
+            self._create_whole()
         exists = self.path.exists() and self.path.stat().st_size > 0
         if not exists and not create:
             what = "an empty file" if self.path.exists() else "no results DB"
@@ -197,6 +200,38 @@ class ResultsStore:
             self._check_or_migrate(exists)
         except sqlite3.Error as e:
             raise StoreError(f"{self.path} cannot be read as a results DB ({e}); left untouched") from None
+
+    def _create_whole(self) -> None:
+        """A new DB appears at its path whole: built (WAL, every table, the schema version) in a
+        private file beside it and hard-linked into place, which fails if the path exists by
+        then. So a second sweep started at the same moment never sees a half-made file (a SQLite
+        header without the meta table: what a foreign or empty SQLite file looks like, which is
+        refused); the one that lost the race opens the winner's DB. Where the folder cannot take
+        a hard link, or is not writable, the path is created in place as before."""
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.new")
+        try:
+            conn = sqlite3.connect(str(tmp), timeout=30)
+            try:
+                db = sqlite_utils.Database(conn)
+                db.enable_wal()
+                for i in range(SCHEMA_VERSION):
+                    with db.conn:
+                        MIGRATIONS[i](db)
+                        db[META_TABLE].upsert({"key": "schema_version", "value": str(i + 1)}, pk="key")
+            finally:
+                conn.close()          # the last connection: the WAL is checkpointed into the file
+            try:
+                os.link(tmp, self.path)
+            except FileExistsError:
+                pass                  # another sweep made it first: open that one
+        except (OSError, sqlite3.Error):
+            pass                      # no link here (or no write): created in place below
+        finally:
+            for side in ("", "-wal", "-shm"):
+                try:
+                    os.unlink(f"{tmp}{side}")
+                except OSError:
+                    pass
 
     def _check_or_migrate(self, existed: bool) -> None:
         tables = set(self.db.table_names())
