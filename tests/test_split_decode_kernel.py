@@ -169,3 +169,25 @@ def test_knobs_are_checked_before_anything_runs():
     assert default_block_h(16) == 16 and default_block_h(128) == 64
     # BLOCK_N-aligned chunks: 1024 tokens over 64 splits of >= 64 tokens use 16 of them
     assert splits_for(1024, 64, 64) == 16 and splits_for(130, 32, 4) == 3 and splits_for(5, 32, 4) == 1
+
+
+def test_the_tma_kernel_is_served_only_where_the_device_has_tma(monkeypatch):
+    # MetaX GPUs have no tensor-memory accelerator and their Triton may lack tensor descriptors:
+    # there, and on NVIDIA GPUs before Hopper, `served` picks the pointer kernel (same knobs)
+    torch = pytest.importorskip("torch")
+    from vllm_metax import device as dev_mod
+    from vllm_metax.ops import split_decode as sd
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    for name, metax, want in (("NVIDIA H200", False, True), ("MetaX C500", True, False)):
+        monkeypatch.setattr(dev_mod, "detect_device", lambda n=name, m=metax: dev_mod.DeviceInfo(n, "test", m))
+        assert sd.tma_supported(cuda) is want, name
+    monkeypatch.setattr(dev_mod, "detect_device", lambda: dev_mod.DeviceInfo("NVIDIA A100", "torch", False))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
+    assert sd.tma_supported(cuda) is False
+    assert sd.tma_supported("cpu") is True                   # Triton's interpreter
+    assert sd.served(16, "float32", 16, 64, 2, "cpu").load == "tma"
+    monkeypatch.setattr(sd, "_TensorDescriptor", None)       # a Triton without tensor descriptors
+    assert sd.tma_supported("cpu") is False
+    k = sd.served(16, "float32", 16, 64, 2, "cpu")
+    assert (k.load, k.transposed) == ("gather", False)

@@ -37,7 +37,11 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
+except ImportError:     # an older or vendor Triton (MetaX's: no TMA there): the pointer kernel only
+    _TensorDescriptor = None
 
 MERGES = ("fused", "kernel")
 LOADS = ("gather", "tma")
@@ -454,7 +458,7 @@ class SplitDecode:
         """The caches' TMA descriptors (host objects of a few fields: built every launch, so no
         cache tensor is kept alive here), or None where a cache's pages are not rows of one 2-D
         view with 16-byte aligned rows (the pointer kernel serves those)."""
-        if not all(t.dim() == 3 and t.stride(0) == t.shape[1] * t.stride(1) and t.stride(2) == 1
+        if _TensorDescriptor is None or not all(t.dim() == 3 and t.stride(0) == t.shape[1] * t.stride(1) and t.stride(2) == 1
                    and (t.stride(1) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
                    for t in (ckv_cache, kpe_cache)):
             return None
@@ -510,13 +514,33 @@ def served(num_splits: int, partial: str, num_heads: int, page_size: int, max_ba
         raise ValueError(f"partial must be one of {', '.join(PARTIAL_DTYPES)}, got {partial!r}")
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 1 <= num_splits <= MAX_PROGRAMS:
         raise ValueError(f"num_splits must be an integer in 1..{MAX_PROGRAMS}, got {num_splits!r}")
-    tma = SERVED_BLOCK_N <= page_size          # a TMA tile lies in one page; else the pointer kernel
+    # a TMA tile lies in one page; below that page size, or where the device has no TMA, the
+    # pointer kernel
+    tma = SERVED_BLOCK_N <= page_size and tma_supported(device)
     return SplitDecode(num_heads, page_size, max_batch, num_splits, block_n=SERVED_BLOCK_N,
                        num_warps=8, num_stages=2, merge="kernel", partial_dtype=getattr(torch, partial),
                        transposed=tma and default_block_h(num_heads) < 64, kv_lora_rank=kv_lora_rank,
                        rope_dim=rope_dim, device=device, merge_block_d=min(SERVED_MERGE_D, kv_lora_rank),
                        merge_split_tile=SERVED_MERGE_SPLITS, workspace=workspace,
                        load="tma" if tma else "gather")
+
+
+def tma_supported(device) -> bool:
+    """Whether the TMA kernel can run on `device`: a Triton with tensor descriptors, and an NVIDIA
+    GPU of compute capability 9 or later (Hopper's tensor-memory accelerator; MetaX GPUs, found
+    by pymxsml or their name, have none); a CPU tensor runs it under Triton's interpreter."""
+    if _TensorDescriptor is None:
+        return False
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return dev.type == "cpu"
+    from vllm_metax.device import detect_device
+    if detect_device().is_metax:
+        return False
+    try:
+        return torch.cuda.get_device_capability(dev)[0] >= 9
+    except Exception:  # noqa: BLE001 - no answer from the driver: the pointer kernel
+        return False
 
 
 def splits_for(total_tokens_per_request: int, block_n: int, num_splits: int) -> int:
