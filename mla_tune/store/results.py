@@ -164,6 +164,26 @@ def is_results_db(path: str | Path) -> bool:
         return False
 
 
+def _migrate(db: sqlite_utils.Database, version: int) -> None:
+    """Bring `db` from schema `version` to SCHEMA_VERSION, one transaction per step."""
+    for i in range(version, SCHEMA_VERSION):
+        with db.conn:
+            # several sweeps may open a new DB at once: the write lock first, then
+            # look again whether another process has applied this step meanwhile
+            db.conn.execute("begin immediate")
+            if _stored_version(db) > i:
+                continue
+            MIGRATIONS[i](db)
+            db[META_TABLE].upsert({"key": "schema_version", "value": str(i + 1)}, pk="key")
+
+
+def _stored_version(db: sqlite_utils.Database) -> int:
+    if META_TABLE not in db.table_names():
+        return 0
+    row = db.execute(f"select value from {META_TABLE} where key='schema_version'").fetchone()
+    return int(row[0]) if row else 0
+
+
 class ResultsStore:
     """Open (or create) a results DB. Raises StoreError, never alters a foreign or newer file.
 
@@ -214,10 +234,7 @@ class ResultsStore:
             try:
                 db = sqlite_utils.Database(conn)
                 db.enable_wal()
-                for i in range(SCHEMA_VERSION):
-                    with db.conn:
-                        MIGRATIONS[i](db)
-                        db[META_TABLE].upsert({"key": "schema_version", "value": str(i + 1)}, pk="key")
+                _migrate(db, 0)
             finally:
                 conn.close()          # the last connection: the WAL is checkpointed into the file
             try:
@@ -261,30 +278,16 @@ class ResultsStore:
                 self.db.conn.backup(mem)
                 self.db.conn.close()
                 self.db = sqlite_utils.Database(mem)
-                self._migrate(version)
+                _migrate(self.db, version)
             return
         if version < SCHEMA_VERSION:
             self.db.enable_wal()
-            self._migrate(version)
+            _migrate(self.db, version)
         elif self.db.journal_mode != "wal":
             self.db.enable_wal()
 
-    def _migrate(self, version: int) -> None:
-        for i in range(version, SCHEMA_VERSION):
-            with self.db.conn:   # one transaction per migration step
-                # several sweeps may open a new DB at once: the write lock first, then
-                # look again whether another process has applied this step meanwhile
-                self.db.conn.execute("begin immediate")
-                if self._stored_version() > i:
-                    continue
-                MIGRATIONS[i](self.db)
-                self.db[META_TABLE].upsert({"key": "schema_version", "value": str(i + 1)}, pk="key")
-
     def _stored_version(self) -> int:
-        if META_TABLE not in self.db.table_names():
-            return 0
-        row = self.db.execute(f"select value from {META_TABLE} where key='schema_version'").fetchone()
-        return int(row[0]) if row else 0
+        return _stored_version(self.db)
 
     def close(self) -> None:
         self.db.close()

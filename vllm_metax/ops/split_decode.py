@@ -99,99 +99,6 @@ def _merge_splits(WS_ACC, WS_LSE, out_rows, ws_b, n_active, offs_h, hmask,
                  mask=hmask[:, None])
 
 
-@triton.jit(do_not_specialize=["NUM_SPLITS", "stride_bt", "FUSED"])
-def _small_decode_kernel(
-    QN, QP, CKV, KPE, BT, SEQ, OUT, WS_ACC, WS_LSE, COUNTER,
-    stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,
-    stride_c_p, stride_c_t, stride_k_p, stride_k_t, stride_bt,
-    stride_o_b, stride_o_h,
-    qk_scale, NUM_SPLITS, FUSED,
-    H: tl.constexpr, HP: tl.constexpr, R: tl.constexpr, P: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, MERGE_D: tl.constexpr,
-    TRANS: tl.constexpr,
-):
-    split = tl.program_id(0)
-    hb = tl.program_id(1)
-    b = tl.program_id(2)
-    seq_len = tl.load(SEQ + b)
-    chunk, n_active = _split_range(seq_len, NUM_SPLITS, BLOCK_N)
-
-    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = offs_h < H
-    offs_r = tl.arange(0, R)
-    offs_p = tl.arange(0, P)
-    b64 = b.to(tl.int64)
-    out_rows = OUT + b64 * stride_o_b + offs_h * stride_o_h
-    out_ptrs = out_rows[:, None] + offs_r[None, :]
-
-    if split < n_active:
-        q_nope = tl.load(QN + b64 * stride_qn_b + offs_h[:, None] * stride_qn_h + offs_r[None, :],
-                         mask=hmask[:, None], other=0.0)
-        q_pe = tl.load(QP + b64 * stride_qp_b + offs_h[:, None] * stride_qp_h + offs_p[None, :],
-                       mask=hmask[:, None], other=0.0)
-        start = split * chunk
-        end = tl.minimum(start + chunk, seq_len)
-        bt_row = BT + b64 * stride_bt
-        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_H], tl.float32)
-        if TRANS:
-            # tokens as the dot's M (BLOCK_N >= 64: Hopper's wgmma, operands from shared memory)
-            q_nope_t = tl.trans(q_nope)
-            q_pe_t = tl.trans(q_pe)
-            acc_t = tl.zeros([R, BLOCK_H], tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_H, R], tl.float32)
-        for t0 in range(start, end, BLOCK_N):
-            offs_n = t0 + tl.arange(0, BLOCK_N)
-            nmask = offs_n < end
-            page = tl.load(bt_row + offs_n // PAGE, mask=nmask, other=0).to(tl.int64)
-            slot = offs_n % PAGE
-            ckv = tl.load(CKV + (page * stride_c_p + slot * stride_c_t)[:, None] + offs_r[None, :],
-                          mask=nmask[:, None], other=0.0)
-            kpe = tl.load(KPE + (page * stride_k_p + slot * stride_k_t)[:, None] + offs_p[None, :],
-                          mask=nmask[:, None], other=0.0)
-            if TRANS:
-                s_t = tl.dot(ckv, q_nope_t)
-                s_t = tl.dot(kpe, q_pe_t, s_t)
-                s_t = tl.where(nmask[:, None], s_t * qk_scale, float("-inf"))
-                m_new = tl.maximum(m, tl.max(s_t, 0))
-                alpha = tl.exp2(m - m_new)
-                p_t = tl.exp2(s_t - m_new[None, :])
-                l = l * alpha + tl.sum(p_t, 0)
-                acc_t = tl.dot(tl.trans(ckv), p_t.to(ckv.dtype), acc_t * alpha[None, :])
-            else:
-                s = tl.dot(q_nope, tl.trans(ckv))
-                s = tl.dot(q_pe, tl.trans(kpe), s)
-                s = tl.where(nmask[None, :], s * qk_scale, float("-inf"))
-                m_new = tl.maximum(m, tl.max(s, 1))
-                alpha = tl.exp2(m - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l = l * alpha + tl.sum(p, 1)
-                acc = tl.dot(p.to(ckv.dtype), ckv, acc * alpha[:, None])
-            m = m_new
-        if TRANS:
-            acc = tl.trans(acc_t)
-        acc = acc / l[:, None]
-        if n_active == 1:
-            tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=hmask[:, None])
-        else:
-            lse = m + tl.log2(l)
-            ws_row = (b64 * NUM_SPLITS + split) * HP + offs_h          # HP-padded: no mask needed
-            tl.store(WS_ACC + ws_row[:, None] * R + offs_r[None, :], acc.to(WS_ACC.dtype.element_ty))
-            tl.store(WS_LSE + ws_row, lse)
-            if FUSED != 0:
-                # every thread's partial is written before one thread's release of the counter
-                tl.debug_barrier()
-                cnt = COUNTER + b * (HP // BLOCK_H) + hb
-                arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-                if arrived == n_active - 1:
-                    _merge_splits(WS_ACC, WS_LSE, out_rows, b64 * NUM_SPLITS, n_active, offs_h, hmask,
-                                  HP, R, BLOCK_H, MERGE_D)
-                    tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
-    if (seq_len == 0) & (split == 0):
-        tl.store(out_ptrs, tl.zeros([BLOCK_H, R], tl.float32).to(OUT.dtype.element_ty), mask=hmask[:, None])
-
-
 @triton.jit
 def _tile_update(qa, qb, ckv, kpe, m, l, acc, qk_scale, t0, end, BLOCK_N: tl.constexpr,
                  TRANS: tl.constexpr, MASKED: tl.constexpr):
@@ -220,6 +127,90 @@ def _tile_update(qa, qb, ckv, kpe, m, l, acc, qk_scale, t0, end, BLOCK_N: tl.con
     return m_new, l, acc
 
 
+@triton.jit
+def _split_init(QN, QP, b64, offs_h, hmask, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,
+                R: tl.constexpr, P: tl.constexpr, BLOCK_H: tl.constexpr, TRANS: tl.constexpr):
+    """A split's queries in the dots' orientation (TRANS: q^T, tokens as the dots' M) and its
+    empty running (max, sum, accumulator)."""
+    offs_r = tl.arange(0, R)
+    offs_p = tl.arange(0, P)
+    q_nope = tl.load(QN + b64 * stride_qn_b + offs_h[:, None] * stride_qn_h + offs_r[None, :],
+                     mask=hmask[:, None], other=0.0)
+    q_pe = tl.load(QP + b64 * stride_qp_b + offs_h[:, None] * stride_qp_h + offs_p[None, :],
+                   mask=hmask[:, None], other=0.0)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    if TRANS:
+        return tl.trans(q_nope), tl.trans(q_pe), m, l, tl.zeros([R, BLOCK_H], tl.float32)
+    else:
+        return q_nope, q_pe, m, l, tl.zeros([BLOCK_H, R], tl.float32)
+
+
+@triton.jit(do_not_specialize=["NUM_SPLITS", "stride_bt", "FUSED"])
+def _small_decode_kernel(
+    QN, QP, CKV, KPE, BT, SEQ, OUT, WS_ACC, WS_LSE, COUNTER,
+    stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,
+    stride_c_p, stride_c_t, stride_k_p, stride_k_t, stride_bt,
+    stride_o_b, stride_o_h,
+    qk_scale, NUM_SPLITS, FUSED,
+    H: tl.constexpr, HP: tl.constexpr, R: tl.constexpr, P: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, MERGE_D: tl.constexpr,
+    TRANS: tl.constexpr,
+):
+    split = tl.program_id(0)
+    hb = tl.program_id(1)
+    b = tl.program_id(2)
+    seq_len = tl.load(SEQ + b)
+    chunk, n_active = _split_range(seq_len, NUM_SPLITS, BLOCK_N)
+
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs_h < H
+    offs_r = tl.arange(0, R)
+    offs_p = tl.arange(0, P)
+    b64 = b.to(tl.int64)
+    out_rows = OUT + b64 * stride_o_b + offs_h * stride_o_h
+    out_ptrs = out_rows[:, None] + offs_r[None, :]
+
+    if split < n_active:
+        # tokens as the dots' M where TRANS (BLOCK_N >= 64: Hopper's wgmma, operands from shared memory)
+        qa, qb, m, l, acc = _split_init(QN, QP, b64, offs_h, hmask, stride_qn_b, stride_qn_h, stride_qp_b,
+                                        stride_qp_h, R, P, BLOCK_H, TRANS)
+        start = split * chunk
+        end = tl.minimum(start + chunk, seq_len)
+        bt_row = BT + b64 * stride_bt
+        for t0 in range(start, end, BLOCK_N):
+            offs_n = t0 + tl.arange(0, BLOCK_N)
+            nmask = offs_n < end
+            page = tl.load(bt_row + offs_n // PAGE, mask=nmask, other=0).to(tl.int64)
+            slot = offs_n % PAGE
+            ckv = tl.load(CKV + (page * stride_c_p + slot * stride_c_t)[:, None] + offs_r[None, :],
+                          mask=nmask[:, None], other=0.0)
+            kpe = tl.load(KPE + (page * stride_k_p + slot * stride_k_t)[:, None] + offs_p[None, :],
+                          mask=nmask[:, None], other=0.0)
+            m, l, acc = _tile_update(qa, qb, ckv, kpe, m, l, acc, qk_scale, t0, end, BLOCK_N, TRANS, True)
+        if TRANS:
+            acc = tl.trans(acc)
+        acc = acc / l[:, None]
+        if n_active == 1:
+            tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=hmask[:, None])
+        else:
+            lse = m + tl.log2(l)
+            ws_row = (b64 * NUM_SPLITS + split) * HP + offs_h          # HP-padded: no mask needed
+            tl.store(WS_ACC + ws_row[:, None] * R + offs_r[None, :], acc.to(WS_ACC.dtype.element_ty))
+            tl.store(WS_LSE + ws_row, lse)
+            if FUSED != 0:
+                # every thread's partial is written before one thread's release of the counter
+                tl.debug_barrier()
+                cnt = COUNTER + b * (HP // BLOCK_H) + hb
+                arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+                if arrived == n_active - 1:
+                    _merge_splits(WS_ACC, WS_LSE, out_rows, b64 * NUM_SPLITS, n_active, offs_h, hmask,
+                                  HP, R, BLOCK_H, MERGE_D)
+                    tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+    if (seq_len == 0) & (split == 0):
+        tl.store(out_ptrs, tl.zeros([BLOCK_H, R], tl.float32).to(OUT.dtype.element_ty), mask=hmask[:, None])
+
+
 @triton.jit(do_not_specialize=["NUM_SPLITS", "stride_bt"])
 def _split_tma_kernel(
     QN, QP, CKV_DESC, KPE_DESC, BT, SEQ, OUT, WS_ACC, WS_LSE,
@@ -244,30 +235,17 @@ def _split_tma_kernel(
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs_h < H
     offs_r = tl.arange(0, R)
-    offs_p = tl.arange(0, P)
     b64 = b.to(tl.int64)
     # the output's pointers are formed only where stored: a [BLOCK_H, R] tile of 64-bit pointers
     # live across the loop costs 64 registers a thread at 8 warps (ptxas: spills)
     out_row = OUT + b64 * stride_o_b
     if split < n_active:
-        q_nope = tl.load(QN + b64 * stride_qn_b + offs_h[:, None] * stride_qn_h + offs_r[None, :],
-                         mask=hmask[:, None], other=0.0)
-        q_pe = tl.load(QP + b64 * stride_qp_b + offs_h[:, None] * stride_qp_h + offs_p[None, :],
-                       mask=hmask[:, None], other=0.0)
+        qa, qb, m, l, acc = _split_init(QN, QP, b64, offs_h, hmask, stride_qn_b, stride_qn_h, stride_qp_b,
+                                        stride_qp_h, R, P, BLOCK_H, TRANS)
         start = split * chunk
         end = tl.minimum(start + chunk, seq_len)
         full_end = start + ((end - start) // BLOCK_N) * BLOCK_N
         bt_row = BT + b64 * stride_bt
-        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_H], tl.float32)
-        if TRANS:
-            qa = tl.trans(q_nope)
-            qb = tl.trans(q_pe)
-            acc = tl.zeros([R, BLOCK_H], tl.float32)
-        else:
-            qa = q_nope
-            qb = q_pe
-            acc = tl.zeros([BLOCK_H, R], tl.float32)
         for t0 in range(start, full_end, BLOCK_N):
             row = tl.load(bt_row + t0 // PAGE) * PAGE + t0 % PAGE
             ckv = CKV_DESC.load([row, 0])
