@@ -63,6 +63,23 @@ TMA_VARIANTS = {
           dict(block_h=16, block_n=64, num_warps=8, transposed=True, load="tma")],
 }
 TMA_MODE = False
+# --pipe: the served TMA kernel (block-table load in its tile loop: GROUP_PAGES 0; at 2 stages
+# sm_90a TTGIR issues the next tile's copy only after this tile's dots, so copies and dots never
+# overlap) against page ids loaded GROUP_PAGES at a time ahead of the loop (group_pages 32), which
+# lets 32-token tiles take 3 or 4 stages (2 or 3 copies in flight during the dots; BLOCK_H 64:
+# wgmma with heads as M, 16 heads padded). sm_90a ptxas (Triton 3.6), no spill in any:
+# H16 T bn64 st2 255 regs 168 KB; bh64 bn32 st3 230 regs 184 KB, st4 230-254 regs 221 KB.
+PIPE_VARIANTS = {
+    16: [dict(block_h=16, block_n=64, transposed=True, num_stages=2, group_pages=0),
+         dict(block_h=16, block_n=64, transposed=True, num_stages=2, group_pages=32),
+         dict(block_h=64, block_n=32, transposed=False, num_stages=3, group_pages=32),
+         dict(block_h=64, block_n=32, transposed=False, num_stages=4, group_pages=32)],
+    128: [dict(block_h=64, block_n=64, transposed=False, num_stages=2, group_pages=0),
+          dict(block_h=64, block_n=64, transposed=False, num_stages=2, group_pages=32),
+          dict(block_h=64, block_n=32, transposed=False, num_stages=3, group_pages=32),
+          dict(block_h=64, block_n=32, transposed=False, num_stages=4, group_pages=32)],
+}
+PIPE_MODE = False
 FA3_CHUNKS: tuple = ()     # --fa3-chunks: fa3 also at each of the tuner's kv_chunk factors
 DEVICE = "cuda"     # the CLI runs on CUDA only; a CPU dry run (Triton's interpreter) may set "cpu"
 LOG: list[str] = []
@@ -89,6 +106,13 @@ def split_choices(batch: int, ctx: int, block_n: int, head_blocks: int) -> list[
 
 def base_configs(heads: int, batch: int, ctx: int) -> list[dict]:
     out = []
+    if PIPE_MODE:
+        for v in PIPE_VARIANTS[heads]:
+            hb = -(-heads // v["block_h"])
+            for s in split_choices(batch, ctx, v["block_n"], hb):
+                out.append(dict(v, num_warps=8, load="tma", num_splits=s, merge="kernel", partial="bfloat16",
+                                merge_d=64, merge_st=128))
+        return out
     if TMA_MODE:
         for v in TMA_VARIANTS[heads]:
             hb = -(-heads // v["block_h"])
@@ -128,7 +152,8 @@ def label(c: dict) -> str:
         merge += f" md{c['merge_d']} mst{c['merge_st']}"
     return (f"S{c['num_splits']} bn{c['block_n']} bh{c['block_h']} w{c['num_warps']} st{c['num_stages']}"
             f"{' T' if c['transposed'] else ''} {merge}{' bf16ws' if c['partial'] == 'bfloat16' else ''}"
-            f"{' tma' if c.get('load') == 'tma' else ''}")
+            f"{' tma' if c.get('load') == 'tma' else ''}"
+            f"{' g%d' % c['group_pages'] if 'group_pages' in c else ''}")
 
 
 def sync(torch) -> None:
@@ -184,7 +209,8 @@ def run_config(torch, shape: Shape, c: dict) -> dict:
                       merge=c["merge"], transposed=c["transposed"],
                       partial_dtype=getattr(torch, c["partial"]), device=DEVICE,
                       merge_block_d=c.get("merge_d", 128), merge_split_tile=c.get("merge_st", 16),
-                      load=c.get("load", "gather"))
+                      load=c.get("load", "gather"), **({"group_pages": c["group_pages"]}
+                                                       if "group_pages" in c else {}))
     out = torch.empty_like(p.q_nope)
     args = (p.q_nope, p.q_pe, p.ckv_cache, p.kpe_cache, p.block_table, shape.seq_lens,
             w.softmax_scale, out)
@@ -326,7 +352,9 @@ def summarise(doc: dict) -> None:
     doc["meets_goal"] = bool(best and best["median_us"] <= GOAL_US)
     by_merge = {}
     for r in ok:
-        key = r["merge"] if not TMA_MODE else ("tma" if r.get("load") == "tma" else "pointer")
+        key = (r["merge"] if not TMA_MODE else ("tma" if r.get("load") == "tma" else "pointer"))
+        if PIPE_MODE:
+            key = f"bn{r['block_n']} st{r['num_stages']} g{r['group_pages']}"
         if key not in by_merge or r["median_us"] < by_merge[key]["median_us"]:
             by_merge[key] = r
     doc["best_by_merge"] = {m: {"config": r["config"], "median_us": r["median_us"]}
@@ -349,7 +377,7 @@ def report_shape(doc: dict, t_start: float) -> None:
 
 
 def main(argv=None) -> int:
-    global SPLITS, FA3_CHUNKS, TMA_MODE
+    global SPLITS, FA3_CHUNKS, TMA_MODE, PIPE_MODE
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=".", help="folder for small_decode_kernel_<device>.{txt,json}")
     ap.add_argument("--budget-s", type=float, default=140.0,
@@ -361,6 +389,8 @@ def main(argv=None) -> int:
                     help="also time fa3 at every kv_chunk factor of the tuner (the best a tuned config serves)")
     ap.add_argument("--tma", action="store_true",
                     help="the served configuration against the TMA kernel (TMA_VARIANTS), no refinements")
+    ap.add_argument("--pipe", action="store_true",
+                    help="the served TMA kernel against pipelined variants (PIPE_VARIANTS), no refinements")
     ap.add_argument("--tag", default="", help="results file suffix: small_decode_kernel<_tag>_<device>")
     args = ap.parse_args(argv)
     try:
@@ -369,7 +399,8 @@ def main(argv=None) -> int:
         ap.error(f"--splits takes integers, e.g. 16,64,128; got {args.splits!r}")
     if not SPLITS or SPLITS[0] < 1:
         ap.error(f"--splits: each must be >= 1, got {args.splits!r}")
-    TMA_MODE = args.tma
+    PIPE_MODE = args.pipe
+    TMA_MODE = args.tma or args.pipe
     if args.fa3_chunks:
         from vllm_metax.tuned_config import KV_CHUNKS
         FA3_CHUNKS = KV_CHUNKS

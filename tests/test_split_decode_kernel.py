@@ -58,6 +58,12 @@ _CHILD = textwrap.dedent("""
         (16, [5, 70, 130], 32, dict(num_splits=3, block_n=32, merge="kernel", load="tma", transposed=True)),
         (128, [100, 3], 64, dict(num_splits=2, block_n=32, block_h=64, merge="kernel", load="tma",
                                  num_warps=8)),
+        # page ids loaded 2 pages at a time (5 groups a split, the first split's last group partial,
+        # the second split starting mid-page), and the block-table load in the tile loop (0)
+        (16, [5, 300], 16, dict(num_splits=2, block_n=16, merge="kernel", load="tma", transposed=False,
+                                group_pages=2)),
+        (16, [70, 130], 32, dict(num_splits=3, block_n=32, merge="kernel", load="tma", transposed=False,
+                                 group_pages=0)),
     ]
     for heads, lens, page, knobs in CONFIGS:
         w, p, ref = problem(heads, lens, page)
@@ -123,7 +129,7 @@ def test_kernel_matches_the_reference_under_the_triton_interpreter():
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     out = json.loads(lines[-1][len("RESULT "):])
-    assert len(out["cases"]) == 9
+    assert len(out["cases"]) == 11
     for label, err, counters in out["cases"]:
         assert err < 2e-2, (label, err)
         assert counters == 0, (label, "counters left non-zero", counters)
@@ -163,6 +169,9 @@ def test_knobs_are_checked_before_anything_runs():
         SplitDecode(16, 16, 1, 4, block_h=8, device="cpu")
     with pytest.raises(ValueError, match="power of two"):
         SplitDecode(16, 48, 1, 4, device="cpu")
+    for bad in (3, -2):
+        with pytest.raises(ValueError, match="group_pages must be 0 or a power of two"):
+            SplitDecode(16, 64, 1, 4, merge="kernel", load="tma", group_pages=bad, device="cpu")
     k = SplitDecode(128, 64, 2, 8, device="cpu")
     assert (k.block_h, k.num_warps, k.head_blocks) == (64, 8, 2)
     assert k.ws_acc.shape == (2 * 8, 128, 512) and k.counter.dtype == torch.int32

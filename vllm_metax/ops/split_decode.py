@@ -55,6 +55,8 @@ SERVED_MERGE_D = 64
 # memory traffic), and one compile for every split count
 SERVED_MERGE_SPLITS = 128
 PARTIAL_DTYPES = ("bfloat16", "float32")
+# page ids the TMA kernel loads at once, ahead of their tiles' copies
+TMA_GROUP_PAGES = 32
 
 
 @triton.jit
@@ -217,7 +219,7 @@ def _split_tma_kernel(
     stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, stride_bt, stride_o_b, stride_o_h,
     qk_scale, NUM_SPLITS,
     H: tl.constexpr, HP: tl.constexpr, R: tl.constexpr, P: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, TRANS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, TRANS: tl.constexpr, GROUP_PAGES: tl.constexpr,
 ):
     """The split kernel with its KV tiles fetched by the tensor-memory accelerator: the caches
     are [pages x PAGE, R] / [.., P] row views (`CKV_DESC`, `KPE_DESC`, block [BLOCK_N, R|P]),
@@ -246,11 +248,27 @@ def _split_tma_kernel(
         end = tl.minimum(start + chunk, seq_len)
         full_end = start + ((end - start) // BLOCK_N) * BLOCK_N
         bt_row = BT + b64 * stride_bt
-        for t0 in range(start, full_end, BLOCK_N):
-            row = tl.load(bt_row + t0 // PAGE) * PAGE + t0 % PAGE
-            ckv = CKV_DESC.load([row, 0])
-            kpe = KPE_DESC.load([row, 0])
-            m, l, acc = _tile_update(qa, qb, ckv, kpe, m, l, acc, qk_scale, t0, end, BLOCK_N, TRANS, False)
+        # the page ids of GROUP_PAGES pages at a time are loaded before their tiles' loop, so a
+        # tile's TMA address needs no global load (a block-table load in the loop sat between two
+        # tiles' copies: sm_90a TTGIR at 2 stages issued the next copy only after this tile's dots)
+        # (GROUP_PAGES 0: one block-table load a tile, in the loop)
+        if GROUP_PAGES == 0:
+            for t0 in range(start, full_end, BLOCK_N):
+                row = tl.load(bt_row + t0 // PAGE) * PAGE + t0 % PAGE
+                ckv = CKV_DESC.load([row, 0])
+                kpe = KPE_DESC.load([row, 0])
+                m, l, acc = _tile_update(qa, qb, ckv, kpe, m, l, acc, qk_scale, t0, end, BLOCK_N, TRANS, False)
+        else:
+            offs_g = tl.arange(0, GROUP_PAGES)
+            for g0 in range(start - start % PAGE, full_end, GROUP_PAGES * PAGE):
+                g_pages = tl.load(bt_row + g0 // PAGE + offs_g, mask=g0 + offs_g * PAGE < full_end, other=0)
+                for t0 in range(tl.maximum(g0, start), tl.minimum(g0 + GROUP_PAGES * PAGE, full_end), BLOCK_N):
+                    pg = tl.sum(tl.where(offs_g == (t0 - g0) // PAGE, g_pages, 0), 0)
+                    row = pg * PAGE + t0 % PAGE
+                    ckv = CKV_DESC.load([row, 0])
+                    kpe = KPE_DESC.load([row, 0])
+                    m, l, acc = _tile_update(qa, qb, ckv, kpe, m, l, acc, qk_scale, t0, end, BLOCK_N, TRANS,
+                                             False)
         if full_end < end:
             row = tl.load(bt_row + full_end // PAGE) * PAGE + full_end % PAGE
             keep = (full_end + tl.arange(0, BLOCK_N)) < end
@@ -332,7 +350,8 @@ class SplitDecode:
                  transposed: bool | None = None,
                  kv_lora_rank: int = 512, rope_dim: int = 64, device="cuda",
                  merge_block_d: int = 128, merge_split_tile: int = 16, merge_num_warps: int = 4,
-                 workspace: "tuple[torch.Tensor, torch.Tensor] | None" = None, load: str = "gather"):
+                 workspace: "tuple[torch.Tensor, torch.Tensor] | None" = None, load: str = "gather",
+                 group_pages: int = TMA_GROUP_PAGES):
         if merge not in MERGES:
             raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
         if load not in LOADS:
@@ -340,6 +359,9 @@ class SplitDecode:
         if load == "tma" and (merge != "kernel" or block_n > page_size):
             raise ValueError(f"load 'tma' needs merge 'kernel' and block_n <= page_size, got merge {merge!r}, "
                              f"block_n {block_n}, page_size {page_size}")
+        if group_pages and group_pages & (group_pages - 1) or group_pages < 0:
+            raise ValueError(f"group_pages must be 0 or a power of two, got {group_pages}")
+        self.group_pages = group_pages
         for label, v in (("page_size", page_size), ("block_n", block_n), ("kv_lora_rank", kv_lora_rank),
                          ("rope_dim", rope_dim), ("merge_block_d", merge_block_d),
                          ("merge_split_tile", merge_split_tile)):
@@ -394,7 +416,7 @@ class SplitDecode:
     def describe(self) -> dict:
         return {"num_splits": self.num_splits, "block_n": self.block_n, "block_h": self.block_h,
                 "num_warps": self.num_warps, "num_stages": self.num_stages, "merge": self.merge,
-                "transposed": self.transposed, "load": self.load,
+                "transposed": self.transposed, "load": self.load, "group_pages": self.group_pages,
                 "partial_dtype": str(self.ws_acc.dtype).replace("torch.", "")}
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, scale: float, out):
@@ -419,7 +441,7 @@ class SplitDecode:
                 block_table.stride(0), out.stride(0), out.stride(1),
                 float(scale) * _LOG2E, self.num_splits,
                 H=H, HP=self.padded_heads, R=R, P=self.P, PAGE=self.page_size,
-                BLOCK_H=self.block_h, BLOCK_N=self.block_n, TRANS=self.transposed,
+                BLOCK_H=self.block_h, BLOCK_N=self.block_n, TRANS=self.transposed, GROUP_PAGES=self.group_pages,
                 num_warps=self.num_warps, num_stages=self.num_stages,
             )
         else:
