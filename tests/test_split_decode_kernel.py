@@ -64,6 +64,9 @@ _CHILD = textwrap.dedent("""
                                 group_pages=2)),
         (16, [70, 130], 32, dict(num_splits=3, block_n=32, merge="kernel", load="tma", transposed=False,
                                  group_pages=0)),
+        # 16 heads padded to one 64-row head block (wgmma's M), 32-token tiles of 64-token pages
+        (16, [70, 200], 64, dict(num_splits=2, block_n=32, block_h=64, merge="kernel", load="tma",
+                                 num_warps=8, group_pages=32)),
     ]
     for heads, lens, page, knobs in CONFIGS:
         w, p, ref = problem(heads, lens, page)
@@ -129,7 +132,7 @@ def test_kernel_matches_the_reference_under_the_triton_interpreter():
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     out = json.loads(lines[-1][len("RESULT "):])
-    assert len(out["cases"]) == 11
+    assert len(out["cases"]) == 12
     for label, err, counters in out["cases"]:
         assert err < 2e-2, (label, err)
         assert counters == 0, (label, "counters left non-zero", counters)
@@ -200,3 +203,33 @@ def test_the_tma_kernel_is_served_only_where_the_device_has_tma(monkeypatch):
     assert sd.tma_supported("cpu") is False
     k = sd.served(16, "float32", 16, 64, 2, "cpu")
     assert (k.load, k.transposed) == ("gather", False)
+
+
+def test_compiled_for_hopper_the_grouped_page_ids_let_copies_overlap_the_dots(tmp_path):
+    """bench/split_kernel_compile.py on the installed Triton (no GPU: ahead-of-time for sm_90a):
+    the served 16-head kernel issues each tile's copy only after the previous tile's dots (0 in
+    flight), and with page ids loaded ahead of the loop 32-token tiles at 4 stages keep 2 copies in
+    flight; with the block-table load in the loop the pipeliner leaves the copies 2 buffers."""
+    pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    import importlib.util
+    from pathlib import Path
+    from vllm_metax.ops import split_decode as sd
+    if sd._TensorDescriptor is None:
+        pytest.skip("this Triton has no tensor descriptors")
+    path = Path(__file__).resolve().parents[1] / "bench" / "split_kernel_compile.py"
+    spec = importlib.util.spec_from_file_location("split_kernel_compile", path)
+    skc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(skc)
+    import triton
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not cuobjdump.exists():
+        pytest.skip("this Triton ships no cuobjdump")
+    rows = {v: skc.compile_one(sd._split_tma_kernel, v, 90, str(cuobjdump), tmp_path)
+            for v in ((16, 16, 64, 8, 2, True, 0), (128, 64, 32, 8, 4, False, 32), (128, 64, 32, 8, 4, False, 0))}
+    served, grouped, in_loop = rows.values()
+    assert all(r["status"] == "ok" and r["fits"] for r in rows.values()), rows
+    assert (served["kv_buffers"], served["copies_in_flight_during_dots"]) == (2, 0), served
+    assert (grouped["kv_buffers"], grouped["copies_in_flight_during_dots"]) == (4, 2), grouped
+    assert grouped["stack_bytes"] == 0, grouped
+    assert in_loop["kv_buffers"] == 2, in_loop

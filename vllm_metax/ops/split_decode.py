@@ -55,8 +55,12 @@ SERVED_MERGE_D = 64
 # memory traffic), and one compile for every split count
 SERVED_MERGE_SPLITS = 128
 PARTIAL_DTYPES = ("bfloat16", "float32")
-# page ids the TMA kernel loads at once, ahead of their tiles' copies
-TMA_GROUP_PAGES = 32
+# group_pages: page ids the TMA kernel loads at once, ahead of their tiles' copies (0: one
+# block-table load a tile, in the tile loop). Served: 0, the kernel measured on the H200; 32 (no
+# block-table load between two tiles' copies, and 32-token tiles can take 3-4 stages) is compiled
+# for sm_90a and checked under the interpreter, not yet timed on a GPU (bench/small_decode_kernel.py
+# --pipe times both)
+SERVED_GROUP_PAGES = 0
 
 
 @triton.jit
@@ -248,10 +252,13 @@ def _split_tma_kernel(
         end = tl.minimum(start + chunk, seq_len)
         full_end = start + ((end - start) // BLOCK_N) * BLOCK_N
         bt_row = BT + b64 * stride_bt
-        # the page ids of GROUP_PAGES pages at a time are loaded before their tiles' loop, so a
-        # tile's TMA address needs no global load (a block-table load in the loop sat between two
-        # tiles' copies: sm_90a TTGIR at 2 stages issued the next copy only after this tile's dots)
-        # (GROUP_PAGES 0: one block-table load a tile, in the loop)
+        # GROUP_PAGES 0: one block-table load a tile, in the loop. sm_90a TTGIR (Triton 3.6): at 2
+        # stages the next tile's copy is issued after this tile's dots and its block-table load,
+        # so copies and dots never overlap; at 3-4 stages the pipeliner spends a stage on the
+        # block-table load and the copies still get 2 buffers. Else the page ids of GROUP_PAGES
+        # pages are loaded ahead of their tiles (one tile's page picked out in registers): no
+        # global load feeds a copy's address, and 3-4 stages give the copies 3-4 buffers (2-3
+        # copies in flight during a tile's dots; the PV dot is left async across iterations)
         if GROUP_PAGES == 0:
             for t0 in range(start, full_end, BLOCK_N):
                 row = tl.load(bt_row + t0 // PAGE) * PAGE + t0 % PAGE
@@ -351,7 +358,7 @@ class SplitDecode:
                  kv_lora_rank: int = 512, rope_dim: int = 64, device="cuda",
                  merge_block_d: int = 128, merge_split_tile: int = 16, merge_num_warps: int = 4,
                  workspace: "tuple[torch.Tensor, torch.Tensor] | None" = None, load: str = "gather",
-                 group_pages: int = TMA_GROUP_PAGES):
+                 group_pages: int = SERVED_GROUP_PAGES):
         if merge not in MERGES:
             raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
         if load not in LOADS:
