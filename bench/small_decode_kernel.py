@@ -68,17 +68,16 @@ TMA_MODE = False
 # overlap) against page ids loaded GROUP_PAGES at a time ahead of the loop (group_pages 32), which
 # lets 32-token tiles take 3 or 4 stages (2 or 3 copies in flight during the dots; BLOCK_H 64:
 # wgmma with heads as M, 16 heads padded). sm_90a ptxas (Triton 3.6), no spill in any:
-# H16 T bn64 st2 255 regs 168 KB; bh64 bn32 st3 230 regs 184 KB, st4 230-254 regs 221 KB.
-PIPE_VARIANTS = {
-    16: [dict(block_h=16, block_n=64, transposed=True, num_stages=2, group_pages=0),
-         dict(block_h=16, block_n=64, transposed=True, num_stages=2, group_pages=32),
+# H16 T bn64 st2 255 regs 168 KB; bh64 bn32 st3 230 regs 184 KB, st4 230-254 regs 221 KB
+# (bench/results/split_kernel_compile_sm90.txt). pdl: the merge kernel as the split kernel's
+# programmatic dependent launch (its launch overlaps the split grid; it waits for it on the GPU).
+_PIPE = [dict(num_stages=2, group_pages=0), dict(num_stages=2, group_pages=32),
          dict(block_h=64, block_n=32, transposed=False, num_stages=3, group_pages=32),
-         dict(block_h=64, block_n=32, transposed=False, num_stages=4, group_pages=32)],
-    128: [dict(block_h=64, block_n=64, transposed=False, num_stages=2, group_pages=0),
-          dict(block_h=64, block_n=64, transposed=False, num_stages=2, group_pages=32),
-          dict(block_h=64, block_n=32, transposed=False, num_stages=3, group_pages=32),
-          dict(block_h=64, block_n=32, transposed=False, num_stages=4, group_pages=32)],
-}
+         dict(block_h=64, block_n=32, transposed=False, num_stages=4, group_pages=32),
+         dict(num_stages=2, group_pages=0, pdl=True),
+         dict(block_h=64, block_n=32, transposed=False, num_stages=4, group_pages=32, pdl=True)]
+PIPE_VARIANTS = {16: [dict(dict(block_h=16, block_n=64, transposed=True), **v) for v in _PIPE],
+                 128: [dict(dict(block_h=64, block_n=64, transposed=False), **v) for v in _PIPE]}
 PIPE_MODE = False
 FA3_CHUNKS: tuple = ()     # --fa3-chunks: fa3 also at each of the tuner's kv_chunk factors
 DEVICE = "cuda"     # the CLI runs on CUDA only; a CPU dry run (Triton's interpreter) may set "cpu"
@@ -153,7 +152,7 @@ def label(c: dict) -> str:
     return (f"S{c['num_splits']} bn{c['block_n']} bh{c['block_h']} w{c['num_warps']} st{c['num_stages']}"
             f"{' T' if c['transposed'] else ''} {merge}{' bf16ws' if c['partial'] == 'bfloat16' else ''}"
             f"{' tma' if c.get('load') == 'tma' else ''}"
-            f"{' g%d' % c['group_pages'] if 'group_pages' in c else ''}")
+            f"{' g%d' % c['group_pages'] if 'group_pages' in c else ''}{' pdl' if c.get('pdl') else ''}")
 
 
 def sync(torch) -> None:
@@ -209,8 +208,8 @@ def run_config(torch, shape: Shape, c: dict) -> dict:
                       merge=c["merge"], transposed=c["transposed"],
                       partial_dtype=getattr(torch, c["partial"]), device=DEVICE,
                       merge_block_d=c.get("merge_d", 128), merge_split_tile=c.get("merge_st", 16),
-                      load=c.get("load", "gather"), **({"group_pages": c["group_pages"]}
-                                                       if "group_pages" in c else {}))
+                      load=c.get("load", "gather"), pdl=c.get("pdl", False),
+                      **({"group_pages": c["group_pages"]} if "group_pages" in c else {}))
     out = torch.empty_like(p.q_nope)
     args = (p.q_nope, p.q_pe, p.ckv_cache, p.kpe_cache, p.block_table, shape.seq_lens,
             w.softmax_scale, out)
@@ -354,7 +353,7 @@ def summarise(doc: dict) -> None:
     for r in ok:
         key = (r["merge"] if not TMA_MODE else ("tma" if r.get("load") == "tma" else "pointer"))
         if PIPE_MODE:
-            key = f"bn{r['block_n']} st{r['num_stages']} g{r['group_pages']}"
+            key = f"bn{r['block_n']} st{r['num_stages']} g{r['group_pages']}{' pdl' if r.get('pdl') else ''}"
         if key not in by_merge or r["median_us"] < by_merge[key]["median_us"]:
             by_merge[key] = r
     doc["best_by_merge"] = {m: {"config": r["config"], "median_us": r["median_us"]}

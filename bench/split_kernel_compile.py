@@ -78,7 +78,7 @@ def compile_one(kernel, variant, arch: int, cuobjdump: str, tmp: Path) -> dict:
     from triton.compiler import ASTSource
     heads, bh, bn, warps, stages, trans, group = variant
     const = dict(H=heads, HP=-(-heads // bh) * bh, R=R, P=P, PAGE=PAGE, BLOCK_H=bh, BLOCK_N=bn,
-                 TRANS=trans, GROUP_PAGES=group)
+                 TRANS=trans, GROUP_PAGES=group, PDL=False)
     row = {"heads": heads, "block_h": bh, "block_n": bn, "num_warps": warps, "num_stages": stages,
            "transposed": trans, "group_pages": group}
     try:

@@ -172,6 +172,9 @@ def test_knobs_are_checked_before_anything_runs():
         SplitDecode(16, 16, 1, 4, block_h=8, device="cpu")
     with pytest.raises(ValueError, match="power of two"):
         SplitDecode(16, 48, 1, 4, device="cpu")
+    # the merge as a programmatic dependent launch: Hopper's grid-dependency PTX, not the interpreter's
+    with pytest.raises(ValueError, match="pdl"):
+        SplitDecode(16, 64, 1, 4, merge="kernel", load="tma", pdl=True, device="cpu")
     for bad in (3, -2):
         with pytest.raises(ValueError, match="group_pages must be 0 or a power of two"):
             SplitDecode(16, 64, 1, 4, merge="kernel", load="tma", group_pages=bad, device="cpu")
@@ -233,3 +236,18 @@ def test_compiled_for_hopper_the_grouped_page_ids_let_copies_overlap_the_dots(tm
     assert (grouped["kv_buffers"], grouped["copies_in_flight_during_dots"]) == (4, 2), grouped
     assert grouped["stack_bytes"] == 0, grouped
     assert in_loop["kv_buffers"] == 2, in_loop
+    # pdl: the split kernel lets the merge grid launch early, and the merge waits for it
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    k = sd._merge_kernel
+    const = dict(HP=16, R=512, BLOCK_N=64, DC=64, ST=128, PDL=True)
+    sig = {n: "constexpr" if n in const else {"WS_ACC": "*bf16", "WS_LSE": "*fp32", "SEQ": "*i32",
+                                              "OUT": "*bf16"}.get(n, "i32") for n in k.arg_names}
+    c = triton.compile(ASTSource(k, sig, const), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=4, num_stages=1, launch_pdl=True))
+    assert "griddepcontrol.wait" in c.asm["ptx"] and c.metadata.launch_pdl
+    const = dict(H=16, HP=16, R=512, P=64, PAGE=64, BLOCK_H=16, BLOCK_N=64, TRANS=True, GROUP_PAGES=0, PDL=True)
+    k = sd._split_tma_kernel
+    c = triton.compile(ASTSource(k, skc.signature(k, const, 64), const), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=8, num_stages=2))
+    assert "griddepcontrol.launch_dependents" in c.asm["ptx"]

@@ -224,6 +224,7 @@ def _split_tma_kernel(
     qk_scale, NUM_SPLITS,
     H: tl.constexpr, HP: tl.constexpr, R: tl.constexpr, P: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, TRANS: tl.constexpr, GROUP_PAGES: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """The split kernel with its KV tiles fetched by the tensor-memory accelerator: the caches
     are [pages x PAGE, R] / [.., P] row views (`CKV_DESC`, `KPE_DESC`, block [BLOCK_N, R|P]),
@@ -233,6 +234,10 @@ def _split_tma_kernel(
     (sm_90a ptxas: 255 registers and spills at 16 and 128 heads). The tail tile past a split's
     end is zeroed in registers (stale cache slots never reach the PV dot). Partials go to the
     workspace for `_merge_kernel`; a request of one split writes the output directly."""
+    if PDL:
+        # the merge grid may launch once every program here has started (it waits for this
+        # grid's completion before it reads the workspace): its launch overlaps this grid's work
+        tl.extra.cuda.gdc_launch_dependents()
     split = tl.program_id(0)
     hb = tl.program_id(1)
     b = tl.program_id(2)
@@ -302,7 +307,13 @@ def _split_tma_kernel(
 def _merge_kernel(
     WS_ACC, WS_LSE, SEQ, OUT, stride_o_b, stride_o_h, NUM_SPLITS,
     HP: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, DC: tl.constexpr, ST: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:
+        # launched as the split kernel's programmatic dependent: every program waits for the
+        # split grid's completion (and its workspace writes) first, so this grid never completes
+        # before it
+        tl.extra.cuda.gdc_wait()
     h = tl.program_id(0)
     dc = tl.program_id(1)
     b = tl.program_id(2)
@@ -358,7 +369,7 @@ class SplitDecode:
                  kv_lora_rank: int = 512, rope_dim: int = 64, device="cuda",
                  merge_block_d: int = 128, merge_split_tile: int = 16, merge_num_warps: int = 4,
                  workspace: "tuple[torch.Tensor, torch.Tensor] | None" = None, load: str = "gather",
-                 group_pages: int = SERVED_GROUP_PAGES):
+                 group_pages: int = SERVED_GROUP_PAGES, pdl: bool = False):
         if merge not in MERGES:
             raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
         if load not in LOADS:
@@ -369,6 +380,12 @@ class SplitDecode:
         if group_pages and group_pages & (group_pages - 1) or group_pages < 0:
             raise ValueError(f"group_pages must be 0 or a power of two, got {group_pages}")
         self.group_pages = group_pages
+        if pdl and not (merge == "kernel" and torch.device(device).type == "cuda" and tma_supported(device)
+                        and hasattr(getattr(tl.extra, "cuda", None), "gdc_wait")):
+            # grid-dependency control is Hopper's (sm_90+) PTX; the interpreter cannot run it
+            raise ValueError("pdl (the merge kernel as a programmatic dependent launch) needs merge 'kernel' "
+                             "and an NVIDIA GPU of compute capability 9+")
+        self.pdl = bool(pdl)
         for label, v in (("page_size", page_size), ("block_n", block_n), ("kv_lora_rank", kv_lora_rank),
                          ("rope_dim", rope_dim), ("merge_block_d", merge_block_d),
                          ("merge_split_tile", merge_split_tile)):
@@ -424,6 +441,7 @@ class SplitDecode:
         return {"num_splits": self.num_splits, "block_n": self.block_n, "block_h": self.block_h,
                 "num_warps": self.num_warps, "num_stages": self.num_stages, "merge": self.merge,
                 "transposed": self.transposed, "load": self.load, "group_pages": self.group_pages,
+                "pdl": self.pdl,
                 "partial_dtype": str(self.ws_acc.dtype).replace("torch.", "")}
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, scale: float, out):
@@ -449,7 +467,7 @@ class SplitDecode:
                 float(scale) * _LOG2E, self.num_splits,
                 H=H, HP=self.padded_heads, R=R, P=self.P, PAGE=self.page_size,
                 BLOCK_H=self.block_h, BLOCK_N=self.block_n, TRANS=self.transposed, GROUP_PAGES=self.group_pages,
-                num_warps=self.num_warps, num_stages=self.num_stages,
+                PDL=self.pdl, num_warps=self.num_warps, num_stages=self.num_stages,
             )
         else:
             self._pointer_kernel(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, scale, out)
@@ -458,6 +476,7 @@ class SplitDecode:
                 self.ws_acc, self.ws_lse, seq_lens, out, out.stride(0), out.stride(1), self.num_splits,
                 HP=self.padded_heads, R=R, BLOCK_N=self.block_n, DC=self.merge_block_d,
                 ST=self.merge_split_tile, num_warps=self.merge_num_warps, num_stages=1,
+                **({"PDL": True, "launch_pdl": True} if self.pdl else {}),
             )
         return out
 
