@@ -134,6 +134,15 @@ def _tile_update(qa, qb, ckv, kpe, m, l, acc, qk_scale, t0, end, BLOCK_N: tl.con
 
 
 @triton.jit
+def _tma_tile(CKV_DESC, KPE_DESC, row, qa, qb, m, l, acc, qk_scale, t0, end, BLOCK_N: tl.constexpr,
+              TRANS: tl.constexpr):
+    """A whole tile of the TMA kernel (cache rows row .. row + BLOCK_N) folded in."""
+    ckv = CKV_DESC.load([row, 0])
+    kpe = KPE_DESC.load([row, 0])
+    return _tile_update(qa, qb, ckv, kpe, m, l, acc, qk_scale, t0, end, BLOCK_N, TRANS, False)
+
+
+@triton.jit
 def _split_init(QN, QP, b64, offs_h, hmask, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,
                 R: tl.constexpr, P: tl.constexpr, BLOCK_H: tl.constexpr, TRANS: tl.constexpr):
     """A split's queries in the dots' orientation (TRANS: q^T, tokens as the dots' M) and its
@@ -267,20 +276,15 @@ def _split_tma_kernel(
         if GROUP_PAGES == 0:
             for t0 in range(start, full_end, BLOCK_N):
                 row = tl.load(bt_row + t0 // PAGE) * PAGE + t0 % PAGE
-                ckv = CKV_DESC.load([row, 0])
-                kpe = KPE_DESC.load([row, 0])
-                m, l, acc = _tile_update(qa, qb, ckv, kpe, m, l, acc, qk_scale, t0, end, BLOCK_N, TRANS, False)
+                m, l, acc = _tma_tile(CKV_DESC, KPE_DESC, row, qa, qb, m, l, acc, qk_scale, t0, end, BLOCK_N, TRANS)
         else:
             offs_g = tl.arange(0, GROUP_PAGES)
             for g0 in range(start - start % PAGE, full_end, GROUP_PAGES * PAGE):
                 g_pages = tl.load(bt_row + g0 // PAGE + offs_g, mask=g0 + offs_g * PAGE < full_end, other=0)
                 for t0 in range(tl.maximum(g0, start), tl.minimum(g0 + GROUP_PAGES * PAGE, full_end), BLOCK_N):
                     pg = tl.sum(tl.where(offs_g == (t0 - g0) // PAGE, g_pages, 0), 0)
-                    row = pg * PAGE + t0 % PAGE
-                    ckv = CKV_DESC.load([row, 0])
-                    kpe = KPE_DESC.load([row, 0])
-                    m, l, acc = _tile_update(qa, qb, ckv, kpe, m, l, acc, qk_scale, t0, end, BLOCK_N, TRANS,
-                                             False)
+                    m, l, acc = _tma_tile(CKV_DESC, KPE_DESC, pg * PAGE + t0 % PAGE, qa, qb, m, l, acc, qk_scale,
+                                          t0, end, BLOCK_N, TRANS)
         if full_end < end:
             row = tl.load(bt_row + full_end // PAGE) * PAGE + full_end % PAGE
             keep = (full_end + tl.arange(0, BLOCK_N)) < end
