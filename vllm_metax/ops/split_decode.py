@@ -72,6 +72,16 @@ def _split_range(seq_len, NUM_SPLITS, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _request(SEQ, NUM_SPLITS, BLOCK_N: tl.constexpr):
+    """A program's request (the grid's third axis, in every kernel here), its length, and its
+    split rule (`_split_range`)."""
+    b = tl.program_id(2)
+    seq_len = tl.load(SEQ + b)
+    chunk, n_active = _split_range(seq_len, NUM_SPLITS, BLOCK_N)
+    return b, seq_len, chunk, n_active
+
+
+@triton.jit
 def _merge_splits(WS_ACC, WS_LSE, out_rows, ws_b, n_active, offs_h, hmask,
                   HP: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, MERGE_D: tl.constexpr):
     """The fused merge, run by the last split of a (request, head block): every split's partial
@@ -174,9 +184,7 @@ def _small_decode_kernel(
 ):
     split = tl.program_id(0)
     hb = tl.program_id(1)
-    b = tl.program_id(2)
-    seq_len = tl.load(SEQ + b)
-    chunk, n_active = _split_range(seq_len, NUM_SPLITS, BLOCK_N)
+    b, seq_len, chunk, n_active = _request(SEQ, NUM_SPLITS, BLOCK_N)
 
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs_h < H
@@ -249,9 +257,7 @@ def _split_tma_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     split = tl.program_id(0)
     hb = tl.program_id(1)
-    b = tl.program_id(2)
-    seq_len = tl.load(SEQ + b)
-    chunk, n_active = _split_range(seq_len, NUM_SPLITS, BLOCK_N)
+    b, seq_len, chunk, n_active = _request(SEQ, NUM_SPLITS, BLOCK_N)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs_h < H
     offs_r = tl.arange(0, R)
@@ -320,9 +326,7 @@ def _merge_kernel(
         tl.extra.cuda.gdc_wait()
     h = tl.program_id(0)
     dc = tl.program_id(1)
-    b = tl.program_id(2)
-    seq_len = tl.load(SEQ + b)
-    chunk, n_active = _split_range(seq_len, NUM_SPLITS, BLOCK_N)
+    b, seq_len, chunk, n_active = _request(SEQ, NUM_SPLITS, BLOCK_N)
     if n_active > 1:
         b64 = b.to(tl.int64)
         offs_s = tl.arange(0, ST)
