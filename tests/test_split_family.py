@@ -36,8 +36,13 @@ def test_space_is_page_64_q_len_1_and_only_splits_a_request_uses():
     fam = get_family("split")
     w = workload_for(V3, 8, 1, 1024)                 # 16 heads, B1, L1K: 16 chunks of 64 at most
     keys = [c.key for c in fam.space(w, [1, 16, 64])]
+    # the served pipe (no `pipe` knob) at every useful count; the other pipes where the count can
+    # be best (t32x4: its one-wave count 32 and the useful one below; -pdl: the one-wave count)
     assert keys == [f"split/triton/p64/num_splits={s},partial=bfloat16" for s in (4, 8, 16)] + \
-        ["split/triton/p64/num_splits=16,partial=float32"]
+        ["split/triton/p64/num_splits=16,partial=float32"] + \
+        [f"split/triton/p64/num_splits={s},partial=bfloat16,pipe=t32x4" for s in (16, 32)] + \
+        ["split/triton/p64/num_splits=16,partial=bfloat16,pipe=t64-pdl",
+         "split/triton/p64/num_splits=32,partial=bfloat16,pipe=t32x4-pdl"]
     assert fam.default_candidate(w, 64).params == {"num_splits": 16, "partial": "bfloat16"}
     assert fam.space(w, [1, 16]) == []               # the default page only
     with pytest.raises(Exception, match="page 64"):
@@ -62,9 +67,38 @@ def test_space_stays_within_the_served_workspace_and_the_default_is_one_wave():
     assert default_splits(16, 64, 1024) == 4             # none fits one wave: the smallest
 
 
+def test_other_pipes_are_offered_beside_their_one_wave_count_and_pdl_at_small_work_only():
+    from mla_tune.families.split import SMALL_WORK_TOKENS, pipe_splits
+    assert set(op.PIPES) == set(tc.SPLIT_PIPES) and op.SERVED_PIPE == tc.DEFAULT_SPLIT_PIPE
+    for heads, batch, ctx in ((16, 1, 32768), (16, 8, 4096), (128, 4, 16384), (128, 1, 1024)):
+        for pipe in ("t32x4", "t32x4-pdl", "t64-pdl"):
+            useful = useful_splits(heads, batch, ctx, pipe)
+            wave = default_splits(heads, batch, ctx, pipe)
+            got = pipe_splits(heads, batch, ctx, pipe)
+            if pipe.endswith("-pdl"):
+                assert got == ([wave] if batch * ctx <= SMALL_WORK_TOKENS else [])
+            else:
+                i = useful.index(wave)
+                assert got == useful[max(0, i - 1):i + 2] and wave in got
+    # 32-token tiles: a 1K request has 32 chunks to split into (64-token tiles: 16)
+    assert useful_splits(16, 1, 1024, "t32x4") == [4, 8, 16, 32] and useful_splits(16, 1, 1024) == [4, 8, 16]
+    # t32x4's 64 head rows: 16 heads are one head block, 128 heads two (as t64's)
+    assert op.served_rows(16, "t32x4") == op.MAX_PROGRAMS and op.served_rows(128, "t32x4") == op.MAX_PROGRAMS // 2
+    assert default_splits(16, 1, 32768, "t32x4") == 128
+    fam = get_family("split")
+    big = workload_for(V3, 8, 64, 4096)
+    assert not [c for c in fam.space(big, [64]) if c.params.get("pipe", "").endswith("-pdl")]
+
+
 def test_candidates_parse_and_bad_knobs_are_refused():
     c = check_candidate(Candidate.parse("split/triton/p64/num_splits=128,partial=bfloat16"))
     assert c.params == {"num_splits": 128, "partial": "bfloat16"}
+    c = check_candidate(Candidate.parse("split/triton/p64/num_splits=32,partial=bfloat16,pipe=t32x4-pdl"))
+    assert c.params == {"num_splits": 32, "partial": "bfloat16", "pipe": "t32x4-pdl"}
+    with pytest.raises(ValueError, match="pipe must be one of t64, t32x4"):
+        check_candidate(Candidate.parse("split/triton/p64/num_splits=8,partial=bfloat16,pipe=t16"))
+    with pytest.raises(ValueError, match="num_splits=N,partial"):
+        check_candidate(Candidate.parse("split/triton/p64/num_splits=8,partial=bfloat16,stages=3"))
     for bad, why in (("split/fa3/p64/num_splits=8,partial=bfloat16", "backend"),
                      ("split/triton/p64/num_splits=8", "num_splits=N,partial"),
                      ("split/triton/p64/num_splits=0,partial=bfloat16", "num_splits"),
@@ -81,15 +115,26 @@ def test_the_tuned_config_takes_split_params_and_refuses_anything_else(tmp_path)
                      ({**SPLIT, "num_splits": 0}, "num_splits"),
                      ({**SPLIT, "num_splits": True}, "num_splits"),
                      ({**SPLIT, "partial": "float16"}, "partial must be one of"),
-                     ({**SPLIT, "block_n": 32}, "unknown parameter")):
+                     ({**SPLIT, "block_n": 32}, "unknown parameter"),
+                     ({**SPLIT, "pipe": "t128"}, "pipe must be one of"),
+                     ({**SPLIT, "pipe": None}, "pipe must be one of")):
         with pytest.raises(tc.TunedConfigError, match=why):
             tc.check_params("split", bad, where)
+    assert tc.check_params("split", {**SPLIT, "pipe": "t32x4"}, where)["pipe"] == "t32x4"
     dims = tc.ModelDims(16, 512, 64, "bfloat16", "bfloat16")
-    entry = tc.ModelEntry(dims, 64, ["FLASHINFER_MLA", "TRITON_MLA"], [_bucket(1, 4096, 20.0, 30.0)])
+    piped = {**SPLIT, "num_splits": 32, "pipe": "t32x4"}
+    entry = tc.ModelEntry(dims, 64, ["FLASHINFER_MLA", "TRITON_MLA"],
+                          [_bucket(1, 4096, 20.0, 30.0), _bucket(1, 8192, 20.0, 30.0, params=piped)])
     path = tc.write_tuned_config(tc.TunedConfig("Test GPU", {}, [entry]), tmp_path)
-    back = tc.read_tuned_config(path).models[0].buckets[0]
-    assert back.best_family == "split" and decisions.bucket_choice(back, "split") == \
-        decisions.SplitChoice(16, "bfloat16")
+    back = tc.read_tuned_config(path).models[0].buckets
+    # a config without `pipe` (every one written before the knob) serves the measured pipe t64
+    assert back[0].best_family == "split" and decisions.bucket_choice(back[0], "split") == \
+        decisions.SplitChoice(16, "bfloat16") == decisions.SplitChoice(16, "bfloat16", "t64")
+    assert decisions.bucket_choice(back[1], "split") == decisions.SplitChoice(32, "bfloat16", "t32x4")
+    # what emit writes back: the served pipe is left out, any other named
+    assert decisions.SplitChoice(16, "bfloat16").to_params() == SPLIT
+    assert decisions.SplitChoice(32, "bfloat16", "t32x4").to_params() == piped
+    assert decisions.family_choice("split", {**SPLIT, "pipe": "t8"}) is None
 
 
 def test_served_kernel_validates_its_knobs():
@@ -103,6 +148,22 @@ def test_served_kernel_validates_its_knobs():
     with pytest.raises(ValueError, match="does not fit"):
         op.SplitDecode(16, 64, 4, 8, workspace=op.allocate_workspace(32, 16, 512, torch.float32, "cpu"),
                        partial_dtype=torch.bfloat16, device="cpu")
+    with pytest.raises(ValueError, match="pipe must be one of"):
+        op.served(8, "bfloat16", 16, 64, 4, "cpu", pipe="t16")
+    # t32x4: the TMA kernel (the interpreter's, on a CPU tensor) with 64 head rows and 32 pages'
+    # ids loaded ahead; its workspace holds the 16 real heads, not the padded 64
+    k = op.served(8, "float32", 16, 64, 4, "cpu", pipe="t32x4")
+    assert (k.load, k.block_n, k.num_stages, k.group_pages, k.block_h, k.transposed) == \
+        ("tma", 32, 4, 32, 64, False)
+    assert k.ws_acc.shape[1:] == (16, 512) and k.padded_heads == 64
+    k = op.served(8, "float32", 16, 64, op.served_rows(16, "t32x4"), "cpu", pipe="t32x4",
+                  workspace=op.served_workspace(16, 512, "float32", "cpu", "t32x4"))
+    assert k.max_batch == op.MAX_PROGRAMS // 8
+    # no pointer-kernel form: a page below the tile, or no TMA (MetaX), refuses it
+    with pytest.raises(ValueError, match="TMA kernel only"):
+        op.served(8, "float32", 16, 16, 4, "cpu", pipe="t32x4")
+    with pytest.raises(ValueError, match="pdl"):                # PDL: Hopper's, not the interpreter's
+        op.served(8, "float32", 16, 64, 4, "cpu", pipe="t64-pdl")
 
 
 # ---------------------------------------------------------------- when the plugin serves it
@@ -164,24 +225,27 @@ def test_graph_vote_ties_take_the_longest_contexts_knobs():
 
 # ---------------------------------------------------------------- through vLLM's builder and impl
 
-@pytest.fixture
-def split_builder(monkeypatch, tmp_path):
+def _split_builder(monkeypatch, tmp_path, params):
     """FLASHINFER_MLA's builder (FlashInfer replaced by the recording double of
-    tests/test_plugin_backend.py) with a tuned config whose B1-B4 buckets name split."""
+    tests/test_plugin_backend.py) with a tuned config whose B1-B4 buckets name split (`params`)."""
     import plugin_support as ps
     from vllm_metax.device import DeviceInfo
 
     h200 = DeviceInfo("Test GPU 9000", "torch", False, 132, (9, 0))
     fb = ps.install_recording_plugin(monkeypatch, h200)
     dims = tc.ModelDims(ps.NUM_HEADS, ps.KV_LORA_RANK, ps.ROPE_DIM, "bfloat16", "bfloat16")
-    buckets = [_bucket(b, c, 10.0, 20.0, params={**SPLIT, "num_splits": 4}) for b in (1, 4) for c in (64, 512)]
+    buckets = [_bucket(b, c, 10.0, 20.0, params=params) for b in (1, 4) for c in (64, 512)]
     buckets.append(_bucket(16, 512, 30.0, 20.0, best="flashinfer"))
     entry = tc.ModelEntry(dims, 16, ["FLASHINFER_MLA", "TRITON_MLA"], buckets)
     tc.write_tuned_config(tc.TunedConfig(h200.name, {"test": True}, [entry]), tmp_path)
     monkeypatch.setenv(tc.FOLDER_ENV, str(tmp_path))
     tc.clear_cache()
-    vc = ps.make_vllm_config(tmp_path / "model", block_size=16)
-    yield fb, ps, vc
+    return fb, ps, ps.make_vllm_config(tmp_path / "model", block_size=16)
+
+
+@pytest.fixture
+def split_builder(monkeypatch, tmp_path):
+    yield _split_builder(monkeypatch, tmp_path, {**SPLIT, "num_splits": 4})
     tc.clear_cache()
 
 
@@ -243,6 +307,43 @@ def test_a_split_kernel_that_fails_its_check_falls_back_to_flashinfer_once(split
     warnings = [r for r in caplog.records if "split-KV decode kernel cannot run" in r.getMessage()]
     assert len(warnings) == 1 and "num_splits=4" in warnings[0].getMessage()
     assert not builder.choice.split_enabled
+
+
+@pytest.mark.vllm
+def test_a_tuned_pipe_this_server_cannot_run_falls_back_to_flashinfer_with_one_warning(monkeypatch, tmp_path,
+                                                                                    caplog):
+    # t32x4 tiles are 32 tokens of one page: a server of 16-token blocks has no such kernel
+    fb, ps, vc = _split_builder(monkeypatch, tmp_path, {**SPLIT, "num_splits": 4, "pipe": "t32x4"})
+    try:
+        with caplog.at_level(logging.WARNING, logger="vllm_metax.backend.flashinfer_mla"):
+            builder = ps.make_builder(vc)
+            md, *_ = _decode(ps, builder, [5, 300, 77])
+        assert md.backend == "fa3" and not builder.choice.split_enabled
+        warnings = [r.getMessage() for r in caplog.records if "split-KV decode kernel cannot run" in r.getMessage()]
+        assert len(warnings) == 1 and "pipe=t32x4" in warnings[0] and "TMA kernel only" in warnings[0]
+    finally:
+        tc.clear_cache()
+
+
+@pytest.mark.vllm
+def test_the_tuned_pipe_reaches_the_served_kernel_and_its_workspace(monkeypatch, tmp_path):
+    fb, ps, vc = _split_builder(monkeypatch, tmp_path, {**SPLIT, "num_splits": 4, "pipe": "t32x4"})
+    made = []
+    real = op.served
+
+    def served(*a, **kw):
+        made.append((kw["pipe"], kw["workspace"][0].shape))
+        return real(*a[:3], 64, *a[4:], **kw)       # a 64-token page: what t32x4 needs
+    monkeypatch.setattr(op, "served", served)
+    monkeypatch.setattr(op, "self_check", lambda kernel, dtype, device: None)
+    try:
+        builder = ps.make_builder(vc)
+        assert builder.choice.split_enabled and len(builder._split_kernels) == 1
+        (kernel,) = builder._split_kernels.values()
+        assert (kernel.block_n, kernel.num_stages, kernel.group_pages) == (32, 4, 32)
+        assert made == [("t32x4", (op.served_rows(ps.NUM_HEADS, "t32x4"), ps.NUM_HEADS, ps.KV_LORA_RANK))]
+    finally:
+        tc.clear_cache()
 
 
 def test_the_self_check_reports_a_wrong_result_or_a_failure_and_never_raises():

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from vllm_metax.tuned_config import (
-    KV_CHUNKS, MAX_SPLITS, PREFILL_BACKENDS, SPLIT_BACKEND, SPLIT_PARTIALS, ModelDims,
+    DEFAULT_SPLIT_PIPE, KV_CHUNKS, MAX_SPLITS, PREFILL_BACKENDS, SPLIT_BACKEND, SPLIT_PARTIALS, SPLIT_PIPES,
+    ModelDims,
 )
 
 FLASHINFER = "flashinfer"
@@ -209,14 +210,18 @@ class TritonChoice:
 
 @dataclass(frozen=True)
 class SplitChoice:
-    """A split bucket's choice: the split count per request and the partials' dtype
+    """A split bucket's choice: the split count per request, the partials' dtype and the pipe
     (`vllm_metax.ops.split_decode.served` builds the kernel from these)."""
 
     num_splits: int
     partial: str
+    pipe: str = DEFAULT_SPLIT_PIPE
 
     def to_params(self) -> dict:
-        return {"backend": SPLIT_BACKEND, "num_splits": self.num_splits, "partial": self.partial}
+        p = {"backend": SPLIT_BACKEND, "num_splits": self.num_splits, "partial": self.partial}
+        if self.pipe != DEFAULT_SPLIT_PIPE:
+            p["pipe"] = self.pipe
+        return p
 
 
 def split_serves(bucket) -> "SplitChoice | None":
@@ -256,8 +261,9 @@ def family_choice(family: str, params) -> FlashInferChoice | TritonChoice | Spli
         return TritonChoice(n) if _positive_int(n) else None
     if family == SPLIT:
         n, partial = params.get("num_splits"), params.get("partial")
-        if _positive_int(n) and n <= MAX_SPLITS and partial in SPLIT_PARTIALS:
-            return SplitChoice(n, partial)
+        pipe = params.get("pipe", DEFAULT_SPLIT_PIPE)
+        if _positive_int(n) and n <= MAX_SPLITS and partial in SPLIT_PARTIALS and pipe in SPLIT_PIPES:
+            return SplitChoice(n, partial, pipe)
         return None
     return None
 

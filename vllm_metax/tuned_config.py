@@ -48,6 +48,10 @@ FLASHMLA_PAGE_SIZE = 64         # FlashMLA's only KV block size
 SPLIT_BACKEND = "triton"
 MAX_SPLITS = 1056              # split_decode.MAX_PROGRAMS: one request's splits in one launch
 SPLIT_PARTIALS = ("bfloat16", "float32")
+# split_decode.PIPES: how the kernel tiles and pipelines a split (params.pipe; absent = "t64",
+# the pipe of every config written before the knob existed)
+SPLIT_PIPES = ("t64", "t32x4", "t64-pdl", "t32x4-pdl")
+DEFAULT_SPLIT_PIPE = "t64"
 # FlashInfer fa2/fa3 KV chunking (params.kv_chunk): the KV chunk limit of FlashInfer's MLAPlan
 # scaled by this factor ("none": never split a request's KV); absent = MLAPlan's own limit.
 KV_CHUNKS = ("x0.25", "x0.5", "x2", "x4", "none")
@@ -331,7 +335,7 @@ def check_params(family: str, params: dict, where: str) -> dict:
             raise TunedConfigError(f"{where}: params.kv_chunk must be one of "
                                    f"{', '.join(KV_CHUNKS)}, got {params['kv_chunk']!r}")
     elif family == "split":
-        known = {"backend", "num_splits", "partial"}
+        known = {"backend", "num_splits", "partial", "pipe"}
         if params.get("backend") != SPLIT_BACKEND:
             raise TunedConfigError(f"{where}: params.backend must be {SPLIT_BACKEND!r}, "
                                    f"got {params.get('backend')!r}")
@@ -339,6 +343,9 @@ def check_params(family: str, params: dict, where: str) -> dict:
         if params.get("partial") not in SPLIT_PARTIALS:
             raise TunedConfigError(f"{where}: params.partial must be one of "
                                    f"{', '.join(SPLIT_PARTIALS)}, got {params.get('partial')!r}")
+        if "pipe" in params and params["pipe"] not in SPLIT_PIPES:
+            raise TunedConfigError(f"{where}: params.pipe must be one of "
+                                   f"{', '.join(SPLIT_PIPES)}, got {params['pipe']!r}")
     elif family == "flashmla":
         known = {"backend"}
         if params.get("backend") != FLASHMLA_BACKEND:

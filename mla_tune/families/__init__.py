@@ -47,8 +47,8 @@ def check_candidate(c: Candidate) -> Candidate:
     elif c.family == "split":
         if c.backend != tc.SPLIT_BACKEND:
             raise ValueError(f"{c.key!r}: the split family's backend is {tc.SPLIT_BACKEND!r}")
-        if set(c.params) != {"num_splits", "partial"}:
-            raise ValueError(f"{c.key!r}: a split candidate names num_splits=N,partial=<dtype>")
+        if not {"num_splits", "partial"} <= set(c.params) <= {"num_splits", "partial", "pipe"}:
+            raise ValueError(f"{c.key!r}: a split candidate names num_splits=N,partial=<dtype>[,pipe=<pipe>]")
         try:
             tc.check_params(c.family, {"backend": c.backend, **c.params}, f"candidate {c.key!r}")
         except tc.TunedConfigError as e:

@@ -11,10 +11,19 @@ programs. Measured on the H200 at 16 heads (bench/results/small_decode_kernel_me
 
 Knobs (`vllm_metax.ops.split_decode.served` fixes the rest): `num_splits`, the splits per
 request, every power of two from 4 whose splits a request of the bucket's longest length actually
-uses (BLOCK_N-aligned chunks) and whose launch fits `MAX_PROGRAMS`; `partial`, the partials'
+uses (tile-aligned chunks) and whose launch fits `MAX_PROGRAMS`; `partial`, the partials'
 dtype: bfloat16 for every split count (half the merge traffic; measured faster at every shape),
-float32 at the default count. The default: one wave of 132 programs (splits x head blocks x
-requests), as a server would pick without measuring. q_len 1 and page 64 (the default page) only.
+float32 at the default count; `pipe` (`split_decode.PIPES`), how a split's tiles are cut and
+pipelined. The default: the served pipe "t64" (a candidate without `pipe`, as every trial stored
+before the knob) at one wave of 132 programs (splits x head blocks x requests), as a server would
+pick without measuring. q_len 1 and page 64 (the default page) only.
+
+The other pipes are measured where the split count can be best, not at every count: in the
+H200's default sweep the t64 kernel's best count was the one-wave default in 96 of 104 buckets
+(2x it in 4, 4x-8x in 4; results.db, 2026-12-04). So "t32x4" (32-token tiles, 4 stages) is
+offered at its own one-wave count and the useful counts beside it (one step down, one up), and
+the "-pdl" pipes (one launch latency less, which only small work feels) at the one-wave count of
+buckets of at most SMALL_WORK_TOKENS KV tokens.
 """
 
 from __future__ import annotations
@@ -31,6 +40,10 @@ from vllm_metax.tuned_config import SPLIT_BACKEND as BACKEND
 
 WAVE = 132                 # programs of one wave on the H200 the default is written for
 SPLIT_COUNTS = tuple(2 ** i for i in range(2, 9))     # 4..256
+SERVED_PIPE = "t64"        # split_decode.SERVED_PIPE: its candidates carry no `pipe` knob
+# the "-pdl" pipes are offered where a bucket's KV tokens (requests x longest length) are at most
+# this: where a launch latency (a few us) is a large part of the call
+SMALL_WORK_TOKENS = 16384
 
 
 def _op():
@@ -38,29 +51,43 @@ def _op():
     return split_decode
 
 
-def useful_splits(num_heads: int, batch_size: int, max_len: int) -> list[int]:
-    """SPLIT_COUNTS that give a request of `max_len` more splits in use than the count before, and
-    whose launch fits the served workspace."""
+def useful_splits(num_heads: int, batch_size: int, max_len: int, pipe: str = SERVED_PIPE) -> list[int]:
+    """SPLIT_COUNTS that give a request of `max_len` more splits in use than the count before
+    (chunks aligned to the pipe's tile), and whose launch fits the served workspace."""
     op = _op()
+    block_n = op.pipe_of(pipe).block_n
     out, seen = [], set()
     for s in SPLIT_COUNTS:
-        used = op.splits_for(max_len, op.SERVED_BLOCK_N, s)
-        if used in seen or not op.fits(num_heads, batch_size, s):
+        used = op.splits_for(max_len, block_n, s)
+        if used in seen or not op.fits(num_heads, batch_size, s, pipe):
             continue
         seen.add(used)
         out.append(s)
     return out
 
 
-def default_splits(num_heads: int, batch_size: int, max_len: int) -> int | None:
+def default_splits(num_heads: int, batch_size: int, max_len: int, pipe: str = SERVED_PIPE) -> int | None:
     """One wave: the largest useful count with splits x head blocks x requests <= WAVE (the
     smallest useful one where none is that small); None when no count is useful."""
-    useful = useful_splits(num_heads, batch_size, max_len)
+    useful = useful_splits(num_heads, batch_size, max_len, pipe)
     if not useful:
         return None
-    hb = -(-num_heads // _op().default_block_h(num_heads))
+    hb = -(-num_heads // _op().pipe_of(pipe).head_block(num_heads))
     fit = [s for s in useful if s * hb * batch_size <= WAVE]
     return fit[-1] if fit else useful[0]
+
+
+def pipe_splits(num_heads: int, batch_size: int, max_len: int, pipe: str) -> list[int]:
+    """The split counts a pipe other than the served one is measured at: its one-wave count and
+    the useful counts beside it ("-pdl" pipes: the one-wave count, small work only)."""
+    useful = useful_splits(num_heads, batch_size, max_len, pipe)
+    wave = default_splits(num_heads, batch_size, max_len, pipe)
+    if wave is None:
+        return []
+    if pipe.endswith("-pdl"):
+        return [wave] if batch_size * max_len <= SMALL_WORK_TOKENS else []
+    i = useful.index(wave)
+    return useful[max(0, i - 1):i + 2]
 
 
 class SplitFamily:
@@ -82,13 +109,18 @@ class SplitFamily:
     def space(self, workload: Workload, page_sizes: list[int]) -> list[Candidate]:
         if not self._servable(workload) or DEFAULT_PAGE_SIZE not in page_sizes:
             return []
-        max_len = max(workload.seq_lens)
-        default = default_splits(workload.num_heads, workload.batch_size, max_len)
+        H, B, max_len = workload.num_heads, workload.batch_size, max(workload.seq_lens)
+        default = default_splits(H, B, max_len)
         out = [Candidate(self.family, BACKEND, DEFAULT_PAGE_SIZE, {"num_splits": s, "partial": "bfloat16"})
-               for s in useful_splits(workload.num_heads, workload.batch_size, max_len)]
+               for s in useful_splits(H, B, max_len)]
         if default is not None:
             out.append(Candidate(self.family, BACKEND, DEFAULT_PAGE_SIZE,
                                  {"num_splits": default, "partial": "float32"}))
+        for pipe in _op().PIPES:
+            if pipe != SERVED_PIPE:
+                out += [Candidate(self.family, BACKEND, DEFAULT_PAGE_SIZE,
+                                  {"num_splits": s, "partial": "bfloat16", "pipe": pipe})
+                        for s in pipe_splits(H, B, max_len, pipe)]
         return out
 
     def default_candidate(self, workload: Workload, page_size: int = DEFAULT_PAGE_SIZE) -> Candidate:
@@ -100,22 +132,25 @@ class SplitFamily:
 
     def prepare(self, workload: Workload, candidate: Candidate, problem) -> Prepared:
         op = _op()
-        if candidate.backend != BACKEND or set(candidate.params) != {"num_splits", "partial"}:
+        if candidate.backend != BACKEND or not {"num_splits", "partial"} <= set(candidate.params) \
+                or not set(candidate.params) <= {"num_splits", "partial", "pipe"}:
             raise CandidateInvalid("unsupported", f"{candidate.key}: a split candidate is "
-                                   f"{FAMILY}/{BACKEND}/p<page>/num_splits=N,partial=<dtype>")
+                                   f"{FAMILY}/{BACKEND}/p<page>/num_splits=N,partial=<dtype>[,pipe=<pipe>]")
         if not self._servable(workload):
             raise CandidateInvalid("unsupported", "the split kernel decodes q_len 1 only")
         dev = problem.device
         if dev.type != "cuda" and not _interpreted():
             raise CandidateInvalid("unsupported", "the split kernel needs a CUDA device (or Triton's interpreter)")
         s, partial = candidate.params["num_splits"], candidate.params["partial"]
+        pipe = candidate.params.get("pipe", SERVED_PIPE)
         H = workload.num_heads
-        if not op.fits(H, workload.batch_size, s if isinstance(s, int) else 0):
-            raise CandidateInvalid("unsupported", f"num_splits={s} x {workload.batch_size} requests "
-                                   f"exceeds the served workspace ({op.served_rows(H)} rows)")
         try:
+            if not op.fits(H, workload.batch_size, s if isinstance(s, int) else 0, pipe):
+                raise ValueError(f"num_splits={s} x {workload.batch_size} requests exceeds the served "
+                                 f"workspace ({op.served_rows(H, pipe)} rows)")
             kernel = op.served(s, partial, H, candidate.page_size, workload.batch_size, dev,
-                               kv_lora_rank=workload.kv_lora_rank, rope_dim=workload.qk_rope_head_dim)
+                               kv_lora_rank=workload.kv_lora_rank, rope_dim=workload.qk_rope_head_dim,
+                               pipe=pipe)
         except ValueError as e:
             raise CandidateInvalid("unsupported", str(e)) from None
         seq_lens = problem.seq_lens_cpu.to(dev)

@@ -154,7 +154,8 @@ class PlanChoice:
         else:
             found = self._lookup(batch_size, context_len, q_len)
             choice = self._splits.get(id(found.bucket)) if found is not None else None
-        if choice is None or not split_decode.fits(self.entry.dims.num_heads, batch_size, choice.num_splits):
+        if choice is None or not split_decode.fits(self.entry.dims.num_heads, batch_size, choice.num_splits,
+                                                   choice.pipe):
             return None
         return choice
 
@@ -266,7 +267,7 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder[FlashInferMLAMetadat
         self._graph_kernels: dict[tuple, MLADecodeKernel] = {}
         self._graph_buffers: dict[tuple, GraphBuffers] = {}
         self._split_kernels: dict[tuple, split_decode.SplitDecode] = {}
-        self._split_workspaces: dict[str, tuple] = {}
+        self._split_workspaces: dict[tuple, tuple] = {}
         self._common: CommonAttentionMetadata | None = None
         # every split kernel the config can serve is made and checked now, before vLLM captures a
         # graph: a capture must find the same choice its replays will make
@@ -387,7 +388,7 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder[FlashInferMLAMetadat
         """The served kernel of these knobs, made once and checked once against a torch
         reference on this device (a compile error or a wrong result turns the split kernel off
         for the process, with one warning: FlashInfer decodes instead)."""
-        key = (choice.num_splits, choice.partial)
+        key = (choice.num_splits, choice.partial, choice.pipe)
         if key in self._split_kernels:
             return self._split_kernels[key]
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -397,19 +398,23 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder[FlashInferMLAMetadat
             return None
         kernel, why = None, None
         try:
-            ws = self._split_workspaces.get(choice.partial)
+            # one workspace per partials' dtype and row count: every split count and pipe of
+            # this layer's heads shares it (a step runs one kernel)
+            rows = split_decode.served_rows(self.num_heads, choice.pipe)
+            ws = self._split_workspaces.get((choice.partial, rows))
             if ws is None:
-                ws = split_decode.served_workspace(self.num_heads, self.head_dim_ckv, choice.partial, self.device)
-                self._split_workspaces[choice.partial] = ws
+                ws = split_decode.served_workspace(self.num_heads, self.head_dim_ckv, choice.partial, self.device,
+                                                   choice.pipe)
+                self._split_workspaces[(choice.partial, rows)] = ws
             kernel = split_decode.served(choice.num_splits, choice.partial, self.num_heads, self.page_size,
-                                         split_decode.served_rows(self.num_heads), self.device,
-                                         workspace=ws, kv_lora_rank=self.head_dim_ckv,
-                                         rope_dim=self.head_dim_kpe)
+                                         rows, self.device, workspace=ws, kv_lora_rank=self.head_dim_ckv,
+                                         rope_dim=self.head_dim_kpe, pipe=choice.pipe)
             why = split_decode.self_check(kernel, self.q_dtype, self.device)
         except Exception as e:  # noqa: BLE001 - a config this device cannot run must not crash vLLM
             why = f"{type(e).__name__}: {e}"
         if why:
-            self.choice.disable_split(f"num_splits={choice.num_splits}, partial={choice.partial}: {why}")
+            self.choice.disable_split(f"num_splits={choice.num_splits}, partial={choice.partial}, "
+                                      f"pipe={choice.pipe}: {why}")
             kernel = None
         self._split_kernels[key] = kernel
         return kernel

@@ -22,17 +22,19 @@ one split writes the output directly (no partial, no counter). Splits past a req
 do nothing. This module imports nothing from mla_tune: it only needs
 torch and triton.
 
-`served(params, ...)` is the one configuration the tuner measures and the plugin serves for the
-tuned-config family `split` (`vllm_metax.decisions.SplitChoice`): its knobs are the split count and
-the partials' dtype; the rest is fixed here (the TMA kernel `_split_tma_kernel` with BLOCK_N 64,
-8 warps, 2 stages, tokens as the dots' M below 64 heads; the merge kernel with 64-column blocks and
-up to 128 splits in one tile). On the H200 the TMA kernel was 1-4% faster than the pointer kernel
-at 16 heads and 10-20% at 128 (bench/results/small_decode_kernel_tma_h200.txt).
+`served(params, ...)` is the configuration the tuner measures and the plugin serves for the
+tuned-config family `split` (`vllm_metax.decisions.SplitChoice`): its knobs are the split count,
+the partials' dtype and the pipe (`PIPES`: tile size, pipeline stages, grouped page ids, head
+rows, PDL); the rest is fixed here (the TMA kernel `_split_tma_kernel` at 8 warps, tokens as the
+dots' M below 64 head rows; the merge kernel with 64-column blocks and up to 128 splits in one
+tile). On the H200 the TMA kernel of the served pipe "t64" was 1-4% faster than the pointer
+kernel at 16 heads and 10-20% at 128 (bench/results/small_decode_kernel_tma_h200.txt).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -56,11 +58,53 @@ SERVED_MERGE_D = 64
 SERVED_MERGE_SPLITS = 128
 PARTIAL_DTYPES = ("bfloat16", "float32")
 # group_pages: page ids the TMA kernel loads at once, ahead of their tiles' copies (0: one
-# block-table load a tile, in the tile loop). Served: 0, the kernel measured on the H200; 32 (no
-# block-table load between two tiles' copies, and 32-token tiles can take 3-4 stages) is compiled
-# for sm_90a and checked under the interpreter, not yet timed on a GPU (bench/small_decode_kernel.py
-# --pipe times both)
+# block-table load a tile, in the tile loop)
 SERVED_GROUP_PAGES = 0
+
+
+@dataclass(frozen=True)
+class Pipe:
+    """How the served kernel cuts a split into tiles and pipelines their copies: the split
+    family's `pipe` knob (`PIPES`), beside the split count and the partials' dtype."""
+
+    block_n: int                # tokens a tile
+    num_stages: int             # Triton's software-pipeline stages
+    group_pages: int = 0        # page ids loaded this many pages at a time ahead of their tiles
+    block_h: int | None = None  # head rows a program (None: default_block_h)
+    pdl: bool = False           # the merge kernel as the split kernel's programmatic dependent launch
+
+    @property
+    def tma_only(self) -> bool:
+        """Grouped page ids are the TMA kernel's, and PDL is Hopper's: no pointer-kernel form."""
+        return bool(self.group_pages) or self.pdl
+
+    def head_block(self, num_heads: int) -> int:
+        return self.block_h or default_block_h(num_heads)
+
+
+# The pipes the tuner measures and the plugin serves. "t64" (a tuned config without `pipe`
+# names it) is the kernel measured on the H200 (bench/results/small_decode_kernel_tma_h200.txt):
+# 64-token tiles, 2 stages, the block-table load in the tile loop, which sm_90a TTGIR (Triton 3.6)
+# shows issuing the next tile's copy only after this tile's dots (0 copies in flight during
+# them, bench/results/split_kernel_compile_sm90.txt). "t32x4": 32-token tiles at 4 stages with
+# 32 pages' ids loaded ahead of their tiles and 64 head rows a program (wgmma's M; 16 heads
+# padded): 4 KV buffers, 2 copies in flight during a tile's dots, 216 KB of shared memory, no
+# spill (same file). "-pdl": the merge kernel launched as the split kernel's programmatic
+# dependent, so its launch overlaps the split grid (one launch latency less at small work).
+PIPES = {
+    "t64": Pipe(64, 2),
+    "t32x4": Pipe(32, 4, group_pages=32, block_h=64),
+    "t64-pdl": Pipe(64, 2, pdl=True),
+    "t32x4-pdl": Pipe(32, 4, group_pages=32, block_h=64, pdl=True),
+}
+SERVED_PIPE = "t64"
+assert PIPES[SERVED_PIPE].block_n == SERVED_BLOCK_N
+
+
+def pipe_of(name: str) -> Pipe:
+    if name not in PIPES:
+        raise ValueError(f"pipe must be one of {', '.join(PIPES)}, got {name!r}")
+    return PIPES[name]
 
 
 @triton.jit
@@ -113,6 +157,22 @@ def _merge_splits(WS_ACC, WS_LSE, out_rows, ws_b, n_active, offs_h, hmask,
             big_m = m_new
         tl.store(out_rows[:, None] + offs_d[None, :], (acc / total[:, None]).to(out_rows.dtype.element_ty),
                  mask=hmask[:, None])
+
+
+@triton.jit
+def _store_partial(WS_ACC, WS_LSE, ws_row, offs_r, acc, lse, hmask, R: tl.constexpr, HP: tl.constexpr,
+                   BLOCK_H: tl.constexpr):
+    """A split's normalised partial and its LSE into the workspace rows of its heads. A
+    workspace of whole head blocks (HP a multiple of BLOCK_H: every served kernel but a head
+    block wider than the heads) takes the tile unmasked; else only the real heads are written
+    (the rows past them belong to the next split)."""
+    if HP % BLOCK_H == 0:
+        tl.store(WS_ACC + ws_row[:, None] * R + offs_r[None, :], acc.to(WS_ACC.dtype.element_ty))
+        tl.store(WS_LSE + ws_row, lse)
+    else:
+        tl.store(WS_ACC + ws_row[:, None] * R + offs_r[None, :], acc.to(WS_ACC.dtype.element_ty),
+                 mask=hmask[:, None])
+        tl.store(WS_LSE + ws_row, lse, mask=hmask)
 
 
 @triton.jit
@@ -218,9 +278,8 @@ def _small_decode_kernel(
             tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=hmask[:, None])
         else:
             lse = m + tl.log2(l)
-            ws_row = (b64 * NUM_SPLITS + split) * HP + offs_h          # HP-padded: no mask needed
-            tl.store(WS_ACC + ws_row[:, None] * R + offs_r[None, :], acc.to(WS_ACC.dtype.element_ty))
-            tl.store(WS_LSE + ws_row, lse)
+            ws_row = (b64 * NUM_SPLITS + split) * HP + offs_h
+            _store_partial(WS_ACC, WS_LSE, ws_row, offs_r, acc, lse, hmask, R, HP, BLOCK_H)
             if FUSED != 0:
                 # every thread's partial is written before one thread's release of the counter
                 tl.debug_barrier()
@@ -305,9 +364,8 @@ def _split_tma_kernel(
             tl.store(out_row + offs_h[:, None] * stride_o_h + offs_r[None, :], acc.to(OUT.dtype.element_ty),
                      mask=hmask[:, None])
         else:
-            ws_row = (b64 * NUM_SPLITS + split) * HP + offs_h          # HP-padded: no mask needed
-            tl.store(WS_ACC + ws_row[:, None] * R + offs_r[None, :], acc.to(WS_ACC.dtype.element_ty))
-            tl.store(WS_LSE + ws_row, m + tl.log2(l))
+            ws_row = (b64 * NUM_SPLITS + split) * HP + offs_h
+            _store_partial(WS_ACC, WS_LSE, ws_row, offs_r, acc, m + tl.log2(l), hmask, R, HP, BLOCK_H)
     if (seq_len == 0) & (split == 0):
         tl.store(out_row + offs_h[:, None] * stride_o_h + offs_r[None, :],
                  tl.zeros([BLOCK_H, R], tl.float32).to(OUT.dtype.element_ty), mask=hmask[:, None])
@@ -432,17 +490,21 @@ class SplitDecode:
         # the fused merge's tile: 8192 fp32 (32 KiB in flight, 64 registers a thread at 4 warps)
         self.fused_merge_d = max(16, min(kv_lora_rank, 8192 // self.block_h))
         self.padded_heads = self.head_blocks * self.block_h
+        # the workspace's heads: whole head blocks for the fused merge (its last split reads a
+        # whole block's rows); the real heads for the merge kernel (a head block wider than the
+        # heads writes only those, `_store_partial`)
+        self.ws_heads = self.padded_heads if merge == "fused" else num_heads
         dev = torch.device(device)
         if workspace is None:
-            workspace = allocate_workspace(max_batch * num_splits, self.padded_heads, kv_lora_rank,
+            workspace = allocate_workspace(max_batch * num_splits, self.ws_heads, kv_lora_rank,
                                            partial_dtype, dev)
         self.ws_acc, self.ws_lse = workspace
         # rows of (request, split) partials the workspace holds: a batch needs B x num_splits
         self.ws_rows = self.ws_lse.shape[0]
-        if (self.ws_acc.shape[1:] != (self.padded_heads, kv_lora_rank) or self.ws_acc.dtype != partial_dtype
-                or self.ws_lse.shape[1:] != (self.padded_heads,) or self.ws_acc.shape[0] != self.ws_rows):
+        if (self.ws_acc.shape[1:] != (self.ws_heads, kv_lora_rank) or self.ws_acc.dtype != partial_dtype
+                or self.ws_lse.shape[1:] != (self.ws_heads,) or self.ws_acc.shape[0] != self.ws_rows):
             raise ValueError(f"workspace {tuple(self.ws_acc.shape)} {self.ws_acc.dtype} does not fit "
-                             f"{self.padded_heads} padded heads x rank {kv_lora_rank} {partial_dtype}")
+                             f"{self.ws_heads} heads x rank {kv_lora_rank} {partial_dtype}")
         self.max_batch = min(max_batch, self.ws_rows // num_splits)
         if self.max_batch < 1:
             raise ValueError(f"a workspace of {self.ws_rows} rows cannot hold {num_splits} splits")
@@ -477,7 +539,7 @@ class SplitDecode:
                 q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
                 block_table.stride(0), out.stride(0), out.stride(1),
                 float(scale) * _LOG2E, self.num_splits,
-                H=H, HP=self.padded_heads, R=R, P=self.P, PAGE=self.page_size,
+                H=H, HP=self.ws_heads, R=R, P=self.P, PAGE=self.page_size,
                 BLOCK_H=self.block_h, BLOCK_N=self.block_n, TRANS=self.transposed, GROUP_PAGES=self.group_pages,
                 PDL=self.pdl, num_warps=self.num_warps, num_stages=self.num_stages,
             )
@@ -486,7 +548,7 @@ class SplitDecode:
         if self.merge == "kernel" and self.num_splits > 1:
             _merge_kernel[(H, R // self.merge_block_d, B)](
                 self.ws_acc, self.ws_lse, seq_lens, out, out.stride(0), out.stride(1), self.num_splits,
-                HP=self.padded_heads, R=R, BLOCK_N=self.block_n, DC=self.merge_block_d,
+                HP=self.ws_heads, R=R, BLOCK_N=self.block_n, DC=self.merge_block_d,
                 ST=self.merge_split_tile, num_warps=self.merge_num_warps, num_stages=1,
                 **({"PDL": True, "launch_pdl": True} if self.pdl else {}),
             )
@@ -513,54 +575,60 @@ class SplitDecode:
             ckv_cache.stride(0), ckv_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1),
             block_table.stride(0), out.stride(0), out.stride(1),
             float(scale) * _LOG2E, self.num_splits, int(self.merge == "fused"),
-            H=H, HP=self.padded_heads, R=R, P=self.P, PAGE=self.page_size,
+            H=H, HP=self.ws_heads, R=R, P=self.P, PAGE=self.page_size,
             BLOCK_H=self.block_h, BLOCK_N=self.block_n,
             MERGE_D=self.fused_merge_d, TRANS=self.transposed,
             num_warps=self.num_warps, num_stages=self.num_stages,
         )
 
 
-def allocate_workspace(rows: int, padded_heads: int, kv_lora_rank: int, partial_dtype: torch.dtype,
+def allocate_workspace(rows: int, heads: int, kv_lora_rank: int, partial_dtype: torch.dtype,
                        device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Partials for `rows` (request, split) pairs: [rows, padded_heads, rank] and their LSE."""
-    return (torch.empty(rows, padded_heads, kv_lora_rank, dtype=partial_dtype, device=device),
-            torch.empty(rows, padded_heads, dtype=torch.float32, device=device))
+    """Partials for `rows` (request, split) pairs: [rows, heads, rank] and their LSE."""
+    return (torch.empty(rows, heads, kv_lora_rank, dtype=partial_dtype, device=device),
+            torch.empty(rows, heads, dtype=torch.float32, device=device))
 
 
-def served_rows(num_heads: int) -> int:
-    """(request, split) rows of the served workspace: MAX_PROGRAMS over the head blocks."""
-    return MAX_PROGRAMS // -(-num_heads // default_block_h(num_heads))
+def served_rows(num_heads: int, pipe: str = SERVED_PIPE) -> int:
+    """(request, split) rows of the served workspace: MAX_PROGRAMS over the pipe's head blocks."""
+    return MAX_PROGRAMS // -(-num_heads // pipe_of(pipe).head_block(num_heads))
 
 
-def served_workspace(num_heads: int, kv_lora_rank: int, partial: str, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The served workspace: `served_rows` rows over the heads padded to whole head blocks."""
-    hb = default_block_h(num_heads)
-    return allocate_workspace(served_rows(num_heads), -(-num_heads // hb) * hb, kv_lora_rank,
-                              getattr(torch, partial), device)
+def served_workspace(num_heads: int, kv_lora_rank: int, partial: str, device,
+                     pipe: str = SERVED_PIPE) -> tuple[torch.Tensor, torch.Tensor]:
+    """The served workspace: `served_rows` rows over the heads (the merge kernel's layout)."""
+    return allocate_workspace(served_rows(num_heads, pipe), num_heads, kv_lora_rank, getattr(torch, partial),
+                              device)
 
 
-def fits(num_heads: int, batch_size: int, num_splits: int) -> bool:
+def fits(num_heads: int, batch_size: int, num_splits: int, pipe: str = SERVED_PIPE) -> bool:
     """Whether a launch of this batch and split count stays within MAX_PROGRAMS (what the
     served workspace holds)."""
-    return batch_size * num_splits <= served_rows(num_heads)
+    return batch_size * num_splits <= served_rows(num_heads, pipe)
 
 
 def served(num_splits: int, partial: str, num_heads: int, page_size: int, max_batch: int, device,
-           workspace=None, kv_lora_rank: int = 512, rope_dim: int = 64) -> "SplitDecode":
+           workspace=None, kv_lora_rank: int = 512, rope_dim: int = 64, pipe: str = SERVED_PIPE) -> "SplitDecode":
     """The served configuration of the `split` family for these knobs (validated: ValueError)."""
     if partial not in PARTIAL_DTYPES:
         raise ValueError(f"partial must be one of {', '.join(PARTIAL_DTYPES)}, got {partial!r}")
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 1 <= num_splits <= MAX_PROGRAMS:
         raise ValueError(f"num_splits must be an integer in 1..{MAX_PROGRAMS}, got {num_splits!r}")
+    p = pipe_of(pipe)
     # a TMA tile lies in one page; below that page size, or where the device has no TMA, the
-    # pointer kernel
-    tma = SERVED_BLOCK_N <= page_size and tma_supported(device)
-    return SplitDecode(num_heads, page_size, max_batch, num_splits, block_n=SERVED_BLOCK_N,
-                       num_warps=8, num_stages=2, merge="kernel", partial_dtype=getattr(torch, partial),
-                       transposed=tma and default_block_h(num_heads) < 64, kv_lora_rank=kv_lora_rank,
+    # pointer kernel (pipes of the TMA kernel only: refused)
+    tma = p.block_n <= page_size and tma_supported(device)
+    if p.tma_only and not tma:
+        raise ValueError(f"pipe {pipe!r} runs on the TMA kernel only: a page of at least {p.block_n} tokens "
+                         f"(got {page_size}) on a GPU with a tensor-memory accelerator")
+    block_h = p.head_block(num_heads)
+    return SplitDecode(num_heads, page_size, max_batch, num_splits, block_n=p.block_n,
+                       num_warps=8, num_stages=p.num_stages, block_h=block_h, merge="kernel",
+                       partial_dtype=getattr(torch, partial),
+                       transposed=tma and block_h < 64, kv_lora_rank=kv_lora_rank,
                        rope_dim=rope_dim, device=device, merge_block_d=min(SERVED_MERGE_D, kv_lora_rank),
                        merge_split_tile=SERVED_MERGE_SPLITS, workspace=workspace,
-                       load="tma" if tma else "gather")
+                       load="tma" if tma else "gather", group_pages=p.group_pages, pdl=p.pdl)
 
 
 def tma_supported(device) -> bool:
