@@ -29,7 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # (heads, block_h, block_n, num_warps, num_stages, transposed, group_pages); the first of each head
-# count is what split_decode.served() runs at page 64
+# count is what split_decode.served() runs at page 64 for the pipe "t64", the last for "t32x4"
+# (split_decode.PIPES)
 VARIANTS = [
     (16, 16, 64, 8, 2, True, 0), (16, 16, 64, 8, 2, True, 32), (16, 16, 64, 8, 3, True, 32),
     (16, 64, 32, 8, 3, False, 32), (16, 64, 32, 8, 4, False, 32),
@@ -77,7 +78,8 @@ def compile_one(kernel, variant, arch: int, cuobjdump: str, tmp: Path) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     heads, bh, bn, warps, stages, trans, group = variant
-    const = dict(H=heads, HP=-(-heads // bh) * bh, R=R, P=P, PAGE=PAGE, BLOCK_H=bh, BLOCK_N=bn,
+    # the workspace holds the real heads (the merge kernel's layout, split_decode.SplitDecode.ws_heads)
+    const = dict(H=heads, HP=heads, R=R, P=P, PAGE=PAGE, BLOCK_H=bh, BLOCK_N=bn,
                  TRANS=trans, GROUP_PAGES=group, PDL=False)
     row = {"heads": heads, "block_h": bh, "block_n": bn, "num_warps": warps, "num_stages": stages,
            "transposed": trans, "group_pages": group}

@@ -30,14 +30,16 @@ DEVICE = "cuda"
 
 
 @pytest.mark.parametrize("heads", [16, 128])
-@pytest.mark.parametrize("knobs", [(4, "bfloat16"), (64, "bfloat16"), (16, "float32")])
+@pytest.mark.parametrize("knobs", [(4, "bfloat16"), (64, "bfloat16"), (16, "float32"), (32, "bfloat16", "t32x4"),
+                                   (8, "bfloat16", "t64-pdl"), (16, "bfloat16", "t32x4-pdl")])
 def test_family_matches_the_reference_on_ragged_lengths(heads, knobs):
     lens = (1, 63, 64, 65, 700, 4096, 130, 2049)
     w = Workload(heads, 512, 64, 192 ** -0.5, len(lens), max(lens), ragged="uniform-random", lengths=lens)
     p = make_problem(w, 64, DEVICE, seed=heads)
     fam = get_family("split")
     assert fam.available(DEVICE).ok
-    cand = Candidate("split", "triton", 64, {"num_splits": knobs[0], "partial": knobs[1]})
+    params = {"num_splits": knobs[0], "partial": knobs[1], **({"pipe": knobs[2]} if len(knobs) > 2 else {})}
+    cand = Candidate("split", "triton", 64, params)
     prepared = fam.prepare(w, cand, p)
     ref = mla_decode_reference(p.q_nope, p.q_pe, p.ckv_cache, p.kpe_cache, p.block_table, p.seq_lens_cpu,
                                w.softmax_scale)
@@ -53,6 +55,16 @@ def test_family_matches_the_reference_on_ragged_lengths(heads, knobs):
 def test_the_plugins_check_passes_here(heads, partial):
     k = op.served(32, partial, heads, 16, op.served_rows(heads), DEVICE)
     assert op.self_check(k, torch.bfloat16, DEVICE) is None
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("pipe", sorted(op.PIPES))
+def test_every_pipe_passes_the_plugins_check_at_page_64(heads, pipe):
+    k = op.served(32, "bfloat16", heads, 64, op.served_rows(heads, pipe), DEVICE, pipe=pipe,
+                  workspace=op.served_workspace(heads, 512, "bfloat16", DEVICE, pipe))
+    assert k.load == "tma" and (k.block_n, k.num_stages, k.pdl) == (
+        op.PIPES[pipe].block_n, op.PIPES[pipe].num_stages, op.PIPES[pipe].pdl)
+    assert op.self_check(k, torch.bfloat16, DEVICE, lens=(1, 77, 300, 4100)) is None
 
 
 def _entry(split_params, batches=(1, 2, 8)):
@@ -122,9 +134,11 @@ def test_flashinfer_mla_serves_a_tuned_split_bucket_eagerly(model_root):
 
 
 @pytest.mark.vllm
-def test_split_under_full_cudagraph_capture_and_replay(model_root):
+@pytest.mark.parametrize("pipe", ["t64", "t32x4-pdl"])
+def test_split_under_full_cudagraph_capture_and_replay(model_root, pipe):
     vc = _config(model_root, cudagraph=True)
-    builder = _builder(vc, {"backend": "triton", "num_splits": 64, "partial": "bfloat16"})
+    builder = _builder(vc, {"backend": "triton", "num_splits": 64, "partial": "bfloat16",
+                            **({"pipe": pipe} if pipe != "t64" else {})})
     impl = ps.make_impl(vc)
     batch, num_pages, width = 8, 900, 96
     # vLLM's persistent buffers: the block table and lengths a captured graph reads every replay
@@ -151,6 +165,8 @@ def test_split_under_full_cudagraph_capture_and_replay(model_root):
 
     md, bt, lens = step([100, 7, 3000, 64, 1, 512, 2047, 900], seed=1)
     assert md.decode.cuda_graph and md.decode.backend == decisions.SPLIT
+    k = md.decode.kernel.kernel          # the tuned pipe's kernel (PDL: the merge a dependent launch)
+    assert (k.block_n, k.pdl) == (op.PIPES[pipe].block_n, op.PIPES[pipe].pdl)
     eager = forward(md)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

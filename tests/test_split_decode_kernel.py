@@ -119,8 +119,32 @@ _CHILD = textwrap.dedent("""
         k = served(splits, "float32", heads, page, served_rows(heads), "cpu", workspace=ws)
         served_cases.append([f"H{heads} {lens} S{splits} p{page}", relative_error(run(k, w, p), ref),
                              self_check(k, torch.float16, "cpu"), k.load, k.transposed])
+    # the other tuned pipes as served: t32x4 (32-token tiles, 4 stages, grouped page ids, 64 head
+    # rows: 16 heads padded) at page 64, on its own served workspace (the real heads only)
+    from vllm_metax.ops.split_decode import served_workspace
+    for heads, lens, splits in ((16, [1, 63, 64, 65, 300, 2000], 8), (128, [5, 200], 4), (16, [300, 1000], 1)):
+        w, p, ref = problem(heads, lens, 64)
+        k = served(splits, "float32", heads, 64, served_rows(heads, "t32x4"), "cpu", pipe="t32x4",
+                   workspace=served_workspace(heads, 512, "float32", "cpu", "t32x4"))
+        served_cases.append([f"H{heads} {lens} S{splits} t32x4", relative_error(run(k, w, p), ref),
+                             self_check(k, torch.float16, "cpu"), k.load, k.transposed])
+
+    # a head block wider than the heads writes only the real heads' partial rows: the workspace
+    # rows after the batch's last (request, split) keep what they held (an unmasked store writes
+    # the padded rows over them: the next split's rows, or past the workspace's end)
+    masked = []
+    for heads, page, make in ((16, 64, lambda ws: served(4, "float32", 16, 64, 2, "cpu", pipe="t32x4", workspace=ws)),
+                              (8, 16, lambda ws: SplitDecode(8, 16, 2, 4, block_n=32, merge="kernel", device="cpu",
+                                                             workspace=ws))):
+        w, p, ref = problem(heads, [300, 200], page)
+        ws = allocate_workspace(2 * 4 + 4, heads, 512, torch.float32, "cpu")
+        ws[0].fill_(7.0)
+        ws[1].fill_(7.0)
+        k = make(ws)
+        masked.append([f"H{heads} p{page} bh{k.block_h} {k.load}", relative_error(run(k, w, p), ref),
+                       bool(ws[0][8:].eq(7).all()) and bool(ws[1][8:].eq(7).all())])
     print("RESULT " + json.dumps({"cases": cases, "twice": twice, "empty": empty, "served": served_cases,
-                                  "padded": padded}))
+                                  "padded": padded, "masked": masked}))
 """)
 
 
@@ -144,13 +168,17 @@ def test_kernel_matches_the_reference_under_the_triton_interpreter():
     assert tma_zero_max == 0.0 and tma_other_err < 2e-2, out["empty"]
     fell_back, padded_err = out["padded"]
     assert fell_back and padded_err < 2e-2, out["padded"]
-    assert len(out["served"]) == 5
+    assert len(out["served"]) == 8
     for label, err, check, load, _ in out["served"]:
         assert err < 2e-2 and check is None, (label, err, check)
     # what is served: the pointer kernel below a 64-token page, the TMA kernel from it (tokens as
-    # the dots' M at 16 heads, a 64-row head block at 128)
+    # the dots' M at 16 heads, a 64-row head block at 128); t32x4: the TMA kernel, heads as M
     assert [(row[3], row[4]) for row in out["served"]] == [
-        ("gather", False), ("gather", False), ("gather", False), ("tma", True), ("tma", False)]
+        ("gather", False), ("gather", False), ("gather", False), ("tma", True), ("tma", False),
+        ("tma", False), ("tma", False), ("tma", False)]
+    assert len(out["masked"]) == 2
+    for label, err, untouched in out["masked"]:
+        assert err < 2e-2 and untouched, (label, err, untouched)
 
 
 def test_knobs_are_checked_before_anything_runs():

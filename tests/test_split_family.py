@@ -80,8 +80,12 @@ def test_other_pipes_are_offered_beside_their_one_wave_count_and_pdl_at_small_wo
             else:
                 i = useful.index(wave)
                 assert got == useful[max(0, i - 1):i + 2] and wave in got
+    # a batch that fills the GPU by itself: the other pipes also run one or two splits a request
+    # (no merge, or a short one); the served pipe's counts start at 4, as measured
+    assert pipe_splits(16, 128, 4096, "t32x4") == [1, 2] and pipe_splits(16, 64, 4096, "t32x4") == [1, 2, 4]
+    assert useful_splits(16, 128, 4096)[0] == 4
     # 32-token tiles: a 1K request has 32 chunks to split into (64-token tiles: 16)
-    assert useful_splits(16, 1, 1024, "t32x4") == [4, 8, 16, 32] and useful_splits(16, 1, 1024) == [4, 8, 16]
+    assert useful_splits(16, 1, 1024, "t32x4") == [1, 2, 4, 8, 16, 32] and useful_splits(16, 1, 1024) == [4, 8, 16]
     # t32x4's 64 head rows: 16 heads are one head block, 128 heads two (as t64's)
     assert op.served_rows(16, "t32x4") == op.MAX_PROGRAMS and op.served_rows(128, "t32x4") == op.MAX_PROGRAMS // 2
     assert default_splits(16, 1, 32768, "t32x4") == 128

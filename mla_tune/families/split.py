@@ -21,8 +21,8 @@ pick without measuring. q_len 1 and page 64 (the default page) only.
 The other pipes are measured where the split count can be best, not at every count: in the
 H200's default sweep the t64 kernel's best count was the one-wave default in 96 of 104 buckets
 (2x it in 4, 4x-8x in 4; results.db, 2026-12-04). So "t32x4" (32-token tiles, 4 stages) is
-offered at its own one-wave count and the useful counts beside it (one step down, one up), and
-the "-pdl" pipes (one launch latency less, which only small work feels) at the one-wave count of
+offered at its own one-wave count and the useful counts beside it (one step down, one up; from 1
+split a request, so a batch that fills the GPU by itself is not split), and the "-pdl" pipes (one launch latency less, which only small work feels) at the one-wave count of
 buckets of at most SMALL_WORK_TOKENS KV tokens.
 """
 
@@ -40,6 +40,10 @@ from vllm_metax.tuned_config import SPLIT_BACKEND as BACKEND
 
 WAVE = 132                 # programs of one wave on the H200 the default is written for
 SPLIT_COUNTS = tuple(2 ** i for i in range(2, 9))     # 4..256
+# the other pipes may also run a request in one or two splits: a batch that fills the GPU on its
+# own (B x head blocks >= one wave) then has no merge (one split) or a short one, and the
+# pipelined tile loop keeps its copies in flight along the whole request
+PIPE_SPLIT_COUNTS = (1, 2) + SPLIT_COUNTS
 SERVED_PIPE = "t64"        # split_decode.SERVED_PIPE: its candidates carry no `pipe` knob
 # the "-pdl" pipes are offered where a bucket's KV tokens (requests x longest length) are at most
 # this: where a launch latency (a few us) is a large part of the call
@@ -52,12 +56,13 @@ def _op():
 
 
 def useful_splits(num_heads: int, batch_size: int, max_len: int, pipe: str = SERVED_PIPE) -> list[int]:
-    """SPLIT_COUNTS that give a request of `max_len` more splits in use than the count before
-    (chunks aligned to the pipe's tile), and whose launch fits the served workspace."""
+    """SPLIT_COUNTS (PIPE_SPLIT_COUNTS for a pipe other than the served one) that give a request
+    of `max_len` more splits in use than the count before (chunks aligned to the pipe's tile),
+    and whose launch fits the served workspace."""
     op = _op()
     block_n = op.pipe_of(pipe).block_n
     out, seen = [], set()
-    for s in SPLIT_COUNTS:
+    for s in SPLIT_COUNTS if pipe == SERVED_PIPE else PIPE_SPLIT_COUNTS:
         used = op.splits_for(max_len, block_n, s)
         if used in seen or not op.fits(num_heads, batch_size, s, pipe):
             continue

@@ -160,19 +160,19 @@ def _merge_splits(WS_ACC, WS_LSE, out_rows, ws_b, n_active, offs_h, hmask,
 
 
 @triton.jit
-def _store_partial(WS_ACC, WS_LSE, ws_row, offs_r, acc, lse, hmask, R: tl.constexpr, HP: tl.constexpr,
+def _store_partial(WS_ACC, WS_LSE, ws_row, offs_r, acc, m, l, hmask, R: tl.constexpr, HP: tl.constexpr,
                    BLOCK_H: tl.constexpr):
-    """A split's normalised partial and its LSE into the workspace rows of its heads. A
+    """A split's normalised partial and its log2-sum-exp (m + log2 l) into the workspace rows of its heads. A
     workspace of whole head blocks (HP a multiple of BLOCK_H: every served kernel but a head
     block wider than the heads) takes the tile unmasked; else only the real heads are written
     (the rows past them belong to the next split)."""
     if HP % BLOCK_H == 0:
         tl.store(WS_ACC + ws_row[:, None] * R + offs_r[None, :], acc.to(WS_ACC.dtype.element_ty))
-        tl.store(WS_LSE + ws_row, lse)
+        tl.store(WS_LSE + ws_row, m + tl.log2(l))
     else:
         tl.store(WS_ACC + ws_row[:, None] * R + offs_r[None, :], acc.to(WS_ACC.dtype.element_ty),
                  mask=hmask[:, None])
-        tl.store(WS_LSE + ws_row, lse, mask=hmask)
+        tl.store(WS_LSE + ws_row, m + tl.log2(l), mask=hmask)
 
 
 @triton.jit
@@ -277,9 +277,8 @@ def _small_decode_kernel(
         if n_active == 1:
             tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=hmask[:, None])
         else:
-            lse = m + tl.log2(l)
             ws_row = (b64 * NUM_SPLITS + split) * HP + offs_h
-            _store_partial(WS_ACC, WS_LSE, ws_row, offs_r, acc, lse, hmask, R, HP, BLOCK_H)
+            _store_partial(WS_ACC, WS_LSE, ws_row, offs_r, acc, m, l, hmask, R, HP, BLOCK_H)
             if FUSED != 0:
                 # every thread's partial is written before one thread's release of the counter
                 tl.debug_barrier()
@@ -365,7 +364,7 @@ def _split_tma_kernel(
                      mask=hmask[:, None])
         else:
             ws_row = (b64 * NUM_SPLITS + split) * HP + offs_h
-            _store_partial(WS_ACC, WS_LSE, ws_row, offs_r, acc, m + tl.log2(l), hmask, R, HP, BLOCK_H)
+            _store_partial(WS_ACC, WS_LSE, ws_row, offs_r, acc, m, l, hmask, R, HP, BLOCK_H)
     if (seq_len == 0) & (split == 0):
         tl.store(out_row + offs_h[:, None] * stride_o_h + offs_r[None, :],
                  tl.zeros([BLOCK_H, R], tl.float32).to(OUT.dtype.element_ty), mask=hmask[:, None])
