@@ -143,8 +143,22 @@ _CHILD = textwrap.dedent("""
         k = make(ws)
         masked.append([f"H{heads} p{page} bh{k.block_h} {k.load}", relative_error(run(k, w, p), ref),
                        bool(ws[0][8:].eq(7).all()) and bool(ws[1][8:].eq(7).all())])
+    # the sweep's correctness gate (mla_tune.measure.trial.check_correctness) on the split family's
+    # candidates of each pipe: right where the interpreter runs it, refused (not crashed) for PDL
+    from mla_tune.families import Candidate, CandidateInvalid, get_family
+    from mla_tune.measure.trial import MeasureSettings, check_correctness
+    w = Workload(16, 512, 64, 192 ** -0.5, 2, 700, ragged="uniform-random", lengths=(700, 130),
+                 q_dtype="float16", kv_dtype="float16")
+    gate = []
+    for params in ("num_splits=4,partial=float32", "num_splits=8,partial=float32,pipe=t32x4",
+                   "num_splits=1,partial=float32,pipe=t32x4", "num_splits=8,partial=float32,pipe=t64-pdl"):
+        try:
+            gate.append([params, check_correctness(get_family("split"), w, Candidate.parse("split/triton/p64/" + params),
+                                                   MeasureSettings(device="cpu"), seed=1)])
+        except CandidateInvalid as e:
+            gate.append([params, e.reason])
     print("RESULT " + json.dumps({"cases": cases, "twice": twice, "empty": empty, "served": served_cases,
-                                  "padded": padded, "masked": masked}))
+                                  "padded": padded, "masked": masked, "gate": gate}))
 """)
 
 
@@ -152,7 +166,7 @@ _CHILD = textwrap.dedent("""
 def test_kernel_matches_the_reference_under_the_triton_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                          timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     out = json.loads(lines[-1][len("RESULT "):])
@@ -179,6 +193,9 @@ def test_kernel_matches_the_reference_under_the_triton_interpreter():
     assert len(out["masked"]) == 2
     for label, err, untouched in out["masked"]:
         assert err < 2e-2 and untouched, (label, err, untouched)
+    *right, pdl = out["gate"]
+    assert len(right) == 3 and all(err < 2e-2 for _, err in right), right
+    assert pdl == ["num_splits=8,partial=float32,pipe=t64-pdl", "unsupported"]
 
 
 def test_knobs_are_checked_before_anything_runs():
