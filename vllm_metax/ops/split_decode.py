@@ -425,10 +425,10 @@ class SplitDecode:
     accelerator into shared memory, double-buffered; merge "kernel" only, BLOCK_N dividing the
     page, and caches whose pages are rows of one [pages x page, width] view; a cache that is not
     is served by the pointer kernel instead). `group_pages` (TMA kernel): 0, a block-table load
-    per tile in the tile loop (served), or page ids loaded that many pages at a time ahead of
-    their tiles (lets 32-token tiles take 3-4 stages). `pdl`: the merge kernel launched as the
-    split kernel's programmatic dependent (sm_90+ CUDA only). Both are measured by
-    bench/small_decode_kernel.py --pipe, not served yet.
+    per tile in the tile loop (the pipe "t64"), or page ids loaded that many pages at a time
+    ahead of their tiles (lets 32-token tiles take 3-4 stages: "t32x4"). `pdl`: the merge kernel
+    launched as the split kernel's programmatic dependent (sm_90+ CUDA only: the "-pdl" pipes).
+    `served` builds them from a tuned pipe (`PIPES`).
     """
 
     def __init__(self, num_heads: int, page_size: int, max_batch: int, num_splits: int,
