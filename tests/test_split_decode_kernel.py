@@ -291,6 +291,11 @@ def test_compiled_for_hopper_the_grouped_page_ids_let_copies_overlap_the_dots(tm
     c = triton.compile(ASTSource(k, sig, const), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=4, num_stages=1, launch_pdl=True))
     assert "griddepcontrol.wait" in c.asm["ptx"] and c.metadata.launch_pdl
+    # only the request's length (the step's input) is read before the wait; the workspace after
+    lines = c.asm["ptx"].splitlines()
+    wait_at = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)
+    assert sum("ld.global" in ln for ln in lines[:wait_at]) == 1
+    assert sum("ld.global" in ln for ln in lines[wait_at:]) >= 2
     const = dict(H=16, HP=16, R=512, P=64, PAGE=64, BLOCK_H=16, BLOCK_N=64, TRANS=True, GROUP_PAGES=0, PDL=True)
     k = sd._split_tma_kernel
     c = triton.compile(ASTSource(k, skc.signature(k, const, 64), const), target=GPUTarget("cuda", 90, 32),

@@ -376,14 +376,15 @@ def _merge_kernel(
     HP: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, DC: tl.constexpr, ST: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    if PDL:
-        # launched as the split kernel's programmatic dependent: every program waits for the
-        # split grid's completion (and its workspace writes) first, so this grid never completes
-        # before it
-        tl.extra.cuda.gdc_wait()
     h = tl.program_id(0)
     dc = tl.program_id(1)
     b, seq_len, chunk, n_active = _request(SEQ, NUM_SPLITS, BLOCK_N)
+    if PDL:
+        # launched as the split kernel's programmatic dependent: every program waits for the
+        # split grid's completion (and its workspace writes) before it reads the workspace, so
+        # this grid never completes before it. The lengths are the step's input, written before
+        # the split grid started: read above, while the split grid still runs
+        tl.extra.cuda.gdc_wait()
     if n_active > 1:
         b64 = b.to(tl.int64)
         offs_s = tl.arange(0, ST)
