@@ -183,3 +183,39 @@ def test_split_under_full_cudagraph_capture_and_replay(model_root, pipe):
         graph.replay()
         torch.cuda.synchronize()
         assert relative_error(captured, _reference(static_q, static_kv, bt2, lens2)) < TOL, seed
+
+
+def test_the_background_compile_of_split_kernels_is_what_the_worker_then_finds(tmp_path):
+    """jit_prebuild's Triton pool compiles the split family's kernels (TMA split kernel, merge
+    kernel, PDL launch) without launching; a fresh process checking those candidates on the real
+    ragged batch-4 workload then adds nothing to Triton's on-disk cache."""
+    import json
+    import subprocess
+    import sys
+    from mla_tune.measure.jit_prebuild import triton_jobs
+    from mla_tune.problem.workload import model_preset, workload_for
+    w = workload_for(model_preset("deepseek-v3"), 8, 4, 3000, ragged="lognormal", seed=2)
+    keys = ["num_splits=8,partial=bfloat16,pipe=t32x4", "num_splits=16,partial=bfloat16,pipe=t64-pdl"]
+    jobs = triton_jobs([(w, [Candidate.parse("split/triton/p64/" + k) for k in keys])])
+    assert len(jobs) == 2
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path), VLLM_METAX_FORCE="1")
+    code = ("import json, sys; from mla_tune.measure.jit_prebuild import main_triton; "
+            "print(main_triton(2, json.loads(sys.argv[1])))")
+    r = subprocess.run([sys.executable, "-c", code, json.dumps(jobs)], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.stdout.strip().splitlines()[-1] == "2", r.stderr[-2000:]
+    built = sorted(p.name for p in tmp_path.iterdir())
+    assert len(built) >= 4, built            # two split kernels, two merge kernels (one PDL)
+    measure_code = ("import sys\n"
+                    "from mla_tune.families import Candidate, get_family\n"
+                    "from mla_tune.measure.trial import MeasureSettings, check_correctness\n"
+                    "from mla_tune.problem.workload import model_preset, workload_for\n"
+                    "w = workload_for(model_preset('deepseek-v3'), 8, 4, 3000, ragged='lognormal', seed=2)\n"
+                    "for k in sys.argv[1:]:\n"
+                    "    c = Candidate.parse('split/triton/p64/' + k)\n"
+                    "    print(check_correctness(get_family('split'), w, c, MeasureSettings(device='cuda'), seed=1))\n")
+    r = subprocess.run([sys.executable, "-c", measure_code, *keys], env=env, capture_output=True, text=True,
+                       timeout=600)
+    errs = [float(x) for x in r.stdout.split()]
+    assert len(errs) == 2 and all(e < TOL for e in errs), r.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == built

@@ -102,3 +102,21 @@ def test_the_triton_background_process_is_started_and_ended_with_its_group():
     assert proc is not None and "main_triton(1)" in proc.args[-1]
     jit_prebuild.finish_prebuild(proc)
     assert proc.poll() is not None
+
+
+def test_split_kernels_are_compiled_once_per_heads_pipe_and_partials():
+    from mla_tune.families import get_family
+    fam = get_family("split")
+    buckets = [(w, fam.space(w, [64])) for w in (workload_for(V3, 8, 1, 1024), workload_for(V3, 8, 8, 32768),
+                                                 workload_for(V3, 1, 1, 1024))]
+    jobs = [j for j in jit_prebuild.triton_jobs(buckets) if j["family"] == "split"]
+    keys = [(j["num_heads"], j["params"].get("pipe", "t64"), j["params"]["partial"], j["params"]["num_splits"] > 1)
+            for j in jobs]
+    assert len(keys) == len(set(keys))
+    # every pipe and partial the space names, at both head counts: nothing the worker would compile
+    want = {(w.num_heads, c.params.get("pipe", "t64"), c.params["partial"], c.params["num_splits"] > 1)
+            for w, cs in buckets for c in cs}
+    assert set(keys) == want and {k[1] for k in keys} == {"t64", "t32x4", "t64-pdl", "t32x4-pdl"}
+    # no GPU here: the job fails (the worker compiles it, as without the prebuild), it does not raise
+    assert jit_prebuild.compile_triton(jobs[0]) is False
+    assert jit_prebuild.compile_triton({**jobs[0], "family": "flashinfer"}) is False

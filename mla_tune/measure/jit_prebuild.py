@@ -11,7 +11,9 @@ sharing the CPU. Best effort: any failure leaves the compile to the worker, as b
 
 Triton: vLLM's decode kernel is compiled once per head count, page size and split count (all
 three are constexprs: 0.8 s each, 78 of them in the H200 default sweep, one after the other in
-the worker). `start_triton_prebuild` hands every specialisation the sweep's candidates need, in
+the worker); the split family's kernels once per head count, pipe and partials' dtype (and the
+merge kernel where a request splits: 0.2-1.6 s each compiled ahead of time for sm_90a on the CPU
+machine, 2026-12-05). `start_triton_prebuild` hands every specialisation the sweep's candidates need, in
 the order the sweep meets them, to a pool of processes that compile without launching anything
 (Triton's own warm-up path, `JITFunction.run(warmup=True)`, on unwritten tensors of the real
 shapes and strides); each writes Triton's on-disk cache, where the worker's first launch finds
@@ -27,7 +29,10 @@ import os
 import signal
 import subprocess
 import sys
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+if TYPE_CHECKING:
+    from mla_tune.families.base import Candidate
 
 ENV = "MLA_TUNE_JIT_PREBUILD"
 BACKENDS = ("fa2", "fa3")
@@ -116,28 +121,40 @@ def main(backends_json: str, specs_json: str) -> None:
 # ---------------------------------------------------------------- vLLM's Triton MLA kernels
 
 TRITON_FAMILY = "triton"       # mla_tune.families.triton_mla.TritonMLAFamily.family
+SPLIT_FAMILY = "split"         # mla_tune.families.split.SplitFamily.family
 MAX_TRITON_PROCS = 8
 
 
+def _kernel_key(w, c: Candidate, longest: int):
+    """What a candidate's Triton kernels are specialised on, beyond the workload's dtypes and
+    head dims. vLLM's decode: q_len, page size, split count (constexprs) and the block table's
+    width class (its row stride is an integer argument, which Triton specialises by divisibility
+    by 16 and by being 1). The split kernel: page size, pipe and partials' dtype, and whether a
+    merge kernel runs (more than one split); its split count and table stride are not
+    specialised on."""
+    if c.family == TRITON_FAMILY:
+        width = -(-longest // c.page_size)
+        return (w.q_len, c.page_size, c.params.get("num_kv_splits"), width == 1, width % 16 == 0)
+    return (c.page_size, c.params.get("pipe"), c.params.get("partial"), c.params.get("num_splits", 1) > 1)
+
+
 def triton_jobs(buckets: Iterable[tuple]) -> list[dict]:
-    """One compile job per Triton kernel specialisation that the Triton candidates of `buckets`
-    ((workload, candidates) pairs, in sweep order) need, first needed first: dtypes, head dims,
-    q_len, page size, split count and the block table's width class (its row stride is an
-    integer argument, which Triton specialises by divisibility by 16 and by being 1). A job
-    holds a one-request workload with the longest request's length: the same table width."""
+    """One compile job per Triton kernel specialisation that the Triton and split candidates of
+    `buckets` ((workload, candidates) pairs, in sweep order) need, first needed first
+    (`_kernel_key`). A job holds a one-request workload with the longest request's length: the
+    same table width."""
     seen, jobs = set(), []
     for w, cands in buckets:
         longest = max(w.seq_lens)
         for c in cands:
-            if c.family != TRITON_FAMILY:
+            if c.family not in (TRITON_FAMILY, SPLIT_FAMILY):
                 continue
-            width = -(-longest // c.page_size)
-            key = (w.q_dtype, w.kv_dtype, w.num_heads, w.kv_lora_rank, w.qk_rope_head_dim, w.q_len,
-                   c.page_size, c.params.get("num_kv_splits"), width == 1, width % 16 == 0)
+            key = (c.family, w.q_dtype, w.kv_dtype, w.num_heads, w.kv_lora_rank, w.qk_rope_head_dim,
+                   _kernel_key(w, c, longest))
             if key in seen:
                 continue
             seen.add(key)
-            jobs.append({"num_heads": w.num_heads, "kv_lora_rank": w.kv_lora_rank,
+            jobs.append({"family": c.family, "num_heads": w.num_heads, "kv_lora_rank": w.kv_lora_rank,
                          "qk_rope_head_dim": w.qk_rope_head_dim, "softmax_scale": w.softmax_scale,
                          "context_len": longest, "q_len": w.q_len, "q_dtype": w.q_dtype,
                          "kv_dtype": w.kv_dtype, "backend": c.backend, "page_size": c.page_size,
@@ -190,16 +207,19 @@ def compile_triton(job: dict) -> bool:
     problem (needs compile_only() first); False where it failed (the worker will say why)."""
     try:
         import torch
+        from mla_tune.families import get_family
         from mla_tune.families.base import Candidate
-        from mla_tune.families.triton_mla import TritonMLAFamily
         from mla_tune.problem.instance import make_problem
         from mla_tune.problem.workload import Workload
         w = Workload(job["num_heads"], job["kv_lora_rank"], job["qk_rope_head_dim"],
                      job["softmax_scale"], 1, job["context_len"], job["q_len"],
                      q_dtype=job["q_dtype"], kv_dtype=job["kv_dtype"])
-        cand = Candidate(TRITON_FAMILY, job["backend"], job["page_size"], dict(job["params"]))
+        family = job.get("family", TRITON_FAMILY)
+        if family not in (TRITON_FAMILY, SPLIT_FAMILY):
+            return False
+        cand = Candidate(family, job["backend"], job["page_size"], dict(job["params"]))
         problem = make_problem(w, cand.page_size, "cuda", fill=False)
-        TritonMLAFamily().prepare(w, cand, problem)
+        get_family(family).prepare(w, cand, problem)
         del problem
         torch.cuda.empty_cache()
         return True

@@ -790,8 +790,9 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
         plan, ctx = plan_sweep(config, store, families)   # check_families raised if none can run
         planning["spaces_s"] = time.monotonic() - t
         t = time.monotonic()
-        if plan.kind == "gpu" and "triton" in plan.families:
-            # and vLLM's Triton kernels, one specialisation per (heads, page, splits), on a pool
+        if plan.kind == "gpu" and ("triton" in plan.families or "split" in plan.families):
+            # and the Triton kernels (vLLM's: one specialisation per heads, page and splits; the
+            # split family's: per heads, pipe and partials), on a pool
             from mla_tune.measure.jit_prebuild import start_triton_prebuild, triton_jobs
             triton_prebuild = start_triton_prebuild(triton_jobs(
                 (p.bucket.workload, p.space.candidates) for p in plan.buckets if len(p.space)))
