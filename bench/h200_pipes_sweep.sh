@@ -16,7 +16,7 @@ rc=$?
 echo "pytest rc=$rc" >> "$OUT/pytest_gpu_split.txt"
 tail -12 "$OUT/pytest_gpu_split.txt"
 if [ "$rc" != 0 ]; then
-  echo "the pipes are not all right on this GPU: no sweep (a wrong pipe is gated out by the sweep, but the plugin's tests must pass first)"
+  echo "a pipe is not right on this GPU (see pytest_gpu_split.txt): no sweep"
   exit 1
 fi
 left=$(( 590 - ($(date +%s) - start) ))

@@ -21,9 +21,10 @@ pick without measuring. q_len 1 and page 64 (the default page) only.
 The other pipes are measured where the split count can be best, not at every count: in the
 H200's default sweep the t64 kernel's best count was the one-wave default in 96 of 104 buckets
 (2x it in 4, 4x-8x in 4; results.db, 2026-12-04). So "t32x4" (32-token tiles, 4 stages) is
-offered at its own one-wave count and the useful counts beside it (one step down, one up; from 1
-split a request, so a batch that fills the GPU by itself is not split), and the "-pdl" pipes (one launch latency less, which only small work feels) at the one-wave count of
-buckets of at most SMALL_WORK_TOKENS KV tokens.
+offered at its own one-wave count and the useful counts beside it (one step down, one up; from
+1 split a request, so a batch that fills the GPU by itself is not split), and the "-pdl" pipes
+(one launch latency less, which only small work feels) at the one-wave count of buckets of at
+most SMALL_WORK_TOKENS KV tokens.
 """
 
 from __future__ import annotations
