@@ -162,10 +162,10 @@ def _merge_splits(WS_ACC, WS_LSE, out_rows, ws_b, n_active, offs_h, hmask,
 @triton.jit
 def _store_partial(WS_ACC, WS_LSE, ws_row, offs_r, acc, m, l, hmask, R: tl.constexpr, HP: tl.constexpr,
                    BLOCK_H: tl.constexpr):
-    """A split's normalised partial and its log2-sum-exp (m + log2 l) into the workspace rows of its heads. A
-    workspace of whole head blocks (HP a multiple of BLOCK_H: every served kernel but a head
-    block wider than the heads) takes the tile unmasked; else only the real heads are written
-    (the rows past them belong to the next split)."""
+    """A split's normalised partial and its log2-sum-exp (m + log2 l) into the workspace rows of
+    its heads. A workspace of whole head blocks (HP a multiple of BLOCK_H: the heads fill their
+    blocks) takes the tile unmasked; else only the real heads are written (the rows past them
+    belong to the next split)."""
     if HP % BLOCK_H == 0:
         tl.store(WS_ACC + ws_row[:, None] * R + offs_r[None, :], acc.to(WS_ACC.dtype.element_ty))
         tl.store(WS_LSE + ws_row, m + tl.log2(l))
