@@ -78,8 +78,8 @@ def served_candidate(choice, page_size: int, workload):
     context = decisions.bucket_context(workload.seq_lens)
     split = choice.split_for(workload.batch_size, context, workload.q_len)
     if split is not None:
-        return Candidate(decisions.SPLIT, "triton", page_size,
-                         {"num_splits": split.num_splits, "partial": split.partial})
+        params = split.to_params()         # the tuned pipe too (written only where not t64)
+        return Candidate(decisions.SPLIT, params.pop("backend"), page_size, params)
     backend, factor = choice.step(workload.batch_size, context, workload.q_len)
     params = {}
     if factor is not None:

@@ -29,6 +29,7 @@ from mla_tune.store.results import ResultsStore
 from vllm_metax import decisions
 from vllm_metax import tuned_config as tc
 from vllm_metax.device import DeviceInfo
+from vllm_metax.ops import split_decode
 
 pytestmark = pytest.mark.vllm
 
@@ -94,6 +95,9 @@ def _check_every_bucket(entry: dict, fi, tr, page: int, flashinfer_expected, spl
             assert md.backend == decisions.SPLIT and isinstance(md.kernel, SplitStep), b
             assert (md.kernel.kernel.num_splits, str(md.kernel.kernel.ws_acc.dtype)) == \
                 (split.num_splits, f"torch.{split.partial}"), b
+            pipe = split_decode.PIPES[split.pipe]
+            assert (md.kernel.kernel.block_n, md.kernel.kernel.num_stages, md.kernel.kernel.pdl) == \
+                (pipe.block_n, pipe.num_stages, pipe.pdl), b
             assert md.kernel.seq_lens.tolist() == lens
             seen["split"].append((b["batch_size"], b["context_len"], split.num_splits))
         else:

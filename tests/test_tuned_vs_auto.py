@@ -58,14 +58,17 @@ def test_the_tuned_candidate_is_the_split_kernel_where_the_plugin_serves_it(benc
     dims = decisions.model_key(w.num_heads, w.kv_lora_rank, w.qk_rope_head_dim, w.q_dtype, w.kv_dtype)
     hopper = decisions.flashinfer_backends(False, (9, 0))
 
-    def entry(split_us, splits=32):
+    def entry(split_us, splits=32, **pipe):
         fams = {"flashinfer": tc.FamilyChoice({"backend": "fa3", "kv_chunk": "x2"}, time_us=20.0),
-                "split": tc.FamilyChoice({"backend": "triton", "num_splits": splits, "partial": "bfloat16"},
-                                         time_us=split_us)}
+                "split": tc.FamilyChoice({"backend": "triton", "num_splits": splits, "partial": "bfloat16",
+                                          **pipe}, time_us=split_us)}
         best = "split" if split_us < 20.0 else "flashinfer"
         return tc.ModelEntry(dims, 64, ["FLASHINFER_MLA"], [tc.Bucket(2, 4096, 1, fams, best)])
     assert bench.served_candidate(PlanChoice(entry(17.0), hopper), 64, w).key == \
         "split/triton/p64/num_splits=32,partial=bfloat16"
+    # the tuned pipe is what the bench times, as the plugin serves it
+    assert bench.served_candidate(PlanChoice(entry(17.0, pipe="t32x4"), hopper), 64, w).key == \
+        "split/triton/p64/num_splits=32,partial=bfloat16,pipe=t32x4"
     # 1.03x is not served, and neither is a launch the served workspace cannot hold
     assert bench.served_candidate(PlanChoice(entry(19.4), hopper), 64, w).key == "flashinfer/fa3/p64/kv_chunk=x2"
     w600 = workload_for(model_preset("deepseek-v3"), 8, 600, 4096)
