@@ -263,7 +263,10 @@ def run_engine(name: str, model_dir: Path, out_json: Path) -> None:
     orig_split = sd.SplitDecode.run
 
     def split_run(self, *a, **k):
-        key = f"split/S{self.num_splits}/{self.load}"
+        # the pipe where it is not t64 (64-token tiles, 2 stages, no PDL)
+        pipe = "".join((f"/bn{self.block_n}st{self.num_stages}" if (self.block_n, self.num_stages) != (64, 2) else "",
+                        "/pdl" if self.pdl else ""))
+        key = f"split/S{self.num_splits}/{self.load}{pipe}"
         planned[key] = planned.get(key, 0) + 1
         return orig_split(self, *a, **k)
 
