@@ -189,14 +189,25 @@ def start_triton_prebuild(jobs: Sequence[dict], procs: int | None = None):
 
 def compile_only() -> None:
     """Make every Triton launch in this process compile and return without running (Triton's
-    warm-up path), so a kernel family's own launch code fills the cache without a GPU kernel."""
+    warm-up path), so a kernel family's own launch code fills the cache without a GPU kernel.
+
+    Warm-up compiles the kernel but not its launcher: the C module Triton builds (with the host
+    compiler) for each kernel signature on the first real launch, and caches beside the kernels
+    (`CompiledKernel._init_handles`, Triton 3.6). So the kernel's handles are initialised here
+    too, which builds the launcher into the cache and loads the binary (no launch)."""
     from triton.runtime.jit import JITFunction
     if getattr(JITFunction.run, "_mla_tune_compile_only", False):
         return
     launch = JITFunction.run
 
     def run(self, *args, grid, warmup, **kwargs):
-        return launch(self, *args, grid=grid, warmup=True, **kwargs)
+        kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
+        if hasattr(kernel, "result"):        # Triton's asynchronous compile mode
+            kernel = kernel.result()
+        init = getattr(kernel, "_init_handles", None)
+        if init is not None:
+            init()
+        return kernel
 
     run._mla_tune_compile_only = True
     JITFunction.run = run
