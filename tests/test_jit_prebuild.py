@@ -1,5 +1,7 @@
 """The background FlashInfer JIT build: which modules, the switch, the child's work (no nvcc here)."""
 
+import pytest
+
 from mla_tune.measure import jit_prebuild
 from mla_tune.problem.workload import model_preset, workload_for
 
@@ -120,3 +122,24 @@ def test_split_kernels_are_compiled_once_per_heads_pipe_and_partials():
     # no GPU here: the job fails (the worker compiles it, as without the prebuild), it does not raise
     assert jit_prebuild.compile_triton(jobs[0]) is False
     assert jit_prebuild.compile_triton({**jobs[0], "family": "flashinfer"}) is False
+
+
+def test_compile_only_warms_up_and_builds_each_kernels_launcher(monkeypatch):
+    # Triton's warm-up compiles a kernel but not its launcher (built on the first real launch,
+    # cached beside the kernel): compile_only also initialises the warmed kernel's handles
+    pytest.importorskip("triton")
+    from triton.runtime.jit import JITFunction
+    calls = []
+
+    class Compiled:
+        def _init_handles(self):
+            calls.append("handles")
+
+    def fake_run(self, *args, grid, warmup, **kwargs):
+        calls.append(("run", warmup))
+        return Compiled()
+    monkeypatch.setattr(JITFunction, "run", fake_run)
+    jit_prebuild.compile_only()
+    jit_prebuild.compile_only()                       # once per process: not wrapped twice
+    JITFunction.run(object(), 1, grid=(1,), warmup=False)
+    assert calls == [("run", True), "handles"]
