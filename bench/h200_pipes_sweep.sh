@@ -10,7 +10,7 @@ set -u
 start=$(date +%s)
 source bench/device-setup.sh
 echo "== tests/test_gpu_split.py"
-timeout 170 python3 -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/test_gpu_split.py \
+timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/test_gpu_split.py \
   > "$OUT/pytest_gpu_split.txt" 2>&1
 rc=$?
 echo "pytest rc=$rc" >> "$OUT/pytest_gpu_split.txt"
