@@ -1,6 +1,8 @@
 """Where a split program's time per KV tile goes: the served split kernel beside a probe that only
-streams the same tiles (TMA copies of the same paged cache, the same grid and split rule, each
-tile summed so the copy is consumed) and does no attention math.
+streams the same tiles (TMA copies of the same paged cache, the same grid and split rule) and does
+no attention math, beside a device-to-device copy of the same bytes (copy bandwidth: bytes read and
+written over its time). The probe consumes a tile either by summing it over its tokens (`rowsum`,
+a cross-warp reduction per tile) or by adding it into a register tile reduced once at the end.
 
     source bench/device-setup.sh && python3 bench/split_tile_probe.py --out $OUT
 
@@ -35,20 +37,34 @@ SHAPES = [  # heads, batch, context, splits (the one-wave count the sweep chose)
 
 @triton.jit
 def _stream_kernel(CKV_DESC, KPE_DESC, BT, SEQ, OUT, stride_bt, NUM_SPLITS,
-                   PAGE: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr, P: tl.constexpr):
+                   PAGE: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr, P: tl.constexpr,
+                   ROWSUM: tl.constexpr):
+    # ROWSUM: each tile summed over its tokens (a cross-warp reduction per tile, as the first
+    # version of this probe did); else added into a [BLOCK_N, R] register tile, reduced once at the
+    # end: the cheapest consumer of a copy, so the time is the copies'
     split = tl.program_id(0)
     b = tl.program_id(2)
     seq_len = tl.load(SEQ + b)
     chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N, BLOCK_N)
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
-    acc = tl.zeros([R], tl.float32)
-    acc_p = tl.zeros([P], tl.float32)
-    for t0 in range(start, end, BLOCK_N):
-        row = tl.load(BT + b.to(tl.int64) * stride_bt + t0 // PAGE) * PAGE + t0 % PAGE
-        acc += tl.sum(CKV_DESC.load([row, 0]).to(tl.float32), 0)
-        acc_p += tl.sum(KPE_DESC.load([row, 0]).to(tl.float32), 0)
     pid = (b * NUM_SPLITS + split) * tl.num_programs(1) + tl.program_id(1)
+    if ROWSUM:
+        acc = tl.zeros([R], tl.float32)
+        acc_p = tl.zeros([P], tl.float32)
+        for t0 in range(start, end, BLOCK_N):
+            row = tl.load(BT + b.to(tl.int64) * stride_bt + t0 // PAGE) * PAGE + t0 % PAGE
+            acc += tl.sum(CKV_DESC.load([row, 0]).to(tl.float32), 0)
+            acc_p += tl.sum(KPE_DESC.load([row, 0]).to(tl.float32), 0)
+    else:
+        acc2 = tl.zeros([BLOCK_N, R], tl.float32)
+        acc2_p = tl.zeros([BLOCK_N, P], tl.float32)
+        for t0 in range(start, end, BLOCK_N):
+            row = tl.load(BT + b.to(tl.int64) * stride_bt + t0 // PAGE) * PAGE + t0 % PAGE
+            acc2 += CKV_DESC.load([row, 0]).to(tl.float32)
+            acc2_p += KPE_DESC.load([row, 0]).to(tl.float32)
+        acc = tl.sum(acc2, 0)
+        acc_p = tl.sum(acc2_p, 0)
     tl.store(OUT + pid * (R + P) + tl.arange(0, R), acc)
     tl.store(OUT + pid * (R + P) + R + tl.arange(0, P), acc_p)
 
@@ -97,22 +113,28 @@ def main() -> int:
         hb = -(-heads // op.default_block_h(heads))
         flat = cache.view(-1, R + P)
         sink = torch.empty(batch * splits * hb, R + P, dtype=torch.float32, device=dev)
-        for bn, stages in ((64, 2), (64, 3), (32, 4)):
+        for bn, stages, rowsum in ((64, 2, True), (64, 2, False), (64, 3, False), (32, 4, False)):
+            name = f"stream{'_rowsum' if rowsum else ''}_bn{bn}_st{stages}"
             descs = (TensorDescriptor(flat[:, :R], [flat.shape[0], R], [R + P, 1], [bn, R]),
                      TensorDescriptor(flat[:, R:], [flat.shape[0], P], [R + P, 1], [bn, P]))
 
             def stream():
                 _stream_kernel[(splits, hb, batch)](descs[0], descs[1], bt, lens, sink, bt.stride(0), splits,
-                                                    PAGE=PAGE, BLOCK_N=bn, R=R, P=P, num_warps=8,
-                                                    num_stages=stages)
+                                                    PAGE=PAGE, BLOCK_N=bn, R=R, P=P, ROWSUM=rowsum,
+                                                    num_warps=8, num_stages=stages)
             try:
-                row[f"stream_bn{bn}_st{stages}_us"] = graph_time(stream, args.reps)
+                row[f"{name}_us"] = graph_time(stream, args.reps)
             except Exception as e:  # noqa: BLE001 - a probe that does not fit is a row, not the end
-                row[f"stream_bn{bn}_st{stages}_us"] = None
-                row[f"stream_bn{bn}_st{stages}_error"] = f"{type(e).__name__}: {str(e)[:160]}"
+                row[f"{name}_us"] = None
+                row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:160]}"
+        # the copy bound of the same bytes: one device-to-device copy of the cache's used pages
+        used = cache[: pages]
+        dst = torch.empty_like(used)
+        row["copy_us"] = graph_time(lambda: dst.copy_(used), args.reps)
         rows.append(row)
-        cells = [f"{k[:-3]} {v:.1f} us ({gbytes / v * 1e6:.0f} GB/s)" for k, v in row.items()
-                 if k.endswith("_us") and v]
+        cells = [f"{k[:-3]} {v:.1f} us ({gbytes / v * 1e6:.0f} GB/s, {row['copy_us'] / (2 * v):.0%} of copy bandwidth)"
+                 for k, v in row.items() if k.endswith("_us") and v and k != "copy_us"]
+        cells.append(f"copy {row['copy_us']:.1f} us ({2 * gbytes / row['copy_us'] * 1e6:.0f} GB/s read+write)")
         lines.append(f"H{heads} B{batch} L{ctx} S{splits} programs {splits * hb * batch}: " + "; ".join(cells))
         print(lines[-1], flush=True)
     out_dir = Path(args.out)
