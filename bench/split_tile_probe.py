@@ -114,7 +114,7 @@ def main() -> int:
         flat = cache.view(-1, R + P)
         sink = torch.empty(batch * splits * hb, R + P, dtype=torch.float32, device=dev)
         for bn, stages, rowsum in ((64, 2, True), (64, 2, False), (64, 3, False), (32, 4, False)):
-            name = f"stream{'_rowsum' if rowsum else ''}_bn{bn}_st{stages}"
+            label = f"stream{'_rowsum' if rowsum else ''}_bn{bn}_st{stages}"
             descs = (TensorDescriptor(flat[:, :R], [flat.shape[0], R], [R + P, 1], [bn, R]),
                      TensorDescriptor(flat[:, R:], [flat.shape[0], P], [R + P, 1], [bn, P]))
 
@@ -123,10 +123,10 @@ def main() -> int:
                                                     PAGE=PAGE, BLOCK_N=bn, R=R, P=P, ROWSUM=rowsum,
                                                     num_warps=8, num_stages=stages)
             try:
-                row[f"{name}_us"] = graph_time(stream, args.reps)
+                row[f"{label}_us"] = graph_time(stream, args.reps)
             except Exception as e:  # noqa: BLE001 - a probe that does not fit is a row, not the end
-                row[f"{name}_us"] = None
-                row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:160]}"
+                row[f"{label}_us"] = None
+                row[f"{label}_error"] = f"{type(e).__name__}: {str(e)[:160]}"
         # the copy bound of the same bytes: one device-to-device copy of the cache's used pages
         used = cache[: pages]
         dst = torch.empty_like(used)
@@ -139,7 +139,7 @@ def main() -> int:
         print(lines[-1], flush=True)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tag = "h200" if "H200" in name else name.replace(" ", "_")
+    tag = "h200" if "H200" in name else "h100" if "H100" in name else name.replace(" ", "_")
     (out_dir / f"split_tile_probe_{tag}.txt").write_text("\n".join(lines) + "\n")
     (out_dir / f"split_tile_probe_{tag}.json").write_text(json.dumps({"device": name, "rows": rows}, indent=1))
     return 0
