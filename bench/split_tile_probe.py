@@ -52,19 +52,22 @@ def _stream_kernel(CKV_DESC, KPE_DESC, BT, SEQ, OUT, stride_bt, NUM_SPLITS,
     if ROWSUM:
         acc = tl.zeros([R], tl.float32)
         acc_p = tl.zeros([P], tl.float32)
-        for t0 in range(start, end, BLOCK_N):
-            row = tl.load(BT + b.to(tl.int64) * stride_bt + t0 // PAGE) * PAGE + t0 % PAGE
-            acc += tl.sum(CKV_DESC.load([row, 0]).to(tl.float32), 0)
-            acc_p += tl.sum(KPE_DESC.load([row, 0]).to(tl.float32), 0)
     else:
-        acc2 = tl.zeros([BLOCK_N, R], tl.float32)
-        acc2_p = tl.zeros([BLOCK_N, P], tl.float32)
-        for t0 in range(start, end, BLOCK_N):
-            row = tl.load(BT + b.to(tl.int64) * stride_bt + t0 // PAGE) * PAGE + t0 % PAGE
-            acc2 += CKV_DESC.load([row, 0]).to(tl.float32)
-            acc2_p += KPE_DESC.load([row, 0]).to(tl.float32)
-        acc = tl.sum(acc2, 0)
-        acc_p = tl.sum(acc2_p, 0)
+        acc = tl.zeros([BLOCK_N, R], tl.float32)
+        acc_p = tl.zeros([BLOCK_N, P], tl.float32)
+    for t0 in range(start, end, BLOCK_N):
+        row = tl.load(BT + b.to(tl.int64) * stride_bt + t0 // PAGE) * PAGE + t0 % PAGE
+        kv = CKV_DESC.load([row, 0]).to(tl.float32)
+        kpe = KPE_DESC.load([row, 0]).to(tl.float32)
+        if ROWSUM:
+            acc += tl.sum(kv, 0)
+            acc_p += tl.sum(kpe, 0)
+        else:
+            acc += kv
+            acc_p += kpe
+    if not ROWSUM:
+        acc = tl.sum(acc, 0)
+        acc_p = tl.sum(acc_p, 0)
     tl.store(OUT + pid * (R + P) + tl.arange(0, R), acc)
     tl.store(OUT + pid * (R + P) + R + tl.arange(0, P), acc_p)
 
