@@ -76,14 +76,7 @@ _PIPE = [dict(num_stages=2, group_pages=0), dict(num_stages=2, group_pages=32),
          dict(block_h=64, block_n=32, transposed=False, num_stages=4, group_pages=32),
          dict(num_stages=2, group_pages=0, pdl=True),
          dict(block_h=64, block_n=32, transposed=False, num_stages=4, group_pages=32, pdl=True)]
-# 16 heads also: 32-token tiles with tokens as the dots' M and a 16-row head block (no padded
-# heads; M=32 is below wgmma's 64, so mma.sync from registers), page ids 32 pages ahead: sm_90a
-# ptxas (Triton 3.6) 254 registers, no spill, 127 KB at 4 stages (3 buffers, 2 copies in flight
-# during a tile's dots), 91 KB at 3 stages (2 buffers, 1 in flight)
-_PIPE_T32 = [dict(block_h=16, block_n=32, transposed=True, num_stages=4, group_pages=32),
-             dict(block_h=16, block_n=32, transposed=True, num_stages=3, group_pages=32),
-             dict(block_h=16, block_n=32, transposed=True, num_stages=4, group_pages=32, pdl=True)]
-PIPE_VARIANTS = {16: [dict(dict(block_h=16, block_n=64, transposed=True), **v) for v in _PIPE] + _PIPE_T32,
+PIPE_VARIANTS = {16: [dict(dict(block_h=16, block_n=64, transposed=True), **v) for v in _PIPE],
                  128: [dict(dict(block_h=64, block_n=64, transposed=False), **v) for v in _PIPE]}
 PIPE_MODE = False
 FA3_CHUNKS: tuple = ()     # --fa3-chunks: fa3 also at each of the tuner's kv_chunk factors
@@ -360,8 +353,7 @@ def summarise(doc: dict) -> None:
     for r in ok:
         key = (r["merge"] if not TMA_MODE else ("tma" if r.get("load") == "tma" else "pointer"))
         if PIPE_MODE:
-            key = (f"bn{r['block_n']} bh{r['block_h']}{' T' if r['transposed'] else ''} st{r['num_stages']} "
-                   f"g{r['group_pages']}{' pdl' if r.get('pdl') else ''}")
+            key = f"bn{r['block_n']} st{r['num_stages']} g{r['group_pages']}{' pdl' if r.get('pdl') else ''}"
         if key not in by_merge or r["median_us"] < by_merge[key]["median_us"]:
             by_merge[key] = r
     doc["best_by_merge"] = {m: {"config": r["config"], "median_us": r["median_us"]}

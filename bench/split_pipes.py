@@ -17,7 +17,7 @@ import statistics
 import sys
 from pathlib import Path
 
-PIPES = ("t64", "t64-pdl", "t32x4", "t32x4-pdl", "m32x4")
+PIPES = ("t64", "t64-pdl", "t32x4", "t32x4-pdl")
 
 
 def newest_pipe_run(db) -> int | None:

@@ -31,8 +31,7 @@ DEVICE = "cuda"
 
 @pytest.mark.parametrize("heads", [16, 128])
 @pytest.mark.parametrize("knobs", [(4, "bfloat16"), (64, "bfloat16"), (16, "float32"), (32, "bfloat16", "t32x4"),
-                                   (8, "bfloat16", "t64-pdl"), (16, "bfloat16", "t32x4-pdl"),
-                                   (16, "bfloat16", "m32x4")])
+                                   (8, "bfloat16", "t64-pdl"), (16, "bfloat16", "t32x4-pdl")])
 def test_family_matches_the_reference_on_ragged_lengths(heads, knobs):
     lens = (1, 63, 64, 65, 700, 4096, 130, 2049)
     w = Workload(heads, 512, 64, 192 ** -0.5, len(lens), max(lens), ragged="uniform-random", lengths=lens)
@@ -41,12 +40,6 @@ def test_family_matches_the_reference_on_ragged_lengths(heads, knobs):
     assert fam.available(DEVICE).ok
     params = {"num_splits": knobs[0], "partial": knobs[1], **({"pipe": knobs[2]} if len(knobs) > 2 else {})}
     cand = Candidate("split", "triton", 64, params)
-    if not op.PIPES[params.get("pipe", "t64")].offered(heads):    # m32x4: below 64 heads only
-        from mla_tune.families.base import CandidateInvalid
-        with pytest.raises(CandidateInvalid, match="fewer than 64 heads"):
-            fam.prepare(w, cand, p)
-        assert not [c for c in fam.space(w, [64]) if c.params.get("pipe") == params["pipe"]]
-        return
     prepared = fam.prepare(w, cand, p)
     ref = mla_decode_reference(p.q_nope, p.q_pe, p.ckv_cache, p.kpe_cache, p.block_table, p.seq_lens_cpu,
                                w.softmax_scale)
@@ -67,10 +60,6 @@ def test_the_plugins_check_passes_here(heads, partial):
 @pytest.mark.parametrize("heads", [16, 128])
 @pytest.mark.parametrize("pipe", sorted(op.PIPES))
 def test_every_pipe_passes_the_plugins_check_at_page_64(heads, pipe):
-    if not op.PIPES[pipe].offered(heads):      # tokens as the dots' M: below 64 heads only
-        with pytest.raises(ValueError, match="fewer than 64 heads"):
-            op.served(32, "bfloat16", heads, 64, op.served_rows(heads, pipe), DEVICE, pipe=pipe)
-        return
     k = op.served(32, "bfloat16", heads, 64, op.served_rows(heads, pipe), DEVICE, pipe=pipe,
                   workspace=op.served_workspace(heads, 512, "bfloat16", DEVICE, pipe))
     assert k.load == "tma" and (k.block_n, k.num_stages, k.pdl) == (
@@ -145,7 +134,7 @@ def test_flashinfer_mla_serves_a_tuned_split_bucket_eagerly(model_root):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("pipe", ["t64", "t32x4-pdl", "m32x4"])
+@pytest.mark.parametrize("pipe", ["t64", "t32x4-pdl"])
 def test_split_under_full_cudagraph_capture_and_replay(model_root, pipe):
     vc = _config(model_root, cudagraph=True)
     builder = _builder(vc, {"backend": "triton", "num_splits": 64, "partial": "bfloat16",

@@ -42,14 +42,7 @@ def test_space_is_page_64_q_len_1_and_only_splits_a_request_uses():
         ["split/triton/p64/num_splits=16,partial=float32"] + \
         [f"split/triton/p64/num_splits={s},partial=bfloat16,pipe=t32x4" for s in (16, 32)] + \
         ["split/triton/p64/num_splits=16,partial=bfloat16,pipe=t64-pdl",
-         "split/triton/p64/num_splits=32,partial=bfloat16,pipe=t32x4-pdl"] + \
-        [f"split/triton/p64/num_splits={s},partial=bfloat16,pipe=m32x4" for s in (16, 32)]
-    # m32x4 (tokens as the dots' M) is below 64 heads only: not offered at 128, refused if named
-    w128 = workload_for(V3, 1, 1, 1024)
-    assert not [c for c in fam.space(w128, [64]) if c.params.get("pipe") == "m32x4"]
-    assert [c for c in fam.space(w128, [64]) if c.params.get("pipe") == "t32x4"]
-    with pytest.raises(ValueError, match="fewer than 64 heads"):
-        op.served(8, "float32", 128, 64, 4, "cpu", pipe="m32x4")
+         "split/triton/p64/num_splits=32,partial=bfloat16,pipe=t32x4-pdl"]
     assert fam.default_candidate(w, 64).params == {"num_splits": 16, "partial": "bfloat16"}
     assert fam.space(w, [1, 16]) == []               # the default page only
     with pytest.raises(Exception, match="page 64"):

@@ -50,7 +50,7 @@ MAX_SPLITS = 1056              # split_decode.MAX_PROGRAMS: one request's splits
 SPLIT_PARTIALS = ("bfloat16", "float32")
 # split_decode.PIPES: how the kernel tiles and pipelines a split (params.pipe; absent = "t64",
 # the pipe of every config written before the knob existed)
-SPLIT_PIPES = ("t64", "t32x4", "t64-pdl", "t32x4-pdl", "m32x4")
+SPLIT_PIPES = ("t64", "t32x4", "t64-pdl", "t32x4-pdl")
 DEFAULT_SPLIT_PIPE = "t64"
 # FlashInfer fa2/fa3 KV chunking (params.kv_chunk): the KV chunk limit of FlashInfer's MLAPlan
 # scaled by this factor ("none": never split a request's KV); absent = MLAPlan's own limit.

@@ -122,8 +122,8 @@ class SplitFamily:
         if default is not None:
             out.append(Candidate(self.family, BACKEND, DEFAULT_PAGE_SIZE,
                                  {"num_splits": default, "partial": "float32"}))
-        for pipe, p in _op().PIPES.items():
-            if pipe != SERVED_PIPE and p.offered(H):
+        for pipe in _op().PIPES:
+            if pipe != SERVED_PIPE:
                 out += [Candidate(self.family, BACKEND, DEFAULT_PAGE_SIZE,
                                   {"num_splits": s, "partial": "bfloat16", "pipe": pipe})
                         for s in pipe_splits(H, B, max_len, pipe)]

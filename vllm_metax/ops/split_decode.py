@@ -72,9 +72,6 @@ class Pipe:
     group_pages: int = 0        # page ids loaded this many pages at a time ahead of their tiles
     block_h: int | None = None  # head rows a program (None: default_block_h)
     pdl: bool = False           # the merge kernel as the split kernel's programmatic dependent launch
-    # tokens as the dots' M only: offered where the head block is below 64 rows (fewer than 64
-    # heads); at 64+ heads a 32-token tile with heads as M is what "t32x4" already is
-    tokens_as_m: bool = False
 
     @property
     def tma_only(self) -> bool:
@@ -83,10 +80,6 @@ class Pipe:
 
     def head_block(self, num_heads: int) -> int:
         return self.block_h or default_block_h(num_heads)
-
-    def offered(self, num_heads: int) -> bool:
-        """Whether this pipe serves a layer of `num_heads` heads (`served` refuses it where not)."""
-        return not self.tokens_as_m or self.head_block(num_heads) < 64
 
 
 # The pipes the tuner measures and the plugin serves. "t64" (a tuned config without `pipe`
@@ -98,17 +91,11 @@ class Pipe:
 # padded): 4 KV buffers, 2 copies in flight during a tile's dots, 216 KB of shared memory, no
 # spill (same file). "-pdl": the merge kernel launched as the split kernel's programmatic
 # dependent, so its launch overlaps the split grid (one launch latency less at small work).
-# "m32x4" (below 64 heads only): t32x4's tiles, stages and grouped page ids with tokens as the
-# dots' M and the 16-row head block, so no padded head rows (t32x4 computes 4x the math at 16
-# heads); M=32 is below wgmma's 64, so the dots are mma.sync from registers. sm_90a (Triton 3.6):
-# 254 registers, no spill, 127 KB, 3 KV buffers, 2 copies in flight during a tile's dots
-# (bench/results/split_kernel_compile_sm90.txt).
 PIPES = {
     "t64": Pipe(64, 2),
     "t32x4": Pipe(32, 4, group_pages=32, block_h=64),
     "t64-pdl": Pipe(64, 2, pdl=True),
     "t32x4-pdl": Pipe(32, 4, group_pages=32, block_h=64, pdl=True),
-    "m32x4": Pipe(32, 4, group_pages=32, tokens_as_m=True),
 }
 SERVED_PIPE = "t64"
 assert PIPES[SERVED_PIPE].block_n == SERVED_BLOCK_N
@@ -634,9 +621,6 @@ def served(num_splits: int, partial: str, num_heads: int, page_size: int, max_ba
     if p.tma_only and not tma:
         raise ValueError(f"pipe {pipe!r} runs on the TMA kernel only: a page of at least {p.block_n} tokens "
                          f"(got {page_size}) on a GPU with a tensor-memory accelerator")
-    if not p.offered(num_heads):
-        raise ValueError(f"pipe {pipe!r} computes with tokens as the dots' M: it serves fewer than 64 heads a "
-                         f"head block, not {num_heads}")
     block_h = p.head_block(num_heads)
     return SplitDecode(num_heads, page_size, max_batch, num_splits, block_n=p.block_n,
                        num_warps=8, num_stages=p.num_stages, block_h=block_h, merge="kernel",
