@@ -47,12 +47,11 @@ def bucket_bests(db, run: int) -> dict[tuple, dict]:
         if not samples.get(tid):
             continue
         m = statistics.median(samples[tid])
-        d = out.setdefault((h, b, ctx, lengths or "uniform"), {"bytes": nbytes, "best": (math.inf, ""), "all": {}})
-        d["all"][cand] = m
-        if cand == DEFAULT:
-            d["default"] = m
-        if m < d["best"][0]:
-            d["best"] = (m, cand)
+        out.setdefault((h, b, ctx, lengths or "uniform"), {"bytes": nbytes, "all": {}})["all"][cand] = m
+    for d in out.values():
+        d["best"] = min(((m, cand) for cand, m in d["all"].items()), key=lambda mc: (mc[0], mc[1] != DEFAULT))
+        if DEFAULT in d["all"]:
+            d["default"] = d["all"][DEFAULT]
     return {k: d for k, d in out.items() if "default" in d}
 
 
@@ -112,14 +111,14 @@ def main() -> int:
             e = s["bests"].get(key)
             if e and e["default"] / e["best"][0] > ratio:
                 ratio, cand, src = e["default"] / e["best"][0], e["best"][1], s["path"]
-        copy_pct = (100 * d["bytes"] / (d["default"] / ratio * 1e-6) / (main_src["copy_gbps"] * 1e9)
+        best_us = d["default"] / ratio
+        copy_pct = (100 * d["bytes"] / (best_us * 1e-6) / (main_src["copy_gbps"] * 1e9)
                     if main_src["copy_gbps"] else None)
         a = vs_auto.get(key)
         tuned_here = d["all"].get(a["tuned"]) if a else None
-        rows.append({"key": key, "default": d["default"], "best_us": d["default"] / ratio, "ratio": ratio,
+        rows.append({"key": key, "default": d["default"], "best_us": best_us, "ratio": ratio,
                      "candidate": cand, "source": src, "copy_pct": copy_pct,
-                     "over_auto": (a["auto_us"] / a["tuned_us"]) * (tuned_here / (d["default"] / ratio))
-                     if tuned_here else None,
+                     "over_auto": (a["auto_us"] / a["tuned_us"]) * (tuned_here / best_us) if tuned_here else None,
                      "tuned_over_auto": a["auto_us"] / a["tuned_us"] if a else None})
 
     def name(k):

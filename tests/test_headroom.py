@@ -3,7 +3,6 @@ read-only, checked against a direct query; bad inputs exit 2 with one line."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import sqlite3
@@ -11,16 +10,14 @@ import statistics
 from pathlib import Path
 
 import pytest
+from bench_support import load_bench
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("headroom", ROOT / "bench" / "headroom.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("headroom")
 
 
 @pytest.fixture()

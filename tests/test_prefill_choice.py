@@ -6,28 +6,19 @@ backends is wrong on purpose and must not win)."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import random
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from bench_support import load_bench
 from prefill_support import reference
-
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "prefill_choice.py"
-
 
 @pytest.fixture(scope="module")
 def pc():
-    spec = importlib.util.spec_from_file_location("prefill_choice", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod            # dataclasses resolve string annotations through it
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("prefill_choice")
 
 
 # ---------------------------------------------------------------- shapes

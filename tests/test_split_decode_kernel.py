@@ -18,6 +18,7 @@ import sys
 import textwrap
 
 import pytest
+from bench_support import load_bench
 
 pytest.importorskip("triton", reason="the kernel is Triton; triton is not installed")
 
@@ -260,15 +261,11 @@ def test_compiled_for_hopper_the_grouped_page_ids_let_copies_overlap_the_dots(tm
     flight; with the block-table load in the loop the pipeliner leaves the copies 2 buffers."""
     pytest.importorskip("torch")
     pytest.importorskip("triton")
-    import importlib.util
     from pathlib import Path
     from vllm_metax.ops import split_decode as sd
     if sd._TensorDescriptor is None:
         pytest.skip("this Triton has no tensor descriptors")
-    path = Path(__file__).resolve().parents[1] / "bench" / "split_kernel_compile.py"
-    spec = importlib.util.spec_from_file_location("split_kernel_compile", path)
-    skc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(skc)
+    skc = load_bench("split_kernel_compile")
     import triton
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not cuobjdump.exists():

@@ -4,23 +4,18 @@ The space is bench/tpe_vs_grid.py's synthetic landscape (a split-KV kernel with 
 three fixed backends, ~400 points per bucket, 2% sample noise), stored in a real results DB.
 """
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+from bench_support import load_bench
 
 from mla_tune.families.base import Candidate
 from mla_tune.tune.search import Evaluation, SearchPolicy, SearchSpace, search
 from mla_tune.tune.sweep import SweepConfig, replay_sweep
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "tpe_vs_grid.py"
-
 
 def bench_module():
-    spec = importlib.util.spec_from_file_location("tpe_vs_grid", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("tpe_vs_grid")
 
 
 @pytest.fixture(scope="module")

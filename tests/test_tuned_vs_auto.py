@@ -3,11 +3,11 @@ takes as "what the plugin serves" (PlanChoice.step on a real tuned config), and 
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from pathlib import Path
 
 import pytest
+from bench_support import load_bench
 
 from vllm_metax import decisions
 from vllm_metax import tuned_config as tc
@@ -17,10 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("tuned_vs_auto", ROOT / "bench" / "tuned_vs_auto.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("tuned_vs_auto")
 
 
 def test_reads_the_decode_buckets_of_the_shipped_db_read_only(bench, tmp_path):
