@@ -1,0 +1,335 @@
+"""What a server gains: `vllm serve` on the vllm_metax platform under vLLM's own benchmark client
+(`vllm bench serve`, random dataset), one server per (model, attention setup), side by side.
+
+    VLLM_METAX_FORCE=1 python3 bench/serve_bench.py --out DIR [--models h16,h128]
+        [--setups tuned,untuned,triton16,fa3mla] [--config-folder DIR] [--quick]
+
+Setups:
+  tuned     the plugin with the tuned config (the packaged one for this GPU, or --config-folder)
+  untuned   the plugin with no tuned config (FLASHINFER_MLA, the device's default FlashInfer backend)
+  triton16  vLLM's TRITON_MLA with vLLM's own num_kv_splits rule at block 16, no tuned config:
+            the portable default
+  fa3mla    vLLM's own Hopper default, FLASH_ATTN_MLA (vllm_flash_attn's FA3), no tuned config;
+            skipped with the reason where its library does not load
+Models (tiny_model.py, made here: DeepSeek attention dims, dense MLP, word-level tokenizer):
+  h16   16 heads per rank (DeepSeek-V3 at TP8, V2-Lite), 27 layers (V2-Lite's depth)
+  h128  128 heads (V3 at TP1), 27 layers
+Workloads (vLLM's random dataset, `--ignore-eos`, three request rates each; see WORKLOADS).
+
+Each server is vLLM's CLI (`python3 -m vllm.entrypoints.cli.main serve`, the `vllm serve` entry point)
+in its own process group with the default multiprocess engine core; the client is the function
+`vllm bench serve` runs (`vllm.benchmarks.serve.main`), called in this process so vLLM imports once;
+the first server of a run also gets one plain HTTP /v1/completions request and one `vllm bench
+serve` subprocess. Server logs go to DIR/server_<model>_<setup>.log; results to
+DIR/serve_bench.json (every vLLM result dict) and DIR/serve_bench.md.
+
+Compilation: torch.compile off and full CUDA graphs for decode-only steps (`--compilation-config
+{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}`) for every setup alike, so a server starts in
+seconds; --compile keeps vLLM's default (compiled, FULL_AND_PIECEWISE).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tiny_model import make_model_dir, model_config  # noqa: E402
+
+MAX_MODEL_LEN = 34816
+MODELS = {"h16": {"heads": 16, "layers": 27}, "h128": {"heads": 128, "layers": 27}}
+SETUPS = {
+    # name: (extra `vllm serve` arguments, use the tuned config)
+    "tuned": ([], True),
+    "untuned": ([], False),
+    "triton16": (["--attention-backend", "TRITON_MLA", "--block-size", "16"], False),
+    "fa3mla": (["--attention-backend", "FLASH_ATTN_MLA"], False),
+}
+# name: (input len, output len, range ratio, prompts, request rates); "inf" sends all at once
+WORKLOADS = {
+    "long": (20480, 256, {"input": 0.6, "output": 0.0}, 8, ("1", "4", "inf")),     # 8K-32K prompts
+    "chat": (512, 128, {"input": 0.5, "output": 0.5}, 48, ("8", "32", "inf")),
+    "ragged": (4096, 256, {"input": 0.95, "output": 0.5}, 16, ("2", "8", "inf")),  # 205-7987 prompts
+}
+QUICK = {"long": (8192, 64, {"input": 0.5, "output": 0.0}, 4, ("inf",)),
+         "chat": (256, 32, {"input": 0.5, "output": 0.5}, 8, ("inf",))}
+METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+def fa3_available() -> str | None:
+    """None when vLLM's FA3 library loads here, else why not."""
+    try:
+        from vllm.vllm_flash_attn import flash_attn_interface as fai
+
+        ok = getattr(fai, "FA3_AVAILABLE", None)
+        if ok is False:
+            return f"vllm_flash_attn: FA3 unavailable ({getattr(fai, 'FA3_UNAVAILABLE_REASON', '')})"
+        import vllm.vllm_flash_attn._vllm_fa3_C  # noqa: F401
+        return None
+    except Exception as e:  # noqa: BLE001 - the reason is the result
+        return f"{type(e).__name__}: {e}"
+
+
+def server_env(setup: str, config_folder: str | None, empty: Path) -> dict:
+    env = dict(os.environ, VLLM_METAX_FORCE="1")
+    env.pop("VLLM_METAX_MLA_CONFIG_FOLDER", None)
+    if SETUPS[setup][1]:
+        if config_folder:
+            env["VLLM_METAX_MLA_CONFIG_FOLDER"] = config_folder
+    else:
+        # no tuned config at all: the packaged folder too points at an empty one
+        env["VLLM_METAX_MLA_PACKAGED_FOLDER"] = str(empty)
+    return env
+
+
+class Server:
+    """One `vllm serve` process group; `stop()` ends it (SIGINT, then SIGKILL)."""
+
+    def __init__(self, model_dir: Path, setup: str, port: int, log: Path, env: dict,
+                 compile_: bool):
+        args = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir),
+                "--port", str(port), "--host", "127.0.0.1", "--served-model-name", "tiny",
+                "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "64",
+                "--gpu-memory-utilization", "0.85", "--no-enable-prefix-caching", "--seed", "0"]
+        if not compile_:
+            args += ["--compilation-config", json.dumps({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})]
+        args += SETUPS[setup][0]
+        self.args, self.port, self.log = args, port, log
+        self._f = open(log, "w")
+        self.proc = subprocess.Popen(args, stdout=self._f, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout: float) -> float:
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return time.time() - t0
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"server not ready in {timeout:.0f} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGINT)
+                self.proc.wait(timeout=20)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait(timeout=10)
+        self._f.close()
+
+
+def completion(port: int, prompt: str, max_tokens: int = 16) -> dict:
+    """One plain HTTP /v1/completions request (what any OpenAI client sends)."""
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+                       "temperature": 0}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def bench_args(model_dir: Path, port: int, workload: tuple, rate: str, seed: int) -> list[str]:
+    inp, out, ratio, prompts, _ = workload
+    return ["--backend", "vllm", "--base-url", f"http://127.0.0.1:{port}", "--model", "tiny",
+            "--tokenizer", str(model_dir), "--dataset-name", "random",
+            "--random-input-len", str(inp), "--random-output-len", str(out),
+            "--random-range-ratio", json.dumps(ratio), "--num-prompts", str(prompts),
+            "--request-rate", rate, "--ignore-eos", "--seed", str(seed),
+            "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", "50,99",
+            "--disable-tqdm"]
+
+
+def run_client(argv: list[str]) -> dict:
+    """vLLM's `vllm bench serve` (the same parser and main), in this process."""
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    return main(parser.parse_args(argv))
+
+
+KEEP = ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
+        "request_throughput", "output_throughput", "total_token_throughput")
+
+
+def summarize(result: dict) -> dict:
+    out = {k: result.get(k) for k in KEEP}
+    for m in METRICS:
+        for p in ("p50", "p99"):
+            out[f"{p}_{m}_ms"] = result.get(f"{p}_{m}_ms")
+        out[f"mean_{m}_ms"] = result.get(f"mean_{m}_ms")
+    return out
+
+
+def log_lines(log: Path) -> list[str]:
+    """The plugin's lines of a server log (what the issue asks the log to say)."""
+    keys = ("vllm_metax", "attention backend", "Using ")
+    return [ln.rstrip() for ln in log.read_text(errors="replace").splitlines()
+            if any(k in ln for k in keys)][:40]
+
+
+def run_setup(model: str, setup: str, model_dir: Path, args, empty: Path, port: int,
+              first: bool, workloads: dict, record: dict) -> None:
+    key = f"{model}/{setup}"
+    rec = record.setdefault(key, {"model": model, "setup": setup})
+    if setup == "fa3mla" and (why := fa3_available()):
+        rec["skipped"] = why
+        print(f"[{key}] skipped: {why}", flush=True)
+        return
+    log = args.out / f"server_{model}_{setup}.log"
+    server = Server(model_dir, setup, port, log, server_env(setup, args.config_folder, empty),
+                    args.compile)
+    rec["command"] = " ".join(server.args[1:])
+    try:
+        rec["ready_s"] = round(server.wait_ready(args.start_timeout), 1)
+        print(f"[{key}] ready in {rec['ready_s']} s", flush=True)
+        if first:
+            r = completion(port, " ".join(f"w{i}" for i in range(3, 40)))
+            rec["completion"] = {"text": r["choices"][0]["text"], "usage": r.get("usage")}
+            cli = subprocess.run(
+                [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve",
+                 *bench_args(model_dir, port, (256, 16, 0.0, 4, None), "inf", 1)],
+                capture_output=True, text=True, timeout=300)
+            rec["bench_cli"] = {"rc": cli.returncode,
+                                "tail": (cli.stdout + cli.stderr).strip().splitlines()[-14:]}
+            print(f"[{key}] /v1/completions ok; `vllm bench serve` rc={cli.returncode}", flush=True)
+        for name, wl in workloads.items():
+            for rate in wl[4]:
+                t0 = time.time()
+                res = run_client(bench_args(model_dir, port, wl, rate, 0))
+                s = summarize(res)
+                rec.setdefault("runs", {})[f"{name}@{rate}"] = s
+                print(f"[{key}] {name}@{rate}: {s['completed']} done in {time.time() - t0:.1f} s, "
+                      f"TPOT p50 {s['p50_tpot_ms']:.2f} ms, TTFT p50 {s['p50_ttft_ms']:.1f} ms, "
+                      f"{s['output_throughput']:.0f} tok/s", flush=True)
+    except Exception as e:  # noqa: BLE001 - one setup failing must not lose the others
+        rec["error"] = f"{type(e).__name__}: {e}"
+        print(f"[{key}] FAILED: {rec['error']}", flush=True)
+    finally:
+        server.stop()
+        rec["log"] = log_lines(log)
+
+
+# ---------------------------------------------------------------------------- report
+
+def _ratio(a, b):
+    return a / b if a and b else None
+
+
+def geomean(xs):
+    xs = [x for x in xs if x]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+
+def report(record: dict, meta: dict) -> str:
+    lines = [f"# `vllm serve` + `vllm bench serve`: {meta['device']} ({meta['date']})", "",
+             meta["note"], ""]
+    models = sorted({r["model"] for r in record.values()}, key=list(MODELS).index)
+    for model in models:
+        recs = {r["setup"]: r for r in record.values() if r["model"] == model}
+        lines += [f"## {model}: {MODELS[model]['heads']} heads, {MODELS[model]['layers']} layers", ""]
+        for s, r in recs.items():
+            if "skipped" in r or "error" in r:
+                lines.append(f"- {s}: {r.get('skipped') or 'FAILED: ' + r['error']}")
+        lines.append("")
+        runs = sorted({k for r in recs.values() for k in r.get("runs", {})},
+                      key=lambda k: (list(WORKLOADS).index(k.split("@")[0]) if k.split("@")[0] in WORKLOADS else 9, k))
+        setups = [s for s in SETUPS if s in recs and recs[s].get("runs")]
+        head = "| workload@rate | metric | " + " | ".join(setups) + " | tuned/" + " | tuned/".join(s for s in setups if s != "tuned") + " |"
+        lines += [head, "|" + "---|" * (head.count("|") - 1)]
+        for k in runs:
+            for metric in ("p50_tpot_ms", "p99_tpot_ms", "p50_itl_ms", "p99_itl_ms", "p50_ttft_ms",
+                           "p99_ttft_ms", "output_throughput"):
+                vals = {s: recs[s]["runs"].get(k, {}).get(metric) for s in setups}
+                cells = [f"{v:.2f}" if v is not None else "-" for v in vals.values()]
+                t = vals.get("tuned")
+                rat = [f"{_ratio(t, vals[s]):.3f}" if _ratio(t, vals[s]) else "-" for s in setups if s != "tuned"]
+                lines.append(f"| {k} | {metric} | " + " | ".join(cells) + " | " + " | ".join(rat) + " |")
+        lines.append("")
+        for s in setups:
+            if s == "tuned":
+                continue
+            g = geomean([_ratio(recs["tuned"]["runs"].get(k, {}).get("p50_tpot_ms"),
+                                recs[s]["runs"].get(k, {}).get("p50_tpot_ms")) for k in runs]) \
+                if "tuned" in setups else None
+            if g:
+                lines.append(f"- p50 TPOT tuned / {s}, geomean over {len(runs)} workload-rates: {g:.3f}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--models", default="h16,h128")
+    ap.add_argument("--setups", default=",".join(SETUPS))
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--config-folder", default=None,
+                    help="tuned configs for the `tuned` setup (default: the packaged ones)")
+    ap.add_argument("--model-root", type=Path, default=Path("/tmp/serve_bench_models"))
+    ap.add_argument("--compile", action="store_true", help="vLLM's default compilation")
+    ap.add_argument("--quick", action="store_true", help="small workloads (a smoke run)")
+    ap.add_argument("--start-timeout", type=float, default=240)
+    ap.add_argument("--port", type=int, default=8471)
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    models = [m for m in args.models.split(",") if m]
+    setups = [s for s in args.setups.split(",") if s]
+    bad = [m for m in models if m not in MODELS] + [s for s in setups if s not in SETUPS]
+    if bad:
+        print(f"serve_bench: unknown model or setup: {', '.join(bad)}", file=sys.stderr)
+        return 2
+    pool = QUICK if args.quick else WORKLOADS
+    workloads = {w: pool[w] for w in args.workloads.split(",") if w in pool}
+    empty = args.out / "no_configs"
+    empty.mkdir(exist_ok=True)
+    import torch
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    path = args.out / "serve_bench.json"
+    data = json.loads(path.read_text()) if path.exists() else {"runs": {}}
+    record = data["runs"]
+    first = True
+    for model in models:
+        spec = MODELS[model]
+        t0 = time.time()
+        model_dir = make_model_dir(args.model_root / model,
+                                   model_config(spec["heads"], spec["layers"], 4096, MAX_MODEL_LEN + 1024),
+                                   device="cuda" if torch.cuda.is_available() else "cpu")
+        print(f"model {model}: {model_dir} ({time.time() - t0:.1f} s)", flush=True)
+        for setup in setups:
+            run_setup(model, setup, model_dir, args, empty, args.port, first, workloads, record)
+            first = False
+            data["meta"] = {
+                "device": device, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "compile": args.compile, "workloads": {k: list(v) for k, v in workloads.items()},
+                "note": ("Each cell: vLLM's `vllm bench serve` result for that server; times in ms, "
+                         "output_throughput in tokens/s; ratios < 1 mean tuned is faster (for "
+                         "throughput, > 1). One run per cell: a difference under ~5% is noise.")}
+            path.write_text(json.dumps(data, indent=1))
+            (args.out / "serve_bench.md").write_text(report(record, data["meta"]))
+    print((args.out / "serve_bench.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
