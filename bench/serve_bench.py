@@ -291,6 +291,9 @@ def main(argv=None) -> int:
     ap.add_argument("--start-timeout", type=float, default=240)
     ap.add_argument("--port", type=int, default=8471)
     args = ap.parse_args(argv)
+    # `timeout` sends SIGTERM: unwind, so each server's process group is stopped (they run in
+    # sessions of their own, which the device tool would leave running)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.out.mkdir(parents=True, exist_ok=True)
     models = [m for m in args.models.split(",") if m]
     setups = [s for s in args.setups.split(",") if s]

@@ -40,5 +40,6 @@ if [ "${SERVE:-1}" = 1 ]; then
   echo "serve_bench rc=${PIPESTATUS[0]}"
   cp $W/serve/serve_bench.json $W/serve/serve_bench.md $OUT/ 2>/dev/null
 fi
+pkill -INT -f "vllm.entrypoints.cli.main serve" 2>/dev/null; sleep 2; pkill -KILL -f "vllm.entrypoints.cli.main serve" 2>/dev/null
 tar -C $W -czf $OUT/logs.tgz --exclude results.db $(cd $W && ls -d *.txt serve/*.log 2>/dev/null)
 echo "done in $(( $(date +%s) - start )) s"
