@@ -2,15 +2,16 @@
 (`vllm bench serve`, random dataset), one server per (model, attention setup), side by side.
 
     VLLM_METAX_FORCE=1 python3 bench/serve_bench.py --out DIR [--models h16,h128]
-        [--setups tuned,untuned,triton16,fa3mla] [--config-folder DIR] [--quick]
+        [--setups tuned,untuned,triton16,vllm_default] [--config-folder DIR] [--quick]
 
 Setups:
   tuned     the plugin with the tuned config (the packaged one for this GPU, or --config-folder)
   untuned   the plugin with no tuned config (FLASHINFER_MLA, the device's default FlashInfer backend)
   triton16  vLLM's TRITON_MLA with vLLM's own num_kv_splits rule at block 16, no tuned config:
             the portable default
-  fa3mla    vLLM's own Hopper default, FLASH_ATTN_MLA (vllm_flash_attn's FA3), no tuned config;
-            skipped with the reason where its library does not load
+  vllm_default  vLLM alone, without the plugin: its CUDA platform and its own MLA backend choice
+            (FLASH_ATTN_MLA on Hopper, vllm_flash_attn's FA3; vLLM offers it on its CUDA
+            platform only); skipped with the reason where the FA3 library does not load
 Models (tiny_model.py, made here: DeepSeek attention dims, dense MLP, word-level tokenizer):
   h16   16 heads per rank (DeepSeek-V3 at TP8, V2-Lite), 27 layers (V2-Lite's depth)
   h128  128 heads (V3 at TP1), 27 layers
@@ -51,7 +52,9 @@ SETUPS = {
     "tuned": ([], True),
     "untuned": ([], False),
     "triton16": (["--attention-backend", "TRITON_MLA", "--block-size", "16"], False),
-    "fa3mla": (["--attention-backend", "FLASH_ATTN_MLA"], False),
+    # vLLM alone (the plugin inactive): its CUDA platform and its own MLA choice, FLASH_ATTN_MLA
+    # on Hopper, which it only offers on that platform (fa_utils.flash_attn_supports_mla)
+    "vllm_default": ([], False),
 }
 # name: (input len, output len, range ratio, prompts, request rates); "inf" sends all at once
 WORKLOADS = {
@@ -81,6 +84,9 @@ def fa3_available() -> str | None:
 def server_env(setup: str, config_folder: str | None, empty: Path) -> dict:
     env = dict(os.environ, VLLM_METAX_FORCE="1")
     env.pop("VLLM_METAX_MLA_CONFIG_FOLDER", None)
+    if setup == "vllm_default":
+        env.pop("VLLM_METAX_FORCE")          # the plugin stays inactive on an NVIDIA GPU
+        return env
     if SETUPS[setup][1]:
         if config_folder:
             env["VLLM_METAX_MLA_CONFIG_FOLDER"] = config_folder
@@ -190,7 +196,7 @@ def run_setup(model: str, setup: str, model_dir: Path, args, empty: Path, port: 
               first: bool, workloads: dict, record: dict) -> None:
     key = f"{model}/{setup}"
     rec = record.setdefault(key, {"model": model, "setup": setup})
-    if setup == "fa3mla" and (why := fa3_available()):
+    if setup == "vllm_default" and (why := fa3_available()):
         rec["skipped"] = why
         print(f"[{key}] skipped: {why}", flush=True)
         return

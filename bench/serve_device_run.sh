@@ -4,7 +4,7 @@
 # (`vllm serve` + `vllm bench serve`). Stays inside TOTAL_S (default 585 s); packs what it made
 # into at most 8 files under $OUT (the device tool's limit).
 #   SWEEP=1       the sweep into $OUT/results.db, config into /tmp/tuned (kept while the machine is warm)
-#   MODELS=h16    serve_bench's models; SETUPS=tuned,untuned,triton16,fa3mla; SERVE=0 skips it
+#   MODELS=h16    serve_bench's models; SETUPS=tuned,untuned,triton16,vllm_default; SERVE=0 skips it
 #   CONFIG=DIR    the tuned setup's config folder (default: /tmp/tuned when a sweep made one, else
 #                 the packaged configs)
 set -u
@@ -35,7 +35,7 @@ cfg=${CONFIG:-}
 if [ "${SERVE:-1}" = 1 ]; then
   echo "== serve_bench ($(left) s left), config folder: ${cfg:-packaged}"
   timeout $(( $(left) - 25 )) python3 bench/serve_bench.py --out $W/serve --models ${MODELS:-h16} \
-    --setups ${SETUPS:-tuned,untuned,triton16,fa3mla} ${cfg:+--config-folder $cfg} ${SERVE_ARGS:-} 2>&1 \
+    --setups ${SETUPS:-tuned,untuned,triton16,vllm_default} ${cfg:+--config-folder $cfg} ${SERVE_ARGS:-} 2>&1 \
     | tee $W/serve_bench.txt | grep -E "^\[|^model|Traceback|Error" | tail -60
   echo "serve_bench rc=${PIPESTATUS[0]}"
   cp $W/serve/serve_bench.json $W/serve/serve_bench.md $OUT/ 2>/dev/null

@@ -159,16 +159,26 @@ def test_block_size_from_the_tuned_config(platform, base_config, tmp_path, monke
     assert platform._preferred_block_size_for_backends([FlashInferMLABackend], 16, vc) == 64
 
 
-def test_user_block_size_wins_and_the_difference_is_logged(platform, base_config, tmp_path,
-                                                          monkeypatch):
-    import vllm_metax.platform as P
+def test_a_conflicting_block_size_serves_untuned_with_one_warning(platform, base_config, tmp_path,
+                                                                 monkeypatch, caplog):
+    """--block-size other than the tuned page size: the user's size stays, and nothing of the
+    entry (measured at another page size) is served: default backend order, one warning."""
+    _tuned(tmp_path, monkeypatch, ["TRITON_MLA"], page_size=64)
+    with caplog.at_level("INFO"):
+        vc = _fresh_config(base_config, block_size=16)
+        assert vc.cache_config.block_size == 16
+        assert platform.tuned_entry_for_config(vc) is None
+        assert _select(platform, vc) == FLASHINFER_MLA_CLASS        # not the tuned TRITON_MLA
+    said = [r.getMessage() for r in caplog.records if "--block-size 16" in r.getMessage()]
+    assert len(said) == 1 and "page size 64" in said[0] and "serving untuned" in said[0], said
 
-    said = []
-    monkeypatch.setattr(P.logger, "info", lambda msg, *args: said.append(msg % args))
-    _tuned(tmp_path, monkeypatch, ["FLASHINFER_MLA"], page_size=64)
-    vc = _fresh_config(base_config, block_size=16)
-    assert vc.cache_config.block_size == 16
-    assert any("keeping --block-size 16" in s and "prefers 64" in s for s in said), said
+
+def test_a_block_size_equal_to_the_tuned_one_serves_tuned(platform, base_config, tmp_path,
+                                                          monkeypatch):
+    _tuned(tmp_path, monkeypatch, ["TRITON_MLA"], page_size=32)
+    vc = _fresh_config(base_config, block_size=32)
+    assert vc.cache_config.block_size == 32 and platform.tuned_entry_for_config(vc) is not None
+    assert _select(platform, vc) == TRITON_MLA_CLASS
 
 
 def test_no_tuned_config_keeps_vllms_default(platform, base_config):

@@ -39,8 +39,9 @@ def register() -> str | None:
 
         message = clash_message(other_owners())
         if message:
-            import logging
-            logging.getLogger(__name__).warning("vllm_metax: %s", message)
+            from vllm_metax.log import get_logger
+
+            get_logger(__name__).warning("vllm_metax: %s", message)
     return PLATFORM_CLASS if active else None
 
 

@@ -10,10 +10,11 @@ the same `torch.ops._C*` namespaces; those come first there, since the CUDA buil
 from __future__ import annotations
 
 import importlib
-import logging
 from dataclasses import dataclass, field
 
-logger = logging.getLogger(__name__)
+from vllm_metax.log import get_logger
+
+logger = get_logger(__name__)
 
 VLLM_SOURCES = ("vllm._C_stable_libtorch", "vllm._moe_C_stable_libtorch")
 METAX_SOURCES = ("mcoplib._C", "mcoplib._moe_C")

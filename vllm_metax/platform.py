@@ -22,8 +22,9 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_b
 
 from vllm_metax import FLASHINFER_MLA_CLASS, FLASHINFER_MLA_PREFILL_CLASS, TRITON_MLA_CLASS
 from vllm_metax import decisions
-from vllm_metax.backend import mla_backend_order, model_dims, tuned_entry
+from vllm_metax.backend import mla_backend_order, model_dims, served_entry
 from vllm_metax.device import FORCE_ENV, detect_device
+from vllm_metax.log import PARENT as LOG_PARENT
 from vllm_metax.tuned_config import FOLDER_ENV, PACKAGED_ENV, STRICT_ENV
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
     from vllm.v1.attention.backends.mla.prefill.selector import MLAPrefillSelectorConfig
     from vllm.v1.attention.selector import AttentionSelectorConfig
 
-logger = init_logger(__name__)
+logger = init_logger(f"{LOG_PARENT}.{__name__}")   # under vLLM's handler (vllm_metax.log)
 
 SPARSE_MLA_ORDER = ("FLASHMLA_SPARSE",)
 DEFAULT_ATTN_ORDER = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
@@ -250,8 +251,8 @@ class MetaxPlatform(Platform):
 
     @classmethod
     def tuned_entry_for_config(cls, vllm_config: "VllmConfig"):
-        """The tuned-config entry for this device and this model (None without one)."""
-        return tuned_entry(cls.get_device_name(), model_dims(vllm_config))
+        """The tuned-config entry this server runs with (None: untuned; `served_entry`)."""
+        return served_entry(vllm_config)
 
     @classmethod
     def _apply_tuned_block_size(cls, vllm_config: "VllmConfig") -> None:
@@ -259,16 +260,11 @@ class MetaxPlatform(Platform):
         entry = cls.tuned_entry_for_config(vllm_config)
         if cache_config is None or entry is None:
             return
-        if cache_config.user_specified_block_size:
-            if cache_config.block_size != entry.page_size:
-                logger.info("vllm_metax MLA: keeping --block-size %d; the tuned config for %s "
-                            "prefers %d", cache_config.block_size, cls.get_device_name(),
-                            entry.page_size)
-            return
-        if cache_config.block_size != entry.page_size:
-            logger.info("vllm_metax MLA: KV cache block size %d from the tuned config for %s",
-                        entry.page_size, cls.get_device_name())
-        cache_config.block_size = entry.page_size
+        if not cache_config.user_specified_block_size:
+            cache_config.block_size = entry.page_size
+        logger.info_once("vllm_metax MLA: KV cache block size %d %s", entry.page_size,
+                         "(--block-size, as tuned)" if cache_config.user_specified_block_size
+                         else "from the tuned config")
 
     @classmethod
     def _preferred_block_size_for_backends(cls, backend_classes: "list[type[AttentionBackend]]",
@@ -332,7 +328,7 @@ class MetaxPlatform(Platform):
             return None
         dims = decisions.model_key(dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim,
                                    attn_selector_config.dtype, attn_selector_config.kv_cache_dtype)
-        return tuned_entry(cls.get_device_name(), dims)
+        return served_entry(vllm_config, dims=dims)
 
     @classmethod
     def _invalid_reasons(cls, backend: AttentionBackendEnum, capability: DeviceCapability,

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import bisect
 import json
-import logging
 import math
 import os
 import re
@@ -23,7 +22,9 @@ import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-logger = logging.getLogger(__name__)
+from vllm_metax.log import get_logger
+
+logger = get_logger(__name__)
 
 SCHEMA_VERSION = 1
 FOLDER_ENV = "VLLM_METAX_MLA_CONFIG_FOLDER"   # own variable: vLLM-metax overwrites VLLM_TUNED_CONFIG_FOLDER

@@ -8,9 +8,10 @@ import logging
 
 from vllm_metax import decisions
 from vllm_metax.device import detect_device
+from vllm_metax.log import get_logger, log_once
 from vllm_metax.tuned_config import ModelDims, ModelEntry, load_tuned_config
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # MLA backends by priority when no tuned config decides. FLASHINFER_MLA is ours (wrapper-based
 # fa2/fa3, runs on Hopper and MetaX); FLASHMLA and TRITON_MLA are what vLLM-metax ships.
@@ -42,6 +43,51 @@ def model_dims(vllm_config, num_heads: int | None = None) -> ModelDims | None:
     except Exception as e:  # an odd model config must not stop vLLM: no tuned entry then
         logger.debug("vllm_metax MLA: cannot derive model dims: %s", e)
         return None
+
+
+def describe_dims(dims: ModelDims) -> str:
+    return (f"{dims.num_heads} heads, kv_lora_rank {dims.kv_lora_rank}, rope {dims.qk_rope_head_dim}, "
+            f"{dims.q_dtype}/{dims.kv_dtype}")
+
+
+def describe_entry(entry: ModelEntry) -> str:
+    """One line: what a tuned entry sets (for the server log and `mla-tune doctor`)."""
+    who = f"{entry.model} TP{entry.tp_size}" if entry.model else "no model named"
+    decode = [b for b in entry.buckets if b.q_len == 1]
+    split = sum(decisions.split_serves(b) is not None for b in decode)
+    return (f"{describe_dims(entry.dims)} ({who}): KV page size {entry.page_size}, backend order "
+            f"{' > '.join(entry.backend_order) or 'default'}, {len(entry.buckets)} decode buckets "
+            f"({split} served by the split-KV kernel), {len(entry.prefill)} prefill buckets")
+
+
+def served_entry(vllm_config, num_heads: int | None = None,
+                 dims: ModelDims | None = None) -> ModelEntry | None:
+    """The tuned entry a server runs with: this device's entry for the model's dims (`model_dims`,
+    or `dims`), unless the KV block size in force was set with --block-size to another page size
+    than the entry was tuned at; then none, and the server runs untuned. Says once, in the
+    server log, which entry matched or why none serves (the file itself: `load_tuned_config`)."""
+    dims = dims if dims is not None else model_dims(vllm_config, num_heads)
+    if dims is None:
+        return None
+    cfg = load_tuned_config(detect_device().name)
+    if cfg is None:
+        return None
+    entry = cfg.entry_for(dims)
+    if entry is None:
+        log_once(logger, logging.WARNING, "vllm_metax MLA: %s has no entry for this model (%s; it "
+                 "has %s): serving untuned", cfg.path, describe_dims(dims),
+                 "; ".join(describe_dims(m.dims) for m in cfg.models) or "none")
+        return None
+    cache = getattr(vllm_config, "cache_config", None)
+    block = getattr(cache, "block_size", None)
+    if getattr(cache, "user_specified_block_size", False) and block is not None \
+            and block != entry.page_size:
+        log_once(logger, logging.WARNING, "vllm_metax MLA: --block-size %d differs from the page "
+                 "size %d the tuned config %s was measured at: serving untuned (drop --block-size "
+                 "to use it)", block, entry.page_size, cfg.path)
+        return None
+    log_once(logger, logging.INFO, "vllm_metax MLA: tuned entry %s", describe_entry(entry))
+    return entry
 
 
 def tuned_entry(device_name: str, dims: ModelDims | None) -> ModelEntry | None:

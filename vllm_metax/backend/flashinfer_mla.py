@@ -44,7 +44,7 @@ from vllm.v1.attention.backend import (
 )
 
 from vllm_metax import decisions
-from vllm_metax.backend import flashinfer_backends, model_dims, tuned_entry
+from vllm_metax.backend import flashinfer_backends, served_entry
 from vllm_metax.ops.flashinfer_mla import (
     BackendRefused,
     GraphBuffers,
@@ -55,8 +55,9 @@ from vllm_metax.ops.flashinfer_mla import (
 from vllm_metax.ops.paged_metadata import PagedMetadata, build_paged_metadata
 from vllm_metax.ops import split_decode
 from vllm_metax.tuned_config import ModelEntry
+from vllm_metax.log import get_logger, log_once
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 FAMILY = "flashinfer"           # the tuned-config kernel family this backend reads
 # A CUDA-graph step copies strided page indices (the whole block table) into the graph's buffer:
@@ -101,6 +102,19 @@ class PlanChoice:
             logger.warning("vllm_metax MLA: the tuned config names FlashInfer backend(s) %s, which "
                            "this device does not run (it runs %s); those buckets plan %r",
                            ", ".join(unservable), ", ".join(self.allowed), self.default)
+
+    def describe(self) -> str:
+        """Which kernel decodes which tuned buckets (for the server log)."""
+        if self.entry is None:
+            return f"FlashInfer {self.default} every step (untuned)"
+        served = collections.Counter()
+        for b in self.entry.buckets:
+            split = self._splits.get(id(b)) if b.q_len == 1 and self.split_enabled else None
+            served["split-KV Triton" if split is not None else f"FlashInfer {self.for_bucket(b)}"] += 1
+        split_batches = sorted({b.batch_size for b in self.entry.buckets if id(b) in self._splits})
+        where = f" (split at batch {', '.join(map(str, split_batches))})" if split_batches else ""
+        return (", ".join(f"{k} in {n}" for k, n in served.most_common())
+                + f" of {len(self.entry.buckets)} tuned buckets{where}; the nearest bucket decides each step")
 
     def for_bucket(self, bucket) -> str:
         return self.backends.serve(decisions.bucket_choice(bucket, FAMILY))
@@ -259,10 +273,10 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder[FlashInferMLAMetadat
         page = kv_cache_spec.block_size
         self.max_pages_per_req = -(-self.model_config.max_model_len // page)
 
-        from vllm.platforms import current_platform
-        entry = tuned_entry(current_platform.get_device_name(),
-                            model_dims(vllm_config, self.num_heads))
+        entry = served_entry(vllm_config, self.num_heads)
         self.choice = PlanChoice(entry, flashinfer_backends())
+        log_once(logger, logging.INFO, "vllm_metax MLA: FLASHINFER_MLA decode kernels: %s",
+                 self.choice.describe())
         self._kernels: dict[str, MLADecodeKernel] = {}
         self._graph_kernels: dict[tuple, MLADecodeKernel] = {}
         self._graph_buffers: dict[tuple, GraphBuffers] = {}

@@ -16,6 +16,7 @@ warning.
 
 from __future__ import annotations
 
+import collections
 import logging
 from typing import TYPE_CHECKING, ClassVar
 
@@ -26,8 +27,9 @@ from vllm.v1.attention.backends.mla.prefill.base import MLADimensions, MLAPrefil
 from vllm.v1.attention.backends.utils import log2_lse_to_ln
 
 from vllm_metax import decisions
-from vllm_metax.backend import model_dims, prefill_backends, tuned_entry
+from vllm_metax.backend import prefill_backends, served_entry
 from vllm_metax.ops.flashinfer_mla import BackendRefused, device_workspace
+from vllm_metax.log import get_logger, log_once
 from vllm_metax.ops.flashinfer_prefill import MLAPrefillKernel, prefill_available
 
 if TYPE_CHECKING:
@@ -35,7 +37,7 @@ if TYPE_CHECKING:
     from vllm.model_executor.layers.attention.mla_attention import MLACommonPrefillMetadata
     from vllm.platforms.interface import DeviceCapability
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 NAME = "FLASHINFER"            # the vLLM prefill enum member this class is registered under
 _WARNED: set = set()           # tuned entries already warned about (one warning per process)
@@ -54,11 +56,7 @@ def prefill_backend_value() -> str:
 def prefill_entry(vllm_config, num_heads: int):
     """The tuned-config entry whose prefill section this model's prefill reads (the decode
     backend's entry: same device file, same model key), or None."""
-    dims = model_dims(vllm_config, num_heads)
-    if dims is None:
-        return None
-    from vllm.platforms import current_platform
-    return tuned_entry(current_platform.get_device_name(), dims)
+    return served_entry(vllm_config, num_heads)
 
 
 def _host_span(t) -> int | None:
@@ -117,6 +115,18 @@ class FlashInferMLAPrefillBackend(MLAPrefillBackend):
         self._chunks: list[MLAPrefillKernel] = []
         self._kernels: dict[tuple, MLAPrefillKernel] = {}
         self._warn_unservable()
+        log_once(logger, logging.INFO, "vllm_metax MLA prefill: FlashInfer ragged prefill, %s",
+                 self.describe())
+
+    def describe(self) -> str:
+        """Which backend plans which tuned prefill buckets (for the server log)."""
+        if self.entry is None or not self.entry.prefill:
+            return f"{self.backends.default} every plan (untuned)"
+        served = collections.Counter(
+            decisions.prefill_backend(self.entry, b.causal, b.query_tokens, b.kv_len, self.backends)
+            for b in self.entry.prefill)
+        return (", ".join(f"{k} in {n}" for k, n in served.most_common())
+                + f" of {len(self.entry.prefill)} tuned prefill buckets")
 
     def _warn_unservable(self) -> None:
         bad = decisions.unservable_prefill(self.entry, self.backends)

@@ -34,9 +34,11 @@ from vllm.v1.attention.backends.mla.triton_mla import (
 from vllm.v1.worker.workspace import current_workspace_manager, is_workspace_manager_initialized
 
 from vllm_metax import decisions, tuned_config
+from vllm_metax.backend import served_entry
 from vllm_metax.device import detect_device
+from vllm_metax.log import get_logger, log_once
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 FAMILY = "triton"
 MAX_CONTEXT_RATIO = 2.0      # a bucket tuned for context c serves [c/2, 2c]; beyond, vLLM's rule
@@ -151,12 +153,15 @@ class MetaxTritonMLAMetadataBuilder(TritonMLAMetadataBuilder):
         dims = decisions.model_key(heads, self.mla_dims.kv_lora_rank,
                                    self.mla_dims.qk_rope_head_dim, vllm_config.model_config.dtype,
                                    getattr(kv_cache_spec, "dtype", None))
-        self.tuned_splits = TunedSplits.load(dims)
+        self.tuned_splits = (TunedSplits.load(dims) if served_entry(vllm_config, dims=dims) is not None
+                             else TunedSplits(None, "no tuned entry serves this model (see above)"))
         self._common = None
         if self.tuned_splits.max_splits is None:
-            logger.info("vllm_metax TRITON_MLA: vLLM's num_kv_splits rule (%s)", self.tuned_splits.why)
+            log_once(logger, logging.INFO, "vllm_metax TRITON_MLA: vLLM's num_kv_splits rule (%s)",
+                     self.tuned_splits.why)
         else:
-            logger.info("vllm_metax TRITON_MLA: tuned num_kv_splits from %s", self.tuned_splits.why)
+            log_once(logger, logging.INFO, "vllm_metax TRITON_MLA: tuned num_kv_splits from %s",
+                     self.tuned_splits.why)
         reserve_tuned_workspace(vllm_config.scheduler_config.max_num_seqs * self.reorder_batch_threshold,
                                 heads, self.mla_dims.kv_lora_rank, self.tuned_splits.max_splits)
 

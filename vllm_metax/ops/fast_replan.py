@@ -24,16 +24,16 @@ Who makes the schedule, per fast re-plan (`SCHEDULES` counts them):
 
 from __future__ import annotations
 
-import logging
 import os
 
 import numpy as np
 import torch
 
+from vllm_metax.log import get_logger
 from vllm_metax.ops import mla_schedule as ms
 from vllm_metax.ops.paged_metadata import PagedMetadata
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 ENABLED = os.environ.get("VLLM_METAX_FAST_REPLAN", "1").strip() not in ("0", "false", "no", "off")
 

@@ -25,17 +25,17 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from vllm_metax.log import get_logger
 from vllm_metax.ops import fast_replan as fr
 from vllm_metax.ops.paged_metadata import PagedMetadata
 from vllm_metax.tuned_config import FLASHINFER_BACKENDS
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 API_KEYWORD = "keyword"
 API_FLAT = "flat"

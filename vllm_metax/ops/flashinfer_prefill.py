@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
 
 import torch
 
+from vllm_metax.log import get_logger
 from vllm_metax.ops.flashinfer_mla import BackendRefused, FlashInferUnavailable, is_refusal
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 PREFILL_BACKENDS = ("fa2", "fa3", "auto")    # what the ragged wrapper accepts on Hopper / MetaX
 
