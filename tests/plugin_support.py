@@ -244,3 +244,20 @@ class RecordingKernel:
             out.copy_(res)
             res = out
         return (res, lse_e / math.log(2)) if return_lse else res
+
+
+def engine_core_probe(vllm_config, queue) -> None:
+    """Run in a process vLLM's way (its multiprocessing context, the VllmConfig handed over):
+    which platform resolves there, and which tuned config and entry it serves."""
+    import vllm.platforms as vp
+
+    from vllm_metax import tuned_config as tc
+    from vllm_metax.device import detect_device
+
+    platform = vp.current_platform
+    cfg = tc.load_tuned_config(detect_device().name)
+    entry = platform.tuned_entry_for_config(vllm_config) if hasattr(platform, "tuned_entry_for_config") else None
+    queue.put({"platform": f"{type(platform).__module__}.{type(platform).__qualname__}",
+               "config": cfg.path if cfg is not None else None,
+               "page_size": entry.page_size if entry is not None else None,
+               "block_size": vllm_config.cache_config.block_size})
