@@ -350,15 +350,15 @@ RUN_COLUMNS = [Column("run", justify="right"), Column("kind", justify="left"),
 CANDIDATE_COLUMNS = [Column("workload", justify="left"), Column("candidate", justify="left"),
                      Column("median us", ".2f"), Column("spread", _pct), Column("n"),
                      Column("% roofline", ".1f"), Column("vs default", times),
-                     Column("choice", justify="left"), Column("status", lambda s: _short(s), "left")]
+                     Column("choice", justify="left"), Column("status", lambda s: _short(s), "left", wrap=True)]
 
 BUCKET_COLUMNS = [Column("batch"), Column("context"), Column("q"), Column("family", justify="left"),
                   Column("chosen", justify="left"), Column("median us", ".2f"),
                   Column("default us", ".2f"), Column("gain", times), Column("% roofline", ".1f"),
-                  Column("best", justify="left"), Column("why", justify="left")]
+                  Column("best", justify="left"), Column("why", justify="left", wrap=True)]
 
 GLOBAL_COLUMNS = [Column("model entry", justify="left"), Column("page size"),
-                  Column("backend order", justify="left"), Column("why", justify="left")]
+                  Column("backend order", justify="left"), Column("why", justify="left", wrap=True)]
 
 
 def report_tables(report: Report) -> list[Table]:

@@ -68,14 +68,14 @@ def config_tables(cfg, lookup: tuple | None = None) -> list[Table]:
     `lookup` = (batch, context, q_len), the bucket each model entry would serve it from."""
     title = f"{cfg.device_name} (schema {cfg.schema_version})"
     t = Table(f"{title}: provenance", [Column("field", justify="left"),
-                                       Column("value", justify="left")])
+                                       Column("value", justify="left", wrap=True)])
     for k, v in cfg.provenance.items():
         flat = isinstance(v, list) and all(not isinstance(x, (list, dict)) for x in v)
         t.add(k, ", ".join(map(str, v)) if flat else v)
     tables = [t]
     g = Table(f"{title}: global choice per model", [Column("model entry", justify="left"),
               Column("page size"), Column("backend order", justify="left"),
-              Column("buckets"), Column("why", justify="left")])
+              Column("buckets"), Column("why", justify="left", wrap=True)])
     for e in cfg.models:
         g.add(_dims_title(e), e.page_size, " > ".join(e.backend_order), len(e.buckets), e.reason)
     tables.append(g)
