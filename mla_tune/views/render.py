@@ -65,7 +65,9 @@ def to_markdown(tables: Sequence[Table], heading: str = "") -> str:
     out = [f"# {heading}", ""] if heading else []
     for t in tables:
         out += [f"## {t.title}", ""]
-        if not t.rows:
+        if not t.columns:
+            pass
+        elif not t.rows:
             out += ["(none)", ""]
         else:
             out.append("| " + " | ".join(c.name for c in t.columns) + " |")
@@ -125,7 +127,9 @@ class FitTable:
         from rich.text import Text
         # title and caption as lines of their own: the console's width, not the table's
         yield Text(self.table.title, style="bold")
-        if self.fits(options.max_width):
+        if not self.table.columns:
+            pass            # a title and its caption: a note, no rows
+        elif self.fits(options.max_width):
             yield self._table()
         else:
             yield from self._list()
