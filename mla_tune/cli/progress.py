@@ -53,7 +53,10 @@ class LineProgress:
         if self.console is None:
             return
         self.last = self.clock()
-        self.console.print(self.line(), highlight=False, markup=False, soft_wrap=True)
+        line = self.line()
+        if line != getattr(self, "_printed", None):
+            self.console.print(line, highlight=False, markup=False, soft_wrap=True)
+            self._printed = line
 
 
 class BarProgress:
