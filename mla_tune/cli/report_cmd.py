@@ -40,7 +40,7 @@ def _filter(device, model, run):
     return TrialFilter(device, model, tuple(run or ()))
 
 
-@app.command("report")
+@app.command("report", short_help="Summarise what was measured: fastest per bucket, verdict.")
 def report(
     db: Optional[Path] = PathOption(None, "--db", help=DB_HELP),
     format: OutputFormat = typer.Option(OutputFormat.table, "--format", "-f", help=FORMAT_HELP,
@@ -76,7 +76,7 @@ def report(
         err_console.print(f"wrote {path}", highlight=False)
 
 
-@app.command("emit")
+@app.command("emit", short_help="Write the tuned config the vllm_metax plugin loads.")
 def emit(
     ctx: typer.Context,
     db: Optional[Path] = PathOption(None, "--db", help=DB_HELP),
@@ -109,12 +109,12 @@ def emit(
         lines = (config_summary(cfg, path, "would write") if dry_run else
                  config_summary(read_tuned_config(write_tuned_config(cfg, configs_dir))))
         for line in lines:
-            console.print(line, highlight=False, markup=False)
+            console.print(line, highlight=False, markup=False, soft_wrap=True)
     if dry_run:
         console.print("dry run: nothing written", highlight=False)
 
 
-@app.command("show")
+@app.command("show", short_help="Validate and print a tuned config; --lookup: what is served.")
 def show(
     file: Path = PathArgument(..., help="A tuned config, e.g. configs/device_name=NVIDIA_H200.json"),
     device: Optional[str] = typer.Option(None, "--device", help="The device it must be for "

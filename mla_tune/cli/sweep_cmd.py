@@ -221,8 +221,7 @@ def sweep(
                                           "lognormal, or a CSV file of request lengths (a column "
                                           "context_len, length, prompt_len, ...) resampled to each "
                                           "bucket, its mean scaled to the bucket's context "
-                                          "(default: uniform, plus the GPU's zipf buckets; --ragged "
-                                          "is the old name)"),
+                                          "(default: uniform, plus the GPU's zipf buckets)"),
     q_dtype: str = typer.Option("bfloat16", "--q-dtype"),
     kv_dtype: str = typer.Option("bfloat16", "--kv-dtype"),
     page_size: Optional[List[int]] = typer.Option(None, "--page-size", help="KV page sizes (powers of "
