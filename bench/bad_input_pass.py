@@ -111,14 +111,14 @@ def cases(w: Path) -> list[list[str]]:
           ["report", "--db", db, "-f", "TABLE2"], ["report", "--db", db, "--full", "--full=no"]]
     # emit
     for out in ["h200.json", "/no/such/dir/configs", "/dev/null", "bin"]:
-        c.append(["emit", "--db", db, "--out", out])
+        c.append(["emit", "--db", db, "--configs-dir", out])
     for m in ["neg.csv", "unswept.csv", "inf.csv"]:
-        c.append(["emit", "--db", db, "--out", "o", "--mix", m])
-    c += [["emit", "--db", db, "--out", "o", "--device", "MetaX C500"],
-          ["emit", "--db", db, "--out", "o", "--model", ""],
-          ["emit", "--db", db, "--out", "o", "--run", "0"],
-          ["emit", "--db", "blank.sqlite", "--out", "o"],
-          ["emit", "--db", db, "--out", "o", "--all-devices", "--device", H200]]
+        c.append(["emit", "--db", db, "--configs-dir", "o", "--mix", m])
+    c += [["emit", "--db", db, "--configs-dir", "o", "--device", "MetaX C500"],
+          ["emit", "--db", db, "--configs-dir", "o", "--model", ""],
+          ["emit", "--db", db, "--configs-dir", "o", "--run", "0"],
+          ["emit", "--db", "blank.sqlite", "--configs-dir", "o"],
+          ["emit", "--db", db, "--configs-dir", "o", "--all-devices", "--device", H200]]
     # show: every bad config
     for f in sorted(x.name for x in w.glob("cfg-*.json")):
         c.append(["show", f, "--device", H200])
@@ -140,7 +140,7 @@ def cases(w: Path) -> list[list[str]]:
     for opt, v in [("--batch", "0"), ("--batch", "1,-2"), ("--batch", "70000"), ("--context", ""),
                    ("--context", "1Q"), ("--q-len", "0"), ("--q-len", "2000"), ("--samples", "0"),
                    ("--rounds", "0"), ("--warmup", "1000000"), ("--plan-samples", "-1"),
-                   ("--heads", "0"), ("--heads", "5000"), ("--ragged", ""), ("--format", "csv"),
+                   ("--heads", "0"), ("--heads", "5000"), ("--ragged", ""), ("--format", "xml"),
                    ("--device", "gpu"), ("--tp", "2"), ("--context", "1-0"), ("--context", "4K-1K")]:
         c.append(r + [opt, v])
     c.append(["bench", "reference/torch/p16", "--device", "cpu", "--heads", "2", "--batch", "4096",

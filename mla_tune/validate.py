@@ -143,6 +143,7 @@ def path_arg(text: str) -> Path:
 def PathOption(*args, **kw):
     """typer.Option for a path (empty refused, see path_arg)."""
     import typer
+    kw.setdefault("metavar", "PATH")
     return typer.Option(*args, parser=path_arg, **kw)
 
 

@@ -137,7 +137,7 @@ def _cases(w: Path) -> list[list[str]]:
     cases.append(["bench", "reference/torch/p16", "--device", "cpu", "--heads", "2", "--no-store",
                   "--db", str(w / "bench.db")])
     cases.append(bench + ["--device", "tpu"])
-    cases.append(bench + ["--format", "csv"])
+    cases.append(bench + ["--format", "xml"])      # csv and markdown are bench formats now (#38)
     for p in [str(w / "folder"), str(w / "notes.db"), str(w / "foreign.db"), "/dev/null",
               str(w / "empty-sqlite.db"), "/nonexistent-mla-tune-dir/r.db"]:
         cases.append(["bench", "reference/torch/p16", "--device", "cpu", "--heads", "2", "--db", p,

@@ -36,7 +36,7 @@ def test_bench_json(tmp_path):
     res = _invoke(["reference/torch/p4", "--heads", "2", "--batch", "1,2", "--context", "16",
                    "--samples", "2", "--device", "cpu", "--no-store", "--format", "json"])
     assert res.exit_code == 0, res.output
-    rows = json.loads(res.output)["trials"]
+    rows = json.loads(res.stdout)["trials"]     # progress lines go to stderr
     assert [r["workload"] for r in rows] == ["H2 B1 L16", "H2 B2 L16"]
     assert all(r["status"] == "ok" and r["median_us"] > 0 for r in rows)
 

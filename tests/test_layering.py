@@ -1,4 +1,4 @@
-"""Dependencies point down only (DESIGN.md section 2): every import of every module, the lazy
+"""Dependencies point down only (README.md, "Layout"): every import of every module, the lazy
 ones inside functions included, is checked against the layer order of the folders."""
 
 from __future__ import annotations

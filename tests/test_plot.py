@@ -21,37 +21,41 @@ def fx(tmp_path):
 
 
 def _titles(fig):
-    out = [fig.get_suptitle()]
-    for sf in fig.subfigs:
-        out.append(sf.get_suptitle())
-        out += [ax.get_title() for ax in sf.axes]
-    return out
+    return [fig.get_suptitle()] + [ax.get_title() for ax in fig.axes]
 
 
-def test_figure_shows_what_its_titles_say(fx):
+def test_small_multiples_show_tuned_vs_default_and_roofline(fx):
     import matplotlib.pyplot as plt
+
+    from mla_tune.views.plot import bucket_points
 
     with ResultsStore(fx.path) as s:
         rep = build_report(s, TrialFilter(device="NVIDIA H200"))
     fig = report_figure(rep)
     try:
         titles = _titles(fig)
-        assert "kernel time vs context length per candidate, winner per bucket, % of roofline" in titles[0]
-        assert any("NVIDIA H200" in t and "page 64" in t for t in titles)
-        assert {t for t in titles if t.startswith("kernel time vs context length, batch")} == {
-            "kernel time vs context length, batch 1", "kernel time vs context length, batch 8",
-            "kernel time vs context length, batch 64"}
-        assert any(t.startswith("winner per bucket (page 64)") for t in titles)
-        assert any(t.startswith("winner's % of roofline floor (copy 4000 GB/s") for t in titles)
-        # the time panels hold one line per valid candidate at the fixture's medians
-        ax = next(a for sf in fig.subfigs for a in sf.axes if a.get_title().endswith("batch 8"))
-        ys = sorted(round(float(line.get_ydata()[0]), 4) for line in ax.get_lines())
-        w = next(w for w in rep.devices[0].workloads if (w.batch_size, w.context_len) == (8, 1024))
-        assert ys == sorted(round(c.median_us, 4) for c in w.lines if c.ok)
-        # the winner heatmap names the winner in every measured cell
-        heat = next(a for sf in fig.subfigs for a in sf.axes if a.get_title().startswith("winner per bucket"))
-        texts = [t.get_text() for t in heat.texts]
-        assert sum(t.startswith("fa3 p64") for t in texts) == 5 and "not measured" in texts
+        assert "tuned vs default speed-up and % of roofline per bucket" in titles[0]
+        gain = [a for a in fig.axes if "tuned vs untuned default" in a.get_title()]
+        roof = [a for a in fig.axes if "% of roofline (copy 4000 GB/s" in a.get_title()]
+        assert len(gain) == len(roof) == len(rep.devices[0].choice.models)
+        assert all("NVIDIA H200" in a.get_title() and "page 64" in a.get_title() for a in gain)
+        # one line per batch size; its points are default / served time per bucket
+        dev = rep.devices[0]
+        m = dev.choice.models[0]
+        ax = gain[0]
+        series = [ln for ln in ax.get_lines() if len(ln.get_xdata()) > 1 and ln.get_linestyle() == "-"]
+        want = {}
+        for b in m.buckets:
+            fi = b.families["flashinfer"]
+            want.setdefault(b.batch_size, []).append((b.context_len, fi.default_time_us / fi.time_us))
+        got = sorted(sorted(zip(ln.get_xdata(), ln.get_ydata())) for ln in series)
+        assert got == sorted(sorted(v) for v in want.values() if len(v) > 1)
+        # the fixture's fa3 beats the default (auto) in every bucket: every point above 1
+        assert all(p.speedup > 1.0 and p.family == "flashinfer" for p in bucket_points(dev, m))
+        assert all(0 < p.pct_roofline <= 100 for p in bucket_points(dev, m))
+        legend = [t.get_text() for t in fig.legends[0].get_texts()]
+        assert "batch 1" in legend and "served: FlashInfer" in legend
+        assert len(legend) < 15          # a legend of batch sizes and families, not of candidates
     finally:
         plt.close(fig)
 
@@ -63,7 +67,7 @@ def test_png_opens(fx, tmp_path):
         path = plot_report(build_report(s), tmp_path / "report.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     img = mpimg.imread(path)
-    assert img.shape[0] > 1000 and img.shape[1] > 1500      # three devices, stacked
+    assert img.shape[0] > 1000 and img.shape[1] > 1200      # three devices, stacked
     assert img[..., :3].std() > 0.05                          # not a blank canvas
 
 
@@ -74,8 +78,8 @@ def test_reference_only_says_no_roofline(fx):
         fig = report_figure(build_report(s, TrialFilter(device="cpu")))
     try:
         titles = _titles(fig)
-        assert any("CPU torch reference, not a GPU kernel" in t for t in titles)
-        assert "winner's % of roofline floor: not available" in titles
+        assert any("CPU torch reference, no verdict" in t for t in titles)
+        assert not any("speed-up" in a.get_ylabel() for a in fig.axes if a.axison)
     finally:
         plt.close(fig)
 

@@ -215,3 +215,29 @@ def test_the_summary_legend_names_the_families_the_table_shows():
         "fi = FlashInfer, sp = split-KV Triton decode (served by FLASHINFER_MLA)"
     assert _legend({"reference"}) == "ref = torch reference"
     assert _legend({None}).startswith("fi = FlashInfer, tr = Triton MLA, fm = FlashMLA")
+
+
+def test_missing_default_db_points_at_the_shipped_results_db(fx, tmp_path, monkeypatch):
+    import shutil
+    monkeypatch.setattr("mla_tune.tune.buckets.detect_device", lambda: "cpu")
+    work = tmp_path / "checkout"
+    work.mkdir()
+    shutil.copy(fx.path, work / "results.db")
+    monkeypatch.chdir(work)
+    res = runner.invoke(app, ["report"])
+    assert res.exit_code == 2 and res.stderr.strip().count("\n") == 0
+    assert "no results DB at results-cpu.db" in res.stderr and "--db results.db" in res.stderr
+    assert sorted(p.name for p in work.iterdir()) == ["results.db"]
+    assert runner.invoke(app, ["report", "--db", "results.db"]).exit_code == 0
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_cpu_reference_timings_are_no_verdict(fx, full):
+    from mla_tune.views.report import CPU_CAVEAT
+    rep = _report(fx, device="cpu")
+    text = render_report(rep, "markdown", full=full)
+    assert CPU_CAVEAT in text
+    assert "verdict" not in text.replace(CPU_CAVEAT, "").replace("not a verdict", "")
+    assert ("global choice: none" in text) if full else ("CPU reference time per bucket" in text)
+    gpu = render_report(_report(fx, device=H200), "markdown")
+    assert CPU_CAVEAT not in gpu and ": verdict" in gpu

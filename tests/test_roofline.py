@@ -25,7 +25,7 @@ def test_bytes_are_kv_plus_q_plus_out():
 
 
 def test_intensity_h128_compute_bound_h16_memory_bound():
-    # DESIGN.md: 242 FLOP/B at 128 heads (ridge ~185 on the H200), far less at 16
+    # 242 FLOP/B at 128 heads (compute-bound on the H200, docs/tuning.md), far less at 16
     assert roofline.arithmetic_intensity(_v3()) == pytest.approx(242, rel=0.01)
     assert roofline.arithmetic_intensity(_v3(tp=8)) == pytest.approx(30.2, rel=0.01)
     f = roofline.floor_of(_v3(), 4261, 789)

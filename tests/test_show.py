@@ -108,3 +108,51 @@ def test_another_device(cfg_path, monkeypatch):
 def test_missing_file(tmp_path):
     res = _show(tmp_path / "nope.json")
     assert res.exit_code == 2 and "cannot read" in res.stderr
+
+
+# ---------------------------------------------------------------- --lookup: what is served
+
+def _with_split(cfg_path, split_us, fi_us=20.0):
+    """The fixture's config with the split kernel as best family at batch 1, context 1024."""
+    data = json.loads(cfg_path.read_text())
+    for b in data["models"][0]["buckets"]:
+        if (b["batch_size"], b["context_len"]) == (1, 1024):
+            b["families"]["flashinfer"].update(time_us=fi_us)
+            b["families"]["split"] = {"params": {"backend": "triton", "num_splits": 16,
+                                                 "partial": "bfloat16"},
+                                      "time_us": split_us, "default_time_us": split_us,
+                                      "significant": False}
+            b["best_family"] = "split"
+    cfg_path.write_text(json.dumps(data))
+    return cfg_path
+
+
+def test_lookup_answers_first_and_alone(cfg_path):
+    res = _show(cfg_path, "--lookup", "8,4096")
+    assert res.exit_code == 0, res.output
+    first = res.stdout.splitlines()[0]
+    assert first == "NVIDIA H200: served for batch 8, context 4096, q_len 1"
+    assert "FLASHINFER_MLA: flashinfer fa3" in res.stdout
+    # not the whole config before the answer
+    assert "provenance" not in res.stdout and "per-bucket plan choices" not in res.stdout
+
+
+def test_lookup_names_the_split_kernel_where_the_plugin_serves_it(cfg_path):
+    _with_split(cfg_path, split_us=10.0)            # 2x faster than FlashInfer's choice
+    res = _show(cfg_path, "--lookup", "1,1000", "-f", "json")
+    (hit,) = json.loads(res.stdout)["lookup"]
+    assert hit["best_family"] == "split" and hit["bucket"] == [1, 1024, 1]
+    assert hit["served"]["attention_backend"] == "FLASHINFER_MLA"
+    assert hit["served"]["family"] == "split" and hit["served"]["params"]["num_splits"] == 16
+    assert set(hit["choices"]) == {"flashinfer", "triton", "split"}
+    assert hit["choices"]["flashinfer"]["params"]["backend"] == "fa3"
+    table = _show(cfg_path, "--lookup", "1,1000").stdout
+    assert "FLASHINFER_MLA: split num_splits=16, partial=bfloat16" in " ".join(table.split())
+
+
+def test_lookup_keeps_flashinfer_when_split_wins_by_less_than_the_plugins_margin(cfg_path):
+    from vllm_metax.decisions import SPLIT_MIN_GAIN
+    _with_split(cfg_path, split_us=20.0 / (SPLIT_MIN_GAIN * 0.99))
+    (hit,) = json.loads(_show(cfg_path, "--lookup", "1,1024", "-f", "json").stdout)["lookup"]
+    assert hit["best_family"] == "split" and hit["served"]["family"] == "flashinfer"
+    assert "less than" in hit["served"]["note"]

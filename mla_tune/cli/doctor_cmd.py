@@ -13,7 +13,7 @@ from mla_tune.validate import INT
 FORMAT_HELP = "Output: table (rich), json, csv or markdown"
 
 
-@app.command("doctor")
+@app.command("doctor", short_help="What the vLLM plugin sees here and which config it loads.")
 def doctor(
     model: Optional[str] = typer.Option(None, "--model", help="Model preset to look up in the tuned "
                                         "config (e.g. deepseek-v3)"),

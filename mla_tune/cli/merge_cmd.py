@@ -16,7 +16,7 @@ HELP = ("Copy the runs, workloads, trials and samples of other results DBs into 
         "sources are opened read-only.")
 
 
-@app.command("merge", help=HELP, epilog="Exit codes: 0 merged; 2 bad input (a file that is not "
+@app.command("merge", help=HELP, short_help="Copy other results DBs into one, idempotently.", epilog="Exit codes: 0 merged; 2 bad input (a file that is not "
              "a results DB, the target itself); nothing is written then.")
 def merge(
     sources: List[Path] = typer.Argument(..., help="results DBs to copy from (never modified)"),

@@ -29,7 +29,7 @@ def _ints(text: str, flag: str) -> list[int]:
         raise UserError(f"{flag}: {e}") from None
 
 
-@app.command("prefill-sweep", help=HELP, epilog="Exit codes: 0 measured (or nothing left to "
+@app.command("prefill-sweep", help=HELP, short_help="Measure the MLA prefill backend per prefill bucket.", epilog="Exit codes: 0 measured (or nothing left to "
              "measure); 2 bad input or no GPU prefill kernel here; nothing is written then.")
 def prefill_sweep(
     model: str = typer.Option("deepseek-v3", help="Model preset (mla_tune/problem/models.json)"),

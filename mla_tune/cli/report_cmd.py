@@ -19,10 +19,8 @@ DB_HELP = ("Results DB to read, opened read-only (default: results.db, or result
 
 
 def _db_path(db: Optional[Path]) -> Path:
-    if db is not None:
-        return db
-    from mla_tune.tune.sweep import default_db
-    return default_db()
+    from mla_tune.views.report import db_to_read
+    return db_to_read(db)
 
 
 def _open_store(db: Path):
@@ -42,7 +40,7 @@ def _filter(device, model, run):
     return TrialFilter(device, model, tuple(run or ()))
 
 
-@app.command("report")
+@app.command("report", short_help="Summarise what was measured: fastest per bucket, verdict.")
 def report(
     db: Optional[Path] = PathOption(None, "--db", help=DB_HELP),
     format: OutputFormat = typer.Option(OutputFormat.table, "--format", "-f", help=FORMAT_HELP,
@@ -78,11 +76,12 @@ def report(
         err_console.print(f"wrote {path}", highlight=False)
 
 
-@app.command("emit")
+@app.command("emit", short_help="Write the tuned config the vllm_metax plugin loads.")
 def emit(
     ctx: typer.Context,
     db: Optional[Path] = PathOption(None, "--db", help=DB_HELP),
-    out: Path = PathOption(Path("configs"), "--out", help="Folder for device_name=<device>.json"),
+    configs_dir: Path = PathOption(Path("configs"), "--configs-dir", "--out", metavar="DIR",
+                                   help="Folder for device_name=<device>.json"),
     device: Optional[str] = typer.Option(None, "--device", help="Device to emit for (default: the "
                                          "only one measured, else this machine's)"),
     all_devices: bool = typer.Option(False, "--all-devices", help="One file per measured device"),
@@ -90,29 +89,32 @@ def emit(
     run: Optional[List[int]] = typer.Option(None, "--run", help="Only these run ids (repeat the option)",
                                             **INT["run"].typer),
     mix: Optional[Path] = PathOption(None, "--mix", help="Workload mix CSV (batch,context,weight)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Check everything and say what would "
+                                 "be written; write nothing"),
 ):
     """Write the tuned config(s) the vllm_metax plugin loads, from the measurements in the DB.
-    A CPU-reference config goes into the packaged configs/ only with an explicit --out."""
-    from mla_tune.tune.emit import config_summary, emit_all, emit_config
+    A CPU-reference config goes into the packaged configs/ only with an explicit --configs-dir."""
+    from mla_tune.tune.emit import config_summary, config_to_emit, configs_to_emit
     from mla_tune.validate import output_folder
-    from vllm_metax.tuned_config import read_tuned_config
+    from vllm_metax.tuned_config import read_tuned_config, write_tuned_config
     if all_devices and device is not None:
         fail("--device and --all-devices exclude each other")
-    output_folder(out, "--out")
+    output_folder(configs_dir, "--configs-dir")
     flt = _filter(device, model, run)
-    w = _mix(mix)
-    cpu_ok = given(ctx, "out")
+    kw = dict(model=flt.model, runs=flt.runs, mix=_mix(mix), cpu_ok=bool(given(ctx, "configs_dir")))
     with _open_store(_db_path(db)) as store:
-        paths = (emit_all(store, out, model=flt.model, runs=flt.runs, mix=w, cpu_ok=cpu_ok)
-                 if all_devices else
-                 [emit_config(store, out, device=flt.device, model=flt.model, runs=flt.runs,
-                              mix=w, cpu_ok=cpu_ok)])
-    for p in paths:
-        for line in config_summary(read_tuned_config(p)):
-            console.print(line, highlight=False, markup=False)
+        planned = (configs_to_emit(store, configs_dir, **kw) if all_devices else
+                   [config_to_emit(store, configs_dir, device=flt.device, **kw)])
+    for cfg, path in planned:
+        lines = (config_summary(cfg, path, "would write") if dry_run else
+                 config_summary(read_tuned_config(write_tuned_config(cfg, configs_dir))))
+        for line in lines:
+            console.print(line, highlight=False, markup=False, soft_wrap=True)
+    if dry_run:
+        console.print("dry run: nothing written", highlight=False)
 
 
-@app.command("show")
+@app.command("show", short_help="Validate and print a tuned config; --lookup: what is served.")
 def show(
     file: Path = PathArgument(..., help="A tuned config, e.g. configs/device_name=NVIDIA_H200.json"),
     device: Optional[str] = typer.Option(None, "--device", help="The device it must be for "

@@ -10,17 +10,16 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
-from rich import box
 from rich.markup import escape
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
-from rich.table import Table
 
-from mla_tune.cli.app import EXIT_FAILURE, app, console, fail, given
+from mla_tune.cli.app import EXIT_FAILURE, app, console, err_console, fail, given, print_view
 from mla_tune.measure.worker import Isolation
 from mla_tune.problem.defaults import SWEEP_PAGE_SIZES
 from mla_tune.tune.choose import MIN_RATIO
 from mla_tune.tune.search import SearchMode as Mode
+from mla_tune.tune.sweep import CPU_FAMILIES, GPU_FAMILIES
 from mla_tune.validate import FLOAT, INT, PathOption
 
 EPILOG = ("Exit codes: 0 done; 1 nothing could be measured (no kernel family runs here, or no "
@@ -35,11 +34,13 @@ def _us(v) -> str:
 
 
 class RichObserver:
-    """Progress bar (ETA, current candidate, best so far), a line per bucket, summary tables."""
+    """Progress bar (ETA, current candidate, best so far) on a terminal, a progress line every
+    few seconds on stderr otherwise; a line per bucket; summary tables."""
 
     def __init__(self, quiet: bool = False):
         self.quiet = quiet
         self.progress = None
+        self.lines = None       # LineProgress where the console is no terminal (a pipe, a CI log)
         self.task = None
         self.best = {}
 
@@ -61,11 +62,14 @@ class RichObserver:
                           f"(view with `optuna-dashboard {escape(str(plan.journal))}`)")
         elif getattr(plan, "storage", ""):
             console.print(f"optuna storage: {escape(plan.storage)} (shared with every worker on it)")
+        if not self.quiet and not console.is_terminal:
+            from mla_tune.cli.progress import LineProgress
+            self.lines = LineProgress(err_console, "sweep", plan.planned_trials, "trials")
         self.progress = Progress(
             SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
             TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
             TextColumn("{task.fields[current]}"), TextColumn("{task.fields[best]}"),
-            console=console, transient=True, disable=self.quiet)
+            console=console, transient=True, disable=self.quiet or self.lines is not None)
         self.progress.start()
         self.task = self.progress.add_task("sweep", total=max(plan.planned_trials, 1), current="",
                                            best="")
@@ -73,8 +77,10 @@ class RichObserver:
     def on_bucket(self, planned) -> None:
         # a space may shrink (refusals learnt in earlier buckets) and a TPE search may stop before
         # its budget: keep the total honest so the ETA is
-        self.progress.update(self.task, total=max(self.done + sum(
-            p.budget for p in self.plan.buckets[planned.index:]), 1))
+        total = self.done + sum(p.budget for p in self.plan.buckets[planned.index:])
+        self.progress.update(self.task, total=max(total, 1))
+        if self.lines is not None:
+            self.lines.update(self.done, note=planned.bucket.workload.label(), total=total)
         self.progress.update(self.task, description=escape(planned.bucket.workload.label()),
                              current=f"{planned.mode} {len(planned.space)} pts", best="")
 
@@ -88,6 +94,8 @@ class RichObserver:
 
     def on_trial(self, planned, ev, best) -> None:
         self.progress.advance(self.task)
+        if self.lines is not None:
+            self.lines.update(advance=1)
         if best is not None:
             self.progress.update(self.task, best=escape(f"best {best.candidate.key} {_us(best.value)} us"))
 
@@ -95,6 +103,8 @@ class RichObserver:
         so = bo.search
         self.done += len(so.evaluations)
         self.progress.update(self.task, completed=self.done)
+        if self.lines is not None:
+            self.lines.update(self.done)
         b = so.best
         extra = "" if so.stopped == "complete" else f" [yellow]({so.stopped})[/]"
         inval = f", {bo.invalid} invalid" if bo.invalid else ""
@@ -107,6 +117,9 @@ class RichObserver:
         if self.progress is not None:
             self.progress.stop()
             self.progress = None
+        if self.lines is not None:
+            self.lines.close()
+            self.lines = None
 
     def on_workers(self, workers) -> None:
         console.print(f"{len(workers)} worker processes: " + ", ".join(
@@ -117,73 +130,16 @@ class RichObserver:
         print_summary(outcome)
 
 
-def _verdict_text(v) -> str:
-    """Short: the gain over the default, or why the default stayed."""
-    from mla_tune.tune.choose import NO_SIGNIFICANT_DIFFERENCE
-    if v is None:
-        return "-"
-    if v.chosen is None:
-        return "[red]none valid[/]"
-    if v.significant:
-        return f"[green]{v.gain:.2f}x[/]"
-    if v.reason.startswith(NO_SIGNIFICANT_DIFFERENCE):
-        return "n.s." + (f" {v.ratio:.2f}x" if v.ratio else "")
-    if v.default is None:
-        return "no default"
-    if not v.default.ok:
-        return f"default {v.default.invalid_reason}"
-    return "default"
-
-
-_SHORT = {"num_kv_splits": "splits"}
-
-
-def _label(m) -> str:
-    """A candidate without its family and page (both are in the table's header and title)."""
-    knobs = ",".join(f"{_SHORT.get(k, k)}={v}" for k, v in sorted(m.params.items()) if k != "rule")
-    if not knobs:
-        return m.backend
-    return knobs if m.backend == m.family else f"{m.backend} {knobs}"
-
-
 def print_summary(outcome) -> None:
     """The end-of-sweep tables: per model entry, per bucket and family the chosen candidate, its
     time and its gain over the family default (n.s. = no significant difference)."""
+    from mla_tune.views.render import to_rich
+    from mla_tune.views.sweep_view import summary_tables
     ch = outcome.choice
     if ch is None:
         console.print("[red]no trials to choose from[/]")
         return
-    for m in ch.models:
-        fams = list(m.family_order)
-        title = (f"{m.model} TP{m.tp_size or '?'} ({m.num_heads} heads/rank, {m.q_dtype}/{m.kv_dtype}"
-                 f"{'' if m.ragged == 'uniform' else ', ' + m.ragged}) on {ch.device_name}, "
-                 f"page {m.page_size}")
-        t = Table(title=escape(title), title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
-                  collapse_padding=True)
-        show_q = any(b.q_len != 1 for b in m.buckets)
-        for col in ("B", "L") + (("q",) if show_q else ()):
-            t.add_column(col, justify="right", no_wrap=True)
-        for f in fams:
-            t.add_column(escape(f), overflow="fold")
-            t.add_column("us", justify="right", no_wrap=True, min_width=5)
-            t.add_column("gain", no_wrap=True)
-        for b in m.buckets:
-            cells = [str(b.batch_size), str(b.context_len)] + ([str(b.q_len)] if show_q else [])
-            for f in fams:
-                v = b.families.get(f)
-                label = escape(_label(v.chosen)) if v and v.chosen else "-"
-                if len(fams) > 1 and f == b.best_family:
-                    label = f"[bold]{label}[/]"
-                cells += [label, _us(v.time_us if v else None), _verdict_text(v)]
-            t.add_row(*cells)
-        console.print(t)
-        console.print(f"gain over the family default: shown when Mann-Whitney p < {ch.p_threshold:g} "
-                      f"and >= {ch.min_ratio:g}x; n.s. = no significant difference (the default "
-                      "stays); bold = fastest family in the bucket", highlight=False)
-        console.print(f"page size: [bold]{m.page_size}[/] ({escape(m.page_reason)})", highlight=False)
-        order = " > ".join(m.backend_order) or " > ".join(m.family_order)
-        console.print(f"backend order: [bold]{escape(order)}[/] ({escape(m.order_reason)})",
-                      highlight=False)
+    print_view(to_rich(summary_tables(ch)))
     for n in ch.notes:
         console.print(f"[yellow]note:[/] {escape(n)}")
     o = outcome
@@ -207,8 +163,6 @@ def print_summary(outcome) -> None:
         console.print(f"tuned config: [bold]{escape(str(o.emitted))}[/]")
     elif o.emit_note:
         console.print(f"[yellow]{escape(o.emit_note)}[/]")
-    if ch.kind == "cpu-reference":
-        console.print("[yellow]these are CPU torch-reference numbers, not GPU kernel measurements[/]")
 
 
 def _bucket_filter(model, tp, batches, contexts, q_len):
@@ -245,7 +199,8 @@ LIVE_ONLY = ("db", "lengths", "q_dtype", "kv_dtype", "page_size", "family", "tim
 REPLAY_ONLY = ("device_name",)
 
 
-@app.command("sweep", help=HELP, epilog=EPILOG)
+@app.command("sweep", help=HELP, epilog=EPILOG,
+             short_help="Measure candidates per bucket, choose winners, emit the config.")
 def sweep(
     ctx: typer.Context,
     db: Optional[Path] = PathOption(None, "--db", help="results DB (SQLite) to store every trial "
@@ -266,15 +221,15 @@ def sweep(
                                           "lognormal, or a CSV file of request lengths (a column "
                                           "context_len, length, prompt_len, ...) resampled to each "
                                           "bucket, its mean scaled to the bucket's context "
-                                          "(default: uniform, plus the GPU's zipf buckets; --ragged "
-                                          "is the old name)"),
+                                          "(default: uniform, plus the GPU's zipf buckets)"),
     q_dtype: str = typer.Option("bfloat16", "--q-dtype"),
     kv_dtype: str = typer.Option("bfloat16", "--kv-dtype"),
     page_size: Optional[List[int]] = typer.Option(None, "--page-size", help="KV page sizes (powers of "
                                                   "two, 1-256); repeat (default "
                                                   f"{', '.join(map(str, SWEEP_PAGE_SIZES))})"),
     family: Optional[List[str]] = typer.Option(None, "--family", help="kernel families; repeat "
-                                               "(default: GPU flashinfer + triton, CPU reference)"),
+                                               f"(default: GPU {', '.join(GPU_FAMILIES)}; CPU "
+                                               f"{', '.join(CPU_FAMILIES)}; opt-in: flashmla)"),
     mode: Mode = typer.Option(Mode.auto, "--mode", help="auto (grid when the space is small), grid, tpe"),
     grid_max: int = typer.Option(64, "--grid-max", help="auto: largest space searched exhaustively",
                                  **INT["grid_max"].typer),
@@ -322,7 +277,9 @@ def sweep(
                                           "journal file (default: <db>.optuna.log)"),
     heartbeat: int = typer.Option(10, "--heartbeat", help="RDB storage: seconds between heartbeats "
                                   "of a claimed trial; a trial silent for 2x this is retried elsewhere"),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar or progress lines"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="check the flags and print every "
+                                 "bucket's search plan; measure and write nothing"),
 ):
     """Measure each bucket's candidates, store every trial, choose winners, emit the config."""
     from mla_tune.problem.workload import WorkloadMix
@@ -354,6 +311,8 @@ def sweep(
                   command=" ".join(shlex.quote(a) for a in ["mla-tune"] + sys.argv[1:]))
         observer = RichObserver(quiet)
         if replay is not None:
+            if dry_run:
+                fail("--dry-run plans a live sweep; a --replay measures nothing already")
             config = SweepConfig(buckets=[], **{**kw, "emit": False, "journal": False,
                                                 "storage": None})
             outcome = replay_sweep(replay, config, observer, device_name=device_name,
@@ -375,6 +334,8 @@ def sweep(
                                   timeout_s=timeout, time_budget=time_budget, device=device,
                                   db=db if db is not None else default_db(device),
                                   emit=emit if emit is not None else not cpu, **kw)
+            if dry_run:
+                return _dry_run(config)
             try:
                 outcome = run_sweep(config, observer)
             finally:
@@ -385,3 +346,16 @@ def sweep(
         raise InputError(str(e)) from None
     if not outcome.valid_trials and not any(r["status"] == "ok" for r in outcome.rows):
         fail("no candidate produced a valid measurement", EXIT_FAILURE)
+
+
+def _dry_run(config) -> None:
+    """--dry-run: every input checked as a live sweep checks it, then its plan; nothing runs."""
+    from mla_tune.tune.sweep import check_sweep_config, plan_sweep
+    from mla_tune.tune.sweep_flags import estimate_note
+    from mla_tune.views.render import to_rich
+    from mla_tune.views.sweep_view import plan_tables
+    config = check_sweep_config(config)
+    plan, _ = plan_sweep(config)
+    if plan.note:
+        console.print(escape(plan.note), highlight=False)
+    print_view(to_rich(plan_tables(plan, estimate_note(plan))))

@@ -4,7 +4,7 @@ Candidates are `flashinfer/<backend>/p<page_size>` and run exactly the code the 
 build_paged_metadata (vllm_metax/ops/paged_metadata.py) -> MLADecodeKernel.plan -> .run
 (vllm_metax/ops/flashinfer_mla.py).
 
-Search space and "chunking" knobs (DESIGN.md section 3), read from flashinfer-python 0.7.2's
+Search space and "chunking" knobs (docs/tuning.md), read from flashinfer-python 0.7.2's
 wrapper code. None of the backends exposes a knob through the wrapper that changes how work is
 cut; the plugin's own schedule does:
 

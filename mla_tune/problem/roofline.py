@@ -3,7 +3,7 @@ ceilings (measured, not datasheet), and how close a time is to the floor they im
 
 Per query token and head, absorbed MLA scores every visible KV position against the latent
 (kv_lora_rank R) and rope (P) parts, then sums R-wide latent rows: 2*(R+P) + 2*R FLOPs per
-position. For DeepSeek-V3 (R=512, P=64) that is DESIGN.md's B*H*L*(2*576 + 2*512). With q_len > 1
+position. For DeepSeek-V3 (R=512, P=64) that is B*H*L*(2*576 + 2*512) (docs/tuning.md, "The roofline"). With q_len > 1
 the queries of a request are its last q_len tokens and attend causally, so query i sees
 L - q_len + 1 + i positions.
 

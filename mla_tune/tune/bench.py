@@ -16,6 +16,25 @@ from mla_tune.store.selection import CPU_RUN_KIND, GPU_RUN_KIND
 from mla_tune.validate import InputError
 
 
+@dataclass(frozen=True)
+class BenchDefaults:
+    """What `mla-tune bench` measures when not told: one GPU-sized workload, or on the CPU a
+    small one the torch reference answers in seconds (not B32 L4K at 128 heads: minutes)."""
+
+    tp: int
+    batches: str
+    contexts: str
+    samples: int
+
+
+BENCH_DEFAULTS = {"cuda": BenchDefaults(tp=1, batches="32", contexts="4096", samples=100),
+                  "cpu": BenchDefaults(tp=8, batches="1", contexts="1024", samples=10)}
+
+
+def bench_defaults(device: str) -> BenchDefaults:
+    return BENCH_DEFAULTS["cuda" if str(device).startswith("cuda") else "cpu"]
+
+
 @dataclass
 class BenchOutcome:
     device: str                          # "cuda" or "cpu"
@@ -65,8 +84,10 @@ def gpu_settings(settings: MeasureSettings, ceilings: bool) -> dict | None:
 
 
 def run_bench(candidates, workloads, settings, rounds: int, db: str | None, ceilings: dict | None,
-              command: str = "", on_progress=None) -> BenchOutcome:
-    """Measure `candidates` on each workload (interleaved), store them, one row per trial."""
+              command: str = "", on_progress=None, on_workload=None) -> BenchOutcome:
+    """Measure `candidates` on each workload (interleaved), store them, one row per trial.
+    `on_workload(done, total, workload)` is called before each workload (and with done == total
+    at the end), `on_progress(candidate, ok)` as each candidate is prepared."""
     families = {}
     for c in candidates:
         if c.family not in families:
@@ -82,7 +103,9 @@ def run_bench(candidates, workloads, settings, rounds: int, db: str | None, ceil
     run_id = store.add_run(env) if store else None
     out = BenchOutcome(settings.device, ceilings)
     try:
-        for w in workloads:
+        for i, w in enumerate(workloads):
+            if on_workload is not None:
+                on_workload(i, len(workloads), w)
             entries = [(families[c.family], c) for c in candidates if avail[c.family].ok]
             results = measure_interleaved(entries, w, settings, rounds,
                                           on_prepared=on_progress) if entries else []
@@ -95,6 +118,8 @@ def run_bench(candidates, workloads, settings, rounds: int, db: str | None, ceil
                     store.add_trial(run_id, wid, c, r.status, r.samples, r.invalid_reason,
                                     r.message, r.compile_s, r.max_rel_error, sweep="bench")
                 out.rows.append(_row(w, c, r, ceilings))
+        if on_workload is not None:
+            on_workload(len(workloads), len(workloads), None)
     finally:
         if store:
             store.close()

@@ -1,6 +1,6 @@
 """Winners and the global choice, computed from stored trials (`ResultsStore.records()`).
 
-Rules (asv's, DESIGN.md section 4: a difference under ~4% is noise without a test):
+Rules (asv's; docs/tuning.md, "what counts as a difference": a few percent is noise without a test):
 
 * Per bucket, family and page size, the fastest valid candidate displaces the family's untuned
   default only if a one-sided Mann-Whitney U test on the raw kernel samples gives p < `p_threshold`

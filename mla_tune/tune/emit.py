@@ -209,10 +209,11 @@ def with_prefill(cfg: tc.TunedConfig, prefill: list, **choose_kw) -> tc.TunedCon
     return dataclasses.replace(cfg, models=models)
 
 
-def emit_config(source, out_dir: str | Path = "configs", *, store=None, device: str | None = None,
-                model: str | None = None, runs=(), mix: WorkloadMix | None = None,
-                cpu_ok: bool = False, **choose_kw) -> Path:
-    """Write configs/device_name=<device>.json and return its path.
+def config_to_emit(source, out_dir: str | Path = "configs", *, store=None,
+                   device: str | None = None, model: str | None = None, runs=(),
+                   mix: WorkloadMix | None = None, cpu_ok: bool = False,
+                   **choose_kw) -> tuple[tc.TunedConfig, Path]:
+    """The tuned config `emit_config` would write and where, both checked; nothing is written.
 
     `source` is a ResultsStore: the choice is made here from its trials (filtered by device,
     model and runs). Or it is a `choose.Choice` already made (the sweep's): with `store=` the file
@@ -233,14 +234,23 @@ def emit_config(source, out_dir: str | Path = "configs", *, store=None, device: 
     if not cpu_ok and device_key(cfg.device_name) == "cpu" and is_packaged_configs(out_dir):
         raise EmitError(f"not writing the CPU reference's config into the packaged {out_dir} (the "
                         "vLLM plugin loads it; the CPU is not a serving device): name the folder "
-                        "explicitly (--out) to write it anyway")
+                        "explicitly (--configs-dir) to write it anyway")
+    tc.parse_tuned_config(cfg.to_json(), "<new config>")
+    return cfg, tc.check_config_target(cfg.device_name, out_dir)
+
+
+def emit_config(source, out_dir: str | Path = "configs", **kw) -> Path:
+    """Write configs/device_name=<device>.json and return its path (`config_to_emit` says what
+    goes in and takes the same arguments)."""
+    cfg, _ = config_to_emit(source, out_dir, **kw)
     return tc.write_tuned_config(cfg, out_dir)
 
 
-def config_summary(cfg: tc.TunedConfig) -> list[str]:
-    """A few lines saying what a written config holds (what `mla-tune emit` prints)."""
+def config_summary(cfg: tc.TunedConfig, path=None, verb: str = "wrote") -> list[str]:
+    """A few lines saying what a written config holds (what `mla-tune emit` prints); `verb` and
+    `path` for one not written (--dry-run: "would write")."""
     runs = ", ".join(map(str, cfg.provenance.get("runs") or [])) or "-"
-    out = [f"wrote {cfg.path} ({cfg.device_name}, runs {runs})"]
+    out = [f"{verb} {path or cfg.path} ({cfg.device_name}, runs {runs})"]
     for e in cfg.models:
         n = len(e.buckets)
         pre = f", {len(e.prefill)} prefill bucket{'' if len(e.prefill) == 1 else 's'}" if e.prefill else ""
@@ -253,10 +263,18 @@ def config_summary(cfg: tc.TunedConfig) -> list[str]:
 def emit_all(store, out_dir: str | Path = "configs", *, model: str | None = None, runs=(),
              mix: WorkloadMix | None = None, cpu_ok: bool = False, **choose_kw) -> list[Path]:
     """One file per device measured in the selection."""
+    return [tc.write_tuned_config(cfg, out_dir) for cfg, _ in
+            configs_to_emit(store, out_dir, model=model, runs=runs, mix=mix, cpu_ok=cpu_ok,
+                            **choose_kw)]
+
+
+def configs_to_emit(store, out_dir: str | Path = "configs", *, model: str | None = None, runs=(),
+                    **kw) -> list[tuple[tc.TunedConfig, Path]]:
+    """`config_to_emit` for every device measured in the selection."""
     records = select_trials(store, TrialFilter(None, model, tuple(runs)))
-    return [emit_config(store, out_dir, device=d, model=model, runs=runs, mix=mix, cpu_ok=cpu_ok,
-                        **choose_kw) for d in devices_in(records)]
+    return [config_to_emit(store, out_dir, device=d, model=model, runs=runs, **kw)
+            for d in devices_in(records)]
 
 
 __all__ = ["EmitError", "build_tuned_config", "config_from_choice", "config_summary",
-           "emit_all", "emit_config", "model_entries", "pick_device", "provenance"]
+           "config_to_emit", "configs_to_emit", "emit_all", "emit_config", "model_entries", "pick_device", "provenance"]

@@ -243,7 +243,7 @@ PHASE_NAMES = {"prepare_s": "preparing", "check_s": "correctness checks",
 
 def resolve_families(requested: Sequence[str] | None, device: str) -> tuple[dict, dict]:
     """(available family -> backend, skipped family -> reason). Unknown names raise
-    SweepInputError; `None` picks by device (GPU: flashinfer + triton, CPU: the reference)."""
+    SweepInputError; `None` picks by device (GPU_FAMILIES on a GPU, CPU_FAMILIES without)."""
     from mla_tune.families import family_names, get_family
     names = list(requested) if requested else list(
         GPU_FAMILIES if device.startswith("cuda") else CPU_FAMILIES)

@@ -41,7 +41,7 @@ class Doctor:
 
     def tables(self) -> list[Table]:
         cols = [Column("check", justify="left"), Column("status", justify="left"),
-                Column("detail", justify="left")]
+                Column("detail", justify="left", wrap=True)]
         summary = Table("Checks", cols)
         d = self.device
         summary.add("device", OK if d["source"] != "none" else NO,

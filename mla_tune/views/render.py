@@ -3,6 +3,10 @@ rich table, markdown or CSV; JSON comes from the view's own `to_json()`.
 
 A view builds `Table`s of raw values (numbers stay numbers); formatting for people happens here,
 so CSV and JSON carry the exact stored numbers while tables and markdown carry rounded ones.
+
+A table for people fits the width it is printed at (a terminal's, or 80 columns in a pipe or a
+CI log) or becomes a list: one line per row, `name value` pairs, never columns folded into a few
+characters each (`FitTable`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ class Column:
     name: str
     fmt: str | Callable[[Any], str] = ""      # format spec or function for table/markdown cells
     justify: str = "right"
+    wrap: bool = False                        # prose (a reason, a message): may wrap in a table
 
 
 @dataclass
@@ -60,7 +65,9 @@ def to_markdown(tables: Sequence[Table], heading: str = "") -> str:
     out = [f"# {heading}", ""] if heading else []
     for t in tables:
         out += [f"## {t.title}", ""]
-        if not t.rows:
+        if not t.columns:
+            pass
+        elif not t.rows:
             out += ["(none)", ""]
         else:
             out.append("| " + " | ".join(c.name for c in t.columns) + " |")
@@ -88,24 +95,72 @@ def to_csv(table: Table) -> str:
     return buf.getvalue()
 
 
-def to_rich(tables: Sequence[Table]) -> list:
-    """rich renderables (imported lazily: only the table format needs rich)."""
-    from rich.markup import escape
-    from rich.table import Table as RichTable
-    from rich.text import Text
+WRAP_WIDTH = 28          # a prose column is folded no narrower than this; others never fold
 
-    out = []
-    for t in tables:
-        rt = RichTable(title=escape(t.title), title_justify="left",
-                       caption=escape(t.caption) if t.caption else None, caption_justify="left")
+
+def to_rich(tables: Sequence[Table]) -> list:
+    """rich renderables, each a FitTable: a table where it fits the console, else a list."""
+    return [FitTable(t) for t in tables]
+
+
+class FitTable:
+    """A Table for rich: drawn as a table when its columns fit the console's width without
+    folding any but prose columns (down to WRAP_WIDTH), else as a list, one line per row."""
+
+    def __init__(self, table: Table):
+        self.table = table
+        self.cells = [[cell(v, c.fmt) for v, c in zip(r, table.columns)] for r in table.rows]
+
+    def natural_width(self) -> int:
+        """Columns at their longest cell (prose capped at WRAP_WIDTH), plus rich's borders and
+        padding (3 per column, 1 more)."""
+        total = 1
+        for i, c in enumerate(self.table.columns):
+            w = max([len(c.name)] + [len(r[i]) for r in self.cells])
+            total += (min(w, max(WRAP_WIDTH, len(c.name))) if c.wrap else w) + 3
+        return total
+
+    def fits(self, width: int) -> bool:
+        return self.natural_width() <= width
+
+    def __rich_console__(self, console, options):
+        from rich.text import Text
+        # title and caption as lines of their own: the console's width, not the table's
+        yield Text(self.table.title, style="bold")
+        if not self.table.columns:
+            pass            # a title and its caption: a note, no rows
+        elif self.fits(options.max_width):
+            yield self._table()
+        else:
+            yield from self._list()
+        if self.table.caption:
+            yield Text(self.table.caption, style="dim")
+        yield Text("")
+
+    def _table(self):
+        from rich.markup import escape
+        from rich.table import Table as RichTable
+        from rich.text import Text
+        t = self.table
+        rt = RichTable()
         for c in t.columns:
-            rt.add_column(escape(c.name), justify=c.justify, overflow="fold")
-        for r in t.rows:
-            rt.add_row(*(Text(cell(v, c.fmt)) for v, c in zip(r, t.columns)))
+            rt.add_column(escape(c.name), justify=c.justify, no_wrap=not c.wrap,
+                          overflow="fold" if c.wrap else "ellipsis")
+        for r in self.cells:
+            rt.add_row(*(Text(v) for v in r))
         if not t.rows:
             rt.add_row(*(["(none)"] + [""] * (len(t.columns) - 1)))
-        out.append(rt)
-    return out
+        return rt
+
+    def _list(self):
+        """The list form: one `- name value, ...` line per row (empty cells left out)."""
+        from rich.text import Text
+        t = self.table
+        if not t.rows:
+            yield Text("(none)")
+        for r in self.cells:
+            pairs = [f"{c.name} {v}" for c, v in zip(t.columns, r) if v not in ("", "-")]
+            yield Text("- " + ", ".join(pairs))
 
 
 def times(v) -> str:

@@ -26,10 +26,31 @@ from mla_tune.store.records import StoredWorkload, TrialRecord
 from mla_tune.store.selection import CPU_RUN_KIND, TrialFilter, device_key, select_trials
 
 CPU_LABEL = "CPU torch reference: timings of the correctness oracle, not of a GPU kernel"
+# What a CPU run is for, said wherever its numbers are shown: they are no verdict.
+CPU_CAVEAT = ("not a verdict: the CPU torch reference checks that the pipeline runs end to end "
+              "(measure, gate, store, choose); its timings are not kernel speeds and swing by "
+              "orders of magnitude between runs, so they choose nothing. A GPU run gives the "
+              "verdict (`mla-tune report --db results.db` shows the shipped H200 measurements).")
 
 
 class ReportError(ValueError):
     """Nothing to report (or plot) for this selection; the message says why."""
+
+
+def db_to_read(named=None, device: str | None = None):
+    """The results DB a read command opens: the one named, else this machine's default
+    (`default_db`); a default that does not exist while the shipped GPU DB does is a ReportError
+    that points at it (a fresh CPU checkout has results.db but no results-cpu.db)."""
+    from pathlib import Path
+    from mla_tune.tune.buckets import GPU_DB, default_db
+    if named is not None:
+        return Path(named)
+    path = default_db(device)
+    if not path.exists() and path != GPU_DB and GPU_DB.exists():
+        raise ReportError(f"no results DB at {path}, where `mla-tune sweep` writes on a machine "
+                          f"without CUDA (run it first); the shipped GPU measurements are in "
+                          f"{GPU_DB}: add --db {GPU_DB}")
+    return path
 
 
 # ---------------------------------------------------------------- the views
@@ -350,15 +371,15 @@ RUN_COLUMNS = [Column("run", justify="right"), Column("kind", justify="left"),
 CANDIDATE_COLUMNS = [Column("workload", justify="left"), Column("candidate", justify="left"),
                      Column("median us", ".2f"), Column("spread", _pct), Column("n"),
                      Column("% roofline", ".1f"), Column("vs default", times),
-                     Column("choice", justify="left"), Column("status", lambda s: _short(s), "left")]
+                     Column("choice", justify="left"), Column("status", lambda s: _short(s), "left", wrap=True)]
 
 BUCKET_COLUMNS = [Column("batch"), Column("context"), Column("q"), Column("family", justify="left"),
                   Column("chosen", justify="left"), Column("median us", ".2f"),
                   Column("default us", ".2f"), Column("gain", times), Column("% roofline", ".1f"),
-                  Column("best", justify="left"), Column("why", justify="left")]
+                  Column("best", justify="left"), Column("why", justify="left", wrap=True)]
 
 GLOBAL_COLUMNS = [Column("model entry", justify="left"), Column("page size"),
-                  Column("backend order", justify="left"), Column("why", justify="left")]
+                  Column("backend order", justify="left"), Column("why", justify="left", wrap=True)]
 
 
 def report_tables(report: Report) -> list[Table]:
@@ -389,6 +410,9 @@ def report_tables(report: Report) -> list[Table]:
                           c.verdict, c.status_text())
             tables.append(t)
             tables.append(_bucket_table(d, m, views, title))
+        if d.is_reference:
+            tables.append(Table(f"{title}: global choice: none", [], caption=CPU_CAVEAT))
+            continue
         t = Table(f"{title}: global choice", GLOBAL_COLUMNS,
                   caption=f"rules: a challenger replaces a default only if Mann-Whitney p < "
                           f"{d.choice.p_threshold:g} and it is >= {d.choice.min_ratio:g}x faster; "
@@ -432,12 +456,19 @@ def summary_tables(report: Report) -> list[Table]:
             cols = [Column("batch")] + ([Column("q")] if show_q else []) + [
                 Column(f"L{c}", justify="right") for c in contexts]
             page = f"page {m.page_size}" if m.page_size is not None else "no page chosen"
-            t = Table(f"{title} · {entry_title(m)}: fastest per bucket, us ({page})", cols,
-                      caption=_legend({b.best_family for b in m.buckets}) + "; * = the "
-                              "tuned choice beat its family default significantly")
+            if d.is_reference:
+                cells = {k: v and v.rstrip("*") for k, v in cells.items()}
+                t = Table(f"{title} · {entry_title(m)}: CPU reference time per bucket, us", cols,
+                          caption=CPU_CAVEAT)
+            else:
+                t = Table(f"{title} · {entry_title(m)}: fastest per bucket, us ({page})", cols,
+                          caption=_legend({b.best_family for b in m.buckets}) + "; * = the "
+                                  "tuned choice beat its family default significantly")
             for q, bsz in rows:
                 t.add(bsz, *([q] if show_q else []), *[cells.get((q, bsz, c)) for c in contexts])
             tables.append(t)
+        if d.is_reference:
+            continue        # CPU_CAVEAT: no verdict from the CPU reference
         t = Table(f"{title}: verdict", GLOBAL_COLUMNS,
                   caption=f"{len(d.workloads)} workloads, {sum(len(w.lines) for w in d.workloads)} "
                           "candidate lines: `mla-tune report --full` lists them"

@@ -50,10 +50,13 @@ def _dims_title(e) -> str:
 
 
 def _params_text(p: dict, family: str = "") -> str:
-    """{"backend": "fa3"} -> "fa3"; {"backend": "triton", "num_kv_splits": 16} -> "num_kv_splits=16"."""
+    """{"backend": "fa3"} -> "fa3"; {"backend": "triton", "num_kv_splits": 16} -> "num_kv_splits=16"
+    (a family's one backend value, triton's and split's, is not shown)."""
+    from vllm_metax.tuned_config import SPLIT_BACKEND
     backend = p.get("backend")
     knobs = [f"{k}={v}" for k, v in p.items() if k not in ("backend", "rule")]
-    head = [str(backend)] if backend is not None and backend != family else []
+    one = backend == family or (family == "split" and backend == SPLIT_BACKEND)
+    head = [str(backend)] if backend is not None and not one else []
     return ", ".join(head + knobs) or "-"
 
 
@@ -63,19 +66,18 @@ CONFIG_BUCKET_COLUMNS = [Column("batch"), Column("context"), Column("q"),
                          Column("gain", times), Column("significant"), Column("best", justify="left")]
 
 
-def config_tables(cfg, lookup: tuple | None = None) -> list[Table]:
-    """A tuned config as tables: provenance, the global choice per model, its buckets; with
-    `lookup` = (batch, context, q_len), the bucket each model entry would serve it from."""
+def config_tables(cfg) -> list[Table]:
+    """A tuned config as tables: provenance, the global choice per model, its buckets."""
     title = f"{cfg.device_name} (schema {cfg.schema_version})"
     t = Table(f"{title}: provenance", [Column("field", justify="left"),
-                                       Column("value", justify="left")])
+                                       Column("value", justify="left", wrap=True)])
     for k, v in cfg.provenance.items():
         flat = isinstance(v, list) and all(not isinstance(x, (list, dict)) for x in v)
         t.add(k, ", ".join(map(str, v)) if flat else v)
     tables = [t]
     g = Table(f"{title}: global choice per model", [Column("model entry", justify="left"),
               Column("page size"), Column("backend order", justify="left"),
-              Column("buckets"), Column("why", justify="left")])
+              Column("buckets"), Column("why", justify="left", wrap=True)])
     for e in cfg.models:
         g.add(_dims_title(e), e.page_size, " > ".join(e.backend_order), len(e.buckets), e.reason)
     tables.append(g)
@@ -102,22 +104,121 @@ def config_tables(cfg, lookup: tuple | None = None) -> list[Table]:
                 pt.add("new tokens" if p.causal else "context chunk", p.query_tokens, p.kv_len,
                        p.backend, p.time_us, p.default_time_us, gain, p.significant)
             tables.append(pt)
-    if lookup is not None:
-        batch, context, q_len = lookup
-        lt = Table(f"{title}: lookup of batch {batch}, context {context}, q_len {q_len}",
-                   [Column("model entry", justify="left"), Column("bucket", justify="left"),
-                    Column("exact"), Column("in tuned range"), Column("choices", justify="left")])
-        for e in cfg.models:
-            hit = e.lookup(batch, context, q_len)
-            if hit is None:
-                lt.add(_dims_title(e), "no buckets", False, False, "")
-                continue
-            bk = hit.bucket
-            choices = "; ".join(f"{f}: {_params_text(c.params, f)}" for f, c in bk.families.items())
-            lt.add(_dims_title(e), f"B{bk.batch_size} L{bk.context_len} q{bk.q_len}", hit.exact,
-                   hit.in_range, choices)
-        tables.append(lt)
     return tables
+
+
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """What the plugin runs for one request under one model entry: the attention backend vLLM
+    selects (the entry's first), the kernel family its decode step runs and its parameters."""
+
+    attention_backend: str | None
+    family: str | None
+    params: dict
+    note: str = ""
+
+    def text(self) -> str:
+        if self.family is None:
+            return self.note or "-"
+        knobs = _params_text(self.params, self.family)
+        kernel = self.family if knobs == "-" else f"{self.family} {knobs}"
+        return f"{self.attention_backend}: {kernel}" + (f" ({self.note})" if self.note else "")
+
+
+def served_kernel(entry, bucket) -> Served:
+    """The kernel a decode step of `bucket` runs under `entry`, by the plugin's rules
+    (`vllm_metax.decisions`): FLASHINFER_MLA runs the split-KV kernel where `split_serves` says,
+    else its FlashInfer choice; TRITON_MLA its split count or vLLM's rule; FLASHMLA FlashMLA."""
+    from vllm_metax import decisions as d
+    backend = entry.backend_order[0] if entry.backend_order else None
+    if bucket is None:
+        return Served(backend, None, {}, "no tuned bucket: the plugin's defaults")
+    if backend == "FLASHINFER_MLA":
+        split = d.split_serves(bucket)
+        if split is not None:
+            return Served(backend, d.SPLIT, split.to_params(),
+                          f">= {d.SPLIT_MIN_GAIN:g}x faster than the bucket's FlashInfer choice")
+        fc = d.bucket_choice(bucket, d.FLASHINFER)
+        if fc is None:
+            return Served(backend, d.FLASHINFER, {}, "no FlashInfer choice: the device default")
+        note = "planned as the device default" if fc.backend == d.AUTO else ""
+        if bucket.best_family == d.SPLIT:
+            note = f"split measured faster, by less than {d.SPLIT_MIN_GAIN:g}x"
+        return Served(backend, d.FLASHINFER, fc.to_params(), note)
+    if backend == "TRITON_MLA":
+        tc = d.bucket_choice(bucket, d.TRITON)
+        if tc is None or tc.vllm_rule:
+            return Served(backend, d.TRITON, {}, "vLLM's num_kv_splits rule")
+        return Served(backend, d.TRITON, tc.to_params())
+    if backend == "FLASHMLA":
+        return Served(backend, d.FLASHMLA, {})
+    return Served(backend, None, {}, "no attention backend in the entry")
+
+
+@dataclasses.dataclass(frozen=True)
+class LookupAnswer:
+    """One model entry's answer to a lookup: the bucket found, how it was found, what is served."""
+
+    entry: object
+    bucket: object | None
+    exact: bool
+    in_range: bool
+    served: Served
+
+    def to_json(self, request: tuple) -> dict:
+        e, b = self.entry, self.bucket
+        return {"model": e.model, "tp_size": e.tp_size, "dims": dataclasses.asdict(e.dims),
+                "request": list(request), "page_size": e.page_size,
+                "backend_order": list(e.backend_order),
+                "bucket": None if b is None else [b.batch_size, b.context_len, b.q_len],
+                "exact": self.exact, "in_range": self.in_range,
+                "best_family": b.best_family if b is not None else None,
+                "served": {"attention_backend": self.served.attention_backend,
+                           "family": self.served.family, "params": self.served.params,
+                           "note": self.served.note},
+                "choices": {} if b is None else {
+                    f: {"params": c.params, "time_us": c.time_us,
+                        "default_time_us": c.default_time_us, "gain": c.gain,
+                        "significant": c.significant} for f, c in b.families.items()}}
+
+
+def lookup(cfg, request: tuple) -> list[LookupAnswer]:
+    """Per model entry: the bucket the plugin serves (batch, context, q_len) from, and its kernel."""
+    out = []
+    for e in cfg.models:
+        hit = e.lookup(*request)
+        b = hit.bucket if hit is not None else None
+        out.append(LookupAnswer(e, b, bool(hit and hit.exact), bool(hit and hit.in_range),
+                                served_kernel(e, b)))
+    return out
+
+
+def lookup_tables(cfg, request: tuple) -> list[Table]:
+    """The answer to `--lookup` alone: per model entry the kernel served first, then the bucket
+    and every family's choice in it (not the rest of the config)."""
+    batch, context, q_len = request
+    t = Table(f"{cfg.device_name}: served for batch {batch}, context {context}, q_len {q_len}",
+              [Column("model entry", justify="left"), Column("served", justify="left"),
+               Column("page"), Column("bucket", justify="left"), Column("match", justify="left"),
+               Column("best family", justify="left"), Column("choices", justify="left", wrap=True)],
+              caption="served = the first attention backend of the entry's order and the kernel "
+                      "its decode step runs; match = exact bucket, nearest on a log2 scale, or "
+                      "outside the tuned range (the nearest edge bucket)")
+    for a in lookup(cfg, request):
+        b = a.bucket
+        match = "exact" if a.exact else "nearest" if a.in_range else "outside tuned range"
+        choices = "" if b is None else "; ".join(
+            f"{f}: {_params_text(c.params, f)}" + (f" {c.time_us:.1f} us" if c.time_us else "")
+            for f, c in sorted(b.families.items(), key=lambda x: (x[0] != b.best_family, x[0])))
+        t.add(_dims_title(a.entry), a.served.text(), a.entry.page_size,
+              None if b is None else f"B{b.batch_size} L{b.context_len} q{b.q_len}",
+              None if b is None else match, b.best_family if b is not None else None, choices)
+    return [t]
+
+
+def lookup_json(cfg, request: tuple) -> dict:
+    return {"device_name": cfg.device_name, "path": str(cfg.path) if cfg.path else None,
+            "request": list(request), "lookup": [a.to_json(request) for a in lookup(cfg, request)]}
 
 
 def config_csv(cfg) -> str:
@@ -139,24 +240,25 @@ def config_csv(cfg) -> str:
     return to_csv(t)
 
 
-def render_config(cfg, fmt: str | OutputFormat, lookup: tuple | None = None) -> str | list:
-    """A tuned config in a read format (table -> rich renderables, others -> text)."""
-    return render(fmt, lambda: config_tables(cfg, lookup),
-                  f"tuned config {cfg.path or ''}".strip(), lambda: config_json(cfg, lookup),
-                  lambda: config_csv(cfg))
+def render_config(cfg, fmt: str | OutputFormat, request: tuple | None = None) -> str | list:
+    """A tuned config in a read format (table -> rich renderables, others -> text); with
+    `request` = (batch, context, q_len), only the answer to that lookup."""
+    if request is not None:
+        return render(fmt, lambda: lookup_tables(cfg, request), f"lookup in {cfg.path or ''}",
+                      lambda: lookup_json(cfg, request), lambda: lookup_csv(cfg, request))
+    return render(fmt, lambda: config_tables(cfg),
+                  f"tuned config {cfg.path or ''}".strip(), cfg.to_json, lambda: config_csv(cfg))
 
 
-def config_json(cfg, lookup: tuple | None = None) -> dict:
-    """The config as the file holds it; with `lookup`, the bucket each model entry serves it from."""
-    data = cfg.to_json()
-    if lookup is not None:
-        batch, context, q_len = lookup
-        data["lookup"] = []
-        for e in cfg.models:
-            hit = e.lookup(batch, context, q_len)
-            data["lookup"].append({
-                "dims": dataclasses.asdict(e.dims), "request": list(lookup),
-                "bucket": None if hit is None else [hit.bucket.batch_size, hit.bucket.context_len,
-                                                    hit.bucket.q_len],
-                "exact": bool(hit and hit.exact), "in_range": bool(hit and hit.in_range)})
-    return data
+def lookup_csv(cfg, request: tuple) -> str:
+    t = Table("lookup", [Column(c) for c in (
+        "device_name", "model", "tp_size", "num_heads", "batch", "context", "q_len", "bucket_batch",
+        "bucket_context", "bucket_q_len", "exact", "in_range", "best_family",
+        "attention_backend", "served_family", "served_params")])
+    for a in lookup(cfg, request):
+        b = a.bucket
+        t.add(cfg.device_name, a.entry.model, a.entry.tp_size, a.entry.dims.num_heads, *request,
+              *((b.batch_size, b.context_len, b.q_len) if b is not None else (None,) * 3),
+              int(a.exact), int(a.in_range), b.best_family if b is not None else None,
+              a.served.attention_backend, a.served.family, a.served.params)
+    return to_csv(t)
