@@ -36,7 +36,11 @@ SERVER_START = textwrap.dedent("""
     from vllm.v1.attention.selector import AttentionSelectorConfig
     from vllm_metax.platform import MetaxPlatform
     import vllm_metax.backend.flashinfer_mla as fb
+    import vllm_metax.platform as P
+    from vllm.platforms.interface import DeviceCapability
+    # a pretend Hopper with FlashInfer (as tests/test_plugin_selection.py): the CPU has neither
     fb.flashinfer_available = lambda: (True, "stand-in: FlashInfer MLA needs a GPU to plan")
+    P._device_capability = lambda device_id: DeviceCapability(9, 0)
     vc = ps.make_vllm_config(sys.argv[1], block_size=int(sys.argv[2]) or None)
     with set_current_vllm_config(vc):
         sel = AttentionSelectorConfig(head_size=576, dtype=torch.bfloat16, kv_cache_dtype="auto",
