@@ -99,6 +99,16 @@ MAX_MIX_BYTES = 4 << 20
 MAX_NAME = tc.MAX_NAME
 
 
+def ascii_int(text: str, max_digits: int = 18) -> int | None:
+    """The non-negative integer `text` spells in ASCII digits (at most `max_digits` of them), else
+    None: str.isdigit() also accepts digits int() refuses ('²') and lengths past Python's int
+    conversion limit."""
+    t = text.strip() if isinstance(text, str) else ""
+    if not t or len(t) > max_digits or not t.isascii() or not t.isdigit():
+        return None
+    return int(t)
+
+
 def check_int(kind: str, v, name: str | None = None) -> int:
     return INT[kind].check(name or kind.replace("_", " "), v)
 

@@ -218,7 +218,7 @@ class SharedBucket:
         while "seeded" not in self.study.user_attrs:
             seeder = self.study.user_attrs.get("seeding", "")
             host, _, pid = seeder.rpartition(":")
-            if (host == HOST and pid.isdigit() and not _pid_alive(int(pid))) or time.monotonic() > end:
+            if (host == HOST and pid.isascii() and pid.isdigit() and len(pid) < 10 and not _pid_alive(int(pid))) or time.monotonic() > end:
                 # its creator died while enqueueing (a kill in the first moments of a sweep):
                 # enqueue what is missing and go on
                 self.study.set_user_attr("uid", self.study.user_attrs.get("uid") or uuid.uuid4().hex)
@@ -262,7 +262,7 @@ class SharedBucket:
             w = t.user_attrs.get("worker")
             if w:
                 host, _, pid = w.rpartition(":")
-                dead = host == HOST and pid.isdigit() and not _pid_alive(int(pid))
+                dead = host == HOST and pid.isascii() and pid.isdigit() and len(pid) < 10 and not _pid_alive(int(pid))
             else:
                 dead = t.datetime_start is not None and \
                     (now - t.datetime_start).total_seconds() > self.grace_s
@@ -393,8 +393,9 @@ def parse_gpus(text: str) -> list[str]:
             raise InputError("--gpus all: torch sees no CUDA device here (name the worker slots, "
                              "e.g. --gpus 0,1, to run CPU-reference workers)")
         return [str(i) for i in range(n)]
+    from mla_tune.validate import ascii_int
     parts = [p.strip() for p in t.split(",")]
-    if not t or any(not p.isdigit() for p in parts):
+    if not t or any(ascii_int(p, 4) is None for p in parts):
         raise InputError(f"bad --gpus {text!r}: GPU indices separated by commas, e.g. 0,1,2,3, or all")
     if len(set(parts)) != len(parts):
         raise InputError(f"bad --gpus {text!r}: a GPU is named twice")
