@@ -85,6 +85,7 @@ INT = {
     "trials": IntRange(1, 1_000_000),
     "patience": IntRange(0, 1_000_000),
     "run": IntRange(1, 2 ** 63 - 1),          # SQLite integer ids
+    "heartbeat": IntRange(1, 3600),           # seconds between a claimed trial's heartbeats
 }
 FLOAT = {
     "timeout": FloatRange(0.0, 86_400.0, lo_open=True),       # seconds per candidate
@@ -179,6 +180,8 @@ def own_kind(description: str):
 
 @own_kind('a PNG')
 def is_png(path: Path) -> bool:
+    if not Path(path).is_file():      # a FIFO would block the read
+        return False
     try:
         with open(path, "rb") as f:
             return f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -188,6 +191,8 @@ def is_png(path: Path) -> bool:
 
 @own_kind('a SQLite file')
 def is_sqlite(path: Path) -> bool:
+    if not Path(path).is_file():      # a FIFO would block the read
+        return False
     try:
         with open(path, "rb") as f:
             return f.read(16) == b"SQLite format 3\x00"
@@ -198,6 +203,8 @@ def is_sqlite(path: Path) -> bool:
 @own_kind('an optuna journal')
 def is_optuna_journal(path: Path) -> bool:
     """An optuna JournalFileStorage log: JSON lines, each an object with an op_code."""
+    if not Path(path).is_file():
+        return False
     try:
         with open(path, "rb") as f:
             first = f.readline(1 << 20)

@@ -436,6 +436,15 @@ class ResultsStore:
             "select value from samples where trial_id = ? and metric = ? order by idx",
             [trial_id, metric]).fetchall()]
 
+    def trial_candidates(self, ids) -> dict[int, str]:
+        """trial id -> candidate key, of those of `ids` stored here."""
+        ids, out = list(ids), {}
+        for i in range(0, len(ids), 900):
+            chunk = ids[i:i + 900]
+            out.update(self.db.execute(f"select id, candidate from trials where id in "
+                                       f"({','.join('?' * len(chunk))})", chunk).fetchall())
+        return out
+
     def claimed(self, claims: list[str]) -> dict[str, dict]:
         """claim -> the stored trial row (with samples) that answered it, for the given claims."""
         claims = [c for c in claims if c]
