@@ -264,17 +264,28 @@ class ResultsStore:
                 raise StoreError(f"cannot read {self.path}: {e.strerror or e}") from None
             if head != b"SQLite format 3\x00":
                 raise StoreError(f"{self.path} is not a SQLite file, so not a results DB; left untouched")
+        conn = None
         try:
-            if self.readonly:
-                conn = connect_readonly(self.path)
-            else:
-                conn = sqlite3.connect(str(self.path), timeout=30)
+            if exists and not self.readonly:
+                # checked through a read-only connection first: a DB that is refused gets no
+                # -wal or -shm beside it, whatever happens to this process
+                probe = connect_readonly(self.path)
+                try:
+                    self._inspect(probe, exists)
+                finally:
+                    probe.close()
+            conn = connect_readonly(self.path) if self.readonly else \
+                sqlite3.connect(str(self.path), timeout=30)
             self.db = sqlite_utils.Database(conn)
             self._check_or_migrate(exists)
-        except sqlite3.Error as e:
-            raise StoreError(f"{self.path} cannot be read as a results DB ({e}); left untouched") from None
-        except OSError as e:
-            raise StoreError(f"cannot read {self.path}: {e.strerror or e}") from None
+        except BaseException as e:
+            if conn is not None:
+                conn.close()
+            if isinstance(e, sqlite3.Error):
+                raise StoreError(f"{self.path} cannot be read as a results DB ({e}); left untouched") from None
+            if isinstance(e, OSError):
+                raise StoreError(f"cannot read {self.path}: {e.strerror or e}") from None
+            raise
 
     def _create_whole(self) -> None:
         """A new DB appears at its path whole: built (WAL, every table, the schema version) in a
@@ -305,14 +316,16 @@ class ResultsStore:
                 except OSError:
                     pass
 
-    def _check_or_migrate(self, existed: bool) -> None:
-        tables = set(self.db.table_names())
+    def _inspect(self, conn: sqlite3.Connection, existed: bool) -> int:
+        """The DB's schema version, every refusal raised first: a foreign or newer file, an
+        unreadable version, a damaged table or row (store.integrity)."""
+        tables = {r[0] for r in conn.execute("select name from sqlite_master where type = 'table'")}
         if existed and tables and META_TABLE not in tables:
             raise StoreError(f"{self.path} is a SQLite file but not an mla-tune results DB "
                              f"(tables: {', '.join(sorted(tables))}); left untouched")
         version = 0
         if META_TABLE in tables:
-            row = self.db.execute(f"select value from {META_TABLE} where key='schema_version'").fetchone()
+            row = conn.execute(f"select value from {META_TABLE} where key='schema_version'").fetchone()
             version = parse_schema_version(row[0], self.path) if row else 0
         if version > SCHEMA_VERSION:
             raise StoreError(f"{self.path} has schema version {version}, newer than this mla-tune "
@@ -323,7 +336,14 @@ class ResultsStore:
                              "untouched")
         if version or (existed and tables):
             # every row checked before anything reads or writes it (a migration included)
-            check_rows(self.db.conn, self.path)
+            check_rows(conn, self.path)
+        return version
+
+    def _check_or_migrate(self, existed: bool) -> None:
+        if self.readonly or not existed:
+            version = self._inspect(self.db.conn, existed)
+        else:
+            version = self._stored_version()      # inspected through the probe
         if self.readonly:
             if version < SCHEMA_VERSION:
                 # an older DB (the shipped results.db is schema 2): read an upgraded copy in

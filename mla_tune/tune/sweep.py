@@ -946,6 +946,11 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
         split["choose_s"] = time.monotonic() - t_choose
         obs.on_done(outcome)
         return outcome
+    except Exception as e:
+        from mla_tune import faults
+        if faults.is_fault(e):       # a full disk, a folder turned read-only: one line, resumable
+            raise SweepError(faults.sweep_stopped(e, config.db)) from None
+        raise
     finally:
         early.close()            # the worker and the probe, whether or not the sweep got to them
         for proc in (prebuild, triton_prebuild):
