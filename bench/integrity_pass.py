@@ -370,7 +370,7 @@ def kind_merge(t: Tally, w: Path, cpu_db: Path):
     _mutated(GPU_DB, src / "bad-sample.db", ROW_CASES["sample text"][0], wal=True)
     _mutated(GPU_DB, src / "bad-orphan.db", ROW_CASES["trial of no run"][0], wal=True)
     _mutated(GPU_DB, src / "bad-version.db", ROW_CASES["version 5000 digits"][0], wal=True)
-    _mutated(GPU_DB, src / "bad-lens.db", ROW_CASES["seq_lens wrong count"][0], wal=True)
+    _mutated(cpu_db, src / "bad-lens.db", ROW_CASES["batch zero"][0].replace("id = 5", "id = 1"), wal=True)
     _mutated(GPU_DB, src / "only-meta.db", ROW_CASES["only the meta table"][0], wal=True)
     os.mkfifo(src / "fifo.db")
     (src / "notes.db").write_text("notes")

@@ -71,11 +71,13 @@ MEASURE_OR_NULL = Rule("{c} is null or (" + _NUM + ")", "a finite number >= 0 or
 NAME = Rule("typeof({c}) = 'text' and length(trim({c})) > 0", "a non-empty text", "TEXT")
 TEXT_OR_NULL = Rule("{c} is null or typeof({c}) = 'text'", "a text or NULL", "TEXT")
 MAX_PARAMS = 2000         # characters of a trial's knobs as JSON (a few short knobs in practice)
-PARAMS = Rule("{c} is null or (typeof({c}) = 'text' and length({c}) <= %d and json_valid({c}) and "
-              "json_type({c}) = 'object' and not exists "
-              "(select 1 from json_each({c}) where type in ('object', 'array')))" % MAX_PARAMS,
+# CASE, not AND: SQLite may evaluate json_type() on text json_valid() refused, which raises
+PARAMS = Rule("{c} is null or (typeof({c}) = 'text' and length({c}) <= %d and case when "
+              "json_valid({c}) then json_type({c}) = 'object' and not exists "
+              "(select 1 from json_each({c}) where type in ('object', 'array')) else 0 end)" % MAX_PARAMS,
               f"a JSON object of plain values (knob: value), at most {MAX_PARAMS} characters", "TEXT")
-LENGTHS = Rule("{c} is null or (typeof({c}) = 'text' and json_valid({c}) and json_type({c}) = 'array')",
+LENGTHS = Rule("{c} is null or (typeof({c}) = 'text' and case when json_valid({c}) then "
+               "json_type({c}) = 'array' else 0 end)",
                "a JSON list of per-request lengths or NULL", "TEXT")
 
 

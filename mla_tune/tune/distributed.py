@@ -234,6 +234,7 @@ class SharedBucket:
     uid: str = ""
     created: bool = False               # this process created (and seeded) the study
     lost: set = field(default_factory=set)   # finished trials whose results-DB trial is gone
+    mine: set = field(default_factory=set)   # trials this instance claimed or took
 
     def open(self, seed: Sequence, attrs: dict, wait_s: float = SEED_WAIT_S, sampler=None) -> bool:
         """Create the study and enqueue `seed` (True), or load the one another process created
@@ -259,7 +260,8 @@ class SharedBucket:
         while "seeded" not in self.study.user_attrs:
             seeder = self.study.user_attrs.get("seeding", "")
             host, _, pid = seeder.rpartition(":")
-            if (host == HOST and pid.isascii() and pid.isdigit() and len(pid) < 10 and not _pid_alive(int(pid))) or time.monotonic() > end:
+            if (seeder == self.worker or (host == HOST and pid.isascii() and pid.isdigit() and len(pid) < 10
+                                          and not _pid_alive(int(pid)))) or time.monotonic() > end:
                 # its creator died while enqueueing (a kill in the first moments of a sweep):
                 # enqueue what is missing and go on
                 self.study.set_user_attr("uid", self.study.user_attrs.get("uid") or uuid.uuid4().hex)
@@ -329,7 +331,11 @@ class SharedBucket:
             w = t.user_attrs.get("worker")
             if w:
                 host, _, pid = w.rpartition(":")
-                dead = host == HOST and pid.isascii() and pid.isdigit() and len(pid) < 10 and not _pid_alive(int(pid))
+                # this process's own worker name on a trial this instance never held: left by an
+                # earlier sweep in this same process (a library caller's, a test's) that failed
+                dead = (w == self.worker and t._trial_id not in self.mine) or (
+                    host == HOST and pid.isascii() and pid.isdigit() and len(pid) < 10
+                    and not _pid_alive(int(pid)))
             else:
                 dead = t.datetime_start is not None and \
                     (now - t.datetime_start).total_seconds() > self.grace_s
@@ -363,6 +369,7 @@ class SharedBucket:
                 continue
             if self.heartbeat is not None:
                 self.heartbeat.hold(t._trial_id)
+            self.mine.add(t._trial_id)
             self.storage.set_trial_user_attr(t._trial_id, "worker", self.worker)
             got.append(Claim(t._trial_id, t.number, c))
             page = c.page_size
@@ -409,6 +416,7 @@ class SharedBucket:
         written to the trial before the others are read, so of two workers proposing one
         candidate at once at least one sees the other: it is never measured twice."""
         from optuna.trial import TrialState
+        self.mine.add(trial._trial_id)
         self.storage.set_trial_user_attr(trial._trial_id, "candidate", candidate.key)
         self.storage.set_trial_user_attr(trial._trial_id, "worker", self.worker)
         if self.heartbeat is not None:
