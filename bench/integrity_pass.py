@@ -539,6 +539,13 @@ def kind_faults(t: Tally, w: Path, cpu_db: Path):
                 n, distinct = _stored(mnt / "x.db")
                 if n != distinct or distinct != 24:
                     t.add("7 faults", f"{attempt}: stored once", f"lost trials: {n} rows, {distinct} distinct")
+        # a kill -9 while the DB is being made leaves a private .new file: the next sweep removes it
+        stale = w / f".k.db.{2 ** 22 - 7}.deadbeef.new"
+        stale.write_bytes(b"SQLite format 3\0")
+        r = run(["sweep", "--db", "k.db", *SWEEP], w, timeout=240)
+        t.judge("7 faults", "stale .new after a kill", r, {}, {}, bad=False)
+        if stale.exists():
+            t.add("7 faults", "stale .new after a kill: removed", "changed files (left behind)")
         # a folder turned read-only mid-sweep, then writable again
         for f in mnt.iterdir():
             f.unlink()
@@ -569,13 +576,6 @@ def kind_faults(t: Tally, w: Path, cpu_db: Path):
             n, distinct = _stored(mnt / "x.db")
             if n != distinct or distinct != 24:
                 t.add("7 faults", "read-only: stored once", f"lost trials: {n} rows, {distinct} distinct")
-        # a kill -9 while the DB is being made leaves a private .new file: the next sweep removes it
-        stale = w / f".k.db.{2 ** 22 - 7}.deadbeef.new"
-        stale.write_bytes(b"SQLite format 3\0")
-        r = run(["sweep", "--db", "k.db", *SWEEP], w, timeout=240)
-        t.judge("7 faults", "stale .new after a kill", r, {}, {}, bad=False)
-        if stale.exists():
-            t.add("7 faults", "stale .new after a kill: removed", "changed files (left behind)")
     finally:
         subprocess.run(["umount", "-l", str(mnt)])
     assert full
