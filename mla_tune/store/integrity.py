@@ -258,7 +258,7 @@ def _check_workloads(conn: sqlite3.Connection, path, columns: list[str]) -> None
                 PrefillWorkload.from_row(r)
             else:
                 Workload.from_row(r)
-        except (ProblemError, ValueError, TypeError, KeyError, OverflowError) as e:
+        except (ProblemError, ValueError, TypeError, KeyError, OverflowError, RecursionError) as e:
             why = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
             column = "seq_lens" if "length" in why and "seq_lens" in columns else "(the workload)"
             raise DamagedStoreError(f"{path} is damaged: table workloads, row id {r['id']}, column "
