@@ -85,6 +85,7 @@ INT = {
     "trials": IntRange(1, 1_000_000),
     "patience": IntRange(0, 1_000_000),
     "run": IntRange(1, 2 ** 63 - 1),          # SQLite integer ids
+    "heartbeat": IntRange(1, 3600),           # seconds between a claimed trial's heartbeats
 }
 FLOAT = {
     "timeout": FloatRange(0.0, 86_400.0, lo_open=True),       # seconds per candidate
@@ -97,6 +98,16 @@ MAX_BUCKETS = 10_000
 MAX_LIST = 256                 # values in one size list
 MAX_MIX_BYTES = 4 << 20
 MAX_NAME = tc.MAX_NAME
+
+
+def ascii_int(text: str, max_digits: int = 18) -> int | None:
+    """The non-negative integer `text` spells in ASCII digits (at most `max_digits` of them), else
+    None: str.isdigit() also accepts digits int() refuses ('²') and lengths past Python's int
+    conversion limit."""
+    t = text.strip() if isinstance(text, str) else ""
+    if not t or len(t) > max_digits or not t.isascii() or not t.isdigit():
+        return None
+    return int(t)
 
 
 def check_int(kind: str, v, name: str | None = None) -> int:
@@ -170,6 +181,8 @@ def own_kind(description: str):
 
 @own_kind('a PNG')
 def is_png(path: Path) -> bool:
+    if not Path(path).is_file():      # a FIFO would block the read
+        return False
     try:
         with open(path, "rb") as f:
             return f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -179,6 +192,8 @@ def is_png(path: Path) -> bool:
 
 @own_kind('a SQLite file')
 def is_sqlite(path: Path) -> bool:
+    if not Path(path).is_file():      # a FIFO would block the read
+        return False
     try:
         with open(path, "rb") as f:
             return f.read(16) == b"SQLite format 3\x00"
@@ -189,6 +204,8 @@ def is_sqlite(path: Path) -> bool:
 @own_kind('an optuna journal')
 def is_optuna_journal(path: Path) -> bool:
     """An optuna JournalFileStorage log: JSON lines, each an object with an op_code."""
+    if not Path(path).is_file():
+        return False
     try:
         with open(path, "rb") as f:
             first = f.readline(1 << 20)

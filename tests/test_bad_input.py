@@ -358,3 +358,401 @@ def test_plugin_warns_once_or_raises_strict_for_any_file(tmp_path, monkeypatch, 
         tc.resolve_tuned_config(H200)
     res = run_main(["show", str(target), "--device", H200])
     assert res.code == 2 and res.exception is None and one_line(res.stderr), res.output
+
+
+# ================================================================ integrity of what is read (#39)
+#
+# By kind, each case derived from a rule rather than listed: every stored column's rule, every
+# way a schema version or a table can be wrong, a journal that disagrees with its DB, a storage
+# flag, a merge source, a config object naming a key twice, a number in other digits, a fault.
+
+import shutil
+import sqlite3 as _sqlite3
+import subprocess
+import sys
+
+from mla_tune.store import integrity
+from mla_tune.store.results import StoreError
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED_DBS = [ROOT / "results.db", *sorted((ROOT / "tests" / "data").glob("*.db")),
+               *sorted((ROOT / "bench" / "results").glob("*.db"))]
+# one value that breaks each kind of rule (and is storable in SQLite as it is)
+BREAKS = {"an integer id": "seven", "a positive integer": 0, "a non-negative integer": -1,
+          "an integer or NULL": "x", "0, 1 or NULL": 2, "a finite number": "x",
+          "a finite number >= 0": -1.5, "a finite number >= 0 or NULL": "slow",
+          "a non-empty text": "  ", "a text or NULL": b"\x00\xff", "the id of a stored run": 10 ** 6,
+          "the id of a stored workload": 10 ** 6, "the id of a stored trial": 10 ** 6,
+          "ok or invalid": "maybe"}
+
+
+def _break_value(rule):
+    if rule.says in BREAKS:
+        return BREAKS[rule.says]
+    if rule.says.startswith("a JSON object"):
+        return '{"num_kv_splits": [1]}'
+    if rule.says.startswith("a JSON list"):
+        return "[1, 2"
+    if rule.says.startswith("a page size"):
+        return 48
+    if rule.says.startswith("NULL for an ok trial"):
+        return "bogus"
+    raise AssertionError(f"no breaking value for rule {rule.says!r}")
+
+
+def _copy_with(src: Path, dst: Path, sql: str, args=()) -> Path:
+    shutil.copy(src, dst)
+    c = _sqlite3.connect(dst)
+    c.execute(sql, list(args))
+    c.commit()
+    changed = c.total_changes
+    c.close()
+    assert changed, sql
+    return dst
+
+
+@pytest.fixture(scope="module")
+def cpu_db(tmp_path_factory):
+    """A small results DB written by a real CPU sweep (schema 4, ragged lengths stored)."""
+    w = tmp_path_factory.mktemp("cpu-db")
+    res = run_main(["sweep", "--db", "cpu.db", *_SWEEP], cwd=w)
+    assert res.code == 0, res.output[-500:]
+    return w / "cpu.db"
+
+
+_SWEEP = ["--batches", "1,2", "--contexts", "64", "--samples", "3", "--warmup", "1",
+          "--isolation", "inline", "-q", "--no-emit", "--family", "reference", "--ragged", "lognormal"]
+
+
+@pytest.mark.parametrize("table,column", [(t, c) for t, rules in integrity.table_rules().items()
+                                          for c in rules if c != "id"])   # an INTEGER PRIMARY KEY is one
+def test_each_column_rule_refuses_a_breaking_row_naming_table_row_and_column(world, cpu_db, tmp_path,
+                                                                              table, column):
+    rule = integrity.table_rules()[table][column]
+    src = cpu_db if column == "seq_lens" else world / "good.db"
+    key = "rowid" if table == "samples" else "id"
+    where = f"{key} = (select max({key}) from [{table}])"
+    if column == "seq_lens":
+        where = "ragged != 'uniform'"
+    db = _copy_with(src, tmp_path / "x.db", f"update [{table}] set [{column}] = ? where {where}",
+                    [_break_value(rule)])
+    digest = hashlib.sha256(db.read_bytes()).hexdigest()
+    with pytest.raises(StoreError) as e:
+        ResultsStore(db, create=False)
+    msg = str(e.value)
+    assert f"table {table}" in msg and f"column {column}" in msg and str(db) in msg, msg
+    assert "\n" not in msg
+    with pytest.raises(StoreError):
+        ResultsStore(db)                         # a sweep's (writable) open refuses it too
+    assert hashlib.sha256(db.read_bytes()).hexdigest() == digest
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.db"]     # no -wal/-shm left
+
+
+@pytest.mark.parametrize("column", ["params", "page_size", "run_id"])
+@pytest.mark.parametrize("command", ["report", "emit", "replay", "merge", "resume"])
+def test_every_reader_refuses_a_damaged_row_in_one_line_and_changes_nothing(cpu_db, tmp_path,
+                                                                            command, column):
+    rule = integrity.table_rules()["trials"][column]
+    _copy_with(cpu_db, tmp_path / "x.db", f"update trials set [{column}] = ? where id = 2",
+               [_break_value(rule)])
+    args = {"report": ["report", "--db", "x.db"],
+            "emit": ["emit", "--db", "x.db", "--device", "cpu", "--out", "out"],
+            "replay": ["sweep", "--replay", "x.db", "-q"],
+            "merge": ["merge", "x.db", "--db", "merged.db"],
+            "resume": ["sweep", "--db", "x.db", *_SWEEP]}[command]
+    before = _tree(tmp_path)
+    res = run_main(args, cwd=tmp_path)
+    assert res.code == 2 and res.exception is None and one_line(res.stderr), res.output[-400:]
+    assert "internal error" not in res.output and f"column {column}" in res.stderr
+    assert _tree(tmp_path) == before
+
+
+SCHEMA_DAMAGE = {
+    "version negative": "update mla_tune_meta set value = '-1' where key = 'schema_version'",
+    "version a word": "update mla_tune_meta set value = 'four' where key = 'schema_version'",
+    "version 5000 digits": "update mla_tune_meta set value = '" + "9" * 5000 + "' where key = 'schema_version'",
+    "version other digits": "update mla_tune_meta set value = '٤' where key = 'schema_version'",
+    "version NULL": "update mla_tune_meta set value = NULL where key = 'schema_version'",
+    "only the meta table": "drop table samples; drop table trials; drop table workloads; drop table runs",
+    "samples re-declared TEXT": "create table s2 (trial_id INTEGER, metric TEXT, idx INTEGER, value TEXT); "
+                                "insert into s2 select * from samples; drop table samples; "
+                                "alter table s2 rename to samples",
+    "a column dropped": "alter table trials drop column status",
+}
+
+
+@pytest.mark.parametrize("damage", SCHEMA_DAMAGE)
+def test_a_damaged_schema_is_refused_by_the_store_and_by_merge(cpu_db, tmp_path, damage):
+    db = tmp_path / "x.db"
+    shutil.copy(cpu_db, db)
+    c = _sqlite3.connect(db)
+    c.executescript(SCHEMA_DAMAGE[damage])
+    c.close()
+    digest = hashlib.sha256(db.read_bytes()).hexdigest()
+    for open_ in (lambda: ResultsStore(db, create=False), lambda: ResultsStore(db)):
+        with pytest.raises(StoreError) as e:
+            open_()
+        assert "\n" not in str(e.value) and str(db) in str(e.value)
+    res = run_main(["merge", "x.db", "--db", "t.db"], cwd=tmp_path)
+    assert res.code == 2 and one_line(res.stderr) and not (tmp_path / "t.db").exists(), res.output
+    assert hashlib.sha256(db.read_bytes()).hexdigest() == digest
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.db"]
+
+
+@pytest.mark.parametrize("db", SHIPPED_DBS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_shipped_db_is_read_through_the_validated_reader(db):
+    before = hashlib.sha256(db.read_bytes()).hexdigest()
+    with ResultsStore(db, create=False) as store:
+        records = store.records()
+        prefill = store.records(prefill=True)
+        integrity.check_rows(store.db.conn, db)
+    assert records or prefill
+    assert hashlib.sha256(db.read_bytes()).hexdigest() == before
+
+
+# ---------------------------------------------------------------- journal and DB
+
+def _stored(db: Path) -> tuple[int, int]:
+    c = _sqlite3.connect(db)
+    out = c.execute("select count(*), count(distinct workload_id || ' ' || candidate) from trials").fetchone()
+    c.close()
+    return out
+
+
+def _resume_twice(folder: Path, expected: int) -> None:
+    for _ in range(2):
+        res = run_main(["sweep", "--db", "x.db", *_SWEEP], cwd=folder)
+        assert res.code == 0 and res.exception is None, res.output[-500:]
+        assert _stored(folder / "x.db") == (expected, expected)
+
+
+def _journal_copy(cpu_db: Path, tmp_path: Path) -> Path:
+    shutil.copy(cpu_db, tmp_path / "x.db")
+    shutil.copy(cpu_db.with_name("cpu.optuna.log"), tmp_path / "x.optuna.log")
+    return tmp_path / "x.optuna.log"
+
+
+@pytest.mark.parametrize("where", [0.3, 0.7, 0.999])
+def test_a_journal_cut_mid_line_is_resumed_from_and_stays_readable(cpu_db, tmp_path, where):
+    journal = _journal_copy(cpu_db, tmp_path)
+    data = journal.read_bytes()
+    cut = int(len(data) * where)
+    while data[cut - 1:cut] == b"\n":
+        cut -= 1
+    journal.write_bytes(data[:cut])
+    _resume_twice(tmp_path, _stored(cpu_db)[1])
+    assert journal.read_bytes().endswith(b"\n")
+
+
+def test_a_journal_garbled_in_the_middle_is_set_aside_and_rebuilt(cpu_db, tmp_path):
+    journal = _journal_copy(cpu_db, tmp_path)
+    lines = journal.read_bytes().splitlines(keepends=True)
+    lines[len(lines) // 2] = b'{"op_code": 5, "worker_id"\n'
+    journal.write_bytes(b"".join(lines))
+    _resume_twice(tmp_path, _stored(cpu_db)[1])
+    assert (tmp_path / "x.optuna.log.damaged").read_bytes() == b"".join(lines)
+
+
+@pytest.mark.parametrize("which", ["min", "max"])
+def test_a_trial_deleted_from_the_db_is_measured_again_not_answered_by_the_journal(cpu_db, tmp_path,
+                                                                                   which):
+    _journal_copy(cpu_db, tmp_path)
+    c = _sqlite3.connect(tmp_path / "x.db")
+    tid, key = c.execute(f"select id, candidate from trials where id = (select {which}(id) from trials)").fetchone()
+    c.execute("delete from samples where trial_id = ?", [tid])
+    c.execute("delete from trials where id = ?", [tid])
+    c.commit()
+    c.close()
+    res = run_main(["sweep", "--db", "x.db", *_SWEEP], cwd=tmp_path)
+    assert res.code == 0 and "1 trials measured" in res.stdout, res.output[-400:]
+    assert _stored(tmp_path / "x.db") == (_stored(cpu_db)[1],) * 2
+    _resume_twice(tmp_path, _stored(cpu_db)[1])
+
+
+def test_a_db_whose_runs_are_gone_is_refused_not_reported_empty(cpu_db, tmp_path):
+    _journal_copy(cpu_db, tmp_path)
+    _copy_with(cpu_db, tmp_path / "x.db", "delete from runs")
+    for args in (["sweep", "--db", "x.db", *_SWEEP], ["report", "--db", "x.db"]):
+        res = run_main(args, cwd=tmp_path)
+        assert res.code == 2 and one_line(res.stderr) and "table trials" in res.stderr, res.output
+
+
+# ---------------------------------------------------------------- storage flags
+
+def test_storage_is_checked_as_journal_is(world, tmp_path):
+    shutil.copy(world / "good.db", tmp_path / "results.db")
+    (tmp_path / "notes.txt").write_text("my notes\n")
+    _sqlite3.connect(tmp_path / "other.sqlite").execute("create table t (x)").connection.close()
+    base = ["sweep", "--db", "new.db", *_SWEEP]
+    cases = [["--storage", f] for f in ("notes.txt", "results.db", "other.sqlite", "", " ", "/dev/null",
+                                        str(tmp_path))]
+    cases += [["--storage", f"sqlite:///{tmp_path / f}"] for f in ("results.db", "other.sqlite", "notes.txt")]
+    cases += [["--storage", "no such url://"], ["--heartbeat", "10"], ["--heartbeat", "0"],
+              ["--heartbeat", str(10 ** 9)], ["--heartbeat", "5", "--storage", "j.log"]]
+    cases += [["--gpus", g] for g in ("²", "0,²", "٣", "1" * 5000, "0,,1")]
+    before = _tree(tmp_path)
+    for extra in cases:
+        res = run_main(base + extra, cwd=tmp_path)
+        assert res.code == 2 and res.exception is None and one_line(res.stderr), (extra, res.output[-300:])
+        assert "internal error" not in res.output
+        assert _tree(tmp_path) == before, extra
+
+
+# ---------------------------------------------------------------- merge sources
+
+def test_merge_sources_are_read_immutable_and_checked_before_anything_is_written(world, cpu_db, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for name, base in (("gpu.db", world / "good.db"), ("cpu.db", cpu_db)):
+        shutil.copy(base, src / name)
+        c = _sqlite3.connect(src / name)
+        c.execute("pragma journal_mode=wal")
+        c.close()
+    shutil.copy(src / "gpu.db", src / "bad.db")
+    c = _sqlite3.connect(src / "bad.db")
+    c.execute("update samples set value = 'fast' where rowid = 3")
+    c.commit()
+    c.close()
+    os.mkfifo(src / "fifo.db")
+    before = _tree(src)
+    for bad in ("bad.db", "fifo.db"):
+        res = run_main(["merge", str(src / "gpu.db"), str(src / bad), "--db", str(tmp_path / "t.db")],
+                       cwd=tmp_path)
+        assert res.code == 2 and one_line(res.stderr), res.output
+        assert not (tmp_path / "t.db").exists() and _tree(src) == before
+    res = run_main(["merge", str(src / "gpu.db"), str(src / "cpu.db"), "--db", str(tmp_path / "t.db")],
+                   cwd=tmp_path)
+    assert res.code == 0, res.output
+    assert _tree(src) == before                  # no -wal/-shm beside a WAL-mode source
+    with ResultsStore(tmp_path / "t.db", create=False) as s:
+        assert len(s.records()) == sum(len(ResultsStore(p, create=False).records())
+                                       for p in (src / "gpu.db", src / "cpu.db"))
+
+
+# ---------------------------------------------------------------- config files
+
+def _objects(doc, path=()):
+    if isinstance(doc, dict):
+        yield path, doc
+        for k, v in doc.items():
+            yield from _objects(v, path + (k,))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc[:2]):
+            yield from _objects(v, path + (i,))
+
+
+def test_a_key_given_twice_in_any_object_of_a_config_is_refused(good_doc, tmp_path, monkeypatch):
+    text = json.dumps(good_doc)
+    objects = [p for p, o in _objects(good_doc) if o]
+    assert len(objects) > 10
+    monkeypatch.setenv(tc.FOLDER_ENV, str(tmp_path))
+    monkeypatch.delenv(tc.STRICT_ENV, raising=False)
+    f = tmp_path / tc.config_filename(H200)
+    for path in objects:
+        obj = good_doc
+        for k in path:
+            obj = obj[k]
+        key = next(iter(obj))
+        dup = json.dumps({key: obj[key]})[1:-1]
+        marker = json.dumps(obj)
+        assert marker in text
+        f.write_text(text.replace(marker, "{" + dup + ", " + marker[1:], 1))
+        with pytest.raises(tc.TunedConfigError, match="twice"):
+            tc.read_tuned_config(f)
+        tc.clear_cache()
+        res = tc.resolve_tuned_config(H200)            # the plugin: a warning, the untuned path
+        assert res.config is None and res.reason.startswith("ignored"), path
+
+
+@pytest.mark.parametrize("models", [[], {}, None])
+def test_a_config_without_model_entries_is_refused(good_doc, tmp_path, models):
+    f = tmp_path / tc.config_filename(H200)
+    f.write_text(json.dumps({**good_doc, "models": models}))
+    with pytest.raises(tc.TunedConfigError, match="models"):
+        tc.read_tuned_config(f)
+
+
+# ---------------------------------------------------------------- numbers and streams
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet=st.characters(categories=("Nd", "No")), min_size=1, max_size=8))
+def test_only_ascii_digits_make_a_number(text):
+    from mla_tune.validate import ascii_int
+    if text.isascii():
+        assert ascii_int(text) == int(text)
+    else:
+        assert ascii_int(text) is None
+    assert ascii_int("7" * 5000) is None and ascii_int(" 42 ") == 42
+
+
+def test_numbers_in_other_digits_are_refused_everywhere_they_are_typed_or_read(world, tmp_path):
+    (tmp_path / "lens.csv").write_text("context_len\n12\n²\n")
+    (tmp_path / "lens-huge.csv").write_text("12\n" + "9" * 5000 + "\n")
+    good = str(world / "good.json")
+    cases = [["show", good, "--device", H200, "--lookup", "²,64"],
+             ["show", good, "--device", H200, "--lookup", "1,٦٤"],
+             ["bench", "reference/torch/p¹⁶", "--device", "cpu", "--no-store", "--heads", "2"],
+             ["bench", "triton/triton/p16/num_kv_splits=٤", "--device", "cpu", "--no-store", "--heads", "2"],
+             ["sweep", "--db", "n.db", *_SWEEP, "--lengths", "lens.csv"],
+             ["sweep", "--db", "n.db", *_SWEEP, "--lengths", "lens-huge.csv"]]
+    before = _tree(tmp_path)
+    for args in cases:
+        res = run_main(args, cwd=tmp_path)
+        assert res.code == 2 and res.exception is None and one_line(res.stderr), (args, res.output[-300:])
+        assert _tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("stream", ["/dev/full", "closed"])
+def test_an_output_that_cannot_be_written_is_one_line_and_a_failure(world, stream):
+    args = [sys.executable, "-m", "mla_tune", "show", str(world / "good.json"), "--device", H200]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if stream == "closed":
+        code = "import os, sys; os.close(1); os.execv(sys.executable, [sys.executable] + sys.argv[1:])"
+        r = subprocess.run([sys.executable, "-c", code, *args[1:]], stderr=subprocess.PIPE, text=True,
+                           env=env, timeout=300)
+    else:
+        with open("/dev/full", "w") as full:
+            r = subprocess.run(args, stdout=full, stderr=subprocess.PIPE, text=True, env=env, timeout=300)
+    assert r.returncode != 0 and one_line(r.stderr) and "internal error" not in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+# ---------------------------------------------------------------- faults
+
+def test_a_fault_mid_sweep_is_one_line_and_a_rerun_resumes_with_each_trial_once(tmp_path, monkeypatch):
+    from mla_tune.store import results
+    real = results.ResultsStore.add_trial
+    calls = {"n": 0}
+    errors = iter([_sqlite3.OperationalError("database or disk is full"),
+                   PermissionError(13, "Permission denied", str(tmp_path / "x.optuna.log.lock"))])
+    error = [next(errors)]
+
+    def failing(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise error[0]
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(results.ResultsStore, "add_trial", failing)
+    args = ["sweep", "--db", "x.db", *_SWEEP, "--contexts", "64,128"]
+    for what in ("the disk is full", "permission denied"):
+        calls["n"] = 0
+        res = run_main(args, cwd=tmp_path)
+        assert res.code == 1 and one_line(res.stderr) and res.exception is None, res.output[-400:]
+        assert what in res.stderr and "rerun the same command to resume" in res.stderr
+        error[0] = next(errors, None)
+    monkeypatch.setattr(results.ResultsStore, "add_trial", real)
+    res = run_main(args, cwd=tmp_path)
+    assert res.code == 0, res.output[-400:]
+    n, distinct = _stored(tmp_path / "x.db")
+    assert n == distinct and distinct >= 6
+
+
+def test_a_creation_killed_midway_leaves_no_temp_file_after_the_next_open(tmp_path):
+    stale = tmp_path / f".x.db.{2 ** 22 - 3}.0badf00d.new"         # a pid that is not running
+    stale.write_bytes(b"SQLite format 3\0")
+    (tmp_path / (stale.name + "-wal")).write_bytes(b"")
+    mine = tmp_path / f".x.db.{os.getpid()}.0badf00d.new"          # a live process's: kept
+    mine.write_bytes(b"")
+    ResultsStore(tmp_path / "x.db").close()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [mine.name]

@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 # mla_tune's layers, lowest first: a module may import its own layer and the ones before it.
-MLA_TUNE_LAYERS = ["validate", "problem", "kernels", "families", "measure", "store", "tune", "views", "cli"]
+MLA_TUNE_LAYERS = ["validate", "faults", "problem", "kernels", "families", "measure", "store", "tune", "views", "cli"]
 # vllm_metax: the vllm-free, stdlib-only base; the vllm-free kernel path; the vLLM glue.
 VLLM_FREE = ["vllm_metax.tuned_config", "vllm_metax.decisions", "vllm_metax.device", "vllm_metax.log",
              "vllm_metax.distribution", "vllm_metax.ops"]

@@ -416,8 +416,14 @@ def test_v1_results_db_gains_the_default_mark(tmp_path):
     store_mod.MIGRATIONS[0](db)
     db[store_mod.META_TABLE].insert({"key": "schema_version", "value": "1"}, pk="key")
     db["runs"].insert({"id": 1, "kind": "gpu", "device_name": "x"})
-    db["workloads"].insert({"id": 1, "model": "m", "num_heads": 16, "batch_size": 1})
-    db["trials"].insert({"id": 1, "run_id": 1, "workload_id": 1, "candidate": "a/b/p1", "status": "ok"})
+    # whole rows, as a v1 sweep stored them (the store refuses a row no version could have written)
+    db["workloads"].insert({"id": 1, "model": "m", "num_heads": 16, "kv_lora_rank": 512,
+                            "qk_rope_head_dim": 64, "softmax_scale": 0.07, "batch_size": 1,
+                            "context_len": 64, "q_len": 1, "ragged": "uniform", "seed": 0,
+                            "q_dtype": "bfloat16", "kv_dtype": "bfloat16", "total_kv_tokens": 64,
+                            "bytes": 73728, "flops": 1000})
+    db["trials"].insert({"id": 1, "run_id": 1, "workload_id": 1, "family": "a", "backend": "b",
+                         "page_size": 1, "params": "{}", "candidate": "a/b/p1", "status": "ok"})
     db.close()
     with ResultsStore(p) as s:
         assert s.schema_version == store_mod.SCHEMA_VERSION >= 2

@@ -482,7 +482,11 @@ def parse_tuned_config(data, source: str = "<config>") -> TunedConfig:
     device = check_device_name(_need(data, "device_name", str, source), f"{source}: device_name")
     provenance = _need(data, "provenance", dict, source)
     models, seen = [], set()
-    for i, m in enumerate(_need(data, "models", list, source)):
+    entries = _need(data, "models", list, source)
+    if not entries:
+        raise TunedConfigError(f"{source}: models is empty; a tuned config holds at least one "
+                               "model entry")
+    for i, m in enumerate(entries):
         entry = _entry(m, f"{source}: models[{i}]")
         if entry.dims in seen:
             raise TunedConfigError(f"{source}: models[{i}]: a second entry for the same dims")
@@ -546,7 +550,7 @@ def read_tuned_config(path: str | os.PathLike) -> TunedConfig:
     if not _json_depth_ok(text, MAX_JSON_DEPTH):
         raise TunedConfigError(f"{p}: JSON nested deeper than {MAX_JSON_DEPTH} levels, not a tuned config")
     try:
-        data = json.loads(text, parse_constant=_no_constant)
+        data = json.loads(text, parse_constant=_no_constant, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as e:
         raise TunedConfigError(f"{p}: not valid JSON ({e.msg} at line {e.lineno})") from None
     except (ValueError, RecursionError) as e:   # ints past Python's digit limit, NaN/Infinity
@@ -565,6 +569,17 @@ def read_tuned_config(path: str | os.PathLike) -> TunedConfig:
 
 def _no_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
+
+
+def _unique_keys(pairs: list) -> dict:
+    """json object_pairs_hook: an object naming one key twice is refused (json's default keeps
+    the last, so `"page_size": 64, "page_size": 16` would silently read as 16)."""
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"the key {k[:60]!r} appears twice in one object")
+        out[k] = v
+    return out
 
 
 def creatable_folder(folder: str | os.PathLike, named: bool = True) -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 
@@ -141,12 +142,34 @@ def print_view(out) -> None:
             console.print(r)
 
 
+def _exit(code: int):
+    """Exit with `code` once standard output is flushed; a write that fails there (a full disk,
+    /dev/full) is one line and exit 1, not an interpreter message at exit."""
+    from mla_tune import faults
+    try:
+        faults.flush_stdout()
+    except OSError as e:
+        faults.silence_stdout()
+        if e.errno == errno.EPIPE:       # `mla-tune report | head`: the reader has all it wanted
+            sys.exit(EXIT_FAILURE)
+        err_console.print(f"[bold red]error:[/] cannot write the output: {escape(faults.describe(e))}",
+                          highlight=False, soft_wrap=True)
+        sys.exit(EXIT_FAILURE)
+    sys.exit(code)
+
+
 def main() -> None:
     """Console-script entry: user errors become one line; tracebacks only with MLA_TUNE_DEBUG=1."""
+    from mla_tune import faults
+    if faults.stdout_closed():
+        err_console.print("[bold red]error:[/] standard output is closed, so nothing could be shown; "
+                          "run it again with output open (e.g. > out.txt)", highlight=False,
+                          soft_wrap=True)
+        sys.exit(EXIT_USER_ERROR)
     try:
         rc = app(standalone_mode=False)   # without standalone mode, typer.Exit comes back as a code
     except typer.Exit as e:
-        sys.exit(e.exit_code)
+        _exit(e.exit_code)
     except KeyboardInterrupt:
         err_console.print("interrupted; finished trials are stored")
         sys.exit(130)
@@ -165,7 +188,16 @@ def main() -> None:
         if isinstance(e, known_errors()):     # raised outside a command (while parsing)
             err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             sys.exit(exit_code_of(e))
+        if faults.is_fault(e):                # a full disk, a read-only folder, a closed output
+            if isinstance(e, OSError) and e.errno == errno.EPIPE:
+                faults.silence_stdout()
+                sys.exit(EXIT_FAILURE)
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EBADF) and e.filename is None:
+                faults.silence_stdout()       # most likely the output itself
+            err_console.print(f"[bold red]error:[/] {escape(faults.describe(e))}", highlight=False,
+                              soft_wrap=True)
+            sys.exit(EXIT_FAILURE)
         err_console.print(f"[bold red]internal error:[/] {type(e).__name__}: {escape(str(e))} "
                           "(set MLA_TUNE_DEBUG=1 for the traceback)", highlight=False, soft_wrap=True)
         sys.exit(EXIT_FAILURE)
-    sys.exit(rc if isinstance(rc, int) else 0)
+    _exit(rc if isinstance(rc, int) else 0)

@@ -307,7 +307,7 @@ def sweep(
                   patience=patience or None, seed=seed, isolation=isolation.value,
                   remeasure=remeasure, name=name, journal=journal, mix=workload_mix,
                   min_ratio=min_ratio, configs_dir=configs_dir, storage=storage,
-                  heartbeat_s=heartbeat, gpus=gpu_list,
+                  heartbeat_s=heartbeat if given(ctx, "heartbeat") else None, gpus=gpu_list,
                   command=" ".join(shlex.quote(a) for a in ["mla-tune"] + sys.argv[1:]))
         observer = RichObserver(quiet)
         if replay is not None:

@@ -38,10 +38,10 @@ class Candidate:
     def parse(cls, text: str) -> "Candidate":
         """Inverse of `key`: 'flashinfer/fa3/p64' or 'triton/triton/p16/num_kv_splits=8'.
         The page size must be one the plugin can serve (vllm_metax.tuned_config.PAGE_SIZES)."""
-        from mla_tune.validate import InputError, check_page_size
+        from mla_tune.validate import InputError, ascii_int, check_page_size
         parts = text.strip().split("/")
         if (len(parts) < 3 or not parts[0] or not parts[1] or not parts[2].startswith("p")
-                or not parts[2][1:].isdigit() or len(parts[2]) > 12):
+                or ascii_int(parts[2][1:], 11) is None or parts[2][1:] != parts[2][1:].strip()):
             raise ValueError(f"bad candidate {text[:80]!r}; expected family/backend/p<page_size>[/k=v,...]")
         try:
             page = check_page_size(int(parts[2][1:]), f"candidate {text[:80]!r}: page size")
@@ -55,7 +55,8 @@ class Candidate:
                     raise ValueError(f"bad knob {kv[:40]!r} in {text[:80]!r}; expected key=value")
                 if k in params:
                     raise ValueError(f"knob {k!r} given twice in {text[:80]!r}")
-                params[k] = int(v) if v.lstrip("-").isdigit() and len(v) < 19 else v
+                n = ascii_int(v.removeprefix("-"))
+                params[k] = v if n is None or v != v.strip() else (-n if v.startswith("-") else n)
         return cls(parts[0], parts[1], page, params)
 
 

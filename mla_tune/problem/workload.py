@@ -336,7 +336,7 @@ def load_trace(path) -> LengthTrace:
     the file and line for anything else (missing, empty, no such column, a value that is not a
     positive integer)."""
     import csv
-    from mla_tune.validate import InputError, input_text
+    from mla_tune.validate import InputError, ascii_int, input_text
     try:
         text = input_text(path, "request-length CSV", max_bytes=64 << 20)
     except InputError as e:
@@ -350,7 +350,7 @@ def load_trace(path) -> LengthTrace:
         raise ProblemError(f"{path}: no request lengths (the file is empty)")
 
     def number(x: str) -> bool:
-        return x.strip().isdigit()
+        return ascii_int(x) is not None
 
     header = [h.strip().lower() for h in rows[0]]
     if not all(number(x) for x in rows[0]):
@@ -370,7 +370,7 @@ def load_trace(path) -> LengthTrace:
     lengths = []
     for i, r in enumerate(body, first):
         v = r[col].strip() if col < len(r) else ""
-        if not number(v) or not 1 <= int(v) <= MAX_LENGTH:
+        if not number(v) or not 1 <= ascii_int(v) <= MAX_LENGTH:
             raise ProblemError(f"{path}:{i}: request length {v[:40]!r} is not an integer in "
                                f"1..{MAX_LENGTH}")
         lengths.append(int(v))

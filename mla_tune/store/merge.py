@@ -6,7 +6,7 @@ second merge of the same file adds nothing, and a copy of a DB merged back adds 
 whose shared-study claim the target already holds (the same candidate answered by two workers of
 one distributed sweep) is not copied. Runs are copied as they are: each keeps its own device and
 host, and every later read (report, emit) keeps devices apart. Sources are opened read-only and
-never modified.
+immutable, checked row by row before anything is written, and never modified.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from mla_tune.store.results import META_TABLE, SCHEMA_VERSION, ResultsStore, StoreError, row_uid
+from mla_tune.store.integrity import check_rows, parse_schema_version
+from mla_tune.store.results import (META_TABLE, SCHEMA_VERSION, ResultsStore, StoreError, connect_readonly,
+                                    row_uid)
 
 WORKLOAD_KEY = ("model", "num_heads", "kv_lora_rank", "qk_rope_head_dim", "softmax_scale",
                 "batch_size", "context_len", "q_len", "ragged", "seed", "q_dtype", "kv_dtype")
@@ -37,34 +39,50 @@ class MergeCount:
 
 
 def open_source(path: str | Path) -> sqlite3.Connection:
-    """A results DB opened read-only; StoreError (the file untouched) for anything else."""
+    """A results DB opened read-only and immutable (nothing appears beside it, not even when the
+    merge is refused), every row checked (store.integrity); StoreError, the file untouched, for
+    anything else."""
     p = Path(path)
     if not p.exists():
         raise StoreError(f"no results DB at {p}")
     if p.is_dir():
         raise StoreError(f"{p} is a directory, not a results DB")
-    with open(p, "rb") as f:
-        if f.read(16) != b"SQLite format 3\x00":
-            raise StoreError(f"{p} is not a SQLite file, so not a results DB; left untouched")
+    if not p.is_file():        # a FIFO or a device: opening it could block forever
+        raise StoreError(f"{p} is not a regular file, so not a results DB; left untouched")
     try:
-        conn = sqlite3.connect(f"{p.resolve().as_uri()}?mode=ro", uri=True, timeout=30)
-        conn.row_factory = sqlite3.Row
+        with open(p, "rb") as f:
+            head = f.read(16)
+    except OSError as e:
+        raise StoreError(f"cannot read {p}: {e.strerror or e}") from None
+    if head != b"SQLite format 3\x00":
+        raise StoreError(f"{p} is not a SQLite file, so not a results DB; left untouched")
+    conn = None
+    try:
+        conn = connect_readonly(p)
         tables = {r[0] for r in conn.execute("select name from sqlite_master where type = 'table'")}
         if META_TABLE not in tables:
-            conn.close()
             raise StoreError(f"{p} is a SQLite file but not an mla-tune results DB "
                              f"(tables: {', '.join(sorted(tables)) or 'none'}); left untouched")
         row = conn.execute(f"select value from {META_TABLE} where key = 'schema_version'").fetchone()
-        version = int(row[0]) if row else 0
+        version = parse_schema_version(row[0], p) if row else 0
+        if version > SCHEMA_VERSION:
+            raise StoreError(f"{p} has schema version {version}, newer than this mla-tune understands "
+                             f"({SCHEMA_VERSION}); upgrade mla-tune. Left untouched")
+        if version == 0:
+            raise StoreError(f"{p} holds no schema version, so it is not a whole results DB; "
+                             "left untouched")
+        check_rows(conn, p)
     except sqlite3.DatabaseError as e:
+        if conn is not None:
+            conn.close()
         raise StoreError(f"{p} cannot be read as a results DB ({e}); left untouched") from None
-    if version > SCHEMA_VERSION:
-        conn.close()
-        raise StoreError(f"{p} has schema version {version}, newer than this mla-tune understands "
-                         f"({SCHEMA_VERSION}); upgrade mla-tune. Left untouched")
-    if not {"runs", "workloads", "trials", "samples"} <= tables:
-        conn.close()
-        raise StoreError(f"{p} is an incomplete results DB (schema version {version}); left untouched")
+    except (StoreError, OSError) as e:
+        if conn is not None:
+            conn.close()
+        if isinstance(e, OSError):
+            raise StoreError(f"cannot read {p}: {e.strerror or e}") from None
+        raise
+    conn.row_factory = sqlite3.Row
     return conn
 
 
@@ -80,8 +98,10 @@ def merge_into(target: str | Path, sources: Sequence[str | Path]) -> list[MergeC
     for s in sources:
         if target.exists() and Path(s).exists() and Path(s).resolve() == target.resolve():
             raise StoreError(f"{s} is the target DB itself; nothing to merge")
-    conns = [open_source(s) for s in sources]      # every source checked before the target is touched
+    conns = []
     try:
+        for s in sources:                          # every source checked before the target is touched
+            conns.append(open_source(s))
         with ResultsStore(target) as store:
             return [_merge_one(store, Path(s), c) for s, c in zip(sources, conns)]
     finally:

@@ -26,17 +26,13 @@ import sqlite_utils
 
 from mla_tune.problem.defaults import KERNEL_METRIC, PLAN_METRIC
 from mla_tune.problem.prefill import LAYOUTS as PREFILL_LAYOUTS
+from mla_tune.store.errors import StoreError
+from mla_tune.store.integrity import (INVALID_REASONS, META_TABLE, STATUSES, DamagedStoreError,
+                                      check_rows, params_of, parse_schema_version)
 from mla_tune.store.records import StoredWorkload, TrialRecord, as_records
 from mla_tune.validate import is_sqlite, own_kind
 
 SCHEMA_VERSION = 4
-META_TABLE = "mla_tune_meta"
-INVALID_REASONS = ("compile", "runtime", "wrong_result", "unsupported", "timeout", "crash")
-STATUSES = ("ok", "invalid")
-
-
-class StoreError(Exception):
-    """The file cannot be used as a results DB; the message says why. The file is left untouched."""
 
 
 def _m1_initial(db: sqlite_utils.Database) -> None:
@@ -148,19 +144,74 @@ def readonly_uri(path: str | Path) -> str:
     return p.resolve().as_uri() + ("?mode=ro" if wal else "?mode=ro&immutable=1")
 
 
+def connect_readonly(path: str | Path) -> sqlite3.Connection:
+    """`path` opened for reading only (readonly_uri). A DB with a -wal beside it in a folder this
+    user cannot write (SQLite cannot make its -shm there) is read from a private snapshot of the
+    DB and its WAL instead: reading never needs write access to the source's folder."""
+    try:
+        conn = sqlite3.connect(readonly_uri(path), uri=True, timeout=30)
+        conn.execute("select count(*) from sqlite_master").fetchone()
+        return conn
+    except sqlite3.OperationalError:
+        p = Path(path)
+        if not p.with_name(p.name + "-wal").exists():
+            raise
+    import shutil
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="mla-tune-read-") as tmp:
+        copy = Path(tmp) / "snapshot.db"
+        shutil.copyfile(path, copy)
+        shutil.copyfile(f"{path}-wal", f"{copy}-wal")
+        disk = sqlite3.connect(str(copy), timeout=30)
+        try:
+            mem = sqlite3.connect(":memory:")
+            disk.backup(mem)
+        finally:
+            disk.close()
+    return mem
+
+
+def remove_stale_temp_files(path: str | Path) -> None:
+    """Delete what a sweep killed while creating `path` left beside it (_create_whole's private
+    `.<name>.<pid>.<tag>.new` files and their side files), when the process that made them is gone."""
+    p = Path(path)
+    try:
+        found = list(p.parent.glob(f".{p.name}.*.new*"))
+    except OSError:
+        return
+    for f in found:
+        pid = f.name[len(p.name) + 2:].split(".", 1)[0]
+        if not pid.isascii() or not pid.isdigit() or len(pid) > 9 or _alive(int(pid)):
+            continue
+        try:
+            f.unlink()
+        except OSError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
 @own_kind("an mla-tune results DB")
 def is_results_db(path: str | Path) -> bool:
     """An mla-tune results DB: SQLite holding the store's meta table (read without writing)."""
     if not is_sqlite(Path(path)):
         return False
     try:
-        conn = sqlite3.connect(readonly_uri(path), uri=True, timeout=30)
+        conn = connect_readonly(path)
         try:
             return conn.execute("select 1 from sqlite_master where type = 'table' and name = ?",
                                 [META_TABLE]).fetchone() is not None
         finally:
             conn.close()
-    except sqlite3.Error:
+    except (sqlite3.Error, OSError):
         return False
 
 
@@ -181,7 +232,7 @@ def _stored_version(db: sqlite_utils.Database) -> int:
     if META_TABLE not in db.table_names():
         return 0
     row = db.execute(f"select value from {META_TABLE} where key='schema_version'").fetchone()
-    return int(row[0]) if row else 0
+    return parse_schema_version(row[0], "the results DB") if row else 0
 
 
 class ResultsStore:
@@ -197,6 +248,8 @@ class ResultsStore:
             raise StoreError(f"{self.path} is a directory, not a results DB")
         if self.path.exists() and not self.path.is_file():
             raise StoreError(f"{self.path} is not a regular file, so not a results DB; left untouched")
+        if create:
+            remove_stale_temp_files(self.path)
         if create and not self.path.exists():
             self._create_whole()
         exists = self.path.exists() and self.path.stat().st_size > 0
@@ -211,15 +264,28 @@ class ResultsStore:
                 raise StoreError(f"cannot read {self.path}: {e.strerror or e}") from None
             if head != b"SQLite format 3\x00":
                 raise StoreError(f"{self.path} is not a SQLite file, so not a results DB; left untouched")
+        conn = None
         try:
-            if self.readonly:
-                conn = sqlite3.connect(readonly_uri(self.path), uri=True, timeout=30)
-            else:
-                conn = sqlite3.connect(str(self.path), timeout=30)
+            if exists and not self.readonly:
+                # checked through a read-only connection first: a DB that is refused gets no
+                # -wal or -shm beside it, whatever happens to this process
+                probe = connect_readonly(self.path)
+                try:
+                    self._inspect(probe, exists)
+                finally:
+                    probe.close()
+            conn = connect_readonly(self.path) if self.readonly else \
+                sqlite3.connect(str(self.path), timeout=30)
             self.db = sqlite_utils.Database(conn)
             self._check_or_migrate(exists)
-        except sqlite3.Error as e:
-            raise StoreError(f"{self.path} cannot be read as a results DB ({e}); left untouched") from None
+        except BaseException as e:
+            if conn is not None:
+                conn.close()
+            if isinstance(e, sqlite3.Error):
+                raise StoreError(f"{self.path} cannot be read as a results DB ({e}); left untouched") from None
+            if isinstance(e, OSError):
+                raise StoreError(f"cannot read {self.path}: {e.strerror or e}") from None
+            raise
 
     def _create_whole(self) -> None:
         """A new DB appears at its path whole: built (WAL, every table, the schema version) in a
@@ -250,27 +316,35 @@ class ResultsStore:
                 except OSError:
                     pass
 
-    def _check_or_migrate(self, existed: bool) -> None:
-        tables = set(self.db.table_names())
+    def _inspect(self, conn: sqlite3.Connection, existed: bool) -> int:
+        """The DB's schema version, every refusal raised first: a foreign or newer file, an
+        unreadable version, a damaged table or row (store.integrity)."""
+        tables = {r[0] for r in conn.execute("select name from sqlite_master where type = 'table'")}
         if existed and tables and META_TABLE not in tables:
             raise StoreError(f"{self.path} is a SQLite file but not an mla-tune results DB "
                              f"(tables: {', '.join(sorted(tables))}); left untouched")
         version = 0
         if META_TABLE in tables:
-            row = self.db.execute(f"select value from {META_TABLE} where key='schema_version'").fetchone()
-            try:
-                version = int(row[0]) if row else 0
-            except (TypeError, ValueError):
-                raise StoreError(f"{self.path} has an unreadable schema version {str(row[0])[:40]!r}; "
-                                 "left untouched") from None
+            row = conn.execute(f"select value from {META_TABLE} where key='schema_version'").fetchone()
+            version = parse_schema_version(row[0], self.path) if row else 0
         if version > SCHEMA_VERSION:
             raise StoreError(f"{self.path} has schema version {version}, newer than this mla-tune "
                              f"understands ({SCHEMA_VERSION}); upgrade mla-tune. Left untouched")
+        if version == 0 and self.readonly:
+            raise StoreError(f"{self.path} is not an mla-tune results DB of schema "
+                             f"{SCHEMA_VERSION} (found no schema); reading commands leave it "
+                             "untouched")
+        if version or (existed and tables):
+            # every row checked before anything reads or writes it (a migration included)
+            check_rows(conn, self.path)
+        return version
+
+    def _check_or_migrate(self, existed: bool) -> None:
+        if self.readonly or not existed:
+            version = self._inspect(self.db.conn, existed)
+        else:
+            version = self._stored_version()      # inspected through the probe
         if self.readonly:
-            if version == 0:
-                raise StoreError(f"{self.path} is not an mla-tune results DB of schema "
-                                 f"{SCHEMA_VERSION} (found no schema); reading commands leave it "
-                                 "untouched")
             if version < SCHEMA_VERSION:
                 # an older DB (the shipped results.db is schema 2): read an upgraded copy in
                 # memory, never the file (a sweep into it upgrades the file)
@@ -382,6 +456,15 @@ class ResultsStore:
             "select value from samples where trial_id = ? and metric = ? order by idx",
             [trial_id, metric]).fetchall()]
 
+    def trial_candidates(self, ids) -> dict[int, str]:
+        """trial id -> candidate key, of those of `ids` stored here."""
+        ids, out = list(ids), {}
+        for i in range(0, len(ids), 900):
+            chunk = ids[i:i + 900]
+            out.update(self.db.execute(f"select id, candidate from trials where id in "
+                                       f"({','.join('?' * len(chunk))})", chunk).fetchall())
+        return out
+
     def claimed(self, claims: list[str]) -> dict[str, dict]:
         """claim -> the stored trial row (with samples) that answered it, for the given claims."""
         claims = [c for c in claims if c]
@@ -411,7 +494,7 @@ class ResultsStore:
             for tid, metric, value in self.db.execute(q, chunk).fetchall():
                 by_trial.setdefault(tid, {}).setdefault(metric, []).append(value)
         for r in rows:
-            r["params"] = json.loads(r["params"] or "{}")
+            r["params"] = params_of(r["params"], self.path, r["id"])
             r["samples"] = by_trial.get(r["id"], {})
             r["stats"] = stats_of(r["samples"].get(KERNEL_METRIC, []))
             r["plan_stats"] = stats_of(r["samples"].get(PLAN_METRIC, []))

@@ -99,6 +99,46 @@ def open_storage(spec: str | Path, heartbeat_s: int | None = None):
         raise StorageError(f"cannot open the optuna storage {_redact(spec)}: {first}") from None
 
 
+OPTUNA_RDB_TABLES = {"studies", "trials", "version_info"}
+
+
+def check_rdb_url(url: str) -> None:
+    """An RDB storage URL that parses; a SQLite one names a new or empty file or optuna's own
+    DB, never a results DB or any other file (optuna would add its tables to it). InputError."""
+    from mla_tune.validate import InputError, is_sqlite, output_file
+    try:
+        from sqlalchemy.engine import make_url
+        u = make_url(url)
+    except ImportError:
+        return                      # open_storage says what is missing
+    except Exception:  # noqa: BLE001 - SQLAlchemy's ArgumentError and friends
+        raise InputError(f"--storage {_redact(url)!r} is not a database URL "
+                         "(e.g. postgresql://user@host/db)") from None
+    if not u.drivername.startswith("sqlite") or u.database in (None, "", ":memory:"):
+        return
+    path = Path(u.database)
+    output_file(path, "--storage")
+    if path.exists() and path.stat().st_size:
+        tables = set()
+        if is_sqlite(path):
+            import sqlite3
+            from mla_tune.store.results import connect_readonly
+            try:
+                conn = connect_readonly(path)
+                try:
+                    tables = {r[0] for r in conn.execute(
+                        "select name from sqlite_master where type = 'table'")}
+                finally:
+                    conn.close()
+            except (sqlite3.Error, OSError):
+                tables = set()
+        if not OPTUNA_RDB_TABLES <= tables:
+            from mla_tune.store.integrity import META_TABLE
+            what = "an mla-tune results DB" if META_TABLE in tables else "not an optuna storage DB"
+            raise InputError(f"--storage {url}: {path} is {what}; left untouched (name a new file "
+                             "or optuna's own DB)")
+
+
 def _redact(url: str) -> str:
     """A URL without its password, for messages."""
     try:
@@ -193,6 +233,8 @@ class SharedBucket:
     study: object = None
     uid: str = ""
     created: bool = False               # this process created (and seeded) the study
+    lost: set = field(default_factory=set)   # finished trials whose results-DB trial is gone
+    mine: set = field(default_factory=set)   # trials this instance claimed or took
 
     def open(self, seed: Sequence, attrs: dict, wait_s: float = SEED_WAIT_S, sampler=None) -> bool:
         """Create the study and enqueue `seed` (True), or load the one another process created
@@ -218,7 +260,8 @@ class SharedBucket:
         while "seeded" not in self.study.user_attrs:
             seeder = self.study.user_attrs.get("seeding", "")
             host, _, pid = seeder.rpartition(":")
-            if (host == HOST and pid.isdigit() and not _pid_alive(int(pid))) or time.monotonic() > end:
+            if (seeder == self.worker or (host == HOST and pid.isascii() and pid.isdigit() and len(pid) < 10
+                                          and not _pid_alive(int(pid)))) or time.monotonic() > end:
                 # its creator died while enqueueing (a kill in the first moments of a sweep):
                 # enqueue what is missing and go on
                 self.study.set_user_attr("uid", self.study.user_attrs.get("uid") or uuid.uuid4().hex)
@@ -237,6 +280,32 @@ class SharedBucket:
         for k, v in attrs.items():
             self.study.set_user_attr(k, v)
         self.study.set_user_attr("seeded", len(seed))      # last: the others wait for it
+
+    def recheck(self, stored) -> int:
+        """The results DB is the record, the study a cache of it: a finished trial whose stored
+        trial is gone from the DB (deleted, or the DB restored from an older copy) answers
+        nothing. It is left out of `finished` and its candidate enqueued again, to be measured.
+        `stored(ids)` -> {results-DB trial id: candidate key} of those still stored. Returns
+        how many finished trials were lost."""
+        from optuna.trial import TrialState
+        done = [t for t in self._trials((TrialState.COMPLETE, TrialState.PRUNED))
+                if t.user_attrs.get("candidate") and not t.user_attrs.get("duplicate")]
+        ids = {t.user_attrs.get("results_trial_id") for t in done}
+        have = stored(sorted(i for i in ids if type(i) is int))
+        lost = [t for t in done if type(t.user_attrs.get("results_trial_id")) is int
+                and have.get(t.user_attrs["results_trial_id"]) != t.user_attrs["candidate"]]
+        self.lost = {t._trial_id for t in lost}
+        kept = {t.user_attrs["candidate"] for t in done if t._trial_id not in self.lost}
+        pending = {t.user_attrs.get("candidate")
+                   for t in self._trials((TrialState.WAITING, TrialState.RUNNING))}
+        for key in sorted({t.user_attrs["candidate"] for t in lost} - kept - pending):
+            try:
+                c = self._candidate(key)
+            except ValueError:
+                continue            # a key this version cannot parse: nothing to measure
+            self.study.enqueue_trial(self.space.params_of(c), user_attrs={"candidate": key},
+                                     skip_if_exists=False)
+        return len(lost)
 
     def _trials(self, states=None):
         return self.storage.get_all_trials(self.study._study_id, deepcopy=False, states=states)
@@ -262,7 +331,11 @@ class SharedBucket:
             w = t.user_attrs.get("worker")
             if w:
                 host, _, pid = w.rpartition(":")
-                dead = host == HOST and pid.isdigit() and not _pid_alive(int(pid))
+                # this process's own worker name on a trial this instance never held: left by an
+                # earlier sweep in this same process (a library caller's, a test's) that failed
+                dead = (w == self.worker and t._trial_id not in self.mine) or (
+                    host == HOST and pid.isascii() and pid.isdigit() and len(pid) < 10
+                    and not _pid_alive(int(pid)))
             else:
                 dead = t.datetime_start is not None and \
                     (now - t.datetime_start).total_seconds() > self.grace_s
@@ -296,6 +369,7 @@ class SharedBucket:
                 continue
             if self.heartbeat is not None:
                 self.heartbeat.hold(t._trial_id)
+            self.mine.add(t._trial_id)
             self.storage.set_trial_user_attr(t._trial_id, "worker", self.worker)
             got.append(Claim(t._trial_id, t.number, c))
             page = c.page_size
@@ -342,6 +416,7 @@ class SharedBucket:
         written to the trial before the others are read, so of two workers proposing one
         candidate at once at least one sees the other: it is never measured twice."""
         from optuna.trial import TrialState
+        self.mine.add(trial._trial_id)
         self.storage.set_trial_user_attr(trial._trial_id, "candidate", candidate.key)
         self.storage.set_trial_user_attr(trial._trial_id, "worker", self.worker)
         if self.heartbeat is not None:
@@ -373,6 +448,8 @@ class SharedBucket:
         out = {}
         for t in self._trials((TrialState.COMPLETE, TrialState.PRUNED)):
             key = t.user_attrs.get("candidate")
+            if t._trial_id in self.lost:
+                continue            # its stored trial is gone: not an answer (recheck)
             if key and key not in out and not t.user_attrs.get("duplicate"):
                 out[key] = (t.value if t.state == TrialState.COMPLETE else None,
                             t.user_attrs.get("invalid_reason"), t.user_attrs.get("results_trial_id"))
@@ -393,8 +470,9 @@ def parse_gpus(text: str) -> list[str]:
             raise InputError("--gpus all: torch sees no CUDA device here (name the worker slots, "
                              "e.g. --gpus 0,1, to run CPU-reference workers)")
         return [str(i) for i in range(n)]
+    from mla_tune.validate import ascii_int
     parts = [p.strip() for p in t.split(",")]
-    if not t or any(not p.isdigit() for p in parts):
+    if not t or any(ascii_int(p, 4) is None for p in parts):
         raise InputError(f"bad --gpus {text!r}: GPU indices separated by commas, e.g. 0,1,2,3, or all")
     if len(set(parts)) != len(parts):
         raise InputError(f"bad --gpus {text!r}: a GPU is named twice")

@@ -19,6 +19,7 @@ best point is also measured at every other page size (the page size is a global 
 from __future__ import annotations
 
 import math
+import os
 import random
 import time
 import warnings
@@ -286,11 +287,76 @@ def journal_storage(path):
     between processes (optuna's SQLite storage locks under parallel use). Appends are not
     fsync'ed (optuna's file backend syncs every one: ~9 per grid trial, milliseconds each):
     what a process wrote survives its kill -9 in the page cache, so resume and dead-worker
-    recovery read it; only an OS crash can cut the tail, a torn last line optuna's reader skips,
-    and every measurement is in results.db, which SQLite syncs itself."""
+    recovery read it; only an OS crash or a full disk can cut the tail, a torn last line that
+    optuna's reader skips and the next append cuts away (`_cut_torn_tail`), and every
+    measurement is in results.db, which SQLite syncs itself.
+
+    The journal is a cache of what the results DB holds: one optuna cannot read (a line garbled
+    or cut in the middle) is set aside as `<path>.damaged` and a new one started, whose studies
+    the sweep seeds again and answers from the DB (nothing measured is lost or measured twice)."""
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
-    return JournalStorage(_unsynced(JournalFileBackend)(str(path)))
+    backend = _unsynced(JournalFileBackend)
+    try:
+        return JournalStorage(backend(str(path)))
+    except OSError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever optuna's replay of a damaged log raises
+        aside = set_aside_damaged_journal(path, e)
+    storage = JournalStorage(backend(str(path)))
+    storage.rebuilt = aside           # where the damaged journal went (the sweep says so)
+    return storage
+
+
+def set_aside_damaged_journal(path, error: Exception):
+    """Rename an unreadable journal to `<path>.damaged[.N]` under its lock (workers opening it at
+    once set it aside once), unless another process has done so already; the new name or None."""
+    from pathlib import Path
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock
+    from optuna.storages.journal._file import get_lock_file
+    p = Path(path)
+    with get_lock_file(JournalFileSymlinkLock(str(p))):      # the lock optuna's appends take
+        try:
+            JournalStorage(JournalFileBackend(str(p)))
+            return None                                 # another worker set it aside first
+        except OSError:
+            raise
+        except Exception:  # noqa: BLE001 - still damaged
+            pass
+        aside, n = p.with_name(p.name + ".damaged"), 0
+        while aside.exists():
+            n += 1
+            aside = p.with_name(f"{p.name}.damaged.{n}")
+        os.rename(p, aside)
+    return aside
+
+
+def _cut_torn_tail(path) -> None:
+    """Cut a journal's last line if it lacks its newline (an append cut short by an OS crash or
+    a full disk): optuna's reader skips it, but an append after it would glue the next record
+    to it, and every later read would fail there. Called under the journal's lock."""
+    try:
+        f = open(path, "rb+")
+    except FileNotFoundError:
+        return
+    with f:
+        end = f.seek(0, os.SEEK_END)
+        if not end:
+            return
+        f.seek(end - 1)
+        if f.read(1) == b"\n":
+            return
+        pos, cut = end, 0
+        while pos > 0:
+            step = min(1 << 16, pos)
+            pos -= step
+            f.seek(pos)
+            i = f.read(step).rfind(b"\n")
+            if i >= 0:
+                cut = pos + i + 1
+                break
+        f.truncate(cut)
 
 
 def _unsynced(backend_cls):
@@ -306,6 +372,7 @@ def _unsynced(backend_cls):
             if not hasattr(self, "_lock") or not hasattr(self, "_file_path"):
                 return super().append_logs(logs)
             with get_lock_file(self._lock):
+                _cut_torn_tail(self._file_path)
                 text = "\n".join(json.dumps(log, separators=(",", ":")) for log in logs) + "\n"
                 with open(self._file_path, "ab") as f:
                     f.write(text.encode("utf-8"))
@@ -381,6 +448,8 @@ class _Run:
         from optuna.trial import TrialState
         trial.set_user_attr("candidate", ev.candidate.key)
         trial.set_user_attr("cached", ev.cached)
+        if ev.trial_id is not None:     # the stored trial it stands for (SharedBucket.recheck)
+            trial.set_user_attr("results_trial_id", ev.trial_id)
         if ev.ok:
             self.study.tell(trial, ev.value)
         else:

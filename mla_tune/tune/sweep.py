@@ -366,10 +366,11 @@ def _open_storage(config: SweepConfig, plan: SweepPlan):
 
 
 def _shared_bucket(storage, config: SweepConfig, plan: SweepPlan, p: PlannedBucket, backends: dict,
-                   device_name: str, heartbeat=None):
+                   device_name: str, heartbeat=None, store=None):
     """Bucket p's study in the shared storage, created and seeded if no other process has done
     so: with its grid (in measuring order, cut to its budget), or for TPE with the family
-    defaults (TPE proposes the rest)."""
+    defaults (TPE proposes the rest). With `store` (the results DB a journal belongs to), the
+    study is checked against the DB: what it says was measured and the DB lacks is measured again."""
     from mla_tune.tune.distributed import SharedBucket
     from mla_tune.tune.search import tpe_sampler
     declared = _space_for(p.bucket, backends, config.page_sizes, {})
@@ -386,6 +387,8 @@ def _shared_bucket(storage, config: SweepConfig, plan: SweepPlan, p: PlannedBuck
     sb = SharedBucket(storage, name, declared, heartbeat=heartbeat, grace_s=grace)
     sb.created = sb.open(seed, {"mode": p.mode, "space_size": len(p.space),
                                 "device_name": device_name}, sampler=sampler)
+    if store is not None and plan.db_uid:
+        sb.recheck(store.trial_candidates)
     return sb
 
 
@@ -672,7 +675,8 @@ def check_sweep_config(config: SweepConfig, families: bool = True) -> SweepConfi
         config.mix.check_covers({(b.workload.batch_size, b.workload.context_len)
                                  for b in config.buckets}, "the sweep's buckets")
     v.output_file(db, "--db", own=is_results_db)
-    if config.journal is not False:
+    check_storage(config)
+    if config.journal is not False and config.storage is None:
         journal = Path(config.journal) if config.journal else journal_path_for(db)
         v.output_file(journal, "--journal", own=v.is_optuna_journal)
     if emit:
@@ -681,6 +685,29 @@ def check_sweep_config(config: SweepConfig, families: bool = True) -> SweepConfi
     if families:
         check_families(config)
     return config
+
+
+def check_storage(config: SweepConfig) -> None:
+    """--storage and --heartbeat by the rules --journal has: a journal file must be an optuna
+    journal (or new, or empty) in a folder that can take it; an RDB URL must parse, and a
+    SQLite one must name optuna's own DB (never a results DB or another file); a heartbeat is
+    bounded and applies to an RDB storage only."""
+    from mla_tune import validate as v
+    from mla_tune.tune.distributed import check_rdb_url, is_rdb_url
+    storage = config.storage
+    if storage is not None:
+        if not str(storage).strip():
+            raise v.InputError("--storage: empty; name a journal file or an RDB URL "
+                               "(postgresql://user@host/db)")
+        if is_rdb_url(storage):
+            check_rdb_url(str(storage))
+        else:
+            v.output_file(storage, "--storage", own=v.is_optuna_journal)
+    if config.heartbeat_s is not None:
+        v.check_int("heartbeat", config.heartbeat_s, "--heartbeat")
+        if storage is None or not is_rdb_url(storage):
+            raise v.InputError("--heartbeat applies to an RDB --storage only (postgresql://...); "
+                               "a journal file's workers are watched by their pid")
 
 
 def check_families(config: SweepConfig) -> tuple[dict, dict]:
@@ -786,6 +813,12 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
         families = check_families(config)
         planning["families_s"] = time.monotonic() - t
         t = time.monotonic()
+        rdb = None
+        from mla_tune.tune.distributed import is_rdb_url
+        if config.storage and is_rdb_url(config.storage):
+            # reached (or refused) before the results DB is made: a bad URL leaves no file behind
+            from mla_tune.tune.distributed import open_storage
+            rdb = open_storage(config.storage, config.heartbeat_s)
         store = ResultsStore(config.db)
         plan, ctx = plan_sweep(config, store, families)   # check_families raised if none can run
         planning["spaces_s"] = time.monotonic() - t
@@ -800,7 +833,11 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
         for p in plan.buckets:
             w = p.bucket.workload
             p.workload_id = store.workload_id(w, workload_bytes(w), workload_flops(w))
-        storage = _open_storage(config, plan)
+        storage = rdb or _open_storage(config, plan)
+        if getattr(storage, "rebuilt", None):
+            outcome_note = (f"the optuna journal {plan.journal} could not be read: set aside as "
+                            f"{storage.rebuilt.name}, studies rebuilt from {plan.db}")
+            plan.note = f"{plan.note} {outcome_note}".strip()
         if storage is not None:
             from mla_tune.tune.distributed import Heartbeat, _heartbeat_on
             if _heartbeat_on(storage):
@@ -853,7 +890,7 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
                 t0 = time.monotonic()
                 if storage is not None and len(p.space):
                     sb = _shared_bucket(storage, config, plan, p, ctx["backends"], device_name,
-                                        heartbeat)
+                                        heartbeat, store)
                     if p.mode == "grid":
                         so = SearchOutcome("grid", len(p.space), p.budget)
                         _claim_and_measure(sb, so, evaluate, policy)
@@ -909,6 +946,11 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
         split["choose_s"] = time.monotonic() - t_choose
         obs.on_done(outcome)
         return outcome
+    except Exception as e:
+        from mla_tune import faults
+        if faults.is_fault(e):       # a full disk, a folder turned read-only: one line, resumable
+            raise SweepError(faults.sweep_stopped(e, config.db)) from None
+        raise
     finally:
         early.close()            # the worker and the probe, whether or not the sweep got to them
         for proc in (prebuild, triton_prebuild):

@@ -12,9 +12,9 @@ from mla_tune.views.render import Column, OutputFormat, Table, render, times, to
 
 def parse_lookup(text: str) -> tuple[int, int, int]:
     """`--lookup BATCH,CONTEXT[,Q_LEN]` -> (batch, context, q_len); InputError when malformed."""
-    from mla_tune.validate import InputError, check_int
+    from mla_tune.validate import InputError, ascii_int, check_int
     parts = text.split(",")
-    if len(parts) not in (2, 3) or not all(p.strip().isdigit() and len(p.strip()) < 20 for p in parts):
+    if len(parts) not in (2, 3) or any(ascii_int(p, 19) is None for p in parts):
         raise InputError(f"--lookup takes BATCH,CONTEXT[,Q_LEN] as positive integers, got {text!r}")
     vals = [check_int(k, int(p), "--lookup " + k.replace("_", " "))
             for k, p in zip(("batch", "context", "q_len"), parts)]
