@@ -19,13 +19,17 @@ cache=${XDG_CACHE_HOME:-$HOME/.cache}/mla-tune-serve-wheels
 mkdir -p "$cache"
 # what vLLM's OpenAI server (uvicorn, fastapi's extras, prometheus) and its benchmark client
 # (aiohttp) import beyond the carry, and pynvml (nvidia-ml-py), which vLLM's own CUDA platform
-# needs to detect the GPU (serve_bench's vllm_default setup runs without the plugin); versions as vllm==0.33.0 resolves them here
+# needs to detect the GPU (serve_bench's vllm_default setup runs without the plugin), and
+# model-hosting-container-standards (+ jmespath, supervisor, httpx), which `vllm serve` imports when
+# it builds its HTTP app, after the engine is up (missing on the lent H100 of 2026-12-06); versions as vllm==0.33.0 resolves them here
 for w in uvicorn==0.55.0 h11==0.16.0 anyio==4.16.0 uvloop==0.23.0 httptools==0.9.0 watchfiles==1.3.0 \
          prometheus_client==0.26.0 prometheus-fastapi-instrumentator==8.1.0 python-multipart==0.0.34 \
          annotated-doc==0.0.7 pydantic-extra-types==2.11.1 aiohttp==3.14.5 aiohappyeyeballs==2.7.1 \
          aiosignal==1.4.0 frozenlist==1.8.0 multidict==7.2.1 propcache==0.5.4 yarl==1.25.1 \
          httpcore2==2.17.0 einops==0.8.2 cloudpickle==3.1.3 py-cpuinfo==9.0.0 python-dotenv==1.2.4 \
-         websockets==17.4 ijson==3.6.0 nvidia-ml-py==13.615.71; do
+         websockets==17.4 ijson==3.6.0 nvidia-ml-py==13.615.71 \
+         model-hosting-container-standards==0.1.16 jmespath==1.1.0 supervisor==4.3.0 httpx==0.29.0 \
+         httpcore==1.0.9; do
   name=${w%%==*}; ver=${w#*==}
   ls "$cache"/*.whl 2>/dev/null | grep -qi "/$(echo "$name" | tr '-' '_')-$ver-" && continue
   PIP_CONFIG_FILE=/dev/null python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
