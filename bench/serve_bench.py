@@ -84,6 +84,7 @@ def fa3_available() -> str | None:
 def server_env(setup: str, config_folder: str | None, empty: Path) -> dict:
     env = dict(os.environ, VLLM_METAX_FORCE="1")
     env.pop("VLLM_METAX_MLA_CONFIG_FOLDER", None)
+    env.pop("VLLM_METAX_MLA_PACKAGED_FOLDER", None)     # the shipped configs, unless untuned
     if setup == "vllm_default":
         env.pop("VLLM_METAX_FORCE")          # the plugin stays inactive on an NVIDIA GPU
         return env
@@ -229,6 +230,10 @@ def run_setup(model: str, setup: str, model_dir: Path, args, empty: Path, port: 
     except Exception as e:  # noqa: BLE001 - one setup failing must not lose the others
         rec["error"] = f"{type(e).__name__}: {e}"
         print(f"[{key}] FAILED: {rec['error']}", flush=True)
+        server.stop()
+        tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-4:]
+        rec["log_tail"] = tail
+        print("\n".join(f"    {ln[:300]}" for ln in tail), flush=True)
     finally:
         server.stop()
         rec["log"] = log_lines(log)

@@ -1,0 +1,84 @@
+"""The CPU parts of bench/serve_bench.py: its client arguments parse with vLLM's own `vllm bench
+serve` parser and draw, from the locally made tokenizer, the prompt lengths each workload names;
+each setup's server environment; the report's ratios. Real vllm==0.33.0, no GPU, no server."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench_support import load_bench
+
+pytestmark = pytest.mark.vllm
+
+sb = load_bench("serve_bench")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    # the tokenizer and config alone: the client never reads weights
+    sb.make_model_dir.__globals__["write_weights"] = lambda *a, **k: None
+    return sb.make_model_dir(d, sb.model_config(16, 2, 4096, sb.MAX_MODEL_LEN + 1024))
+
+
+@pytest.mark.parametrize("name", sorted(sb.WORKLOADS))
+def test_each_workload_draws_its_lengths_through_vllms_client(model_dir, name):
+    from vllm.benchmarks.datasets import get_samples
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.tokenizers.registry import get_tokenizer
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    wl = sb.WORKLOADS[name]
+    inp, out, ratio, prompts, rates = wl
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(sb.bench_args(model_dir, 8000, wl, rates[0], 0))
+    assert args.ignore_eos and args.dataset_name == "random" and args.num_prompts == prompts
+    samples = get_samples(args, get_tokenizer(str(model_dir)))
+    assert len(samples) == prompts
+    lo, hi = inp * (1 - ratio["input"]), inp * (1 + ratio["input"])
+    assert all(lo - 2 <= s.prompt_len <= hi + 2 for s in samples), [s.prompt_len for s in samples]
+    assert max(s.prompt_len for s in samples) + out * (1 + ratio["output"]) <= sb.MAX_MODEL_LEN
+    olo, ohi = out * (1 - ratio["output"]), out * (1 + ratio["output"])
+    assert all(olo - 1 <= s.expected_output_len <= ohi + 1 for s in samples)
+    assert len(rates) >= 3
+
+
+def test_the_tokenizer_round_trips_every_id(model_dir):
+    from vllm.tokenizers.registry import get_tokenizer
+
+    tok = get_tokenizer(str(model_dir))
+    ids = list(range(3, 4096, 7))
+    assert tok.encode(tok.decode(ids), add_special_tokens=False) == ids
+
+
+def test_setups_get_the_environment_they_name(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_METAX_MLA_CONFIG_FOLDER", "/somewhere")
+    empty = tmp_path / "empty"
+    tuned = sb.server_env("tuned", "/tuned", empty)
+    assert tuned["VLLM_METAX_FORCE"] == "1" and tuned["VLLM_METAX_MLA_CONFIG_FOLDER"] == "/tuned"
+    packaged = sb.server_env("tuned", None, empty)
+    assert "VLLM_METAX_MLA_CONFIG_FOLDER" not in packaged and "VLLM_METAX_MLA_PACKAGED_FOLDER" not in packaged
+    for name in ("untuned", "triton16"):
+        env = sb.server_env(name, "/tuned", empty)
+        assert env["VLLM_METAX_MLA_PACKAGED_FOLDER"] == str(empty)
+        assert "VLLM_METAX_MLA_CONFIG_FOLDER" not in env
+    assert sb.SETUPS["triton16"][0] == ["--attention-backend", "TRITON_MLA", "--block-size", "16"]
+    plain = sb.server_env("vllm_default", "/tuned", empty)
+    assert "VLLM_METAX_FORCE" not in plain             # vLLM's own platform, the plugin inactive
+
+
+def test_the_report_quotes_tuned_over_each_setup():
+    def run(tpot):
+        return {"completed": 8, "p50_tpot_ms": tpot, "p99_tpot_ms": tpot * 2, "p50_itl_ms": tpot,
+                "p99_itl_ms": tpot, "p50_ttft_ms": 10.0, "p99_ttft_ms": 20.0, "output_throughput": 100.0}
+    record = {"h16/tuned": {"model": "h16", "setup": "tuned", "runs": {"long@1": run(2.0), "long@4": run(3.0)}},
+              "h16/triton16": {"model": "h16", "setup": "triton16", "runs": {"long@1": run(4.0), "long@4": run(6.0)}},
+              "h16/vllm_default": {"model": "h16", "setup": "vllm_default", "skipped": "no FA3 here"}}
+    md = sb.report(record, {"device": "X", "date": "d", "note": "n"})
+    assert "| long@1 | p50_tpot_ms | 2.00 | 4.00 | 0.500 |" in md
+    assert "p50 TPOT tuned / triton16, geomean over 2 workload-rates: 0.500" in md
+    assert "- vllm_default: no FA3 here" in md
+    json.dumps(record)
