@@ -1,6 +1,6 @@
 """The search replayed over stored measurements (no GPU): TPE against the grid on a large space.
 
-The space is bench/tpe_vs_grid.py's synthetic landscape (a split-KV kernel with four knobs beside
+The space is bench/experiments/tpe_vs_grid.py's synthetic landscape (a split-KV kernel with four knobs beside
 three fixed backends, ~400 points per bucket, 2% sample noise), stored in a real results DB.
 """
 

@@ -11,7 +11,7 @@ set -u
 start=$(date +%s)
 total=${TOTAL_S:-585}
 left() { echo $(( total - ($(date +%s) - start) )); }
-source bench/serve-env.sh || exit 3
+source bench/tools/serve-env.sh || exit 3
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import vllm.entrypoints.openai.api_server, vllm.benchmarks.serve, vllm._C_stable_libtorch; print('serve imports ok')" 2>&1 | tail -3
 echo "setup $(( $(date +%s) - start )) s"

@@ -1,6 +1,6 @@
 """Can a fused Triton MLA decode kernel beat FlashInfer fa3 on small work (B x L <= 8K KV tokens)?
 
-    source bench/device-setup.sh && python3 bench/small_decode_kernel.py --out $OUT
+    source bench/tools/device-setup.sh && python3 bench/experiments/small_decode_kernel.py --out $OUT
 
 For each shape (heads, batch, context) at page 64 it builds the problem the tuner measures
 (`make_problem`, KV pool of `default_pool_bytes()` with scattered pages, DeepSeek-V3's scale at
@@ -26,7 +26,7 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 SHAPES = [  # (heads, batch, context)
     (16, 1, 1024), (16, 8, 1024), (16, 1, 8192), (16, 2, 4096), (16, 4, 2048),

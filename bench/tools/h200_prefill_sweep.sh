@@ -4,15 +4,15 @@
 # `mla-tune prefill-sweep` into results.db (the default buckets: DeepSeek-V3 TP1 and TP8, fa2 and
 # fa3; every sample stored) and `mla-tune emit` of the config with its prefill sections.
 # Results in $OUT: pytest_gpu_prefill.txt, prefill_sweep.txt, results.db, configs/, emit.txt.
-#   here, once: ../shared/gpu/prepare-carry --with-vllm && bench/prepare-device-wheels.sh
-#   on the device machine (carry .carry and .whl):  bash bench/h200_prefill_sweep.sh
+#   here, once: ../shared/gpu/prepare-carry --with-vllm && bench/tools/prepare-device-wheels.sh
+#   on the device machine (carry .carry and .whl):  bash bench/tools/h200_prefill_sweep.sh
 # The whole call stays within BUDGET_S (default 570 s, under the device's 10-minute command
 # limit): the sweep gets what the tests left. It sweeps into a copy of the repository's results.db
 # kept outside the working tree (PREFILL_DB), which a second call on the still-warm machine
 # resumes (SKIP_TESTS=1 skips the tests then).
 set -u
 start=$(date +%s)
-source bench/device-setup.sh
+source bench/tools/device-setup.sh
 DB=${PREFILL_DB:-/tmp/mla_prefill/results.db}
 [ -f "$DB" ] || { mkdir -p "$(dirname "$DB")" && cp results.db "$DB"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader

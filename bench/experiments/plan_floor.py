@@ -16,7 +16,7 @@ steps, for B = 1-256; and the decode kernel's GPU time on MLAPlan's schedule vs 
 (decode, speculative causal, long context) to schedules.npz: inputs, plan info and every schedule
 array, so the numpy schedule can be checked against it off the GPU (tests/test_mla_schedule.py).
 
-    source .carry/device-env.sh && python3 bench/plan_floor.py --out $OUT
+    source .carry/device-env.sh && python3 bench/experiments/plan_floor.py --out $OUT
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402

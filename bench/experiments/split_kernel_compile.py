@@ -1,7 +1,7 @@
 """How the split-KV TMA kernel compiles for a GPU target, without a GPU: registers, spills, shared
 memory, KV buffers, and how many tiles' copies are in flight while a tile's dots run.
 
-    python3 bench/split_kernel_compile.py [--arch 90] [--out bench/results]
+    python3 bench/experiments/split_kernel_compile.py [--arch 90] [--out bench/results]
 
 Compiles `vllm_metax.ops.split_decode._split_tma_kernel` ahead of time with the installed Triton
 (the GPU image's Triton 3.6 is what the H200 runs: `PYTHONPATH=<its wheel, unpacked>` picks it)
@@ -13,7 +13,7 @@ where the next copy is issued before the dots. A memory-bound loop with 0 in fli
 every tile's copy after its dots (the kernel as served on the H200 through 2026-12-04).
 
 Writes <out>/split_kernel_compile_sm<arch>.{txt,json}. It times nothing: what a variant gains is
-for bench/small_decode_kernel.py --pipe on the GPU to measure.
+for bench/experiments/small_decode_kernel.py --pipe on the GPU to measure.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 # (heads, block_h, block_n, num_warps, num_stages, transposed, group_pages); the first of each head
 # count is what split_decode.served() runs at page 64 for the pipe "t64", the last for "t32x4"

@@ -2,16 +2,16 @@
 # One device call that measures and verifies everything GPU-side inside a fixed wall-clock
 # allowance, in priority order: the DeepSeek-V3 TP1+TP8 sweep (every candidate correctness-gated
 # through the real kernels), then `pytest -m gpu`, then the per-step plan cost.
-#   here, once: ../shared/gpu/prepare-carry --with-vllm && bench/prepare-device-wheels.sh
-#   on the device machine (carry .carry and .whl):  bash bench/h200_final.sh [total_seconds]
+#   here, once: ../shared/gpu/prepare-carry --with-vllm && bench/tools/prepare-device-wheels.sh
+#   on the device machine (carry .carry and .whl):  bash bench/tools/h200_final.sh [total_seconds]
 # SWEEP_ARGS overrides the bucket grid (default: the CLI's defaults); SWEEP_BUDGET the sweep's
 # seconds (default 55% of the total). The full default grid (96 buckets, ~2,400 trials at the
-# 5.8 trials/s measured on 2026-12-02) wants about 8 minutes: `SWEEP_BUDGET=480 bash bench/h200_final.sh 590`.
+# 5.8 trials/s measured on 2026-12-02) wants about 8 minutes: `SWEEP_BUDGET=480 bash bench/tools/h200_final.sh 590`.
 set -u
 total=${1:-540}
 start=$(date +%s)
 left() { echo $(( total - ($(date +%s) - start) )); }
-source bench/device-setup.sh
+source bench/tools/device-setup.sh
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 
 budget=${SWEEP_BUDGET:-$(( total * 55 / 100 ))}

@@ -1,9 +1,9 @@
 """FlashMLA vs FlashInfer per bucket, from a results DB the sweep wrote with both families
-(`bench/h200_flashmla.sh`): per bucket the median kernel time of flashmla/flashmla/p64, of
+(`bench/tools/h200_flashmla.sh`): per bucket the median kernel time of flashmla/flashmla/p64, of
 FlashInfer's untuned default (fa3 at page 64 on Hopper) and of the fastest valid FlashInfer
 candidate at page 64; geomeans per head count and length distribution.
 
-    python3 bench/flashmla_vs_flashinfer.py bench/results/flashmla_vs_flashinfer_h200.db > bench/results/flashmla_vs_flashinfer_h200.md
+    python3 bench/experiments/flashmla_vs_flashinfer.py bench/results/flashmla_vs_flashinfer_h200.db > bench/results/flashmla_vs_flashinfer_h200.md
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def main(db: str) -> int:
     run = c.execute("select device_name, torch, flashinfer, started_at from runs order by id desc limit 1").fetchone()
     print(f"# FlashMLA (vLLM 0.33.0's _flashmla_C) vs FlashInfer MLA on {run[0]}\n")
     print(f"From `{db}`: `mla-tune sweep --family flashinfer --family flashmla` over the default "
-          f"buckets (bench/h200_flashmla.sh), run {run[3]}, torch {run[1]}, flashinfer {run[2]}. Median "
+          f"buckets (bench/tools/h200_flashmla.sh), run {run[3]}, torch {run[1]}, flashinfer {run[2]}. Median "
           "kernel time per call (CUDA-graph replays, cold L2, the sweep's timer), page 64. "
           "`fi default` = FlashInfer's untuned fa3, `fi best` = the fastest valid FlashInfer candidate "
           "(kv_chunk variants included); ratio > 1: FlashMLA faster.\n")

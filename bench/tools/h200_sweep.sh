@@ -4,8 +4,8 @@
 # fresh DB (JIT included when the machine is cold), then bench/tuned_vs_auto.py on the DB and
 # config it wrote. Everything lands in $OUT: sweep.txt (its last lines: the `time:` split and
 # `sweep wall N s`), results.db, configs/, tuned_vs_auto_h200.{md,json}.
-#   here, once: ../shared/gpu/prepare-carry --with-vllm && bench/prepare-device-wheels.sh
-#   on the device machine (carry .carry and .whl):  bash bench/h200_sweep.sh [total_seconds]
+#   here, once: ../shared/gpu/prepare-carry --with-vllm && bench/tools/prepare-device-wheels.sh
+#   on the device machine (carry .carry and .whl):  bash bench/tools/h200_sweep.sh [total_seconds]
 # TUNED_VS_AUTO=0 skips the comparison; PREFILL=1 runs the prefill sweep into the same DB and
 # emits the config again (decode + prefill sections) before the comparison. SWEEP_BUDGET caps the sweep (default 420 s, so the call fits 600 s even if it is slow; the goal
 # is <= 150 s, where the cap does not bind); MLA_TUNE_JIT_PREBUILD=0 compiles FlashInfer in the
@@ -14,7 +14,7 @@ set -u
 total=${1:-590}
 start=$(date +%s)
 left() { echo $(( total - ($(date +%s) - start) )); }
-source bench/device-setup.sh
+source bench/tools/device-setup.sh
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 ls /tmp/fiws 2>/dev/null | head -3 | sed 's/^/JIT cache present: /'
 

@@ -3,7 +3,7 @@
 # flashinfer-python 0.2.6.post1, the flat API MetaX's vendor build speaks, on the lent H200.
 #   here, once: pip download --no-deps flashinfer-python==0.2.6.post1 (an sdist), then
 #     FLASHINFER_ENABLE_AOT=0 pip wheel --no-deps --no-build-isolation -w .fi026 <the sdist>
-#   there (carry .carry and .fi026, after source .carry/device-env.sh):  bash bench/h200_flashinfer026.sh [seconds]
+#   there (carry .carry and .fi026, after source .carry/device-env.sh):  bash bench/tools/h200_flashinfer026.sh [seconds]
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fi026 .fi026/*.whl
 export VLLM_METAX_FORCE=1

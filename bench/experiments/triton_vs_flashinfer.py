@@ -1,6 +1,6 @@
 """vLLM's Triton MLA decode (the TRITON_MLA kernel) beside FlashInfer fa3, DeepSeek-V3 TP1 / TP8.
 
-    source .carry/device-env.sh && python3 bench/triton_vs_flashinfer.py --out $OUT
+    source .carry/device-env.sh && python3 bench/experiments/triton_vs_flashinfer.py --out $OUT
 
 Per bucket (128 heads = TP1, 16 heads = TP8; batch 1-128; context 1K-32K; page 64) it measures,
 in one interleaved set through the tuner's own harness (mla_tune.measure.trial.measure_interleaved:
@@ -29,9 +29,9 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.shape_run import add_shape_run_options, ints, read_earlier_run  # noqa: E402
+from bench.experiments.shape_run import add_shape_run_options, ints, read_earlier_run  # noqa: E402
 from mla_tune.families.triton_mla import vllm_compiled_ops_missing  # noqa: E402
 from mla_tune.problem.defaults import KERNEL_METRIC  # noqa: E402
 from mla_tune.problem.workload import model_preset, workload_for  # noqa: E402
@@ -82,7 +82,7 @@ def measure_all(args) -> dict:
     try:
         from mla_tune.store.results import ResultsStore
         store = ResultsStore(out / f"{NAME}.db")
-        run_id = store.add_run({**env, "notes": "bench/triton_vs_flashinfer.py"})
+        run_id = store.add_run({**env, "notes": "bench/experiments/triton_vs_flashinfer.py"})
     except ImportError as e:
         say(f"  (no results DB: {e})")
 

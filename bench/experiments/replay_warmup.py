@@ -12,7 +12,7 @@ between capture and sampling. Prints, per variant, replay and run index, the med
 of run time / the candidate's reference median (runs 4-9 of the third replay), over every
 candidate and repetition. Writes <out>/replay_warmup_h200.{txt,json}.
 
-    source bench/device-setup.sh && python3 bench/replay_warmup.py --out $OUT
+    source bench/tools/device-setup.sh && python3 bench/experiments/replay_warmup.py --out $OUT
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 SHAPES = [(16, 1, 1024), (16, 8, 4096), (16, 64, 8192), (128, 1, 4096), (128, 16, 4096)]
 VARIANTS = ("plain", "upload", "lead", "lead+upload")

@@ -1,6 +1,6 @@
 """The split family's pipes side by side, from a results DB (no GPU: it reads what a sweep stored).
 
-    python3 bench/split_pipes.py --db results.db [--run N] [--out bench/results]
+    python3 bench/experiments/split_pipes.py --db results.db [--run N] [--out bench/results]
 
 Per decode bucket of the run (default: the newest run with split trials carrying `pipe`): each
 pipe's best median kernel time (its split count in brackets) and FlashInfer's best, and which pipe
@@ -65,7 +65,7 @@ def main() -> int:
     rows = table(db, run)
     wins = collections.Counter()
     lines = [f"# Split-kernel pipes side by side ({device[0]}, run {run} of `{args.db}`, {device[1]})", "",
-             f"`python3 bench/split_pipes.py --db {args.db} --run {run}`: per bucket each pipe's best median "
+             f"`python3 bench/experiments/split_pipes.py --db {args.db} --run {run}`: per bucket each pipe's best median "
              "kernel time (us; its split count) and FlashInfer's best; `best/fi` is the fastest pipe over "
              "FlashInfer's best (below 1: split is faster).", "",
              "| bucket | flashinfer | " + " | ".join(PIPES) + " | fastest pipe | best/fi |",

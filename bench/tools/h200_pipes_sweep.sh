@@ -3,12 +3,12 @@
 # a GPU): first tests/test_gpu_split.py (every pipe against the torch reference through the family
 # and the plugin's check, t32x4-pdl under full CUDA-graph capture and replay through vLLM's builder),
 # then, only if it passed, the default sweep with the pipes in its space and tuned_vs_auto
-# (bench/h200_sweep.sh: results.db, configs/, sweep.txt, tuned_vs_auto_h200.{md,json} in $OUT).
-#   here, once: ../shared/gpu/prepare-carry --with-vllm && bench/prepare-device-wheels.sh
-#   on the device machine (carry .carry and .whl):  bash bench/h200_pipes_sweep.sh
+# (bench/tools/h200_sweep.sh: results.db, configs/, sweep.txt, tuned_vs_auto_h200.{md,json} in $OUT).
+#   here, once: ../shared/gpu/prepare-carry --with-vllm && bench/tools/prepare-device-wheels.sh
+#   on the device machine (carry .carry and .whl):  bash bench/tools/h200_pipes_sweep.sh
 set -u
 start=$(date +%s)
-source bench/device-setup.sh
+source bench/tools/device-setup.sh
 echo "== tests/test_gpu_split.py"
 timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/test_gpu_split.py \
   > "$OUT/pytest_gpu_split.txt" 2>&1
@@ -21,4 +21,4 @@ if [ "$rc" != 0 ]; then
 fi
 left=$(( 590 - ($(date +%s) - start) ))
 echo "== sweep + tuned_vs_auto (${left} s left)"
-SWEEP_BUDGET=${SWEEP_BUDGET:-300} bash bench/h200_sweep.sh "$left"
+SWEEP_BUDGET=${SWEEP_BUDGET:-300} bash bench/tools/h200_sweep.sh "$left"

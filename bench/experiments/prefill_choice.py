@@ -3,8 +3,8 @@ this GPU? Measured through the plugin's own vllm-free prefill op (`MLAPrefillKer
 served model runs), DeepSeek-V3 shapes (q/k head dim 192 = 128 nope + 64 rope, v 128, bf16,
 softmax scale 1/sqrt(192)) at 128 heads (TP1) and 16 heads (TP8).
 
-    source .carry/device-env.sh && VLLM_METAX_FORCE=1 python3 bench/prefill_choice.py --out DIR
-    python3 bench/prefill_choice.py --analyze DIR/prefill_choice.json   # re-decide from the samples
+    source .carry/device-env.sh && VLLM_METAX_FORCE=1 python3 bench/experiments/prefill_choice.py --out DIR
+    python3 bench/experiments/prefill_choice.py --analyze DIR/prefill_choice.json   # re-decide from the samples
 
 1. backend: every value the device accepts (of --backends, default fa2,fa3) on (a) new-token
    causal prefill, ragged batches of 256..8K tokens (one request; four requests of different
@@ -42,9 +42,9 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.shape_run import add_shape_run_options, ints, read_earlier_run  # noqa: E402
+from bench.experiments.shape_run import add_shape_run_options, ints, read_earlier_run  # noqa: E402
 from mla_tune.tune.choose import MIN_RATIO, P_THRESHOLD  # noqa: E402
 from mla_tune.problem.workload import model_preset  # noqa: E402
 

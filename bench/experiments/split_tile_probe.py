@@ -4,7 +4,7 @@ no attention math, beside a device-to-device copy of the same bytes (copy bandwi
 written over its time). The probe consumes a tile either by summing it over its tokens (`rowsum`,
 a cross-warp reduction per tile) or by adding it into a register tile reduced once at the end.
 
-    source bench/device-setup.sh && python3 bench/split_tile_probe.py --out $OUT
+    source bench/tools/device-setup.sh && python3 bench/experiments/split_tile_probe.py --out $OUT
 
 Why: on the H200 the split kernel costs ~4 us per 64-token tile and program at batch 8+, and the
 32-token, 4-stage pipe with 2 copies in flight (`t32x4`) was no faster per token than the
@@ -23,7 +23,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import triton  # noqa: E402

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The serving proof on the lent H200: vLLM's compiled ops unpacked next to the carried vLLM, the
 # plugin's GPU prefill tests, then bench/serve_e2e.py (vLLM's engine serving a tiny DeepSeek-V2).
-#   here, once: ../shared/gpu/prepare-carry --with-vllm && python3 bench/prepare_device_ops.py \
-#               && bench/prepare-device-wheels.sh
-#   there (carry .carry, .ops and .whl):  bash bench/h200_serve.sh [runs]
+#   here, once: ../shared/gpu/prepare-carry --with-vllm && python3 bench/tools/prepare_device_ops.py \
+#               && bench/tools/prepare-device-wheels.sh
+#   there (carry .carry, .ops and .whl):  bash bench/tools/h200_serve.sh [runs]
 set -u
 source .carry/device-env.sh
-if [ -d .whl ]; then       # bench/prepare-device-wheels.sh: what the engine imports beyond the carry
+if [ -d .whl ]; then       # bench/tools/prepare-device-wheels.sh: what the engine imports beyond the carry
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 .whl/*.whl
   export PYTHONPATH=$PYTHONPATH:/tmp/site2
 fi

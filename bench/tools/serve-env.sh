@@ -1,10 +1,10 @@
 # Sourced from the project root on the lent GPU (carry .dev, and .fa3 where packed): unpacks what
-# bench/prepare-serve-carry.sh packed into /tmp/site once per machine, registers this project's
+# bench/tools/prepare-serve-carry.sh packed into /tmp/site once per machine, registers this project's
 # entry points (its vLLM platform plugin among them) without installing it, forces the platform.
 mkdir -p /tmp/site /tmp/fiws
 if [ ! -f /tmp/site/.serve-env-ok ]; then
   if [ ! -d .dev ]; then
-    echo "serve-env: no .dev here and a bare machine: carry .dev (bench/prepare-serve-carry.sh)" >&2
+    echo "serve-env: no .dev here and a bare machine: carry .dev (bench/tools/prepare-serve-carry.sh)" >&2
     return 3 2>/dev/null || exit 3
   fi
   for a in flashinfer vllm site; do tar -C /tmp/site -xJf .dev/$a.tar.xz; done

@@ -2,7 +2,7 @@
 their GPU durations (torch.profiler / CUPTI), and the wall time of the same call replayed from a
 CUDA graph with a warm and a cold L2 (CUDA events).
 
-    source bench/device-setup.sh && python3 bench/small_work_floor.py --out $OUT
+    source bench/tools/device-setup.sh && python3 bench/experiments/small_work_floor.py --out $OUT
 
 Issue #15 asks for small work (B x L <= 8K KV tokens) at <= 12 us per call; the tuned config and
 FlashInfer `auto` both sit at 16-21 us there (bench/results/tuned_vs_auto_h200.md). This tells
@@ -19,7 +19,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 SHAPES = [  # (heads, batch, context)
     (16, 1, 1024), (16, 8, 1024), (16, 1, 8192), (128, 1, 1024), (128, 8, 1024), (128, 1, 8192),

@@ -2,11 +2,11 @@
 # FlashMLA (vllm/_flashmla_C, vLLM 0.33.0's build, stable torch ABI) on the lent H200: load it on
 # the image's torch, run the flashmla family's GPU tests, then sweep the default buckets with
 # flashinfer + flashmla into $OUT/flashmla.db (every candidate correctness-gated).
-#   here, once: ../shared/gpu/prepare-carry --with-vllm && bench/prepare-device-wheels.sh &&
+#   here, once: ../shared/gpu/prepare-carry --with-vllm && bench/tools/prepare-device-wheels.sh &&
 #               mkdir -p .ops && xz -9 -c .venv/lib/python3.11/site-packages/vllm/_flashmla_C.abi3.so > .ops/_flashmla_C.abi3.so.xz
-#   there (carry .carry, .whl, .ops):  bash bench/h200_flashmla.sh
+#   there (carry .carry, .whl, .ops):  bash bench/tools/h200_flashmla.sh
 set -u
-source bench/device-setup.sh
+source bench/tools/device-setup.sh
 xz -dc .ops/_flashmla_C.abi3.so.xz > /tmp/site/vllm/_flashmla_C.abi3.so
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "

@@ -2,11 +2,11 @@
 # One device call: where the sweep's wall time goes. A cold default sweep under a time budget
 # with cProfile on the parent (parent.prof) and on the measuring worker (MLA_TUNE_PROFILE:
 # worker-<pid>.prof), its `time:` line in sweep.txt; then `pytest -m gpu` into pytest_gpu.txt.
-#   on the device machine (carry .carry and .whl):  bash bench/h200_profile.sh [sweep_budget_s]
+#   on the device machine (carry .carry and .whl):  bash bench/tools/h200_profile.sh [sweep_budget_s]
 # Read the profiles here: python -m pstats <file>, or bench/profile_summary.py <folder>.
 set -u
 budget=${1:-90}
-source bench/device-setup.sh
+source bench/tools/device-setup.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 mkdir -p "$OUT/prof" "$OUT/configs"
 echo "== profiled default sweep, budget ${budget} s"

@@ -2,19 +2,19 @@
 # Packs what `vllm serve` + `vllm bench serve` (bench/serve_bench.py) and the sweep need on the
 # lent GPU, which has no package access, into .dev/ (git-ignored), under the 64 MiB a device call
 # carries: FlashInfer and vLLM's Python files from ../shared/gpu/prepare-carry --with-vllm, every
-# wheel (the carry's, bench/prepare-device-wheels.sh's and the HTTP server's and client's below)
+# wheel (the carry's, bench/tools/prepare-device-wheels.sh's and the HTTP server's and client's below)
 # unpacked into one xz archive (a third smaller than the wheels), vLLM's compiled ops
-# (bench/prepare_device_ops.py). With --fa3 it also packs vLLM's FA3 library into .fa3/
+# (bench/tools/prepare_device_ops.py). With --fa3 it also packs vLLM's FA3 library into .fa3/
 # (172 MB, all sm_90: 16 MB stripped and xz'd), which does not fit beside .dev/: a second call on
 # the still-warm machine brings it.
-#   here, once (after installing the vllm extra):  bash bench/prepare-serve-carry.sh [--fa3]
-#   there (carry .dev):  source bench/serve-env.sh && ...
+#   here, once (after installing the vllm extra):  bash bench/tools/prepare-serve-carry.sh [--fa3]
+#   there (carry .dev):  source bench/tools/serve-env.sh && ...
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 for d in /.dev/ /.fa3/; do grep -qx "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude; done
 [ -f .carry/vllm.tar.xz ] || ../shared/gpu/prepare-carry --with-vllm
-[ -f .ops/_C_stable_libtorch.abi3.so.xz ] || python3 bench/prepare_device_ops.py
-[ -d .whl ] || bash bench/prepare-device-wheels.sh
+[ -f .ops/_C_stable_libtorch.abi3.so.xz ] || python3 bench/tools/prepare_device_ops.py
+[ -d .whl ] || bash bench/tools/prepare-device-wheels.sh
 cache=${XDG_CACHE_HOME:-$HOME/.cache}/mla-tune-serve-wheels
 mkdir -p "$cache"
 # what vLLM's OpenAI server (uvicorn, fastapi's extras, prometheus) and its benchmark client

@@ -1,6 +1,6 @@
 """Pack vLLM's compiled ops for the lent H200 (no package access there, 64 MiB per transfer).
 
-    python3 bench/prepare_device_ops.py          # here, after installing the vllm extra
+    python3 bench/tools/prepare_device_ops.py          # here, after installing the vllm extra
     # there (carry ".ops"):  xz -dc .ops/_C_stable_libtorch.abi3.so.xz > /tmp/site/vllm/_C_stable_libtorch.abi3.so
 
 `vllm/_C_stable_libtorch.abi3.so` (92 MB) is mostly a CUDA fat binary of already compressed cubins

@@ -8,7 +8,7 @@ cost per split, a launch floor, small knob factors) with 2% lognormal sample noi
 number is invented here: the point is the search, which `mla-tune sweep --replay` runs exactly
 as it runs over a real results.db.
 
-    python bench/tpe_vs_grid.py [--seeds 5] [--out bench/results/tpe_vs_grid.json]
+    python bench/experiments/tpe_vs_grid.py [--seeds 5] [--out bench/results/tpe_vs_grid.json]
 
 For every bucket it replays the grid (every point) and TPE (default budget: a quarter of the
 space, patience 24) over the same stored samples and reports, per TPE seed: trials spent, the
@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's mla_tune, as the other scripts
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # this checkout's mla_tune, as the other scripts
 
 from mla_tune.families.base import Candidate  # noqa: E402
 from mla_tune.problem.defaults import KERNEL_METRIC  # noqa: E402
@@ -96,7 +96,7 @@ def build_landscape_db(path: str | Path, buckets=BUCKETS, tp: int = 8, seed: int
     sizes = {}
     with ResultsStore(path) as store:
         run = store.add_run({"kind": "synthetic", "device_name": DEVICE, "host": "bench",
-                             "command": "bench/tpe_vs_grid.py (modelled times, not measurements)"})
+                             "command": "bench/experiments/tpe_vs_grid.py (modelled times, not measurements)"})
         for b, c in buckets:
             w = workload_for(model, tp, b, c)
             wid = store.workload_id(w, workload_bytes(w), workload_flops(w))
@@ -160,7 +160,7 @@ def summarize(rows: list[dict]) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=5)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "tpe_vs_grid.json"))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / "tpe_vs_grid.json"))
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as d:
         db = Path(d) / "landscape.db"

@@ -3,11 +3,11 @@
 # (bench/plan_cost.py --profile), then `pytest -m gpu`. With RESUME_SWEEP=1, between the two, the
 # DeepSeek-V3 TP1+TP8 sweep in results.db is resumed with no time budget (only buckets a budget cut
 # short are measured; everything stored is reused) and results.db comes back in $OUT.
-#   here, once: ../shared/gpu/prepare-carry --with-vllm && bench/prepare-device-wheels.sh
-#   on the device machine (carry .carry and .whl):  [RESUME_SWEEP=1] bash bench/h200_verify.sh
+#   here, once: ../shared/gpu/prepare-carry --with-vllm && bench/tools/prepare-device-wheels.sh
+#   on the device machine (carry .carry and .whl):  [RESUME_SWEEP=1] bash bench/tools/h200_verify.sh
 set -u
 start=$(date +%s)
-source bench/device-setup.sh
+source bench/tools/device-setup.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 echo "== plan cost"
 timeout 150 python3 bench/plan_cost.py --profile --out "$OUT" > "$OUT/plan_cost.txt" 2>&1
