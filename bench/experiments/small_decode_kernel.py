@@ -53,7 +53,7 @@ MERGE_ORDER = ("fused", "kernel")
 # spilling; 4 warps spill >1 KB, non-transposed BLOCK_H 16 loses the second stage. Two programs an
 # SM would need one stage (93 KB of shared memory) and 128 registers (656 B of spills; Triton's
 # maxnreg launch option): measured wrong on the H200 (relative error 5-7, with and without the cap,
-# small_decode_kernel_tma_occupancy_h200.txt), as the pointer kernel's transposed one-stage configuration was
+# small_decode_kernel_h200.txt, run `tma_occupancy`), as the pointer kernel's transposed one-stage configuration was
 # (small_decode_kernel_h200.txt): SplitDecode refuses transposed with one stage.
 TMA_VARIANTS = {
     16: [dict(block_h=16, block_n=64, num_warps=8, transposed=False, load="gather"),

@@ -1,4 +1,4 @@
-# Sourced (not run) by the bench/h200_*.sh device scripts: the carried FlashInfer/vLLM environment,
+# Sourced (not run) by the bench/tools/h200_*.sh device scripts: the carried FlashInfer/vLLM environment,
 # the sweep's wheels from .whl/ (bench/tools/prepare-device-wheels.sh), the forced platform, and $OUT.
 source .carry/device-env.sh
 # device-env.sh installs .carry/wheels only on a bare machine; a warm one keeps what an earlier call

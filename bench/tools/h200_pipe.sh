@@ -2,7 +2,7 @@
 # One device call for the split kernel's pipelining (bench/experiments/small_decode_kernel.py --pipe): the
 # served TMA kernel (block-table load in its tile loop, 0 copies in flight during a tile's dots per
 # bench/results/split_kernel_compile_sm90.txt) against page ids loaded ahead of the loop and
-# 32-token tiles at 3-4 stages, on the shapes of small_decode_kernel_tma_h200; then the whole
+# 32-token tiles at 3-4 stages, on the shapes of small_decode_kernel_h200.txt run `tma`; then the whole
 # `pytest -m gpu`. Results in $OUT.
 #   here, once: ../shared/gpu/prepare-carry --with-vllm && bench/tools/prepare-device-wheels.sh
 #   on the device machine (carry .carry and .whl):  bash bench/tools/h200_pipe.sh
