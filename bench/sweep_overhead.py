@@ -20,7 +20,7 @@ lightly loaded, 193.0 s vs 88.5 s heavily loaded, and alternating runs later 35.
 vs 45.3 / 33.1 s (new). On the CPU a trial's worker side is the torch reference (twice per
 candidate here, in prepare and gate), which says nothing of the GPU's fixed costs (clock warm-up,
 correctness instances, discarded graph samples) that this work removed; those show only in the
-H200 run's `time:` line (bench/h200_sweep.sh).
+H200 run's `time:` line (bench/tools/h200_sweep.sh).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What the tuned config buys: the plugin's tuned choice vs FlashInfer `auto` vs vLLM's default.
 
-    source bench/device-setup.sh && python3 bench/tuned_vs_auto.py --db results.db \
+    source bench/tools/device-setup.sh && python3 bench/tuned_vs_auto.py --db results.db \
         --config configs/device_name=NVIDIA_H200.json --out $OUT
 
 For every decode bucket the sweep measured (q_len 1, uniform and ragged lengths; the workloads of

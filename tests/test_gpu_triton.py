@@ -21,7 +21,7 @@ V3 = model_preset("deepseek-v3")
 @pytest.fixture(scope="module", autouse=True)
 def _plugin_platform_where_vllm_lacks_compiled_ops():
     """With only vLLM's Python files (the H200 machine), vLLM's CUDA platform cannot load; the
-    project's platform plugin must be the active one, as in bench/triton_vs_flashinfer.py."""
+    project's platform plugin must be the active one, as in bench/experiments/triton_vs_flashinfer.py."""
     from mla_tune.families.triton_mla import vllm_compiled_ops_missing
     if not vllm_compiled_ops_missing() or os.environ.get("VLLM_METAX_FORCE"):
         yield

@@ -1,7 +1,7 @@
 """The numpy MLA schedule (vllm_metax.ops.mla_schedule) against FlashInfer's C++ MLAPlan.
 
 Two oracles: schedules FlashInfer 0.7.2's MLAPlan wrote on the H200 (tests/data/
-flashinfer_mlaplan_h200.npz, from bench/plan_floor.py), and `mlaplan_port`, a line-by-line Python
+flashinfer_mlaplan_h200.npz, from bench/experiments/plan_floor.py), and `mlaplan_port`, a line-by-line Python
 port of MLAPlan (scheduler.cuh) that is itself checked against those schedules and then drives
 random batches. "Same schedule" means what the kernel is given: the merge CTAs entry for entry, and
 the same work items (any cluster may run any of them).

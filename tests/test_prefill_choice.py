@@ -1,4 +1,4 @@
-"""bench/prefill_choice.py on the CPU: its shape lists, vLLM's workspace and chunking rules (against
+"""bench/experiments/prefill_choice.py on the CPU: its shape lists, vLLM's workspace and chunking rules (against
 vLLM 0.33.0's own functions), the memory formulas, the beyond-noise rule and the verdicts on
 constructed samples, the LSE merge and the chunked context pass against a float64 reference, and
 the whole measuring pipeline over a torch stand-in for FlashInfer's ragged prefill (one of whose

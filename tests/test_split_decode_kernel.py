@@ -255,7 +255,7 @@ def test_the_tma_kernel_is_served_only_where_the_device_has_tma(monkeypatch):
 
 
 def test_compiled_for_hopper_the_grouped_page_ids_let_copies_overlap_the_dots(tmp_path):
-    """bench/split_kernel_compile.py on the installed Triton (no GPU: ahead-of-time for sm_90a):
+    """bench/experiments/split_kernel_compile.py on the installed Triton (no GPU: ahead-of-time for sm_90a):
     the served 16-head kernel issues each tile's copy only after the previous tile's dots (0 in
     flight), and with page ids loaded ahead of the loop 32-token tiles at 4 stages keep 2 copies in
     flight; with the block-table load in the loop the pipeliner leaves the copies 2 buffers."""

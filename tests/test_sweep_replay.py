@@ -1,6 +1,6 @@
 """The search replayed over stored measurements (no GPU): TPE against the grid on a large space.
 
-The space is bench/tpe_vs_grid.py's synthetic landscape (a split-KV kernel with four knobs beside
+The space is bench/experiments/tpe_vs_grid.py's synthetic landscape (a split-KV kernel with four knobs beside
 three fixed backends, ~400 points per bucket, 2% sample noise), stored in a real results DB.
 """
 
@@ -106,7 +106,7 @@ def test_invalid_candidates_never_win_and_time_budget_stops():
     assert out.stopped == "time budget" and not out.evaluations
 
 
-# a copy of bench/results/triton_vs_flashinfer_h200.db: tests never read bench/results
+# the DB bench/experiments/triton_vs_flashinfer.py wrote on the H200 (its .md/.json/.log in bench/results/)
 H200_DB = Path(__file__).resolve().parent / "data" / "triton_vs_flashinfer_h200.db"
 
 

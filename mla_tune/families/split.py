@@ -6,7 +6,7 @@ Why it exists: FlashInfer's MLA kernels merge a request's KV chunks with one (re
 merge item, so at batch 1-2 with 16 heads they can neither split a long context finely nor merge
 the splits fast (their best KV chunking there is x2, fewer splits). This kernel reduces each split
 into a partial and merges them in a second kernel spread over (head, 64 columns, request)
-programs. Measured on the H200 at 16 heads (bench/results/small_decode_kernel_merge_h200.txt):
+programs. Measured on the H200 at 16 heads (bench/results/small_decode_kernel_h200.txt, run `merge`):
 1.15-1.65x faster than fa3 at batch 1-2, slower from batch 4 and at 128 heads.
 
 Knobs (`vllm_metax.ops.split_decode.served` fixes the rest): `num_splits`, the splits per

@@ -8,7 +8,7 @@ config's prefill section (`mla-tune prefill-sweep`, then `mla-tune emit`).
 
 A bucket is what the plugin looks a prefill plan up by (`vllm_metax.decisions.prefill_statistic`:
 plan kind, total query tokens, mean KV tokens per request). The default buckets are the shapes
-bench/prefill_choice.py measured on the H200 (where the backend turned out a real choice): new
+bench/experiments/prefill_choice.py measured on the H200 (where the backend turned out a real choice): new
 tokens of 256-8K in one request and in four, and context chunks of 256 or 2K queries against
 1K-64K KV tokens, at the model's heads per rank for each TP size. Each candidate is measured
 through the plugin's own op (`mla_tune.families.flashinfer_prefill`), gated against the torch

@@ -28,7 +28,7 @@ the partials' dtype and the pipe (`PIPES`: tile size, pipeline stages, grouped p
 rows, PDL); the rest is fixed here (the TMA kernel `_split_tma_kernel` at 8 warps, tokens as the
 dots' M below 64 head rows; the merge kernel with 64-column blocks and up to 128 splits in one
 tile). On the H200 the TMA kernel of the served pipe "t64" was 1-4% faster than the pointer
-kernel at 16 heads and 10-20% at 128 (bench/results/small_decode_kernel_tma_h200.txt).
+kernel at 16 heads and 10-20% at 128 (bench/results/small_decode_kernel_h200.txt, run `tma`).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class Pipe:
 
 
 # The pipes the tuner measures and the plugin serves. "t64" (a tuned config without `pipe`
-# names it) is the kernel measured on the H200 (bench/results/small_decode_kernel_tma_h200.txt):
+# names it) is the kernel measured on the H200 (bench/results/small_decode_kernel_h200.txt, run `tma`):
 # 64-token tiles, 2 stages, the block-table load in the tile loop, which sm_90a TTGIR (Triton 3.6)
 # shows issuing the next tile's copy only after this tile's dots (0 copies in flight during
 # them, bench/results/split_kernel_compile_sm90.txt). "t32x4": 32-token tiles at 4 stages with
@@ -480,7 +480,7 @@ class SplitDecode:
         if self.transposed and num_stages < 2:
             # wrong results on the H200 under Triton 3.6, both loads: the pointer kernel at 128
             # heads (small_decode_kernel_h200.txt), the TMA kernel at every 16-head shape (relative
-            # error 5-7, small_decode_kernel_tma_occupancy_h200.txt); two stages are right
+            # error 5-7, small_decode_kernel_h200.txt, run `tma_occupancy`); two stages are right
             raise ValueError("transposed (tokens as the dots' M) needs num_stages >= 2: one stage "
                              "computed wrong results on the H200")
         self.R, self.P = kv_lora_rank, rope_dim

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One device call on the lent GPU (carry .dev; .fa3 too where it fits): optionally the default
+# sweep (decode + prefill) and its emitted config for this GPU, then bench/serve_bench.py
+# (`vllm serve` + `vllm bench serve`). Stays inside TOTAL_S (default 585 s); packs what it made
+# into at most 8 files under $OUT (the device tool's limit).
+#   SWEEP=1       the sweep into $OUT/results.db, config into /tmp/tuned (kept while the machine is warm)
+#   MODELS=h16    serve_bench's models; SETUPS=tuned,untuned,triton16,vllm_default; SERVE=0 skips it
+#   CONFIG=DIR    the tuned setup's config folder (default: /tmp/tuned when a sweep made one, else
+#                 the packaged configs)
+set -u
+start=$(date +%s)
+total=${TOTAL_S:-585}
+left() { echo $(( total - ($(date +%s) - start) )); }
+source bench/tools/serve-env.sh || exit 3
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import vllm.entrypoints.openai.api_server, vllm.benchmarks.serve, vllm._C_stable_libtorch; print('serve imports ok')" 2>&1 | tail -3
+echo "setup $(( $(date +%s) - start )) s"
+W=/tmp/work; mkdir -p $W
+if [ "${SWEEP:-0}" = 1 ]; then
+  rm -rf $W/results.db* $W/sweep_configs /tmp/tuned; mkdir -p $W/sweep_configs /tmp/tuned
+  /usr/bin/time -f "sweep wall %e s" timeout 300 python3 -m mla_tune sweep --db $W/results.db \
+    --configs-dir $W/sweep_configs --time-budget 240 -q > $W/sweep.txt 2>&1
+  echo "sweep rc=$?"; tail -4 $W/sweep.txt
+  /usr/bin/time -f "prefill-sweep wall %e s" timeout 120 python3 -m mla_tune prefill-sweep \
+    --db $W/results.db > $W/prefill_sweep.txt 2>&1
+  echo "prefill-sweep rc=$?"; tail -3 $W/prefill_sweep.txt
+  python3 -c "import sqlite3, sys; sqlite3.connect(sys.argv[1]).execute('pragma wal_checkpoint(truncate)')" $W/results.db
+  python3 -m mla_tune emit --db $W/results.db --out /tmp/tuned > $W/emit.txt 2>&1
+  echo "emit rc=$?"; tail -3 $W/emit.txt
+  cp $W/results.db $OUT/results.db
+  for f in /tmp/tuned/device_name=*.json; do cp "$f" "$OUT/tuned_config.json"; done
+fi
+cfg=${CONFIG:-}
+[ -z "$cfg" ] && ls /tmp/tuned/device_name=*.json >/dev/null 2>&1 && cfg=/tmp/tuned
+if [ "${SERVE:-1}" = 1 ]; then
+  echo "== serve_bench ($(left) s left), config folder: ${cfg:-packaged}"
+  timeout $(( $(left) - 25 )) python3 bench/serve_bench.py --out $W/serve --models ${MODELS:-h16} \
+    --setups ${SETUPS:-tuned,untuned,triton16,vllm_default} ${cfg:+--config-folder $cfg} ${SERVE_ARGS:-} 2>&1 \
+    | tee $W/serve_bench.txt | grep -E "^\[|^model|Traceback|Error" | tail -60
+  echo "serve_bench rc=${PIPESTATUS[0]}"
+  cp $W/serve/serve_bench.json $W/serve/serve_bench.md $OUT/ 2>/dev/null
+fi
+pkill -INT -f "vllm.entrypoints.cli.main serve" 2>/dev/null; sleep 2; pkill -KILL -f "vllm.entrypoints.cli.main serve" 2>/dev/null
+tar -C $W -czf $OUT/logs.tgz --exclude results.db $(cd $W && ls -d *.txt serve/*.log 2>/dev/null)
+echo "done in $(( $(date +%s) - start )) s"
