@@ -16,24 +16,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-CONFIG = {
-    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
-    "hidden_size": 1024, "intermediate_size": 2048, "moe_intermediate_size": 256,
-    "num_hidden_layers": 3, "num_attention_heads": 16, "num_key_value_heads": 16,
-    "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-    "v_head_dim": 128, "vocab_size": 2048, "max_position_embeddings": 4096,
-    "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
-    "first_k_dense_replace": 3, "torch_dtype": "bfloat16", "rope_theta": 10000.0,
-    "rope_scaling": None, "rms_norm_eps": 1e-6, "hidden_act": "silu",
-    "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
-}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tiny_model import BASE_CONFIG, make_model_dir  # noqa: E402
+
+CONFIG = BASE_CONFIG      # DeepSeek-V2's attention dims, 3 dense layers, vocabulary 2048
 PROMPT_LENS = (700, 300, 37, 1100, 5)   # two above the 256-token step: chunked prefill
 MAX_TOKENS = 24
 MAX_MODEL_LEN = 2048
@@ -60,44 +52,9 @@ MAX_SEQS = {"shipped_split_eager": 2, "shipped_split_graphs": 2}
 # ----------------------------------------------------------------------------- model and prompts
 
 def make_model(root: Path) -> Path:
-    """config.json + seeded safetensors weights; scaled so activations stay O(1) and greedy
-    choices have margins well above bf16 noise."""
-    import torch
-    from safetensors.torch import save_file
-
-    d = root / "tiny-deepseek-v2"
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text(json.dumps(CONFIG))
-    if (d / "model.safetensors").exists():
-        return d
-    c = CONFIG
-    g = torch.Generator().manual_seed(20261203)
-    h, heads, nope, rope, v = (c["hidden_size"], c["num_attention_heads"], c["qk_nope_head_dim"],
-                               c["qk_rope_head_dim"], c["v_head_dim"])
-    kvl, inter, vocab = c["kv_lora_rank"], c["intermediate_size"], c["vocab_size"]
-
-    def lin(out_f, in_f, gain=1.0):
-        return (torch.randn(out_f, in_f, generator=g) * gain / math.sqrt(in_f)).to(torch.bfloat16)
-
-    def norm(n):
-        return (1.0 + 0.1 * torch.randn(n, generator=g)).to(torch.bfloat16)
-
-    w = {"model.embed_tokens.weight": torch.randn(vocab, h, generator=g).to(torch.bfloat16),
-         "model.norm.weight": norm(h), "lm_head.weight": lin(vocab, h, gain=4.0)}
-    for i in range(c["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        w.update({
-            p + "input_layernorm.weight": norm(h), p + "post_attention_layernorm.weight": norm(h),
-            p + "self_attn.q_proj.weight": lin(heads * (nope + rope), h, gain=2.0),
-            p + "self_attn.kv_a_proj_with_mqa.weight": lin(kvl + rope, h, gain=2.0),
-            p + "self_attn.kv_a_layernorm.weight": norm(kvl),
-            p + "self_attn.kv_b_proj.weight": lin(heads * (nope + v), kvl, gain=2.0),
-            p + "self_attn.o_proj.weight": lin(h, heads * v),
-            p + "mlp.gate_proj.weight": lin(inter, h), p + "mlp.up_proj.weight": lin(inter, h),
-            p + "mlp.down_proj.weight": lin(h, inter),
-        })
-    save_file(w, str(d / "model.safetensors"))
-    return d
+    """config.json + seeded safetensors weights (`tiny_model.write_weights`: scaled so activations
+    stay O(1) and greedy choices have margins well above bf16 noise) + a local tokenizer."""
+    return make_model_dir(root / "tiny-deepseek-v2", CONFIG)
 
 
 def prompts() -> list[list[int]]:
