@@ -142,6 +142,20 @@ class Server:
         self._f.close()
 
 
+def preflight(model_dir: Path) -> int:
+    """Build the HTTP app `vllm serve` builds (its argument parser, `build_app` with its routers),
+    without an engine: an import a server would only reach after its engine is up (minutes on a
+    cold machine) fails here in seconds. Returns the number of routes."""
+    from vllm.config import ModelConfig
+    from vllm.entrypoints.common.cli_args import make_arg_parser
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", str(model_dir)])
+    mc = ModelConfig(model=str(model_dir), dtype="bfloat16", max_model_len=MAX_MODEL_LEN)
+    return len(build_app(args, ("generate",), mc).routes)
+
+
 def completion(port: int, prompt: str, max_tokens: int = 16) -> dict:
     """One plain HTTP /v1/completions request (what any OpenAI client sends)."""
     body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
@@ -330,6 +344,13 @@ def main(argv=None) -> int:
                                    model_config(spec["heads"], spec["layers"], 4096, MAX_MODEL_LEN + 1024),
                                    device="cuda" if torch.cuda.is_available() else "cpu")
         print(f"model {model}: {model_dir} ({time.time() - t0:.1f} s)", flush=True)
+        if first:
+            try:
+                print(f"preflight: vLLM's HTTP app builds ({preflight(model_dir)} routes)", flush=True)
+            except Exception as e:  # noqa: BLE001 - every server would fail the same way, later
+                print(f"preflight: vLLM's HTTP app does not build here: {type(e).__name__}: {e}",
+                      file=sys.stderr, flush=True)
+                return 3
         for setup in setups:
             run_setup(model, setup, model_dir, args, empty, args.port, first, workloads, record)
             first = False

@@ -82,3 +82,9 @@ def test_the_report_quotes_tuned_over_each_setup():
     assert "p50 TPOT tuned / triton16, geomean over 2 workload-rates: 0.500" in md
     assert "- vllm_default: no FA3 here" in md
     json.dumps(record)
+
+
+def test_the_preflight_builds_vllms_http_app(model_dir):
+    """What `vllm serve` builds after its engine is up (its routers and their imports), built
+    here without an engine: the lent H100 once lost a whole run to an import at that point."""
+    assert sb.preflight(model_dir) > 10
