@@ -87,4 +87,7 @@ def test_the_report_quotes_tuned_over_each_setup():
 def test_the_preflight_builds_vllms_http_app(model_dir):
     """What `vllm serve` builds after its engine is up (its routers and their imports), built
     here without an engine: the lent H100 once lost a whole run to an import at that point."""
+    import plugin_support as ps
+
+    ps.ensure_metax_platform()          # as the device run forces it (VLLM_METAX_FORCE=1)
     assert sb.preflight(model_dir) > 10
