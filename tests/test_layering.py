@@ -14,10 +14,11 @@ ROOT = Path(__file__).resolve().parent.parent
 # mla_tune's layers, lowest first: a module may import its own layer and the ones before it.
 MLA_TUNE_LAYERS = ["validate", "faults", "problem", "kernels", "families", "measure", "store", "tune", "views", "cli"]
 # vllm_metax: the vllm-free, stdlib-only base; the vllm-free kernel path; the vLLM glue.
-VLLM_FREE = ["vllm_metax.tuned_config", "vllm_metax.decisions", "vllm_metax.device", "vllm_metax.log",
+VLLM_FREE = ["vllm_metax.tuned_config", "vllm_metax.choices", "vllm_metax.decisions", "vllm_metax.device", "vllm_metax.log",
              "vllm_metax.distribution", "vllm_metax.ops"]
 # cheap to import (the plugin reads its config at start-up): the standard library only at module level
-STDLIB_ONLY = ["vllm_metax.tuned_config", "vllm_metax.decisions", "vllm_metax.device", "vllm_metax.log",
+STDLIB_ONLY = ["vllm_metax.tuned_config", "vllm_metax.choices", "vllm_metax.ops.split_facts",
+               "vllm_metax.decisions", "vllm_metax.device", "vllm_metax.log",
                "vllm_metax.distribution"]
 
 

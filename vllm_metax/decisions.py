@@ -9,7 +9,8 @@ Both sides import this module, so they cannot drift apart:
 * the lookup statistic (`bucket_context`): a batch's per-request KV lengths -> the bucket context
   the tuner measured (the mean; a uniform bucket of context c has every length c);
 * what each kernel family's stored parameters mean (`FlashInferChoice` with its KV chunking,
-  `TritonChoice`), "keep vLLM's rule" included, read by the plugin and written by `mla-tune emit`;
+  `TritonChoice`, `SplitChoice`; defined in `vllm_metax.choices`, re-exported here), "keep vLLM's
+  rule" included, read by the plugin and written by `mla-tune emit`;
 * the MLA prefill backend (`prefill_statistic`, `prefill_backend`): the lookup statistic of one
   prefill plan (total query tokens, mean KV tokens per request) and the FlashInfer ragged-prefill
   backend that plan runs, from the same per-device allowed set as decode.
@@ -20,23 +21,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from vllm_metax.tuned_config import (
-    DEFAULT_SPLIT_PIPE, KV_CHUNKS, MAX_SPLITS, PREFILL_BACKENDS, SPLIT_BACKEND, SPLIT_PARTIALS, SPLIT_PIPES,
-    ModelDims,
+# the typed choices, their knobs and the params <-> choice parsing: vllm_metax.choices (re-exported)
+from vllm_metax.choices import (  # noqa: F401
+    FLASHINFER, FLASHMLA, SPLIT, TRITON, TRITON_BACKEND, VLLM_RULE, FlashInferChoice, FlashMLAChoice,
+    SplitChoice, TritonChoice, family_choice, kv_chunk_factor,
 )
-
-FLASHINFER = "flashinfer"
-TRITON = "triton"
-FLASHMLA = "flashmla"        # FlashMLA (vLLM's FLASHMLA backend): one candidate, no knobs
-SPLIT = "split"              # the split-KV Triton decode (vllm_metax.ops.split_decode)
+from vllm_metax.tuned_config import PREFILL_BACKENDS, ModelDims
 # FLASHINFER_MLA's decode runs a bucket with the split kernel only where the sweep measured it at
 # least this much faster than the bucket's FlashInfer choice (the choice rule's ratio: a tie
 # or noise keeps FlashInfer)
 SPLIT_MIN_GAIN = 1.05
 AUTO = "auto"               # FlashInfer's own policy value: never planned by the plugin
 FALLBACK_BACKEND = "fa2"    # what a refused backend falls back to: FlashInfer's generic SM80+ MLA
-VLLM_RULE = "vllm"          # TritonChoice params["rule"]: the split count is vLLM's own rule
-TRITON_BACKEND = "triton"   # the Triton family's one backend value (params["backend"])
 
 
 # ---------------------------------------------------------------- FlashInfer backend values
@@ -158,72 +154,6 @@ def unservable_prefill(entry, backends: FlashInferBackends) -> list[str]:
 
 # ---------------------------------------------------------------- per-family choices
 
-def kv_chunk_factor(kv_chunk: str | None) -> float | None:
-    """A stored kv_chunk ("x0.5", "none", ...; `tuned_config.KV_CHUNKS`) as the factor the
-    schedule scales MLAPlan's KV chunk limit by (`mla_schedule.chunk_limit`); None: MLAPlan's
-    own limit (absent, or a value this version does not know)."""
-    if kv_chunk == "none":
-        return float("inf")
-    if kv_chunk in KV_CHUNKS:
-        return float(kv_chunk[1:])
-    return None
-
-
-@dataclass(frozen=True)
-class FlashInferChoice:
-    """A FlashInfer bucket's choice: the backend value to plan and its KV chunking (`kv_chunk`,
-    one of `tuned_config.KV_CHUNKS`; None: MLAPlan's own chunk limit)."""
-
-    backend: str
-    kv_chunk: str | None = None
-
-    @property
-    def kv_chunk_factor(self) -> float | None:
-        return kv_chunk_factor(self.kv_chunk)
-
-    def to_params(self) -> dict:
-        p = {"backend": self.backend}
-        if self.kv_chunk is not None:
-            p["kv_chunk"] = self.kv_chunk
-        return p
-
-
-@dataclass(frozen=True)
-class TritonChoice:
-    """A Triton bucket's choice: a tuned num_kv_splits, or vLLM's own rule (`vllm_rule`; then
-    `num_kv_splits` is what the rule gave at the bucket's length, kept for people)."""
-
-    num_kv_splits: int | None
-    vllm_rule: bool = False
-
-    @property
-    def served_splits(self) -> int | None:
-        """The split count to run; None: vLLM's rule for the batch at hand."""
-        return None if self.vllm_rule else self.num_kv_splits
-
-    def to_params(self) -> dict:
-        p = {"backend": TRITON_BACKEND, "num_kv_splits": self.num_kv_splits}
-        if self.vllm_rule:
-            p["rule"] = VLLM_RULE
-        return p
-
-
-@dataclass(frozen=True)
-class SplitChoice:
-    """A split bucket's choice: the split count per request, the partials' dtype and the pipe
-    (`vllm_metax.ops.split_decode.served` builds the kernel from these)."""
-
-    num_splits: int
-    partial: str
-    pipe: str = DEFAULT_SPLIT_PIPE
-
-    def to_params(self) -> dict:
-        p = {"backend": SPLIT_BACKEND, "num_splits": self.num_splits, "partial": self.partial}
-        if self.pipe != DEFAULT_SPLIT_PIPE:
-            p["pipe"] = self.pipe
-        return p
-
-
 def split_serves(bucket) -> "SplitChoice | None":
     """The split kernel's choice where FLASHINFER_MLA's decode should run it in this bucket: the
     bucket names split as its best family, and split measured at least SPLIT_MIN_GAIN times
@@ -236,36 +166,6 @@ def split_serves(bucket) -> "SplitChoice | None":
     if choice is None or fc is None or not sc.time_us or not fc.time_us:
         return None
     return choice if fc.time_us >= SPLIT_MIN_GAIN * sc.time_us else None
-
-
-def _positive_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
-
-
-def family_choice(family: str, params) -> FlashInferChoice | TritonChoice | SplitChoice | None:
-    """A stored `params` dict (a tuned config's, or a measured candidate's plan parameters) as
-    its family's typed choice; None when it says nothing usable."""
-    if not isinstance(params, dict):
-        return None
-    if family == FLASHINFER:
-        b = params.get("backend")
-        if not isinstance(b, str) or not b:
-            return None
-        chunk = params.get("kv_chunk")
-        return FlashInferChoice(b, chunk if chunk in KV_CHUNKS else None)
-    if family == TRITON:
-        n = params.get("num_kv_splits")
-        rule = params.get("rule") == VLLM_RULE
-        if rule:
-            return TritonChoice(n if _positive_int(n) else None, True)
-        return TritonChoice(n) if _positive_int(n) else None
-    if family == SPLIT:
-        n, partial = params.get("num_splits"), params.get("partial")
-        pipe = params.get("pipe", DEFAULT_SPLIT_PIPE)
-        if _positive_int(n) and n <= MAX_SPLITS and partial in SPLIT_PARTIALS and pipe in SPLIT_PIPES:
-            return SplitChoice(n, partial, pipe)
-        return None
-    return None
 
 
 def bucket_choice(bucket, family: str) -> FlashInferChoice | TritonChoice | None:

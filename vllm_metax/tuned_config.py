@@ -23,6 +23,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from vllm_metax.log import get_logger
+# Each family's knobs and their legal values: vllm_metax.choices (the one definition; the split
+# kernel's facts from vllm_metax.ops.split_facts), re-exported here for the reader and mla_tune.
+from vllm_metax.choices import (  # noqa: F401
+    DEFAULT_SPLIT_PIPE, FLASHINFER_BACKENDS, FLASHMLA_BACKEND, FLASHMLA_PAGE_SIZE, KV_CHUNKS,
+    MAX_KV_SPLITS, MAX_SPLITS, SPLIT_BACKEND, SPLIT_PARTIALS, SPLIT_PIPES, TRITON_BACKEND, ChoiceError,
+)
+import vllm_metax.choices as _choices
 
 logger = get_logger(__name__)
 
@@ -32,34 +39,14 @@ STRICT_ENV = "VLLM_METAX_MLA_CONFIG_STRICT"
 PACKAGED_ENV = "VLLM_METAX_MLA_PACKAGED_FOLDER"   # tests only: stand-in for the shipped folder
 PACKAGED_FOLDER = Path(os.environ.get(PACKAGED_ENV) or Path(__file__).resolve().parent / "configs")
 ATTENTION_BACKENDS = ("FLASHINFER_MLA", "TRITON_MLA", "FLASHMLA")
-FAMILIES = ("flashinfer", "triton", "flashmla", "split")
+FAMILIES = tuple(_choices.KNOBS)   # flashinfer, triton, flashmla, split
 
 # What a value may be, for the reader here and for every mla-tune input (mla_tune/validate.py uses
 # these same bounds): a value outside them is refused, never clamped.
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # KV block sizes: powers of two up to vLLM's largest
-# Every backend value any FlashInfer MLA wrapper has been seen to accept; "auto" and "cute-dsl"
-# are policies/aliases that resolve to one concrete backend at plan time.
-FLASHINFER_BACKENDS = ("auto", "fa2", "fa3", "cutlass", "cutile", "trtllm-gen", "xqa", "cute-dsl",
-                       "cute-dsl-monolithic", "cute-dsl-modular")
-TRITON_BACKEND = "triton"
-FLASHMLA_BACKEND = "flashmla"   # the flashmla family's one backend value (FlashMLA has no knobs)
-FLASHMLA_PAGE_SIZE = 64         # FlashMLA's only KV block size
-# The split family (vllm_metax/ops/split_decode.py, served by FLASHINFER_MLA's decode for the
-# buckets it wins): its backend value, its split counts and the dtypes of its partials.
-SPLIT_BACKEND = "triton"
-MAX_SPLITS = 1056              # split_decode.MAX_PROGRAMS: one request's splits in one launch
-SPLIT_PARTIALS = ("bfloat16", "float32")
-# split_decode.PIPES: how the kernel tiles and pipelines a split (params.pipe; absent = "t64",
-# the pipe of every config written before the knob existed)
-SPLIT_PIPES = ("t64", "t32x4", "t64-pdl", "t32x4-pdl")
-DEFAULT_SPLIT_PIPE = "t64"
-# FlashInfer fa2/fa3 KV chunking (params.kv_chunk): the KV chunk limit of FlashInfer's MLAPlan
-# scaled by this factor ("none": never split a request's KV); absent = MLAPlan's own limit.
-KV_CHUNKS = ("x0.25", "x0.5", "x2", "x4", "none")
 # FlashInfer ragged-prefill backend values a prefill bucket may name (the plugin plans prefill with
 # fa2 or fa3 only; "auto" is FlashInfer's policy, never a tuned value).
 PREFILL_BACKENDS = ("fa2", "fa3")
-MAX_KV_SPLITS = 256            # vLLM's Triton MLA decode: num_kv_splits in 1..256
 MAX_BATCH = 65536              # requests in one decode step
 MAX_CONTEXT = 1 << 22          # KV tokens per request (4M; DeepSeek-V3 serves 160K)
 MAX_PREFILL_TOKENS = 1 << 22   # query / KV tokens of one prefill plan
@@ -326,44 +313,12 @@ def check_page_size(v, where: str = "page_size") -> int:
 
 
 def check_params(family: str, params: dict, where: str) -> dict:
-    """A family's plan-time parameters: known keys with known values only."""
-    if family == "flashinfer":
-        known = {"backend", "kv_chunk"}
-        if params.get("backend") not in FLASHINFER_BACKENDS:
-            raise TunedConfigError(f"{where}: params.backend must be one of "
-                                   f"{', '.join(FLASHINFER_BACKENDS)}, got {params.get('backend')!r}")
-        if "kv_chunk" in params and params["kv_chunk"] not in KV_CHUNKS:
-            raise TunedConfigError(f"{where}: params.kv_chunk must be one of "
-                                   f"{', '.join(KV_CHUNKS)}, got {params['kv_chunk']!r}")
-    elif family == "split":
-        known = {"backend", "num_splits", "partial", "pipe"}
-        if params.get("backend") != SPLIT_BACKEND:
-            raise TunedConfigError(f"{where}: params.backend must be {SPLIT_BACKEND!r}, "
-                                   f"got {params.get('backend')!r}")
-        _int_in(params, "num_splits", 1, MAX_SPLITS, where + ".params")
-        if params.get("partial") not in SPLIT_PARTIALS:
-            raise TunedConfigError(f"{where}: params.partial must be one of "
-                                   f"{', '.join(SPLIT_PARTIALS)}, got {params.get('partial')!r}")
-        if "pipe" in params and params["pipe"] not in SPLIT_PIPES:
-            raise TunedConfigError(f"{where}: params.pipe must be one of "
-                                   f"{', '.join(SPLIT_PIPES)}, got {params['pipe']!r}")
-    elif family == "flashmla":
-        known = {"backend"}
-        if params.get("backend") != FLASHMLA_BACKEND:
-            raise TunedConfigError(f"{where}: params.backend must be {FLASHMLA_BACKEND!r}, "
-                                   f"got {params.get('backend')!r}")
-    else:
-        known = {"backend", "num_kv_splits", "rule"}
-        if params.get("backend", TRITON_BACKEND) != TRITON_BACKEND:
-            raise TunedConfigError(f"{where}: params.backend must be {TRITON_BACKEND!r}, "
-                                   f"got {params.get('backend')!r}")
-        _int_in(params, "num_kv_splits", 1, MAX_KV_SPLITS, where + ".params")
-        if params.get("rule", "vllm") != "vllm":
-            raise TunedConfigError(f"{where}: params.rule must be 'vllm', got {params.get('rule')!r}")
-    unknown = sorted(set(params) - known)
-    if unknown:
-        raise TunedConfigError(f"{where}: unknown parameter {', '.join(map(repr, unknown))} for "
-                               f"family {family!r} (known: {', '.join(sorted(known))})")
+    """A family's plan-time parameters: known keys with known values only
+    (`vllm_metax.choices.check_params`, the one definition)."""
+    try:
+        _choices.check_params(family, params, where)
+    except ChoiceError as e:
+        raise TunedConfigError(str(e)) from None
     return params
 
 

@@ -32,41 +32,19 @@ def family_targets() -> dict[str, str]:
 
 def check_candidate(c: Candidate) -> Candidate:
     """Refuse (ValueError) a candidate its family would not understand: an unknown family, a
-    backend or knob the family does not have, a knob value out of range. Families registered by
-    tests have no rule beyond the page size."""
-    from vllm_metax import tuned_config as tc
+    backend or knob the family does not have, a knob value out of range (the plugin's rule:
+    `vllm_metax.choices.candidate_choice`). Families registered by tests have no rule beyond the
+    page size."""
+    from vllm_metax import choices
     if c.family not in _FAMILIES:
         raise ValueError(f"unknown kernel family {c.family!r} in {c.key!r}; known: {', '.join(_FAMILIES)}")
     if c.family == "reference":
         if c.backend != "torch" or c.params:
             raise ValueError(f"{c.key!r}: the reference family is reference/torch/p<page>, no knobs")
-    elif c.family == "flashmla":
-        if c.backend != tc.FLASHMLA_BACKEND or c.params or c.page_size != tc.FLASHMLA_PAGE_SIZE:
-            raise ValueError(f"{c.key!r}: the flashmla family is flashmla/{tc.FLASHMLA_BACKEND}/"
-                             f"p{tc.FLASHMLA_PAGE_SIZE}, no knobs")
-    elif c.family == "split":
-        if c.backend != tc.SPLIT_BACKEND:
-            raise ValueError(f"{c.key!r}: the split family's backend is {tc.SPLIT_BACKEND!r}")
-        if not {"num_splits", "partial"} <= set(c.params) <= {"num_splits", "partial", "pipe"}:
-            raise ValueError(f"{c.key!r}: a split candidate names num_splits=N,partial=<dtype>[,pipe=<pipe>]")
-        try:
-            tc.check_params(c.family, {"backend": c.backend, **c.params}, f"candidate {c.key!r}")
-        except tc.TunedConfigError as e:
-            raise ValueError(str(e)) from None
-    elif c.family in ("flashinfer", "triton"):
-        if c.family == "flashinfer" and c.params:
-            raise ValueError(f"{c.key!r}: a flashinfer candidate has no knobs (its backend is the "
-                             "second part: flashinfer/<backend>/p<page>)")
-        params = dict(c.params) if c.family == "triton" else {"backend": c.backend}
-        if c.family == "triton":
-            if c.backend != tc.TRITON_BACKEND:
-                raise ValueError(f"{c.key!r}: the triton family's backend is {tc.TRITON_BACKEND!r}")
-            if "num_kv_splits" not in params:
-                raise ValueError(f"{c.key!r}: a triton candidate names num_kv_splits=N")
-        try:
-            tc.check_params(c.family, params, f"candidate {c.key!r}")
-        except tc.TunedConfigError as e:
-            raise ValueError(str(e)) from None
+    elif c.family in choices.KNOBS:
+        if c.family == choices.FLASHMLA and c.page_size != choices.FLASHMLA_PAGE_SIZE:
+            raise ValueError(f"{c.key!r}: the flashmla family is {choices.CANDIDATE_FORMS[c.family]}")
+        choices.candidate_choice(c.family, c.backend, c.params, f"candidate {c.key!r}")
     return c
 
 

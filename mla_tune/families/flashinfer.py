@@ -12,7 +12,7 @@ cut; the plugin's own schedule does:
   kv_len_limit from the average work per cluster of SMs, rounded to 32/64/128/192/k*256); the
   query tile is fixed at 64*cluster rows. plan() accepts no split size. The plugin's fast
   re-plan computes the same schedule with numpy (`vllm_metax.ops.mla_schedule`), so the KV chunk
-  limit is ours: the knob `kv_chunk` (`vllm_metax.tuned_config.KV_CHUNKS`: MLAPlan's limit x
+  limit is ours: the knob `kv_chunk` (`vllm_metax.choices.KV_CHUNKS`: MLAPlan's limit x
   0.25/0.5/2/4, or "none": never split) is measured like any candidate, correctness gate
   included. Without it the candidate is what the plugin plans untuned. Chunk variants are
   declared at the default page size only (the chunking is per step, the page size global; the
@@ -45,8 +45,7 @@ from mla_tune.families.base import Availability, Candidate, CandidateInvalid, Pr
 from mla_tune.problem.defaults import DEFAULT_PAGE_SIZE
 from mla_tune.problem.workload import Workload
 from mla_tune.problem.instance import torch_dtype
-from vllm_metax.decisions import kv_chunk_factor
-from vllm_metax.tuned_config import KV_CHUNKS
+from vllm_metax.choices import KV_CHUNKS, ChoiceError, candidate_choice
 
 FAMILY = "flashinfer"
 CHUNKED_BACKENDS = ("fa2", "fa3")     # the backends whose schedule the plugin computes itself
@@ -118,15 +117,11 @@ class FlashInferFamily:
     def prepare(self, workload: Workload, candidate: Candidate, problem) -> Prepared:
         """Plan the candidate over `problem` (first plan JIT-compiles: `compile_s`)."""
         op = _op()
-        unknown = set(candidate.params) - {"kv_chunk"}
-        if unknown:
-            raise CandidateInvalid("unsupported", f"FlashInfer MLA has no knob {sorted(unknown)}; "
-                                   "its one knob is kv_chunk")
-        kv_chunk = candidate.params.get("kv_chunk")
-        factor = kv_chunk_factor(kv_chunk)
-        if kv_chunk is not None and factor is None:
-            raise CandidateInvalid("unsupported", f"kv_chunk must be one of {', '.join(KV_CHUNKS)}, "
-                                   f"got {kv_chunk!r}")
+        try:
+            choice = candidate_choice(FAMILY, candidate.backend, candidate.params, candidate.key)
+        except ChoiceError as e:
+            raise CandidateInvalid("unsupported", str(e)) from None
+        kv_chunk, factor = choice.kv_chunk, choice.kv_chunk_factor
         try:
             api = op.flashinfer_api()
         except op.FlashInferUnavailable as e:

@@ -36,8 +36,10 @@ import torch
 from mla_tune.families.base import Availability, Candidate, CandidateInvalid, Prepared
 from mla_tune.problem.defaults import DEFAULT_PAGE_SIZE
 from mla_tune.problem.workload import Workload
-from vllm_metax.decisions import SPLIT as FAMILY
-from vllm_metax.tuned_config import SPLIT_BACKEND as BACKEND
+from vllm_metax.choices import SPLIT as FAMILY
+from vllm_metax.choices import SPLIT_BACKEND as BACKEND
+from vllm_metax.choices import ChoiceError, candidate_choice
+from vllm_metax.ops.split_facts import SERVED_PIPE   # its candidates carry no `pipe` knob
 
 WAVE = 132                 # programs of one wave on the H200 the default is written for
 SPLIT_COUNTS = tuple(2 ** i for i in range(2, 9))     # 4..256
@@ -45,7 +47,6 @@ SPLIT_COUNTS = tuple(2 ** i for i in range(2, 9))     # 4..256
 # own (B x head blocks >= one wave) then has no merge (one split) or a short one, and the
 # pipelined tile loop keeps its copies in flight along the whole request
 PIPE_SPLIT_COUNTS = (1, 2) + SPLIT_COUNTS
-SERVED_PIPE = "t64"        # split_decode.SERVED_PIPE: its candidates carry no `pipe` knob
 # the "-pdl" pipes are offered where a bucket's KV tokens (requests x longest length) are at most
 # this: where a launch latency (a few us) is a large part of the call
 SMALL_WORK_TOKENS = 16384
@@ -138,20 +139,19 @@ class SplitFamily:
 
     def prepare(self, workload: Workload, candidate: Candidate, problem) -> Prepared:
         op = _op()
-        if candidate.backend != BACKEND or not {"num_splits", "partial"} <= set(candidate.params) \
-                or not set(candidate.params) <= {"num_splits", "partial", "pipe"}:
-            raise CandidateInvalid("unsupported", f"{candidate.key}: a split candidate is "
-                                   f"{FAMILY}/{BACKEND}/p<page>/num_splits=N,partial=<dtype>[,pipe=<pipe>]")
+        try:
+            choice = candidate_choice(FAMILY, candidate.backend, candidate.params, candidate.key)
+        except ChoiceError as e:
+            raise CandidateInvalid("unsupported", str(e)) from None
         if not self._servable(workload):
             raise CandidateInvalid("unsupported", "the split kernel decodes q_len 1 only")
         dev = problem.device
         if dev.type != "cuda" and not _interpreted():
             raise CandidateInvalid("unsupported", "the split kernel needs a CUDA device (or Triton's interpreter)")
-        s, partial = candidate.params["num_splits"], candidate.params["partial"]
-        pipe = candidate.params.get("pipe", SERVED_PIPE)
+        s, partial, pipe = choice.num_splits, choice.partial, choice.pipe
         H = workload.num_heads
         try:
-            if not op.fits(H, workload.batch_size, s if isinstance(s, int) else 0, pipe):
+            if not op.fits(H, workload.batch_size, s, pipe):
                 raise ValueError(f"num_splits={s} x {workload.batch_size} requests exceeds the served "
                                  f"workspace ({op.served_rows(H, pipe)} rows)")
             kernel = op.served(s, partial, H, candidate.page_size, workload.batch_size, dev,

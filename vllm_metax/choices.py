@@ -1,0 +1,253 @@
+"""Each kernel family's knobs, their legal values and the params <-> typed choice parsing: the one
+definition (vllm-free, stdlib only) that the tuner (`mla_tune.families.check_candidate`, the
+families' `prepare`), `mla-tune bench`, the tuned-config reader (`tuned_config.check_params`) and
+the plugin (`decisions.family_choice`) all use.
+
+A family's stored parameters are `{"backend": <value>, **knobs}`: a tuned config's bucket params,
+a measured candidate's plan parameters, and a candidate string `family/<backend>/p<page>/k=v,...`
+(its knobs). Kernel facts come from the kernels (`vllm_metax.ops.split_facts`), not restated here.
+
+* `check_params(family, params, where)`: strict; the typed choice, or ChoiceError (one line naming
+  the bad value and the legal ones).
+* `candidate_choice(family, backend, knobs, where)`: strict, for a candidate's backend and knobs.
+* `family_choice(family, params)`: lenient, for the plugin reading what it serves: None when the
+  params say nothing usable, an unknown kv_chunk means MLAPlan's own limit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm_metax.ops.split_facts import MAX_PROGRAMS, PARTIAL_DTYPES, PIPES, SERVED_PIPE
+
+FLASHINFER = "flashinfer"
+TRITON = "triton"
+FLASHMLA = "flashmla"        # FlashMLA (vLLM's FLASHMLA backend): one candidate, no knobs
+SPLIT = "split"              # the split-KV Triton decode (vllm_metax.ops.split_decode)
+
+# Every backend value any FlashInfer MLA wrapper has been seen to accept; "auto" and "cute-dsl"
+# are policies/aliases that resolve to one concrete backend at plan time.
+FLASHINFER_BACKENDS = ("auto", "fa2", "fa3", "cutlass", "cutile", "trtllm-gen", "xqa", "cute-dsl",
+                       "cute-dsl-monolithic", "cute-dsl-modular")
+# FlashInfer fa2/fa3 KV chunking (params.kv_chunk): the KV chunk limit of FlashInfer's MLAPlan
+# scaled by this factor ("none": never split a request's KV); absent = MLAPlan's own limit.
+KV_CHUNKS = ("x0.25", "x0.5", "x2", "x4", "none")
+TRITON_BACKEND = "triton"   # the Triton family's one backend value (params["backend"])
+MAX_KV_SPLITS = 256         # vLLM's Triton MLA decode: num_kv_splits in 1..256
+VLLM_RULE = "vllm"          # TritonChoice params["rule"]: the split count is vLLM's own rule
+FLASHMLA_BACKEND = "flashmla"   # the flashmla family's one backend value (FlashMLA has no knobs)
+FLASHMLA_PAGE_SIZE = 64         # FlashMLA's only KV block size
+# The split family (vllm_metax/ops/split_decode.py, served by FLASHINFER_MLA's decode for the
+# buckets it wins): its backend value, and the kernel's split counts, partial dtypes and pipes.
+SPLIT_BACKEND = "triton"
+MAX_SPLITS = MAX_PROGRAMS       # one request's splits in one launch
+SPLIT_PARTIALS = PARTIAL_DTYPES
+SPLIT_PIPES = tuple(PIPES)      # params.pipe; absent = the served pipe (every config before the knob)
+DEFAULT_SPLIT_PIPE = SERVED_PIPE
+
+# family -> (required knobs, optional knobs); a family's params are {"backend", *knobs}
+KNOBS = {
+    FLASHINFER: ((), ("kv_chunk",)),
+    TRITON: (("num_kv_splits",), ("rule",)),
+    FLASHMLA: ((), ()),
+    SPLIT: (("num_splits", "partial"), ("pipe",)),
+}
+# how a candidate of each family is written, for the refusals of a malformed one
+CANDIDATE_FORMS = {
+    FLASHINFER: f"flashinfer/<backend>/p<page>[/kv_chunk=<{'|'.join(KV_CHUNKS)}>]",
+    TRITON: f"{TRITON}/{TRITON_BACKEND}/p<page>/num_kv_splits=N[,rule={VLLM_RULE}]",
+    SPLIT: f"{SPLIT}/{SPLIT_BACKEND}/p<page>/num_splits=N,partial=<dtype>[,pipe=<pipe>]",
+    FLASHMLA: f"{FLASHMLA}/{FLASHMLA_BACKEND}/p{FLASHMLA_PAGE_SIZE}, no knobs",
+}
+
+
+class ChoiceError(ValueError):
+    """Parameters a family does not take; the message is one line naming the bad value and the
+    legal ones."""
+
+
+# ---------------------------------------------------------------- the typed choices
+
+def kv_chunk_factor(kv_chunk: str | None) -> float | None:
+    """A stored kv_chunk ("x0.5", "none", ...; `KV_CHUNKS`) as the factor the schedule scales
+    MLAPlan's KV chunk limit by (`mla_schedule.chunk_limit`); None: MLAPlan's own limit (absent,
+    or a value this version does not know)."""
+    if kv_chunk == "none":
+        return float("inf")
+    if kv_chunk in KV_CHUNKS:
+        return float(kv_chunk[1:])
+    return None
+
+
+@dataclass(frozen=True)
+class FlashInferChoice:
+    """A FlashInfer bucket's choice: the backend value to plan and its KV chunking (`kv_chunk`,
+    one of `KV_CHUNKS`; None: MLAPlan's own chunk limit)."""
+
+    backend: str
+    kv_chunk: str | None = None
+
+    @property
+    def kv_chunk_factor(self) -> float | None:
+        return kv_chunk_factor(self.kv_chunk)
+
+    def to_params(self) -> dict:
+        p = {"backend": self.backend}
+        if self.kv_chunk is not None:
+            p["kv_chunk"] = self.kv_chunk
+        return p
+
+
+@dataclass(frozen=True)
+class TritonChoice:
+    """A Triton bucket's choice: a tuned num_kv_splits, or vLLM's own rule (`vllm_rule`; then
+    `num_kv_splits` is what the rule gave at the bucket's length, kept for people)."""
+
+    num_kv_splits: int | None
+    vllm_rule: bool = False
+
+    @property
+    def served_splits(self) -> int | None:
+        """The split count to run; None: vLLM's rule for the batch at hand."""
+        return None if self.vllm_rule else self.num_kv_splits
+
+    def to_params(self) -> dict:
+        p = {"backend": TRITON_BACKEND, "num_kv_splits": self.num_kv_splits}
+        if self.vllm_rule:
+            p["rule"] = VLLM_RULE
+        return p
+
+
+@dataclass(frozen=True)
+class SplitChoice:
+    """A split bucket's choice: the split count per request, the partials' dtype and the pipe
+    (`vllm_metax.ops.split_decode.served` builds the kernel from these)."""
+
+    num_splits: int
+    partial: str
+    pipe: str = DEFAULT_SPLIT_PIPE
+
+    def to_params(self) -> dict:
+        p = {"backend": SPLIT_BACKEND, "num_splits": self.num_splits, "partial": self.partial}
+        if self.pipe != DEFAULT_SPLIT_PIPE:
+            p["pipe"] = self.pipe
+        return p
+
+
+@dataclass(frozen=True)
+class FlashMLAChoice:
+    """FlashMLA's one choice: no knobs."""
+
+    backend: str = FLASHMLA_BACKEND
+
+    def to_params(self) -> dict:
+        return {"backend": self.backend}
+
+
+# ---------------------------------------------------------------- strict parsing
+
+def _int_in(params: dict, key: str, lo: int, hi: int, where: str) -> int:
+    v = params.get(key)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ChoiceError(f"{where}: params.{key} must be an integer in {lo}..{hi}, got {_shown(v)}")
+    if not lo <= v <= hi:
+        raise ChoiceError(f"{where}: params.{key} must be in {lo}..{hi}, got {_shown(v)}")
+    return v
+
+
+def _shown(v) -> str:
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 10 ** 12:
+        return f"a {len(str(abs(v)))}-digit number"
+    text = repr(v)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _one_of(params: dict, key: str, legal: tuple, where: str, default=None):
+    v = params.get(key, default)
+    if not isinstance(v, str) or v not in legal:
+        if len(legal) == 1:
+            raise ChoiceError(f"{where}: params.{key} must be {legal[0]!r}, got {_shown(v)}")
+        raise ChoiceError(f"{where}: params.{key} must be one of {', '.join(legal)}, got {_shown(v)}")
+    return v
+
+
+def check_params(family: str, params, where: str):
+    """A family's stored parameters ({"backend": ..., **knobs}) as its typed choice; ChoiceError
+    for an unknown family, an unknown parameter or a value out of its domain."""
+    if family not in KNOBS:
+        raise ChoiceError(f"{where}: unknown kernel family {family!r} (known: {', '.join(KNOBS)})")
+    if not isinstance(params, dict):
+        raise ChoiceError(f"{where}: params should be an object, got {type(params).__name__}")
+    required, optional = KNOBS[family]
+    known = {"backend", *required, *optional}
+    unknown = sorted(set(params) - known, key=str)
+    if unknown:
+        raise ChoiceError(f"{where}: unknown parameter {', '.join(map(repr, unknown))} for "
+                          f"family {family!r} (known: {', '.join(sorted(known))})")
+    if family == FLASHINFER:
+        b = _one_of(params, "backend", FLASHINFER_BACKENDS, where)
+        chunk = _one_of(params, "kv_chunk", KV_CHUNKS, where) if "kv_chunk" in params else None
+        return FlashInferChoice(b, chunk)
+    if family == SPLIT:
+        _one_of(params, "backend", (SPLIT_BACKEND,), where)
+        n = _int_in(params, "num_splits", 1, MAX_SPLITS, where)
+        partial = _one_of(params, "partial", SPLIT_PARTIALS, where)
+        pipe = _one_of(params, "pipe", SPLIT_PIPES, where) if "pipe" in params else DEFAULT_SPLIT_PIPE
+        return SplitChoice(n, partial, pipe)
+    if family == FLASHMLA:
+        return FlashMLAChoice(_one_of(params, "backend", (FLASHMLA_BACKEND,), where))
+    _one_of(params, "backend", (TRITON_BACKEND,), where, TRITON_BACKEND)   # hand-written: optional
+    n = _int_in(params, "num_kv_splits", 1, MAX_KV_SPLITS, where)
+    rule = _one_of(params, "rule", (VLLM_RULE,), where) if "rule" in params else None
+    return TritonChoice(n, rule == VLLM_RULE)
+
+
+def candidate_choice(family: str, backend: str, knobs: dict, where: str):
+    """A candidate's backend and knobs (`family/<backend>/p<page>/k=v,...`) as its family's typed
+    choice; ChoiceError for a knob the family does not have, a missing one or a bad value."""
+    if family not in KNOBS:
+        raise ChoiceError(f"{where}: unknown kernel family {family!r} (known: {', '.join(KNOBS)})")
+    required, optional = KNOBS[family]
+    names = set(knobs)
+    form = f" (the {family} family: {CANDIDATE_FORMS[family]})"
+    if "backend" in names or not set(required) <= names or not names <= {*required, *optional}:
+        bad = sorted(names - {*required, *optional}, key=str)
+        what = (f"knob {', '.join(map(repr, bad))} is not one of the family's"
+                if bad else f"missing knob {', '.join(r for r in required if r not in names)}")
+        raise ChoiceError(f"{where}: {what}{form}")
+    try:
+        return check_params(family, {"backend": backend, **knobs}, where)
+    except ChoiceError as e:
+        raise ChoiceError(f"{e}{form}") from None
+
+
+# ---------------------------------------------------------------- lenient reading
+
+def _positive_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def family_choice(family: str, params) -> FlashInferChoice | TritonChoice | SplitChoice | None:
+    """A stored `params` dict (a tuned config's, or a measured candidate's plan parameters) as
+    its family's typed choice; None when it says nothing usable. Lenient where the plugin can
+    still serve: any FlashInfer backend string (the device rule decides), an unknown kv_chunk
+    (MLAPlan's own limit), vLLM's rule with no count."""
+    if not isinstance(params, dict):
+        return None
+    if family == FLASHINFER:
+        b = params.get("backend")
+        if not isinstance(b, str) or not b:
+            return None
+        chunk = params.get("kv_chunk")
+        return FlashInferChoice(b, chunk if chunk in KV_CHUNKS else None)
+    if family == TRITON:
+        n = params.get("num_kv_splits")
+        if params.get("rule") == VLLM_RULE:
+            return TritonChoice(n if _positive_int(n) else None, True)
+        return TritonChoice(n) if _positive_int(n) else None
+    if family == SPLIT:
+        try:
+            return check_params(SPLIT, {"backend": SPLIT_BACKEND, **params}, "split")
+        except ChoiceError:
+            return None
+    return None
