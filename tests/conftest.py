@@ -36,3 +36,13 @@ def _no_shipped_tuned_configs(tmp_path_factory, monkeypatch):
     tc.clear_cache()
     yield
     tc.clear_cache()
+
+
+@pytest.fixture(autouse=True)
+def _plugin_records_reach_caplog(monkeypatch):
+    """The plugin logs under vLLM's `vllm` logger (vllm_metax.log). Some vLLM entry points a test
+    calls apply vLLM's logging config, which turns that logger's propagation off for the rest of
+    the process; caplog listens at the root, so every test starts with it on again."""
+    import logging
+
+    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)

@@ -249,7 +249,7 @@ def test_a_disagreeing_native_plan_switches_the_numpy_schedule_off(monkeypatch, 
     o = int(case["plan_info"][ms.PLAN_INFO_FIELDS.index("kv_end")]) // 4
     host[o] += 1                                               # MLAPlan would have cut a chunk elsewhere
     be = _Planned()
-    with caplog.at_level(logging.WARNING, logger="vllm_metax.ops.fast_replan"):
+    with caplog.at_level(logging.WARNING, logger="vllm.vllm_metax.ops.fast_replan"):
         op._learn_layout(be, _meta(case), 16, 512, False, case["plan_info"], 592464, host)
     assert "differs from FlashInfer's MLAPlan" in caplog.text
     assert op._numpy_plan(be, _meta(case), 16, 512, False, _Ring()) is None
