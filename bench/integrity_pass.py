@@ -18,7 +18,6 @@ root only; skipped otherwise).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -33,6 +32,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bad_input_pass import tree  # noqa: E402  (the same file-tree fingerprint)
 H200 = "NVIDIA H200"
 GPU_DB = ROOT / "tests" / "data" / "triton_vs_flashinfer_h200.db"     # schema 2, 214 trials
 SWEEP = ["--batches", "1,2", "--contexts", "64", "--samples", "3", "--warmup", "1",
@@ -43,18 +44,6 @@ ENV = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", str(ROOT)), "COL
 
 class Hang(Exception):
     pass
-
-
-def tree(root: Path) -> dict:
-    out = {}
-    for p in sorted(root.rglob("*")):
-        if p.is_symlink() or not (p.is_file() or p.is_dir()):
-            out[str(p.relative_to(root))] = "special"
-        elif p.is_file():
-            out[str(p.relative_to(root))] = hashlib.sha256(p.read_bytes()).hexdigest()
-        else:
-            out[str(p.relative_to(root))] = "dir"
-    return out
 
 
 def run(args, cwd, timeout=60):

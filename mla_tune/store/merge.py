@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Sequence
 
 from mla_tune.store.integrity import check_rows, parse_schema_version
-from mla_tune.store.results import (META_TABLE, SCHEMA_VERSION, ResultsStore, StoreError, connect_readonly,
-                                    row_uid)
+from mla_tune.store.results import (META_TABLE, SCHEMA_VERSION, ResultsStore, StoreError,
+                                    check_sqlite_header, connect_readonly, row_uid)
 
 WORKLOAD_KEY = ("model", "num_heads", "kv_lora_rank", "qk_rope_head_dim", "softmax_scale",
                 "batch_size", "context_len", "q_len", "ragged", "seed", "q_dtype", "kv_dtype")
@@ -49,13 +49,7 @@ def open_source(path: str | Path) -> sqlite3.Connection:
         raise StoreError(f"{p} is a directory, not a results DB")
     if not p.is_file():        # a FIFO or a device: opening it could block forever
         raise StoreError(f"{p} is not a regular file, so not a results DB; left untouched")
-    try:
-        with open(p, "rb") as f:
-            head = f.read(16)
-    except OSError as e:
-        raise StoreError(f"cannot read {p}: {e.strerror or e}") from None
-    if head != b"SQLite format 3\x00":
-        raise StoreError(f"{p} is not a SQLite file, so not a results DB; left untouched")
+    check_sqlite_header(p)
     conn = None
     try:
         conn = connect_readonly(p)

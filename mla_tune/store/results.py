@@ -235,6 +235,17 @@ def _stored_version(db: sqlite_utils.Database) -> int:
     return parse_schema_version(row[0], "the results DB") if row else 0
 
 
+
+def check_sqlite_header(path: Path) -> None:
+    """StoreError unless `path` (a regular file) starts with SQLite's header."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+    except OSError as e:
+        raise StoreError(f"cannot read {path}: {e.strerror or e}") from None
+    if head != b"SQLite format 3\x00":
+        raise StoreError(f"{path} is not a SQLite file, so not a results DB; left untouched")
+
 class ResultsStore:
     """Open (or create) a results DB. Raises StoreError, never alters a foreign or newer file.
 
@@ -257,13 +268,7 @@ class ResultsStore:
             what = "an empty file" if self.path.exists() else "no results DB"
             raise StoreError(f"{what} at {self.path} (run `mla-tune sweep` first)")
         if exists:
-            try:
-                with open(self.path, "rb") as f:
-                    head = f.read(16)
-            except OSError as e:
-                raise StoreError(f"cannot read {self.path}: {e.strerror or e}") from None
-            if head != b"SQLite format 3\x00":
-                raise StoreError(f"{self.path} is not a SQLite file, so not a results DB; left untouched")
+            check_sqlite_header(self.path)
         conn = None
         try:
             if exists and not self.readonly:
