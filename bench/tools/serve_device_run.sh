@@ -3,7 +3,8 @@
 # sweep (decode + prefill) and its emitted config for this GPU, then bench/serve_bench.py
 # (`vllm serve` + `vllm bench serve`). Stays inside TOTAL_S (default 585 s); packs what it made
 # into at most 8 files under $OUT (the device tool's limit).
-#   SWEEP=1       the sweep into $OUT/results.db, config into /tmp/tuned (kept while the machine is warm)
+#   SWEEP=1       the sweep into $OUT/results.db, config into /tmp/tuned (kept while the machine is warm);
+#   SWEEP=auto    the same, only where no packaged config names this GPU
 #   MODELS=h16    serve_bench's models; SETUPS=tuned,untuned,triton16,vllm_default; SERVE=0 skips it
 #   CONFIG=DIR    the tuned setup's config folder (default: /tmp/tuned when a sweep made one, else
 #                 the packaged configs)
@@ -16,6 +17,11 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import vllm.entrypoints.openai.api_server, vllm.benchmarks.serve, vllm._C_stable_libtorch; print('serve imports ok')" 2>&1 | tail -3
 echo "setup $(( $(date +%s) - start )) s"
 W=/tmp/work; mkdir -p $W
+if [ "${SWEEP:-0}" = auto ]; then
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' _)
+  if ls vllm_metax/configs/device_name="$gpu".json >/dev/null 2>&1 || ls /tmp/tuned/device_name=*.json >/dev/null 2>&1; then SWEEP=0; else SWEEP=1; fi
+  echo "SWEEP=auto: $SWEEP ($gpu)"
+fi
 if [ "${SWEEP:-0}" = 1 ]; then
   rm -rf $W/results.db* $W/sweep_configs /tmp/tuned; mkdir -p $W/sweep_configs /tmp/tuned
   /usr/bin/time -f "sweep wall %e s" timeout 300 python3 -m mla_tune sweep --db $W/results.db \
