@@ -24,6 +24,7 @@ FLASHINFER = "flashinfer"
 TRITON = "triton"
 FLASHMLA = "flashmla"        # FlashMLA (vLLM's FLASHMLA backend): one candidate, no knobs
 SPLIT = "split"              # the split-KV Triton decode (vllm_metax.ops.split_decode)
+FA3 = "fa3_mla"              # vLLM's FA3 MLA decode (FLASH_ATTN_MLA's kernel; vllm_metax.ops.fa3_mla)
 
 # Every backend value any FlashInfer MLA wrapper has been seen to accept; "auto" and "cute-dsl"
 # are policies/aliases that resolve to one concrete backend at plan time.
@@ -44,6 +45,13 @@ MAX_SPLITS = MAX_PROGRAMS       # one request's splits in one launch
 SPLIT_PARTIALS = PARTIAL_DTYPES
 SPLIT_PIPES = tuple(PIPES)      # params.pipe; absent = the served pipe (every config before the knob)
 DEFAULT_SPLIT_PIPE = SERVED_PIPE
+# vLLM's FA3 MLA decode: num_splits 0 = FA3's own heuristic, else at most that many KV splits
+# (vLLM serves 0 eagerly and flash_attn_max_num_splits_for_cuda_graph, 32, under CUDA graphs);
+# schedule "aot": scheduler metadata once per step (vLLM's way), "none": inside each launch.
+FA3_BACKEND = "fa3"
+MAX_FA3_SPLITS = 256
+FA3_SCHEDULES = ("aot", "none")
+DEFAULT_FA3_SCHEDULE = "aot"
 
 # family -> (required knobs, optional knobs); a family's params are {"backend", *knobs}
 KNOBS = {
@@ -51,6 +59,7 @@ KNOBS = {
     TRITON: (("num_kv_splits",), ("rule",)),
     FLASHMLA: ((), ()),
     SPLIT: (("num_splits", "partial"), ("pipe",)),
+    FA3: (("num_splits",), ("schedule",)),
 }
 # how a candidate of each family is written, for the refusals of a malformed one
 CANDIDATE_FORMS = {
@@ -58,6 +67,8 @@ CANDIDATE_FORMS = {
     TRITON: f"{TRITON}/{TRITON_BACKEND}/p<page>/num_kv_splits=N[,rule={VLLM_RULE}]",
     SPLIT: f"{SPLIT}/{SPLIT_BACKEND}/p<page>/num_splits=N,partial=<dtype>[,pipe=<pipe>]",
     FLASHMLA: f"{FLASHMLA}/{FLASHMLA_BACKEND}/p{FLASHMLA_PAGE_SIZE}, no knobs",
+    FA3: f"{FA3}/{FA3_BACKEND}/p<page, a multiple of 16>/num_splits=N (0: FA3's heuristic)"
+         f"[,schedule=<{'|'.join(FA3_SCHEDULES)}>]",
 }
 
 
@@ -144,6 +155,21 @@ class FlashMLAChoice:
         return {"backend": self.backend}
 
 
+@dataclass(frozen=True)
+class FA3Choice:
+    """vLLM's FA3 MLA decode: the split bound (0: FA3's own heuristic) and where the scheduler
+    metadata is computed ("aot": once per step, "none": in each launch)."""
+
+    num_splits: int
+    schedule: str = DEFAULT_FA3_SCHEDULE
+
+    def to_params(self) -> dict:
+        p = {"backend": FA3_BACKEND, "num_splits": self.num_splits}
+        if self.schedule != DEFAULT_FA3_SCHEDULE:
+            p["schedule"] = self.schedule
+        return p
+
+
 # ---------------------------------------------------------------- strict parsing
 
 def _int_in(params: dict, key: str, lo: int, hi: int, where: str) -> int:
@@ -196,6 +222,12 @@ def check_params(family: str, params, where: str):
         return SplitChoice(n, partial, pipe)
     if family == FLASHMLA:
         return FlashMLAChoice(_one_of(params, "backend", (FLASHMLA_BACKEND,), where))
+    if family == FA3:
+        _one_of(params, "backend", (FA3_BACKEND,), where)
+        n = _int_in(params, "num_splits", 0, MAX_FA3_SPLITS, where)
+        sched = (_one_of(params, "schedule", FA3_SCHEDULES, where) if "schedule" in params
+                 else DEFAULT_FA3_SCHEDULE)
+        return FA3Choice(n, sched)
     _one_of(params, "backend", (TRITON_BACKEND,), where, TRITON_BACKEND)   # hand-written: optional
     n = _int_in(params, "num_kv_splits", 1, MAX_KV_SPLITS, where)
     rule = _one_of(params, "rule", (VLLM_RULE,), where) if "rule" in params else None
@@ -227,7 +259,7 @@ def _positive_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
-def family_choice(family: str, params) -> FlashInferChoice | TritonChoice | SplitChoice | None:
+def family_choice(family: str, params) -> FlashInferChoice | TritonChoice | SplitChoice | FA3Choice | None:
     """A stored `params` dict (a tuned config's, or a measured candidate's plan parameters) as
     its family's typed choice; None when it says nothing usable. Lenient where the plugin can
     still serve: any FlashInfer backend string (the device rule decides), an unknown kv_chunk
@@ -245,9 +277,10 @@ def family_choice(family: str, params) -> FlashInferChoice | TritonChoice | Spli
         if params.get("rule") == VLLM_RULE:
             return TritonChoice(n if _positive_int(n) else None, True)
         return TritonChoice(n) if _positive_int(n) else None
-    if family == SPLIT:
+    if family in (SPLIT, FA3):
+        backend = SPLIT_BACKEND if family == SPLIT else FA3_BACKEND
         try:
-            return check_params(SPLIT, {"backend": SPLIT_BACKEND, **params}, "split")
+            return check_params(family, {"backend": backend, **params}, family)
         except ChoiceError:
             return None
     return None

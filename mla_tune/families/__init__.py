@@ -14,6 +14,7 @@ _FAMILIES = {
     "triton": "mla_tune.families.triton_mla:TritonMLAFamily",
     "flashmla": "mla_tune.families.flashmla:FlashMLAFamily",
     "split": "mla_tune.families.split:SplitFamily",
+    "fa3_mla": "mla_tune.families.fa3_mla:FA3MLAFamily",
 }
 
 
@@ -44,6 +45,8 @@ def check_candidate(c: Candidate) -> Candidate:
     elif c.family in choices.KNOBS:
         if c.family == choices.FLASHMLA and c.page_size != choices.FLASHMLA_PAGE_SIZE:
             raise ValueError(f"{c.key!r}: the flashmla family is {choices.CANDIDATE_FORMS[c.family]}")
+        if c.family == choices.FA3 and c.page_size % 16:
+            raise ValueError(f"{c.key!r}: the fa3_mla family is {choices.CANDIDATE_FORMS[c.family]}")
         choices.candidate_choice(c.family, c.backend, c.params, f"candidate {c.key!r}")
     return c
 
