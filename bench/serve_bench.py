@@ -87,6 +87,10 @@ def server_env(setup: str, config_folder: str | None, empty: Path) -> dict:
     env.pop("VLLM_METAX_MLA_PACKAGED_FOLDER", None)     # the shipped configs, unless untuned
     if setup == "vllm_default":
         env.pop("VLLM_METAX_FORCE")          # the plugin stays inactive on an NVIDIA GPU
+        # vLLM's CUDA platform would sample with FlashInfer's top-p/top-k kernels, JIT-built at
+        # engine start (over 60 s on the lent H100, 2026-12-07, where the time limit killed it);
+        # the plugin's platform samples with PyTorch, so this setup does too
+        env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
         return env
     if SETUPS[setup][1]:
         if config_folder:
@@ -264,6 +268,39 @@ def geomean(xs):
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
 
 
+NOISE = 0.05          # one run per cell: a p50 TPOT difference under 5% is not a verdict
+LONG_TPOT_GOAL = 0.6  # 16 heads, long context: tuned p50 TPOT <= 0.6x TRITON_MLA at block 16
+
+
+def goals(recs: dict, runs: list[str]) -> list[str]:
+    """The serving issue's goals for one model, from its p50 TPOTs: long-context tuned/triton16,
+    tuned vs untuned (never slower beyond noise), tuned vs vLLM's own default."""
+    def tpot(setup, k):
+        return recs.get(setup, {}).get("runs", {}).get(k, {}).get("p50_tpot_ms")
+    out = []
+    if "triton16" in recs:
+        long = {k: _ratio(tpot("tuned", k), tpot("triton16", k)) for k in runs if k.startswith("long@")}
+        long = {k: v for k, v in long.items() if v}
+        if long:
+            worst = max(long.values())
+            out.append(f"- long context, tuned / triton16 p50 TPOT <= {LONG_TPOT_GOAL}: "
+                       f"{'met' if worst <= LONG_TPOT_GOAL else 'NOT met'} ("
+                       + ", ".join(f"{k} {v:.3f}" for k, v in long.items()) + ")")
+    for base in ("untuned", "vllm_default"):
+        if base not in recs:
+            continue
+        r = {k: _ratio(tpot("tuned", k), tpot(base, k)) for k in runs}
+        r = {k: v for k, v in r.items() if v}
+        if not r:
+            out.append(f"- tuned vs {base}: not measured ({recs[base].get('skipped') or recs[base].get('error')})")
+            continue
+        slower = {k: v for k, v in r.items() if v > 1 + NOISE}
+        out.append(f"- tuned no slower than {base} beyond {NOISE:.0%} (p50 TPOT, every workload-rate): "
+                   + ("met" if not slower else "NOT met: " + ", ".join(f"{k} {v:.3f}" for k, v in slower.items()))
+                   + f"; faster beyond {NOISE:.0%} in {sum(v < 1 - NOISE for v in r.values())} of {len(r)}")
+    return out
+
+
 def report(record: dict, meta: dict) -> str:
     lines = [f"# `vllm serve` + `vllm bench serve`: {meta['device']} ({meta['date']})", "",
              meta["note"], ""]
@@ -297,6 +334,8 @@ def report(record: dict, meta: dict) -> str:
                 if "tuned" in setups else None
             if g:
                 lines.append(f"- p50 TPOT tuned / {s}, geomean over {len(runs)} workload-rates: {g:.3f}")
+        if "tuned" in setups:
+            lines += ["", "Goals (p50 TPOT ratios; < 1: tuned faster):", ""] + goals(recs, runs)
         lines.append("")
     return "\n".join(lines)
 

@@ -4,6 +4,8 @@ each setup's server environment; the report's ratios. Real vllm==0.33.0, no GPU,
 
 from __future__ import annotations
 
+import os
+
 import json
 
 import pytest
@@ -68,6 +70,11 @@ def test_setups_get_the_environment_they_name(tmp_path, monkeypatch):
     assert sb.SETUPS["triton16"][0] == ["--attention-backend", "TRITON_MLA", "--block-size", "16"]
     plain = sb.server_env("vllm_default", "/tuned", empty)
     assert "VLLM_METAX_FORCE" not in plain             # vLLM's own platform, the plugin inactive
+    # and PyTorch's sampler, as the plugin's platform has (no FlashInfer sampler JIT at start)
+    assert plain["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    assert all("VLLM_USE_FLASHINFER_SAMPLER" not in sb.server_env(n, None, empty) or
+               sb.server_env(n, None, empty)["VLLM_USE_FLASHINFER_SAMPLER"] == os.environ.get(
+                   "VLLM_USE_FLASHINFER_SAMPLER") for n in ("tuned", "untuned", "triton16"))
 
 
 def test_the_report_quotes_tuned_over_each_setup():
