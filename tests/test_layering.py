@@ -242,3 +242,13 @@ def test_no_module_hands_out_other_modules_names(name):
     tree = ast.parse(MLA[name].read_text())
     assert not [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "__getattr__"], \
         f"{name} defines a module-level __getattr__"
+
+
+@pytest.mark.parametrize("name", sorted(MLA))
+def test_no_private_name_crosses_a_module(name):
+    """A name another module needs is public in the module that defines it: no mla_tune module
+    imports an underscore name from another."""
+    bad = [f"line {line}: {mod}.{n}" for line, mod, names in _import_statements(name, MLA[name])
+           if _under(mod, ["mla_tune"]) for n in names or ()
+           if n.startswith("_") and not n.startswith("__")]
+    assert not bad, f"{name} imports private names: {bad}"
