@@ -37,7 +37,7 @@ from mla_tune.problem.defaults import KERNEL_METRIC  # noqa: E402
 from mla_tune.problem.workload import model_preset, workload_for  # noqa: E402
 from mla_tune.problem.instance import make_problem  # noqa: E402
 from mla_tune.problem.roofline import achieved, floor_of, measure_ceilings, pct_of_floor  # noqa: E402
-from mla_tune.store.results import stats_of  # noqa: E402
+from mla_tune.store.stats import stats_of  # noqa: E402
 from mla_tune.measure.timing import KernelTimer, flush_buffer, default_pool_bytes  # noqa: E402
 
 V3 = model_preset("deepseek-v3")

@@ -1,6 +1,7 @@
 """Faults of the machine a command runs on, told in one line: a full disk, a folder or file
 turned read-only, an I/O error, an output that cannot be written. What happened, where, and
-what a rerun does (a sweep resumes: every finished trial is committed)."""
+what a rerun does (a sweep resumes: every finished trial is committed). And whether a process
+that left something behind (a temporary file, a claimed trial) was killed."""
 
 from __future__ import annotations
 
@@ -89,4 +90,21 @@ def silence_stdout() -> None:
         pass
 
 
-__all__ = ["describe", "flush_stdout", "is_fault", "silence_stdout", "stdout_closed", "sweep_stopped"]
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` of this host still runs: a killed child its parent has not reaped
+    yet (a zombie) does not; one this user may not signal does."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+__all__ = ["describe", "flush_stdout", "is_fault", "process_alive", "silence_stdout", "stdout_closed",
+           "sweep_stopped"]

@@ -5,8 +5,8 @@ import math
 import pytest
 
 from mla_tune.families.base import Candidate
-from mla_tune.tune.choose import (NO_SIGNIFICANT_DIFFERENCE, bucket_weights, choose, choose_from_store,
-                             compare, latest_trials, min_p_value)
+from mla_tune.tune.choose import bucket_weights, choose, choose_from_store, latest_trials
+from mla_tune.tune.verdict import NO_SIGNIFICANT_DIFFERENCE, compare, min_p_value
 from mla_tune.problem.workload import WorkloadMix, model_preset, workload_for
 from mla_tune.store.results import ResultsStore
 

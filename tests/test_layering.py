@@ -32,23 +32,32 @@ def _modules(package: str) -> dict[str, Path]:
     return out
 
 
-def _imports(name: str, path: Path, top_only: bool = False) -> list[tuple[int, str]]:
-    """(line, absolute module name) of every import statement in the file (`top_only`: only
-    those run when the module is imported, not the lazy ones inside functions)."""
+def _import_statements(name: str, path: Path, top_only: bool = False):
+    """(line, absolute module name, names taken from it: None for `import m`) of every import
+    statement in the file (`top_only`: only those run when the module is imported, not the lazy
+    ones inside functions)."""
     pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
     tree = ast.parse(path.read_text(), str(path))
-    out = []
     for node in (_run_at_import(tree) if top_only else ast.walk(tree)):
         if isinstance(node, ast.Import):
-            out += [(node.lineno, a.name) for a in node.names]
+            for a in node.names:
+                yield node.lineno, a.name, None
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = pkg.split(".")[:len(pkg.split(".")) - node.level + 1]
                 mod = ".".join(base + ([node.module] if node.module else []))
             else:
                 mod = node.module
-            # `from pkg import sub` imports pkg.sub when sub is a module
-            out += [(node.lineno, f"{mod}.{a.name}") for a in node.names] + [(node.lineno, mod)]
+            yield node.lineno, mod, [a.name for a in node.names]
+
+
+def _imports(name: str, path: Path, top_only: bool = False) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import statement in the file (`top_only`: only
+    those run when the module is imported, not the lazy ones inside functions)."""
+    out = []
+    for line, mod, names in _import_statements(name, path, top_only):
+        # `from pkg import sub` imports pkg.sub when sub is a module
+        out += [(line, mod)] if names is None else [(line, f"{mod}.{n}") for n in names] + [(line, mod)]
     return out
 
 
@@ -126,3 +135,120 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     found = _imports("mla_tune.problem.m", f)
     assert (2, "mla_tune.cli.app") in found and (3, "mla_tune.problem.workload") in found
     assert _layer("mla_tune.cli.app") > _layer("mla_tune.problem.m")
+
+
+# ---------------------------------------------------------------- cycles and sizes (issue #40)
+
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 80
+
+
+def _dependencies(name: str, path: Path, modules) -> set[str]:
+    """The modules of `modules` that `name` imports, the lazy imports inside functions included:
+    `from pkg import sub` depends on the module pkg.sub, `from pkg import thing` on pkg."""
+    out = set()
+    for _, mod, names in _import_statements(name, path):
+        subs = [f"{mod}.{n}" for n in names] if names else []
+        out.update(s for s in subs if s in modules)
+        if names is None or any(s not in modules for s in subs):
+            out.add(mod)
+    return (out & set(modules)) - {name}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected set of two or more modules (Tarjan), each as a sorted list."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            scc = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                scc.append(w)
+                if w == v:
+                    break
+            if len(scc) > 1:
+                out.append(sorted(scc))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_mla_tune_has_no_import_cycle():
+    """No two mla_tune modules import each other, directly or round a longer loop, the lazy
+    imports inside functions counted too: within one folder as much as across folders."""
+    graph = {name: _dependencies(name, path, MLA) for name, path in MLA.items()}
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles among mla_tune modules: " + "; ".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_sees_a_cycle(tmp_path):
+    """The check itself can fail: a lazy import back from a module that the first imports, in one
+    folder, and `from pkg import sub` counted as an import of the module pkg.sub."""
+    (tmp_path / "a.py").write_text("from mla_tune.tune import b\n")
+    (tmp_path / "b.py").write_text("def f():\n    from mla_tune.tune.a import thing\n")
+    mods = {"mla_tune.tune.a": tmp_path / "a.py", "mla_tune.tune.b": tmp_path / "b.py",
+            "mla_tune.tune": tmp_path / "__init__.py"}
+    graph = {n: _dependencies(n, p, mods) for n, p in mods.items() if p.exists()}
+    assert graph == {"mla_tune.tune.a": {"mla_tune.tune.b"}, "mla_tune.tune.b": {"mla_tune.tune.a"}}
+    assert _cycles(graph) == [["mla_tune.tune.a", "mla_tune.tune.b"]]
+    assert _cycles({"x": {"y"}, "y": {"z"}, "z": set()}) == []
+
+
+def _sizes(path: Path) -> tuple[int, list[tuple[str, int, int]]]:
+    """The module's line count and (name, first line, lines) of every function and method in it."""
+    text = path.read_text()
+    funcs = [(node.name, node.lineno, node.end_lineno - node.lineno + 1)
+             for node in ast.walk(ast.parse(text, str(path)))
+             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    return len(text.splitlines()), funcs
+
+
+@pytest.mark.parametrize("name", sorted(MLA))
+def test_mla_tune_modules_and_functions_stay_small(name):
+    """A module holds one idea and a function one step: no module over MAX_MODULE_LINES lines,
+    no function over MAX_FUNCTION_LINES (split by idea, not by cutting anywhere)."""
+    lines, funcs = _sizes(MLA[name])
+    long = [f"{f} (line {at}: {n} lines)" for f, at, n in funcs if n > MAX_FUNCTION_LINES]
+    assert lines <= MAX_MODULE_LINES, f"{name} has {lines} lines (at most {MAX_MODULE_LINES})"
+    assert not long, f"{name}: functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def test_the_size_check_sees_a_long_function(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("def f():\n" + "    x = 1\n" * MAX_FUNCTION_LINES + "\n\nclass C:\n    def g(self):\n        pass\n")
+    lines, funcs = _sizes(f)
+    assert lines == MAX_FUNCTION_LINES + 6
+    assert ("f", 1, MAX_FUNCTION_LINES + 1) in funcs and ("g", MAX_FUNCTION_LINES + 5, 2) in funcs
+
+
+@pytest.mark.parametrize("name", sorted(MLA))
+def test_no_module_hands_out_other_modules_names(name):
+    """No facade: a module-level __getattr__ would serve names defined elsewhere past the import
+    checks above; every caller imports a name from the module that defines it."""
+    tree = ast.parse(MLA[name].read_text())
+    assert not [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "__getattr__"], \
+        f"{name} defines a module-level __getattr__"
+
+
+@pytest.mark.parametrize("name", sorted(MLA))
+def test_no_private_name_crosses_a_module(name):
+    """A name another module needs is public in the module that defines it: no mla_tune module
+    imports an underscore name from another."""
+    bad = [f"line {line}: {mod}.{n}" for line, mod, names in _import_statements(name, MLA[name])
+           if _under(mod, ["mla_tune"]) for n in names or ()
+           if n.startswith("_") and not n.startswith("__")]
+    assert not bad, f"{name} imports private names: {bad}"

@@ -12,8 +12,10 @@ from mla_tune.families.base import Candidate
 from mla_tune.cli import app
 from mla_tune.problem.workload import model_preset, workload_for
 from mla_tune.store.selection import SelectionError, TrialFilter
-from mla_tune.views.report import build_report, render_report
-from mla_tune.store.results import ResultsStore, stats_of
+from mla_tune.views.report import build_report
+from mla_tune.views.report_format import render_report
+from mla_tune.store.results import ResultsStore
+from mla_tune.store.stats import stats_of
 from results_fixture import BATCHES, CONTEXTS, H200, METAX, MODEL, TP, build_fixture_db
 
 runner = CliRunner(env={"COLUMNS": "220"})
@@ -210,7 +212,7 @@ def test_cli_missing_or_foreign_db_is_one_line_and_not_created(tmp_path):
 
 
 def test_the_summary_legend_names_the_families_the_table_shows():
-    from mla_tune.views.report import _legend
+    from mla_tune.views.report_format import _legend
     assert _legend({"flashinfer", "split"}) == \
         "fi = FlashInfer, sp = split-KV Triton decode (served by FLASHINFER_MLA)"
     assert _legend({"reference"}) == "ref = torch reference"

@@ -7,7 +7,11 @@ from mla_tune.families.base import Candidate
 from mla_tune.problem.workload import Workload
 from mla_tune.problem.defaults import PLAN_METRIC
 from mla_tune.store.records import TrialRecord, as_records
-from mla_tune.store.results import META_TABLE, SCHEMA_VERSION, ResultsStore, StoreError, stats_of
+from mla_tune.store.errors import StoreError
+from mla_tune.store.integrity import META_TABLE
+from mla_tune.store.results import ResultsStore
+from mla_tune.store.schema import SCHEMA_VERSION
+from mla_tune.store.stats import stats_of
 
 W = Workload(16, 512, 64, 0.1, batch_size=4, context_len=1024)
 
@@ -92,7 +96,7 @@ def test_a_new_db_appears_whole_and_a_sweep_that_lost_the_race_opens_the_winners
     # no meta table yet) and refused it as foreign (CI, test_distributed). Now the path only ever
     # holds a whole DB: what is linked into place already has the meta table and the schema
     import os
-    from mla_tune.store import results as r
+    from mla_tune.store import sqlite_file as r
     p = tmp_path / "new.db"
     linked, real_link = [], os.link
 
@@ -105,7 +109,7 @@ def test_a_new_db_appears_whole_and_a_sweep_that_lost_the_race_opens_the_winners
         linked.append((whole, os.path.exists(dst)))
         return real_link(src, dst)
 
-    monkeypatch.setattr(r.os, "link", link)
+    monkeypatch.setattr(os, "link", link)
     with ResultsStore(p) as store:        # the loser opens the winner's DB, nothing replaced
         assert store.db[META_TABLE].exists() and list(store.db["note"].rows) == [{"by": "winner"}]
     # each linked a whole DB; the winner found the path free, the loser found it taken
@@ -171,7 +175,7 @@ def test_an_older_schema_is_read_through_an_upgraded_copy_and_left_byte_for_byte
     src = Path(__file__).resolve().parent / "data" / "results_schema2_h200.db"   # 2026-12-02 H200 sweep
     db = tmp_path / "old.db"
     shutil.copy(src, db)
-    from mla_tune.store.results import readonly_uri
+    from mla_tune.store.sqlite_file import readonly_uri
     c = sqlite3.connect(readonly_uri(db), uri=True)
     old = int(c.execute("select value from mla_tune_meta where key='schema_version'").fetchone()[0])
     c.close()

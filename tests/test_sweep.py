@@ -16,8 +16,12 @@ import sweep_families
 from mla_tune.cli import app
 from mla_tune.problem.workload import ProblemError, model_preset
 from mla_tune.store.results import ResultsStore
-from mla_tune.tune.sweep import (CPU_REFERENCE_NOTE, SweepConfig, build_config, default_space,
-                            journal_path_for, parse_duration, parse_sizes, plan_buckets, run_sweep)
+from mla_tune.tune.buckets import (default_space, journal_path_for, parse_duration, parse_sizes,
+                                   plan_buckets)
+from mla_tune.tune.sweep import run_sweep
+from mla_tune.tune.sweep_config import SweepConfig
+from mla_tune.tune.sweep_flags import build_config
+from mla_tune.tune.sweep_plan import CPU_REFERENCE_NOTE
 
 TESTS = Path(__file__).resolve().parent
 V3 = model_preset("deepseek-v3")
@@ -101,7 +105,7 @@ def test_cpu_sweep_end_to_end(cpu_sweep):
         assert len(s.runs()) == 1
     # the optuna study, one per bucket, where optuna-dashboard can open it
     import optuna
-    from mla_tune.tune.search import journal_storage
+    from mla_tune.tune.study_storage import journal_storage
     storage = journal_storage(journal_path_for(db))
     names = optuna.get_all_study_names(storage=storage)
     studies = [optuna.load_study(study_name=n, storage=storage) for n in names]
@@ -136,7 +140,7 @@ def test_rerun_measures_nothing_twice(cpu_sweep):
 
 def test_replay_over_the_cpu_db_reaches_the_same_winners(cpu_sweep):
     from mla_tune.tune.choose import choose_from_store
-    from mla_tune.tune.sweep import replay_sweep
+    from mla_tune.tune.replay import replay_sweep
     d, db, _ = cpu_sweep
     with ResultsStore(db, create=False) as s:
         direct = choose_from_store(s)
@@ -270,8 +274,8 @@ def test_time_budget_is_shared_by_expected_cost_and_slack_moves_on():
     """The default grid on 2026-12-02 cut the largest buckets (B64-128 x L16K-32K) while small ones
     left time unused: shares now follow trials x bytes moved, and an early finish is re-shared."""
     from mla_tune.families import Candidate
-    from mla_tune.tune.search import SearchSpace
-    from mla_tune.tune.sweep import PlannedBucket, budget_share, bucket_weight, plan_buckets
+    from mla_tune.tune.search_space import SearchSpace
+    from mla_tune.tune.sweep_plan import PlannedBucket, budget_share, bucket_weight
 
     buckets = plan_buckets(model_preset("deepseek-v3"), [8], [1, 128], [1024, 32768])
 
@@ -390,7 +394,8 @@ def test_a_script_without_a_main_guard_can_sweep_in_a_worker(tmp_path):
     script = tmp_path / "my_sweep.py"
     script.write_text(
         "import sys\nfrom pathlib import Path\n"
-        "from mla_tune.tune.sweep import build_config, run_sweep\n"
+        "from mla_tune.tune.sweep import run_sweep\n"
+        "from mla_tune.tune.sweep_flags import build_config\n"
         "out = run_sweep(build_config(db=Path(sys.argv[1]), device='cpu', isolation='process',\n"
         "    emit=False, batches='1', contexts='64', page_sizes=[16], samples=3, warmup=1))\n"
         "print('measured', out.measured)\n")
@@ -410,11 +415,11 @@ def test_no_family_that_runs_here_is_exit_1(tmp_path):
 
 def test_v1_results_db_gains_the_default_mark(tmp_path):
     import sqlite_utils
-    from mla_tune.store import results as store_mod
+    from mla_tune.store import integrity, schema
     p = tmp_path / "v1.db"
     db = sqlite_utils.Database(p)
-    store_mod.MIGRATIONS[0](db)
-    db[store_mod.META_TABLE].insert({"key": "schema_version", "value": "1"}, pk="key")
+    schema.MIGRATIONS[0](db)
+    db[integrity.META_TABLE].insert({"key": "schema_version", "value": "1"}, pk="key")
     db["runs"].insert({"id": 1, "kind": "gpu", "device_name": "x"})
     # whole rows, as a v1 sweep stored them (the store refuses a row no version could have written)
     db["workloads"].insert({"id": 1, "model": "m", "num_heads": 16, "kv_lora_rank": 512,
@@ -426,14 +431,14 @@ def test_v1_results_db_gains_the_default_mark(tmp_path):
                          "page_size": 1, "params": "{}", "candidate": "a/b/p1", "status": "ok"})
     db.close()
     with ResultsStore(p) as s:
-        assert s.schema_version == store_mod.SCHEMA_VERSION >= 2
+        assert s.schema_version == schema.SCHEMA_VERSION >= 2
         assert "is_default" in {c.name for c in s.db["trials"].columns}
         assert s.db["trials"].get(1)["candidate"] == "a/b/p1"
 
 
 def test_ceilings_subprocess_without_cuda_returns_nothing():
     """On a machine without CUDA the child fails and the run record simply has no ceilings."""
-    from mla_tune.tune.sweep import ceilings_in_subprocess
+    from mla_tune.tune.sweep_start import ceilings_in_subprocess
     import torch
     if torch.cuda.is_available():
         import pytest
@@ -442,20 +447,21 @@ def test_ceilings_subprocess_without_cuda_returns_nothing():
 
 
 def test_the_ceilings_probe_runs_beside_the_worker_and_is_ended(monkeypatch):
-    from mla_tune.tune import sweep as sweep_mod
-    monkeypatch.setattr(sweep_mod.CeilingsProbe, "CODE",
+    from mla_tune.tune import sweep_start
+    monkeypatch.setattr(sweep_start.CeilingsProbe, "CODE",
                         "import json, time; time.sleep(0.2); print(json.dumps({'copy_gbps': 1.0}))")
-    probe = sweep_mod.CeilingsProbe(timeout=30).start()
+    probe = sweep_start.CeilingsProbe(timeout=30).start()
     assert probe.proc is not None and probe.result() == {"copy_gbps": 1.0} and probe.proc is None
-    monkeypatch.setattr(sweep_mod.CeilingsProbe, "CODE", "import time; time.sleep(60)")
-    slow = sweep_mod.CeilingsProbe(timeout=30).start()
+    monkeypatch.setattr(sweep_start.CeilingsProbe, "CODE", "import time; time.sleep(60)")
+    slow = sweep_start.CeilingsProbe(timeout=30).start()
     proc = slow.proc
     slow.close()                          # a sweep that measured nothing never asks
     assert proc.poll() is not None and slow.result() == {}
 
 
 def test_the_time_line_splits_the_wall():
-    from mla_tune.tune.sweep import SweepOutcome, SweepPlan
+    from mla_tune.tune.sweep_outcome import SweepOutcome
+    from mla_tune.tune.sweep_plan import SweepPlan
     o = SweepOutcome(SweepPlan("cuda", "gpu", [], {}, []), seconds=100.0,
                      time_split={"samples_s": 20.0, "jit_s": 10.0, "measure_s": 60.0, "startup_s": 15.0,
                                  "plan_s": 8.0, "choose_s": 2.0})
@@ -480,7 +486,8 @@ def test_the_worker_split_adds_up_to_other_measuring():
     from mla_tune.families.reference import ReferenceFamily
     from mla_tune.measure import trial
     from mla_tune.measure.trial import PHASES, MeasureSettings
-    from mla_tune.tune.sweep import PHASE_NAMES, SweepOutcome, SweepPlan
+    from mla_tune.tune.sweep_outcome import PHASE_NAMES, SweepOutcome
+    from mla_tune.tune.sweep_plan import SweepPlan
     from mla_tune.families import Candidate
     from mla_tune.problem.workload import custom_model, workload_for
     assert tuple(PHASE_NAMES) == PHASES
@@ -500,7 +507,7 @@ def test_the_worker_split_adds_up_to_other_measuring():
 def test_the_journal_is_written_without_fsync_and_reads_back(tmp_path, monkeypatch):
     import os
     import optuna
-    from mla_tune.tune.search import journal_storage
+    from mla_tune.tune.study_storage import journal_storage
 
     def no_fsync(fd):
         raise AssertionError("fsync called")
@@ -521,13 +528,13 @@ def test_a_gpu_sweep_starts_its_worker_before_planning_and_surfaces_its_start_er
     thread; on the CPU nothing is started."""
     from mla_tune.measure import worker as worker_mod
     from mla_tune.measure.trial import MeasureSettings
-    from mla_tune.tune import sweep as sweep_mod
+    from mla_tune.tune import sweep_start
     monkeypatch.setenv("MLA_TUNE_JIT_PREBUILD", "0")
-    monkeypatch.setattr(sweep_mod.CeilingsProbe, "CODE", "print('{}')")
+    monkeypatch.setattr(sweep_start.CeilingsProbe, "CODE", "print('{}')")
     buckets = plan_buckets(model_preset("deepseek-v3"), [8], [1], [256])
     cfg = SweepConfig(buckets=buckets, device="cuda", families=["reference"], isolation="process",
                       db=tmp_path / "r.db")
-    early = sweep_mod.EarlyStart(cfg, MeasureSettings(device="cpu"))
+    early = sweep_start.EarlyStart(cfg, MeasureSettings(device="cpu"))
     try:
         assert isinstance(early.runner, worker_mod.WorkerRunner)
         assert early.runner.preload == ("reference",)
@@ -545,11 +552,11 @@ def test_a_gpu_sweep_starts_its_worker_before_planning_and_surfaces_its_start_er
         raise worker_mod.WorkerError("the measuring worker process did not start: test")
 
     monkeypatch.setattr(worker_mod.WorkerRunner, "start", refuse)
-    early = sweep_mod.EarlyStart(cfg, MeasureSettings(device="cpu"))
+    early = sweep_start.EarlyStart(cfg, MeasureSettings(device="cpu"))
     with pytest.raises(worker_mod.WorkerError, match="did not start: test"):
         early.wait()
     early.close()
-    cpu = sweep_mod.EarlyStart(SweepConfig(buckets=buckets, device="cpu"), MeasureSettings())
+    cpu = sweep_start.EarlyStart(SweepConfig(buckets=buckets, device="cpu"), MeasureSettings())
     assert cpu.runner is None and cpu.ceilings is None and cpu.prebuild is None
     assert cpu.wait() < 0.1
     cpu.close()

@@ -9,7 +9,7 @@ from mla_tune.families import Candidate, CandidateInvalid, Prepared
 from mla_tune.families.reference import ReferenceFamily
 from mla_tune.measure.trial import MeasureSettings
 from mla_tune.problem.workload import custom_model, workload_for
-from mla_tune.store.results import stats_of
+from mla_tune.store.stats import stats_of
 
 
 def _wl():

@@ -8,7 +8,8 @@ import sweep_families
 from mla_tune.families.base import Candidate
 from mla_tune.measure.trial import MeasureSettings
 from mla_tune.problem.workload import Workload
-from mla_tune.measure.worker import InlineRunner, WorkerRunner, is_sticky_cuda_error, make_runner
+from mla_tune.measure.worker import InlineRunner, WorkerRunner, make_runner
+from mla_tune.measure.worker_main import is_sticky_cuda_error
 
 W = Workload(16, 512, 64, 0.1, batch_size=1, context_len=64)
 SETTINGS = MeasureSettings(samples=4, warmup=1)

@@ -24,7 +24,7 @@ Correctness gates every timed value: on fresh random inputs each output is poiso
 against a float32 reference on sampled rows (and fa2 against fa3, every W against one chunk); a
 value that fails is reported and never wins. "Beyond noise" (`beats`) means the median ratio is at
 least 1.05 AND the samples separate: a one-sided Mann-Whitney p < 0.002 where scipy is installed
-(mla_tune.tune.choose.compare, the tuner's rule), otherwise the slower value's first quartile above the
+(mla_tune.tune.verdict.compare, the tuner's rule), otherwise the slower value's first quartile above the
 faster one's third quartile. Verdicts (`choice_verdict`): "real choice" only when no single value is
 within noise of the best at every shape. Writes DIR/prefill_choice.{json,md}.
 """
@@ -45,7 +45,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.experiments.shape_run import add_shape_run_options, ints, read_earlier_run  # noqa: E402
-from mla_tune.tune.choose import MIN_RATIO, P_THRESHOLD  # noqa: E402
+from mla_tune.tune.verdict import MIN_RATIO, P_THRESHOLD  # noqa: E402
 from mla_tune.problem.workload import model_preset  # noqa: E402
 
 NAME = "prefill_choice"
@@ -205,11 +205,11 @@ def quartiles(samples) -> tuple:
 
 
 def scipy_compare():
-    """mla_tune.tune.choose.compare (one-sided Mann-Whitney + ratio) where scipy is installed, else None."""
+    """mla_tune.tune.verdict.compare (one-sided Mann-Whitney + ratio) where scipy is installed, else None."""
     try:
         import scipy  # noqa: F401
 
-        from mla_tune.tune.choose import compare
+        from mla_tune.tune.verdict import compare
         return compare
     except ImportError:
         return None

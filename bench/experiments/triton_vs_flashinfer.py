@@ -13,7 +13,7 @@ correctness gate against the torch reference, CUDA-graph replays timed with even
 
 It writes <out>/triton_vs_flashinfer.json (every sample), .md (the table and verdict) and .db (a
 results store `mla-tune report` reads), and prints the table. "Wins" and "gains" count only when a
-one-sided Mann-Whitney test gives p < 0.002 and the median ratio is >= 1.05 (mla_tune.tune.choose);
+one-sided Mann-Whitney test gives p < 0.002 and the median ratio is >= 1.05 (mla_tune.tune.verdict);
 where scipy is missing the test is skipped and `--analyze <json>` redoes the summary elsewhere.
 """
 
@@ -149,7 +149,7 @@ def one_line(rows, label, page) -> str:
 
 def _compare():
     try:
-        from mla_tune.tune.choose import compare
+        from mla_tune.tune.verdict import compare
         import scipy  # noqa: F401
         return compare
     except ImportError:
@@ -294,7 +294,7 @@ def render(doc: dict, summ: dict) -> str:
     elif summ["triton_wins"]:
         lines.append(f"* Triton beats fa3 beyond noise at: {', '.join(summ['triton_wins'])}")
     else:
-        from mla_tune.tune.choose import MIN_RATIO, P_THRESHOLD
+        from mla_tune.tune.verdict import MIN_RATIO, P_THRESHOLD
         lines.append(f"* Triton never beats fa3 beyond noise (Mann-Whitney p < {P_THRESHOLD:g} and "
                      f">= {MIN_RATIO:g}x).")
     if doc.get("skipped"):

@@ -112,12 +112,12 @@ def known_errors() -> tuple:
     """The library's errors that mean "this input cannot be used" (or, for a sweep, "nothing could
     be measured"): shown as their one-line message, never as a traceback."""
     from mla_tune.problem.workload import ProblemError
-    from mla_tune.store.results import StoreError
+    from mla_tune.store.errors import StoreError
     from mla_tune.store.selection import SelectionError
-    from mla_tune.tune.distributed import StorageError
+    from mla_tune.tune.study_storage import StorageError
     from mla_tune.tune.emit import EmitError
     from mla_tune.tune.prefill import PrefillSweepError
-    from mla_tune.tune.sweep import SweepError
+    from mla_tune.tune.sweep_config import SweepError
     from mla_tune.validate import InputError
     from mla_tune.views.report import ReportError
     from vllm_metax.tuned_config import TunedConfigError
@@ -127,7 +127,7 @@ def known_errors() -> tuple:
 
 def exit_code_of(error: Exception) -> int:
     """2 for bad input; 1 for a job that ran and failed (a sweep that could not measure)."""
-    from mla_tune.tune.sweep import SweepError
+    from mla_tune.tune.sweep_config import SweepError
     if isinstance(error, SweepError) and not isinstance(error, ValueError):
         return EXIT_FAILURE
     return EXIT_USER_ERROR

@@ -22,7 +22,7 @@ HELP = ("Measure the MLA prefill backend (FlashInfer ragged prefill fa2/fa3, thr
 
 
 def _ints(text: str, flag: str) -> list[int]:
-    from mla_tune.tune.sweep import parse_sizes     # the one size-list syntax ('256,1K', '1K-64K')
+    from mla_tune.tune.buckets import parse_sizes     # the one size-list syntax ('256,1K', '1K-64K')
     try:
         return parse_sizes(text, "context")
     except ValueError as e:
@@ -51,7 +51,7 @@ def prefill_sweep(
 ):
     from mla_tune.measure.trial import MeasureSettings
     from mla_tune.problem.defaults import KERNEL_METRIC
-    from mla_tune.store.results import is_results_db
+    from mla_tune.store.sqlite_file import is_results_db
     from mla_tune.tune.prefill import PrefillSweepConfig, plan_prefill_buckets, run_prefill_sweep
     from mla_tune.validate import output_file
     import torch

@@ -60,7 +60,8 @@ def report(
 ):
     """The best kernel per bucket and the global choice (page size, backend order) with its reason;
     --full for every candidate."""
-    from mla_tune.views.report import build_report, render_report
+    from mla_tune.views.report import build_report
+    from mla_tune.views.report_format import render_report
     from mla_tune.validate import is_png, output_file
     if plot is not None:
         output_file(plot, "--plot", own=is_png, suffix=".png")   # before anything runs

@@ -17,9 +17,9 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColum
 from mla_tune.cli.app import EXIT_FAILURE, app, console, err_console, fail, given, print_view
 from mla_tune.measure.worker import Isolation
 from mla_tune.problem.defaults import SWEEP_PAGE_SIZES
-from mla_tune.tune.choose import MIN_RATIO
+from mla_tune.tune.verdict import MIN_RATIO
 from mla_tune.tune.search import SearchMode as Mode
-from mla_tune.tune.sweep import CPU_FAMILIES, GPU_FAMILIES
+from mla_tune.tune.sweep_config import CPU_FAMILIES, GPU_FAMILIES
 from mla_tune.validate import FLOAT, INT, PathOption
 
 EPILOG = ("Exit codes: 0 done; 1 nothing could be measured (no kernel family runs here, or no "
@@ -46,7 +46,7 @@ class RichObserver:
 
     # -------------------------------------------------------------- events
     def on_start(self, plan) -> None:
-        from mla_tune.tune.sweep import estimate_note
+        from mla_tune.tune.sweep_flags import estimate_note
         self.plan = plan
         self.done = 0
         if plan.note:
@@ -167,7 +167,7 @@ def print_summary(outcome) -> None:
 
 def _bucket_filter(model, tp, batches, contexts, q_len):
     """Replay: which stored buckets to search (flags given narrow them; none given: all)."""
-    from mla_tune.tune.sweep import parse_sizes
+    from mla_tune.tune.buckets import parse_sizes
     from mla_tune.validate import check_name
     if model is not None:
         check_name("--model", model)
@@ -199,148 +199,113 @@ LIVE_ONLY = ("db", "lengths", "q_dtype", "kv_dtype", "page_size", "family", "tim
 REPLAY_ONLY = ("device_name",)
 
 
+# the options, in --help order (module constants keep the command itself a few lines of glue)
+DB = PathOption(None, "--db", help="results DB (SQLite) to store every trial in (default: "
+                "results.db; without CUDA results-cpu.db)")
+MODEL = typer.Option(None, "--model", "-m", help="model preset (heads, MLA dims; default deepseek-v3)")
+TP = typer.Option(None, "--tp", help="tensor-parallel size; repeat for several (default: GPU 1 and "
+                  "8, CPU 8)", **INT["tp"].typer)
+BATCHES = typer.Option(None, "--batches", help="batch sizes: '1-128' (powers of two) or '1,4,16' "
+                       "(default: GPU 1-128, CPU 1,4)")
+CONTEXTS = typer.Option(None, "--contexts", help="context lengths: '1K-32K' (powers of two) or "
+                        "'1024,4096' (default: GPU 1K-32K, CPU 256,1024)")
+Q_LEN = typer.Option(None, "--q-len", help="query tokens per request; repeat (q_len > 1 = "
+                     "speculative decode, causal; default 1)", **INT["q_len"].typer)
+LENGTHS = typer.Option(None, "--lengths", "--ragged", help="per-request context lengths in a "
+                       "bucket: uniform, zipf, uniform-random, lognormal, or a CSV file of request "
+                       "lengths (a column context_len, length, prompt_len, ...) resampled to each "
+                       "bucket, its mean scaled to the bucket's context (default: uniform, plus "
+                       "the GPU's zipf buckets)")
+Q_DTYPE = typer.Option("bfloat16", "--q-dtype")
+KV_DTYPE = typer.Option("bfloat16", "--kv-dtype")
+PAGE_SIZE = typer.Option(None, "--page-size", help="KV page sizes (powers of two, 1-256); repeat "
+                         f"(default {', '.join(map(str, SWEEP_PAGE_SIZES))})")
+FAMILY = typer.Option(None, "--family", help=f"kernel families; repeat (default: GPU "
+                      f"{', '.join(GPU_FAMILIES)}; CPU {', '.join(CPU_FAMILIES)}; opt-in: flashmla)")
+MODE = typer.Option(Mode.auto, "--mode", help="auto (grid when the space is small), grid, tpe")
+GRID_MAX = typer.Option(64, "--grid-max", help="auto: largest space searched exhaustively",
+                        **INT["grid_max"].typer)
+TRIALS = typer.Option(None, "--trials", help="most candidates evaluated per bucket (default: grid "
+                      "all, TPE a quarter of the space)", **INT["trials"].typer)
+PATIENCE = typer.Option(32, "--patience", help="TPE: stop a bucket after this many new trials "
+                        "without improvement (0: never)", **INT["patience"].typer)
+TIME_BUDGET = typer.Option(None, "--time-budget", help="wall-time budget: 600, 9m, 1h (default: "
+                           "GPU 9m, CPU none; 0: none)")
+TIMEOUT = typer.Option(None, "--timeout", help="seconds one candidate may take (JIT included) "
+                       "before it counts as hung", **FLOAT["timeout"].typer)
+SAMPLES = typer.Option(None, "--samples", help="kernel samples per candidate", **INT["samples"].typer)
+WARMUP = typer.Option(None, "--warmup", help="warm-up runs per candidate", **INT["warmup"].typer)
+ISOLATION = typer.Option(Isolation.auto, "--isolation", help="process: measure in a worker process "
+                         "replaced after a crash or hang; inline: in this process; auto: process "
+                         "unless only the CPU reference runs")
+REMEASURE = typer.Option(False, "--remeasure", help="measure again what the DB already holds")
+REPLAY = PathOption(None, "--replay", help="run the search over this DB's stored measurements "
+                    "instead of measuring (no GPU needed)")
+DEVICE_NAME = typer.Option(None, "--device-name", help="replay: the device whose trials to use "
+                           "when the DB holds several")
+MIX = PathOption(None, "--mix", help="CSV of batch,context,weight rows: the workload mix the page "
+                 "size is chosen for (default uniform); every row must be a swept bucket")
+MIN_RATIO_OPT = typer.Option(MIN_RATIO, "--min-ratio", help="smallest speed-up that displaces a "
+                             "default", **FLOAT["min_ratio"].typer)
+SEED = typer.Option(0, "--seed", help="sampler seed", **INT["seed"].typer)
+NAME = typer.Option("sweep", "--name", help="label stored with each trial and the optuna study")
+CONFIGS_DIR = PathOption(Path("configs"), "--configs-dir", help="where the tuned config goes")
+EMIT = typer.Option(None, "--emit/--no-emit", help="write the tuned config (default: on a GPU yes; "
+                    "without CUDA no: the CPU reference is not a serving device)")
+JOURNAL = PathOption(None, "--journal", help="optuna journal file (default: next to the DB, "
+                     "<db>.optuna.log)")
+GPUS = typer.Option(None, "--gpus", help="one worker process per GPU, e.g. 0,1,2,3 or all (each "
+                    "with CUDA_VISIBLE_DEVICES set to its GPU); they share the optuna storage, "
+                    "each candidate measured once")
+STORAGE = typer.Option(None, "--storage", help="optuna storage shared by workers: "
+                       "postgresql://user:pw@host/db for several hosts, or a journal file "
+                       "(default: <db>.optuna.log)")
+HEARTBEAT = typer.Option(10, "--heartbeat", help="RDB storage: seconds between heartbeats of a "
+                         "claimed trial; a trial silent for 2x this is retried elsewhere")
+QUIET = typer.Option(False, "--quiet", "-q", help="no progress bar or progress lines")
+DRY_RUN = typer.Option(False, "--dry-run", help="check the flags and print every bucket's search "
+                       "plan; measure and write nothing")
+
+
 @app.command("sweep", help=HELP, epilog=EPILOG,
              short_help="Measure candidates per bucket, choose winners, emit the config.")
 def sweep(
-    ctx: typer.Context,
-    db: Optional[Path] = PathOption(None, "--db", help="results DB (SQLite) to store every trial "
-                                      "in (default: results.db; without CUDA results-cpu.db)"),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="model preset (heads, MLA dims; "
-                                        "default deepseek-v3)"),
-    tp: Optional[List[int]] = typer.Option(None, "--tp", help="tensor-parallel size; repeat for several "
-                                           "(default: GPU 1 and 8, CPU 8)", **INT["tp"].typer),
-    batches: Optional[str] = typer.Option(None, "--batches", help="batch sizes: '1-128' (powers of two) "
-                                          "or '1,4,16' (default: GPU 1-128, CPU 1,4)"),
-    contexts: Optional[str] = typer.Option(None, "--contexts", help="context lengths: '1K-32K' (powers "
-                                           "of two) or '1024,4096' (default: GPU 1K-32K, CPU 256,1024)"),
-    q_len: Optional[List[int]] = typer.Option(None, "--q-len", help="query tokens per request; repeat "
-                                              "(q_len > 1 = speculative decode, causal; default 1)",
-                                              **INT["q_len"].typer),
-    lengths: Optional[str] = typer.Option(None, "--lengths", "--ragged", help="per-request context "
-                                          "lengths in a bucket: uniform, zipf, uniform-random, "
-                                          "lognormal, or a CSV file of request lengths (a column "
-                                          "context_len, length, prompt_len, ...) resampled to each "
-                                          "bucket, its mean scaled to the bucket's context "
-                                          "(default: uniform, plus the GPU's zipf buckets)"),
-    q_dtype: str = typer.Option("bfloat16", "--q-dtype"),
-    kv_dtype: str = typer.Option("bfloat16", "--kv-dtype"),
-    page_size: Optional[List[int]] = typer.Option(None, "--page-size", help="KV page sizes (powers of "
-                                                  "two, 1-256); repeat (default "
-                                                  f"{', '.join(map(str, SWEEP_PAGE_SIZES))})"),
-    family: Optional[List[str]] = typer.Option(None, "--family", help="kernel families; repeat "
-                                               f"(default: GPU {', '.join(GPU_FAMILIES)}; CPU "
-                                               f"{', '.join(CPU_FAMILIES)}; opt-in: flashmla)"),
-    mode: Mode = typer.Option(Mode.auto, "--mode", help="auto (grid when the space is small), grid, tpe"),
-    grid_max: int = typer.Option(64, "--grid-max", help="auto: largest space searched exhaustively",
-                                 **INT["grid_max"].typer),
-    trials: Optional[int] = typer.Option(None, "--trials", help="most candidates evaluated per bucket "
-                                         "(default: grid all, TPE a quarter of the space)",
-                                         **INT["trials"].typer),
-    patience: int = typer.Option(32, "--patience", help="TPE: stop a bucket after this many new trials "
-                                 "without improvement (0: never)", **INT["patience"].typer),
-    time_budget: Optional[str] = typer.Option(None, "--time-budget", help="wall-time budget: 600, 9m, "
-                                              "1h (default: GPU 9m, CPU none; 0: none)"),
-    timeout: Optional[float] = typer.Option(None, "--timeout", help="seconds one candidate may take "
-                                            "(JIT included) before it counts as hung",
-                                            **FLOAT["timeout"].typer),
-    samples: Optional[int] = typer.Option(None, "--samples", help="kernel samples per candidate",
-                                          **INT["samples"].typer),
-    warmup: Optional[int] = typer.Option(None, "--warmup", help="warm-up runs per candidate",
-                                         **INT["warmup"].typer),
-    isolation: Isolation = typer.Option(Isolation.auto, "--isolation", help="process: measure in a "
-                                        "worker process replaced after a crash or hang; inline: in "
-                                        "this process; auto: process unless only the CPU reference runs"),
-    remeasure: bool = typer.Option(False, "--remeasure", help="measure again what the DB already holds"),
-    replay: Optional[Path] = PathOption(None, "--replay", help="run the search over this DB's stored "
-                                          "measurements instead of measuring (no GPU needed)"),
-    device_name: Optional[str] = typer.Option(None, "--device-name", help="replay: the device whose "
-                                              "trials to use when the DB holds several"),
-    mix: Optional[Path] = PathOption(None, "--mix", help="CSV of batch,context,weight rows: the "
-                                       "workload mix the page size is chosen for (default uniform); "
-                                       "every row must be a swept bucket"),
-    min_ratio: float = typer.Option(MIN_RATIO, "--min-ratio", help="smallest speed-up that displaces a default",
-                                    **FLOAT["min_ratio"].typer),
-    seed: int = typer.Option(0, "--seed", help="sampler seed", **INT["seed"].typer),
-    name: str = typer.Option("sweep", "--name", help="label stored with each trial and the optuna study"),
-    configs_dir: Path = PathOption(Path("configs"), "--configs-dir", help="where the tuned config "
-                                     "goes"),
-    emit: Optional[bool] = typer.Option(None, "--emit/--no-emit", help="write the tuned config "
-                                        "(default: on a GPU yes; without CUDA no: the CPU reference "
-                                        "is not a serving device)"),
-    journal: Optional[Path] = PathOption(None, "--journal", help="optuna journal file "
-                                           "(default: next to the DB, <db>.optuna.log)"),
-    gpus: Optional[str] = typer.Option(None, "--gpus", help="one worker process per GPU, e.g. 0,1,2,3 "
-                                       "or all (each with CUDA_VISIBLE_DEVICES set to its GPU); "
-                                       "they share the optuna storage, each candidate measured once"),
-    storage: Optional[str] = typer.Option(None, "--storage", help="optuna storage shared by workers: "
-                                          "postgresql://user:pw@host/db for several hosts, or a "
-                                          "journal file (default: <db>.optuna.log)"),
-    heartbeat: int = typer.Option(10, "--heartbeat", help="RDB storage: seconds between heartbeats "
-                                  "of a claimed trial; a trial silent for 2x this is retried elsewhere"),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar or progress lines"),
-    dry_run: bool = typer.Option(False, "--dry-run", help="check the flags and print every "
-                                 "bucket's search plan; measure and write nothing"),
+    ctx: typer.Context, db: Optional[Path] = DB, model: Optional[str] = MODEL,
+    tp: Optional[List[int]] = TP, batches: Optional[str] = BATCHES,
+    contexts: Optional[str] = CONTEXTS, q_len: Optional[List[int]] = Q_LEN,
+    lengths: Optional[str] = LENGTHS, q_dtype: str = Q_DTYPE, kv_dtype: str = KV_DTYPE,
+    page_size: Optional[List[int]] = PAGE_SIZE, family: Optional[List[str]] = FAMILY,
+    mode: Mode = MODE, grid_max: int = GRID_MAX, trials: Optional[int] = TRIALS,
+    patience: int = PATIENCE, time_budget: Optional[str] = TIME_BUDGET,
+    timeout: Optional[float] = TIMEOUT, samples: Optional[int] = SAMPLES,
+    warmup: Optional[int] = WARMUP, isolation: Isolation = ISOLATION, remeasure: bool = REMEASURE,
+    replay: Optional[Path] = REPLAY, device_name: Optional[str] = DEVICE_NAME,
+    mix: Optional[Path] = MIX, min_ratio: float = MIN_RATIO_OPT, seed: int = SEED,
+    name: str = NAME, configs_dir: Path = CONFIGS_DIR, emit: Optional[bool] = EMIT,
+    journal: Optional[Path] = JOURNAL, gpus: Optional[str] = GPUS, storage: Optional[str] = STORAGE,
+    heartbeat: int = HEARTBEAT, quiet: bool = QUIET, dry_run: bool = DRY_RUN,
 ):
     """Measure each bucket's candidates, store every trial, choose winners, emit the config."""
-    from mla_tune.problem.workload import WorkloadMix
-    from mla_tune.tune.sweep import (SweepConfig, SweepError, build_config, default_db, detect_device,
-                                replay_sweep, run_sweep)
+    flags = {k: v for k, v in locals().items() if k != "ctx"}     # as typer converted them
+    from mla_tune.tune.sweep import run_sweep
+    from mla_tune.tune.sweep_config import SweepError
     from mla_tune.validate import InputError
 
-    ignored = given(ctx, *(LIVE_ONLY if replay is not None else REPLAY_ONLY))
-    if ignored:
-        what = "a replay (it measures and writes nothing)" if replay is not None else "a live sweep"
-        flags = ", ".join("--" + n.replace("_", "-") for n in ignored)
-        fail(f"{flags} {'does' if len(ignored) == 1 else 'do'} not apply to {what}; "
-             f"{'drop --replay' if replay is not None else 'add --replay DB'} or the flag")
-    if heartbeat < 1:
-        fail(f"--heartbeat must be at least 1 s, got {heartbeat}")
-    if storage is not None and journal is not None:
-        fail("--storage and --journal exclude each other (a journal file is a --storage)")
-    from mla_tune.tune.distributed import parse_gpus
-    gpu_list = parse_gpus(gpus) if gpus is not None else None
-    if gpu_list and replay is not None:
-        fail("--gpus measures; --replay measures nothing: use one of them")
+    gpu_list = _checked_combination(ctx, flags)
     try:
-        workload_mix = WorkloadMix.from_file(str(mix)) if mix else None
-        kw = dict(families=family, mode=mode.value, grid_max=grid_max, max_trials=trials,
-                  patience=patience or None, seed=seed, isolation=isolation.value,
-                  remeasure=remeasure, name=name, journal=journal, mix=workload_mix,
-                  min_ratio=min_ratio, configs_dir=configs_dir, storage=storage,
-                  heartbeat_s=heartbeat if given(ctx, "heartbeat") else None, gpus=gpu_list,
-                  command=" ".join(shlex.quote(a) for a in ["mla-tune"] + sys.argv[1:]))
+        kw = _search_flags(ctx, flags, gpu_list)
         observer = RichObserver(quiet)
         if replay is not None:
-            if dry_run:
-                fail("--dry-run plans a live sweep; a --replay measures nothing already")
-            config = SweepConfig(buckets=[], **{**kw, "emit": False, "journal": False,
-                                                "storage": None})
-            outcome = replay_sweep(replay, config, observer, device_name=device_name,
-                                   where=_bucket_filter(model, tp, batches, contexts, q_len))
+            outcome = _replay(flags, kw, observer)
         else:
-            device = detect_device()
-            cpu = not device.startswith("cuda")
-            if emit and cpu and not given(ctx, "configs_dir"):
-                fail("--emit without CUDA writes the CPU reference's config: name the folder with "
-                     "--configs-dir (the packaged configs/ are for serving devices)")
-            if given(ctx, "configs_dir") and not (emit if emit is not None else not cpu):
-                fail("--configs-dir applies only when the sweep writes a tuned config: "
-                     + ("add --emit (without CUDA none is written by default)" if cpu and emit is None
-                        else "drop --no-emit"))
-            config = build_config(model=model if model is not None else "deepseek-v3", tp_sizes=tp,
-                                  batches=batches, contexts=contexts, q_lens=q_len or (1,),
-                                  ragged=lengths, q_dtype=q_dtype, kv_dtype=kv_dtype,
-                                  page_sizes=page_size, samples=samples, warmup=warmup,
-                                  timeout_s=timeout, time_budget=time_budget, device=device,
-                                  db=db if db is not None else default_db(device),
-                                  emit=emit if emit is not None else not cpu, **kw)
+            config = _live_config(ctx, flags, kw)
             if dry_run:
                 return _dry_run(config)
             try:
                 outcome = run_sweep(config, observer)
             finally:
                 observer.close()      # Ctrl-C or an error: leave the terminal clean
-    except ValueError as e:       # sweep.py's parsers raise plain ValueErrors for bad input
+    except ValueError as e:       # the sweep's parsers raise plain ValueErrors for bad input
         if isinstance(e, SweepError):     # SweepInputError: the app maps it (exit 2)
             raise
         raise InputError(str(e)) from None
@@ -348,9 +313,77 @@ def sweep(
         fail("no candidate produced a valid measurement", EXIT_FAILURE)
 
 
+def _checked_combination(ctx, f: dict) -> list[str] | None:
+    """Flags that exclude each other refused; the --gpus list (None without it)."""
+    from mla_tune.tune.distributed import parse_gpus
+    replay = f["replay"]
+    ignored = given(ctx, *(LIVE_ONLY if replay is not None else REPLAY_ONLY))
+    if ignored:
+        what = "a replay (it measures and writes nothing)" if replay is not None else "a live sweep"
+        flags = ", ".join("--" + n.replace("_", "-") for n in ignored)
+        fail(f"{flags} {'does' if len(ignored) == 1 else 'do'} not apply to {what}; "
+             f"{'drop --replay' if replay is not None else 'add --replay DB'} or the flag")
+    if f["heartbeat"] < 1:
+        fail(f"--heartbeat must be at least 1 s, got {f['heartbeat']}")
+    if f["storage"] is not None and f["journal"] is not None:
+        fail("--storage and --journal exclude each other (a journal file is a --storage)")
+    gpu_list = parse_gpus(f["gpus"]) if f["gpus"] is not None else None
+    if gpu_list and replay is not None:
+        fail("--gpus measures; --replay measures nothing: use one of them")
+    return gpu_list
+
+
+def _search_flags(ctx, f: dict, gpu_list) -> dict:
+    """The SweepConfig fields a live sweep and a replay take alike."""
+    from mla_tune.problem.workload import WorkloadMix
+    return dict(families=f["family"], mode=f["mode"].value, grid_max=f["grid_max"],
+                max_trials=f["trials"], patience=f["patience"] or None, seed=f["seed"],
+                isolation=f["isolation"].value, remeasure=f["remeasure"], name=f["name"],
+                journal=f["journal"], mix=WorkloadMix.from_file(str(f["mix"])) if f["mix"] else None,
+                min_ratio=f["min_ratio"], configs_dir=f["configs_dir"], storage=f["storage"],
+                heartbeat_s=f["heartbeat"] if given(ctx, "heartbeat") else None, gpus=gpu_list,
+                command=" ".join(shlex.quote(a) for a in ["mla-tune"] + sys.argv[1:]))
+
+
+def _replay(f: dict, kw: dict, observer):
+    """--replay: the search over the DB's stored measurements (nothing measured or written)."""
+    from mla_tune.tune.replay import replay_sweep
+    from mla_tune.tune.sweep_config import SweepConfig
+    if f["dry_run"]:
+        fail("--dry-run plans a live sweep; a --replay measures nothing already")
+    config = SweepConfig(buckets=[], **{**kw, "emit": False, "journal": False, "storage": None})
+    return replay_sweep(f["replay"], config, observer, device_name=f["device_name"],
+                        where=_bucket_filter(f["model"], f["tp"], f["batches"], f["contexts"],
+                                             f["q_len"]))
+
+
+def _live_config(ctx, f: dict, kw: dict):
+    """The live sweep's SweepConfig from the flags, this machine's defaults filling the gaps."""
+    from mla_tune.tune.buckets import default_db, detect_device
+    from mla_tune.tune.sweep_flags import build_config
+    emit = f["emit"]
+    device = detect_device()
+    cpu = not device.startswith("cuda")
+    if emit and cpu and not given(ctx, "configs_dir"):
+        fail("--emit without CUDA writes the CPU reference's config: name the folder with "
+             "--configs-dir (the packaged configs/ are for serving devices)")
+    if given(ctx, "configs_dir") and not (emit if emit is not None else not cpu):
+        fail("--configs-dir applies only when the sweep writes a tuned config: "
+             + ("add --emit (without CUDA none is written by default)" if cpu and emit is None
+                else "drop --no-emit"))
+    return build_config(model=f["model"] if f["model"] is not None else "deepseek-v3",
+                        tp_sizes=f["tp"], batches=f["batches"], contexts=f["contexts"],
+                        q_lens=f["q_len"] or (1,), ragged=f["lengths"], q_dtype=f["q_dtype"],
+                        kv_dtype=f["kv_dtype"], page_sizes=f["page_size"], samples=f["samples"],
+                        warmup=f["warmup"], timeout_s=f["timeout"], time_budget=f["time_budget"],
+                        device=device, db=f["db"] if f["db"] is not None else default_db(device),
+                        emit=emit if emit is not None else not cpu, **kw)
+
+
 def _dry_run(config) -> None:
     """--dry-run: every input checked as a live sweep checks it, then its plan; nothing runs."""
-    from mla_tune.tune.sweep import check_sweep_config, plan_sweep
+    from mla_tune.tune.sweep_check import check_sweep_config
+    from mla_tune.tune.sweep_plan import plan_sweep
     from mla_tune.tune.sweep_flags import estimate_note
     from mla_tune.views.render import to_rich
     from mla_tune.views.sweep_view import plan_tables

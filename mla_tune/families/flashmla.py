@@ -21,7 +21,7 @@ import time
 import torch
 
 from mla_tune.families.base import Availability, Candidate, CandidateInvalid, Prepared
-from mla_tune.families.triton_mla import _packed_query
+from mla_tune.families.triton_mla import packed_query
 from mla_tune.problem.instance import torch_dtype
 from mla_tune.problem.workload import Workload
 from vllm_metax.decisions import FLASHMLA as FAMILY
@@ -67,7 +67,7 @@ class FlashMLAFamily:
             raise CandidateInvalid("unsupported", why)
         B, T = workload.batch_size, workload.batch_size * workload.q_len
         H, R = workload.num_heads, workload.kv_lora_rank
-        q = _packed_query(problem.q_nope, problem.q_pe).reshape(B, workload.q_len, H, -1)
+        q = packed_query(problem.q_nope, problem.q_pe).reshape(B, workload.q_len, H, -1)
         seq_lens = problem.seq_lens_cpu.to(dev)
         out = torch.empty(B, workload.q_len, H, R, dtype=q_dt, device=dev)
         out_rows = out.view(T, H, R)         # [B*q_len, H, R]: the layout the reference has

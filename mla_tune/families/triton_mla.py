@@ -211,7 +211,7 @@ class TritonMLAFamily:
             raise CandidateInvalid("unsupported", "the Triton interpreter miscomputes bfloat16 dots; "
                                                   "use float16 on the CPU")
         R = workload.kv_lora_rank
-        q = _packed_query(problem.q_nope, problem.q_pe)               # [B*q_len, H, R+P]
+        q = packed_query(problem.q_nope, problem.q_pe)               # [B*q_len, H, R+P]
         kv = problem.kv_cache.unsqueeze(2)                            # [pages, page, 1, R+P] as vLLM
         kv_c = kv[..., :R]                                            # V is the latent part of K
         block_table, seq_lens = _decode_rows(problem.block_table, problem.seq_lens_cpu.to(dev),
@@ -242,7 +242,7 @@ class TritonMLAFamily:
         return Prepared(run=run, plan=None, out=o, compile_s=time.perf_counter() - t0, graphable=True)
 
 
-def _packed_query(q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
+def packed_query(q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
     """[T, H, R+P] as the kernel takes it: a view when nope and pe are halves of one tensor."""
     R = q_nope.shape[-1]
     if (q_nope.stride() == q_pe.stride() and q_nope.stride(-1) == 1

@@ -217,26 +217,7 @@ def measure_interleaved(entries: Sequence[tuple[object, Candidate]], workload: W
     todo: list[_Entry] = [_Entry(b, c) for b, c in entries]
     cache.keep_only(workload, {e.candidate.page_size for e in todo})
     for e in todo:
-        phase = "prepare_s"
-        t = time.perf_counter()
-        try:
-            problem = cache.timing(workload, e.candidate.page_size, settings)
-            prepared = e.backend.prepare(workload, e.candidate, problem)
-            e.compile_s = prepared.compile_s or (time.perf_counter() - t)
-            if settings.check:
-                t = _phase_done(e, phase, t)
-                phase = "check_s"
-                e.max_rel_error = check_output(
-                    prepared, cache.reference(workload, e.candidate.page_size, settings),
-                    workload, settings)
-            t = _phase_done(e, phase, t)
-            phase = "timer_s"
-            e.timer = KernelTimer(prepared, settings.device, settings.warmup, settings.plan_samples,
-                                  warm=False)
-        except Exception as exc:  # noqa: BLE001 - every failure is data
-            e.result = invalid_result(e.candidate, exc)
-            e.timer = None
-        _phase_done(e, phase, t)
+        _prepare(e, workload, settings, cache)
         if on_prepared is not None:
             on_prepared(e.candidate, e.result is None)
     live = [e for e in todo if e.timer is not None]
@@ -249,7 +230,38 @@ def measure_interleaved(entries: Sequence[tuple[object, Candidate]], workload: W
         live = []
     _share(live, "warm_s", time.perf_counter() - t)
     t = time.perf_counter()
-    sampled = list(live)
+    _sample_rounds(live, settings, rounds)
+    _share(live, "sample_s", time.perf_counter() - t)
+    return [_finished(e) for e in todo]
+
+
+def _prepare(e: _Entry, workload: Workload, settings, cache: ProblemCache) -> None:
+    """Prepare, check and capture one candidate (e.timer), or record why it failed (e.result)."""
+    phase = "prepare_s"
+    t = time.perf_counter()
+    try:
+        problem = cache.timing(workload, e.candidate.page_size, settings)
+        prepared = e.backend.prepare(workload, e.candidate, problem)
+        e.compile_s = prepared.compile_s or (time.perf_counter() - t)
+        if settings.check:
+            t = _phase_done(e, phase, t)
+            phase = "check_s"
+            e.max_rel_error = check_output(
+                prepared, cache.reference(workload, e.candidate.page_size, settings),
+                workload, settings)
+        t = _phase_done(e, phase, t)
+        phase = "timer_s"
+        e.timer = KernelTimer(prepared, settings.device, settings.warmup, settings.plan_samples,
+                              warm=False)
+    except Exception as exc:  # noqa: BLE001 - every failure is data
+        e.result = invalid_result(e.candidate, exc)
+        e.timer = None
+    _phase_done(e, phase, t)
+
+
+def _sample_rounds(live: list[_Entry], settings, rounds: int) -> None:
+    """ceil(samples / rounds) samples from every live candidate per round, the order rotated by
+    one per round, until each has its samples, failed, or knows its median well enough."""
     per_round = max(1, math.ceil(settings.samples / max(rounds, 1)))
     least = settings.samples if settings.min_samples is None else settings.min_samples
     r = 0
@@ -264,21 +276,21 @@ def measure_interleaved(entries: Sequence[tuple[object, Candidate]], workload: W
         r += 1
         live = [e for e in live if e.result is None and len(e.kernel_us) < settings.samples
                 and not enough_samples(e.kernel_us, least, REL_WIDTH)]
-    _share(sampled, "sample_s", time.perf_counter() - t)
-    results = []
-    for e in todo:
-        if e.result is None:
-            samples = {KERNEL_METRIC: e.kernel_us}
-            if e.timer.plan_us:
-                samples[PLAN_METRIC] = e.timer.plan_us
-            e.result = TrialResult(e.candidate, "ok", TimedSamples(samples, e.timer.method, e.timer.note),
-                                   message=e.timer.note, compile_s=e.compile_s,
-                                   max_rel_error=e.max_rel_error)
-        e.result.phase_s = e.phase_s
-        if e.timer is not None:
-            e.timer.close()
-        results.append(e.result)
-    return results
+
+
+def _finished(e: _Entry) -> TrialResult:
+    """The entry's TrialResult (its samples, or the failure recorded), its timer closed."""
+    if e.result is None:
+        samples = {KERNEL_METRIC: e.kernel_us}
+        if e.timer.plan_us:
+            samples[PLAN_METRIC] = e.timer.plan_us
+        e.result = TrialResult(e.candidate, "ok", TimedSamples(samples, e.timer.method, e.timer.note),
+                               message=e.timer.note, compile_s=e.compile_s,
+                               max_rel_error=e.max_rel_error)
+    e.result.phase_s = e.phase_s
+    if e.timer is not None:
+        e.timer.close()
+    return e.result
 
 
 def _phase_done(e: _Entry, phase: str, since: float) -> float:

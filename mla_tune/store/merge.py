@@ -1,7 +1,7 @@
 """`mla-tune merge`: copy the measurements of other results DBs into one, idempotently.
 
 Runs (environment records) and trials are matched by their uid (schema 3; for an older DB the
-same content hash its migration gives them, see store.row_uid), workloads by their key, so a
+same content hash its migration gives them, see store.schema.row_uid), workloads by their key, so a
 second merge of the same file adds nothing, and a copy of a DB merged back adds nothing. A trial
 whose shared-study claim the target already holds (the same candidate answered by two workers of
 one distributed sweep) is not copied. Runs are copied as they are: each keeps its own device and
@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from mla_tune.store.integrity import check_rows, parse_schema_version
-from mla_tune.store.results import (META_TABLE, SCHEMA_VERSION, ResultsStore, StoreError,
-                                    check_sqlite_header, connect_readonly, row_uid)
+from mla_tune.store.errors import StoreError
+from mla_tune.store.integrity import META_TABLE, check_rows, parse_schema_version
+from mla_tune.store.results import ResultsStore
+from mla_tune.store.schema import SCHEMA_VERSION, row_uid
+from mla_tune.store.sqlite_file import check_sqlite_header, connect_readonly
 
 WORKLOAD_KEY = ("model", "num_heads", "kv_lora_rank", "qk_rope_head_dim", "softmax_scale",
                 "batch_size", "context_len", "q_len", "ragged", "seed", "q_dtype", "kv_dtype")

@@ -131,7 +131,7 @@ class TrialRecord:
 
     def stats(self, metric: str = KERNEL_METRIC):
         """Statistics (`Stats`) of one metric's samples (kernel time by default), None without any."""
-        from mla_tune.store.results import stats_of
+        from mla_tune.store.stats import stats_of
         return stats_of(list(self.values(metric)))
 
 

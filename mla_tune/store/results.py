@@ -11,14 +11,11 @@ layout in `ragged`; `trials()` returns decode trials unless asked for prefill on
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sqlite3
-import statistics
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
@@ -27,224 +24,17 @@ import sqlite_utils
 from mla_tune.problem.defaults import KERNEL_METRIC, PLAN_METRIC
 from mla_tune.problem.prefill import LAYOUTS as PREFILL_LAYOUTS
 from mla_tune.store.errors import StoreError
-from mla_tune.store.integrity import (INVALID_REASONS, META_TABLE, STATUSES, DamagedStoreError,
-                                      check_rows, params_of, parse_schema_version)
+from mla_tune.store.integrity import (INVALID_REASONS, META_TABLE, STATUSES, check_rows, params_of,
+                                      parse_schema_version)
 from mla_tune.store.records import StoredWorkload, TrialRecord, as_records
-from mla_tune.validate import is_sqlite, own_kind
-
-SCHEMA_VERSION = 4
-
-
-def _m1_initial(db: sqlite_utils.Database) -> None:
-    db["runs"].create({
-        "id": int, "started_at": str, "kind": str, "device_name": str, "sm_count": int,
-        "driver": str, "cuda": str, "torch": str, "flashinfer": str, "vllm": str, "host": str,
-        "python": str, "copy_gbps": float, "matmul_tflops": float, "command": str, "notes": str,
-    }, pk="id")
-    db["workloads"].create({
-        "id": int, "model": str, "num_heads": int, "kv_lora_rank": int, "qk_rope_head_dim": int,
-        "softmax_scale": float, "batch_size": int, "context_len": int, "q_len": int, "ragged": str,
-        "seed": int, "q_dtype": str, "kv_dtype": str, "total_kv_tokens": int, "bytes": int,
-        "flops": int,
-    }, pk="id")
-    db["workloads"].create_index(
-        ["model", "num_heads", "kv_lora_rank", "qk_rope_head_dim", "softmax_scale", "batch_size",
-         "context_len", "q_len", "ragged", "seed", "q_dtype", "kv_dtype"], unique=True)
-    db["trials"].create({
-        "id": int, "run_id": int, "workload_id": int, "sweep": str, "family": str, "backend": str,
-        "page_size": int, "params": str, "candidate": str, "status": str, "invalid_reason": str,
-        "message": str, "compile_s": float, "max_rel_error": float, "started_at": str,
-        "finished_at": str,
-    }, pk="id", foreign_keys=[("run_id", "runs", "id"), ("workload_id", "workloads", "id")])
-    db["trials"].create_index(["workload_id", "candidate"])
-    db["trials"].create_index(["sweep"])
-    db["samples"].create({"trial_id": int, "metric": str, "idx": int, "value": float},
-                         foreign_keys=[("trial_id", "trials", "id")])
-    db["samples"].create_index(["trial_id", "metric"])
-
-
-def _m2_trial_is_default(db: sqlite_utils.Database) -> None:
-    # which candidate was the family's untuned default when measured: the baseline a winner must beat
-    db["trials"].add_column("is_default", int)
-
-
-def row_uid(table: str, row: dict) -> str:
-    """A stable identity for a run or trial stored before uids existed: a hash of its content and
-    id, so two copies of one DB agree (a merge of a copy adds nothing)."""
-    keys = (("id", "started_at", "kind", "device_name", "host", "command", "torch", "python")
-            if table == "runs" else
-            ("id", "run_id", "workload_id", "candidate", "status", "started_at", "finished_at", "sweep"))
-    text = json.dumps([table] + [row.get(k) for k in keys], default=str)
-    return hashlib.sha1(text.encode()).hexdigest()
-
-
-def _m3_uids_and_claims(db: sqlite_utils.Database) -> None:
-    # runs and trials get an identity that survives copying between DBs (`mla-tune merge`), and a
-    # trial the key of the shared-study claim it answered (one stored trial per claim, however
-    # many workers raced for it)
-    db["runs"].add_column("uid", str)
-    db["trials"].add_column("uid", str)
-    db["trials"].add_column("claim", str)
-    for table in ("runs", "trials"):
-        db.conn.executemany(f"update {table} set uid = ? where id = ?",
-                            [(row_uid(table, r), r["id"]) for r in db[table].rows])
-        db[table].create_index(["uid"], unique=True)
-    db["trials"].create_index(["claim"], unique=True)   # NULLs (no shared study) never collide
-
-
-def _m4_workload_lengths(db: sqlite_utils.Database) -> None:
-    # a ragged workload's per-request lengths, as measured (JSON): a recorded trace's cannot be
-    # computed from its kind, and every reader rebuilds the exact batch from them; NULL for
-    # uniform workloads and for those stored before (their kind gives their lengths)
-    db["workloads"].add_column("seq_lens", str)
-
-
-MIGRATIONS = [_m1_initial, _m2_trial_is_default, _m3_uids_and_claims, _m4_workload_lengths]   # index i brings the schema from version i to i + 1
-assert len(MIGRATIONS) == SCHEMA_VERSION
+from mla_tune.store.schema import SCHEMA_VERSION, migrate, stored_version
+from mla_tune.store.sqlite_file import check_sqlite_header, connect_readonly, remove_stale_temp_files
+from mla_tune.store.stats import stats_of
 
 
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
-
-@dataclass
-class Stats:
-    n: int
-    median: float
-    mean: float
-    stdev: float
-    q1: float
-    q3: float
-    minimum: float
-
-    @property
-    def spread(self) -> float:
-        """Interquartile range relative to the median."""
-        return (self.q3 - self.q1) / self.median if self.median else 0.0
-
-
-def stats_of(values: list[float]) -> Stats | None:
-    if not values:
-        return None
-    v = sorted(values)
-    q = statistics.quantiles(v, n=4, method="inclusive") if len(v) > 1 else [v[0]] * 3
-    return Stats(len(v), statistics.median(v), statistics.fmean(v),
-                 statistics.stdev(v) if len(v) > 1 else 0.0, q[0], q[2], v[0])
-
-
-def readonly_uri(path: str | Path) -> str:
-    """A SQLite URI that reads `path` without writing anything, side files included.
-
-    mode=ro on a WAL database still creates <db>-wal and <db>-shm beside it and leaves them
-    behind; with no writer around (no -wal file) the file is read as immutable, which touches
-    nothing. A writer's (or a killed sweep's) -wal holds committed trials: then read through it
-    (its side files exist already)."""
-    p = Path(path)
-    wal = p.with_name(p.name + "-wal").exists()
-    return p.resolve().as_uri() + ("?mode=ro" if wal else "?mode=ro&immutable=1")
-
-
-def connect_readonly(path: str | Path) -> sqlite3.Connection:
-    """`path` opened for reading only (readonly_uri). A DB with a -wal beside it in a folder this
-    user cannot write (SQLite cannot make its -shm there) is read from a private snapshot of the
-    DB and its WAL instead: reading never needs write access to the source's folder."""
-    try:
-        conn = sqlite3.connect(readonly_uri(path), uri=True, timeout=30)
-        conn.execute("select count(*) from sqlite_master").fetchone()
-        return conn
-    except sqlite3.OperationalError:
-        p = Path(path)
-        if not p.with_name(p.name + "-wal").exists():
-            raise
-    import shutil
-    import tempfile
-    with tempfile.TemporaryDirectory(prefix="mla-tune-read-") as tmp:
-        copy = Path(tmp) / "snapshot.db"
-        shutil.copyfile(path, copy)
-        shutil.copyfile(f"{path}-wal", f"{copy}-wal")
-        disk = sqlite3.connect(str(copy), timeout=30)
-        try:
-            mem = sqlite3.connect(":memory:")
-            disk.backup(mem)
-        finally:
-            disk.close()
-    return mem
-
-
-def remove_stale_temp_files(path: str | Path) -> None:
-    """Delete what a sweep killed while creating `path` left beside it (_create_whole's private
-    `.<name>.<pid>.<tag>.new` files and their side files), when the process that made them is gone."""
-    p = Path(path)
-    try:
-        found = list(p.parent.glob(f".{p.name}.*.new*"))
-    except OSError:
-        return
-    for f in found:
-        pid = f.name[len(p.name) + 2:].split(".", 1)[0]
-        if not pid.isascii() or not pid.isdigit() or len(pid) > 9 or _alive(int(pid)):
-            continue
-        try:
-            f.unlink()
-        except OSError:
-            pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
-
-
-@own_kind("an mla-tune results DB")
-def is_results_db(path: str | Path) -> bool:
-    """An mla-tune results DB: SQLite holding the store's meta table (read without writing)."""
-    if not is_sqlite(Path(path)):
-        return False
-    try:
-        conn = connect_readonly(path)
-        try:
-            return conn.execute("select 1 from sqlite_master where type = 'table' and name = ?",
-                                [META_TABLE]).fetchone() is not None
-        finally:
-            conn.close()
-    except (sqlite3.Error, OSError):
-        return False
-
-
-def _migrate(db: sqlite_utils.Database, version: int) -> None:
-    """Bring `db` from schema `version` to SCHEMA_VERSION, one transaction per step."""
-    for i in range(version, SCHEMA_VERSION):
-        with db.conn:
-            # several sweeps may open a new DB at once: the write lock first, then
-            # look again whether another process has applied this step meanwhile
-            db.conn.execute("begin immediate")
-            if _stored_version(db) > i:
-                continue
-            MIGRATIONS[i](db)
-            db[META_TABLE].upsert({"key": "schema_version", "value": str(i + 1)}, pk="key")
-
-
-def _stored_version(db: sqlite_utils.Database) -> int:
-    if META_TABLE not in db.table_names():
-        return 0
-    row = db.execute(f"select value from {META_TABLE} where key='schema_version'").fetchone()
-    return parse_schema_version(row[0], "the results DB") if row else 0
-
-
-
-def check_sqlite_header(path: Path) -> None:
-    """StoreError unless `path` (a regular file) starts with SQLite's header."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(16)
-    except OSError as e:
-        raise StoreError(f"cannot read {path}: {e.strerror or e}") from None
-    if head != b"SQLite format 3\x00":
-        raise StoreError(f"{path} is not a SQLite file, so not a results DB; left untouched")
 
 class ResultsStore:
     """Open (or create) a results DB. Raises StoreError, never alters a foreign or newer file.
@@ -282,7 +72,7 @@ class ResultsStore:
             conn = connect_readonly(self.path) if self.readonly else \
                 sqlite3.connect(str(self.path), timeout=30)
             self.db = sqlite_utils.Database(conn)
-            self._check_or_migrate(exists)
+            self._check_ormigrate(exists)
         except BaseException as e:
             if conn is not None:
                 conn.close()
@@ -305,7 +95,7 @@ class ResultsStore:
             try:
                 db = sqlite_utils.Database(conn)
                 db.enable_wal()
-                _migrate(db, 0)
+                migrate(db, 0)
             finally:
                 conn.close()          # the last connection: the WAL is checkpointed into the file
             try:
@@ -344,7 +134,7 @@ class ResultsStore:
             check_rows(conn, self.path)
         return version
 
-    def _check_or_migrate(self, existed: bool) -> None:
+    def _check_ormigrate(self, existed: bool) -> None:
         if self.readonly or not existed:
             version = self._inspect(self.db.conn, existed)
         else:
@@ -357,16 +147,16 @@ class ResultsStore:
                 self.db.conn.backup(mem)
                 self.db.conn.close()
                 self.db = sqlite_utils.Database(mem)
-                _migrate(self.db, version)
+                migrate(self.db, version)
             return
         if version < SCHEMA_VERSION:
             self.db.enable_wal()
-            _migrate(self.db, version)
+            migrate(self.db, version)
         elif self.db.journal_mode != "wal":
             self.db.enable_wal()
 
     def _stored_version(self) -> int:
-        return _stored_version(self.db)
+        return stored_version(self.db)
 
     def close(self) -> None:
         self.db.close()

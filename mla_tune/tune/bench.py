@@ -4,6 +4,7 @@ trial (raw samples included) goes to the results DB like a sweep's, under sweep 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from mla_tune.families import Candidate, check_candidate, get_family
 from mla_tune.measure.environment import capture_environment
@@ -11,7 +12,8 @@ from mla_tune.measure.trial import MeasureSettings, TrialResult, measure_interle
 from mla_tune.problem.defaults import KERNEL_METRIC, PLAN_METRIC
 from mla_tune.problem.roofline import achieved, pct_of_floor, workload_bytes, workload_flops
 from mla_tune.problem.workload import RAGGED_KINDS, custom_model, model_preset, workload_for
-from mla_tune.store.results import ResultsStore, stats_of
+from mla_tune.store.results import ResultsStore
+from mla_tune.store.stats import stats_of
 from mla_tune.store.selection import CPU_RUN_KIND, GPU_RUN_KIND
 from mla_tune.validate import InputError
 
@@ -70,6 +72,48 @@ def bench_device(device: str | None) -> str:
     if dev.startswith("cuda") and not torch.cuda.is_available():
         raise InputError("--device cuda but torch sees no CUDA device")
     return dev
+
+
+@dataclass
+class BenchPlan:
+    """What one bench invocation measures: candidates x workloads on a device, with how many
+    samples over how many rounds, and the results DB it stores them in (None: not stored)."""
+
+    candidates: list
+    workloads: list
+    device: str
+    samples: int
+    rounds: int
+    db: Path | None
+
+
+def plan_bench(texts: list[str], *, model: str, heads: int | None, tp: int | None,
+               batches: str | None, contexts: str | None, q_len: int, lengths: str,
+               samples: int | None, rounds: int, rounds_given: bool = False,
+               device: str | None = None, db: Path | None = None, store: bool = True) -> BenchPlan:
+    """A bench invocation's values checked and the device's defaults (bench_defaults) filling
+    the gaps; `rounds` is cut to the samples unless given explicitly (then it is an error)."""
+    from mla_tune.store.sqlite_file import is_results_db
+    from mla_tune.tune.buckets import default_db, parse_sizes     # the one size-list rule, sweep's
+    from mla_tune.validate import check_kv_tokens, output_file
+    cands = parse_candidates(texts)
+    dev = bench_device(device)
+    d = bench_defaults(dev)
+    samples = samples if samples is not None else d.samples
+    if samples < rounds and rounds_given:
+        raise InputError(f"--samples {samples} cannot be split over --rounds {rounds}")
+    try:
+        batch_list = parse_sizes(batches if batches is not None else d.batches, "batch")
+        context_list = parse_sizes(contexts if contexts is not None else d.contexts, "context")
+    except ValueError as e:     # parse_sizes raises plain ValueErrors
+        raise InputError(f"--batches/--contexts: {e}") from None
+    check_kv_tokens(max(batch_list), max(context_list))
+    workloads = bench_workloads(model, heads, tp if tp is not None else d.tp, batch_list,
+                                context_list, q_len, lengths)
+    store_db = None if not store else (db if db is not None else default_db(dev))
+    if store_db is not None:
+        output_file(store_db, "--db", own=is_results_db)
+    return BenchPlan(cands, workloads, dev, samples, min(rounds, samples), store_db)
 
 
 def gpu_settings(settings: MeasureSettings, ceilings: bool) -> dict | None:

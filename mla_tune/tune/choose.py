@@ -3,10 +3,9 @@
 Rules (asv's; docs/tuning.md, "what counts as a difference": a few percent is noise without a test):
 
 * Per bucket, family and page size, the fastest valid candidate displaces the family's untuned
-  default only if a one-sided Mann-Whitney U test on the raw kernel samples gives p < `p_threshold`
-  (0.002) AND the default's median is at least `min_ratio` (1.05) times the challenger's.
+  default only if it is faster beyond noise (mla_tune.tune.verdict: a one-sided Mann-Whitney U
+  test on the raw kernel samples, p < `p_threshold`, AND a median ratio >= `min_ratio`).
   Otherwise the default stays and the verdict's reason starts with "no significant difference".
-  A default that is invalid or was never measured gives way to the fastest valid candidate.
 * The KV page size is fixed for a server's lifetime, so it is chosen once per model entry: the
   (family, page size) pair with the smallest weighted total over the buckets (weights from the
   WorkloadMix, uniform by default) wins; its page size stands unless the default page size
@@ -41,79 +40,14 @@ from typing import Callable, Iterable, Sequence
 from mla_tune.problem.defaults import DEFAULT_PAGE_SIZE, KERNEL_METRIC
 from mla_tune.problem.workload import WorkloadMix
 from mla_tune.store.records import TrialRecord, as_records
+from mla_tune.tune.verdict import MIN_RATIO, P_THRESHOLD, Measured, decide, min_p_value
 from vllm_metax.decisions import FLASHINFER, TRITON
-from vllm_metax.tuned_config import speedup
 
-P_THRESHOLD = 0.002
-MIN_RATIO = 1.05
 METRIC = KERNEL_METRIC            # what winners are chosen by
-NO_SIGNIFICANT_DIFFERENCE = "no significant difference"
 # sweep family -> vLLM's attention backend. flashmla is measured (opt-in) but not mapped: the plugin
 # does not serve FLASHMLA on its platform yet, so it must not rank it in the backend order. split
 # is not a backend of its own: FLASHINFER_MLA's decode runs it per bucket (decisions.split_serves)
 ATTENTION_BACKEND = {FLASHINFER: "FLASHINFER_MLA", TRITON: "TRITON_MLA"}
-
-
-@dataclass(frozen=True)
-class Measured:
-    """One candidate's latest trial in one bucket, reduced to what a verdict needs."""
-
-    key: str
-    family: str
-    backend: str
-    page_size: int
-    params: dict
-    status: str                     # ok | invalid
-    invalid_reason: str | None
-    median_us: float | None
-    samples: tuple = ()
-    trial_id: int | None = None
-    is_default: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok" and self.median_us is not None
-
-    @property
-    def plan_params(self) -> dict:
-        """Plan-time parameters without the page size: {"backend": ..., **knobs}."""
-        return {"backend": self.backend, **self.params}
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """The decision for one bucket, family and page size.
-
-    `chosen` is what a server should run (the default unless a challenger won), `best` the
-    fastest valid candidate, `significant` True only when `chosen` is a challenger that passed
-    both tests. `p_value` and `ratio` (default median / best median) are None when there was
-    nothing to compare. `reason` is one line for people.
-    """
-
-    family: str
-    page_size: int
-    chosen: Measured | None
-    default: Measured | None
-    best: Measured | None
-    significant: bool
-    reason: str
-    p_value: float | None = None
-    ratio: float | None = None
-    n_valid: int = 0
-    n_invalid: int = 0
-
-    @property
-    def time_us(self) -> float | None:
-        return self.chosen.median_us if self.chosen else None
-
-    @property
-    def default_time_us(self) -> float | None:
-        return self.default.median_us if self.default and self.default.ok else None
-
-    @property
-    def gain(self) -> float | None:
-        """default time / chosen time (1.0 when the default stayed)."""
-        return speedup(self.default_time_us, self.time_us)
 
 
 @dataclass(frozen=True)
@@ -206,71 +140,6 @@ class Choice:
     notes: tuple = ()
 
 
-# ---------------------------------------------------------------- the significance rule
-
-def min_p_value(n1: int, n2: int) -> float:
-    """The smallest one-sided exact Mann-Whitney p two samples of these sizes can reach."""
-    return 1.0 / math.comb(n1 + n2, n1) if n1 and n2 else 1.0
-
-
-def compare(default_samples: Sequence[float], challenger_samples: Sequence[float],
-            p_threshold: float = P_THRESHOLD, min_ratio: float = MIN_RATIO) -> tuple[bool, float, float]:
-    """(significant, p, ratio): is the challenger faster than the default, beyond noise?
-
-    p is a one-sided Mann-Whitney U test (the default's samples greater; exact up to 30 samples
-    each, so its floor is `min_p_value`); ratio is
-    median(default) / median(challenger). Significant only if p < p_threshold and
-    ratio >= min_ratio.
-    """
-    import statistics
-    from scipy.stats import mannwhitneyu
-    ratio = statistics.median(default_samples) / statistics.median(challenger_samples)
-    if len(default_samples) < 2 or len(challenger_samples) < 2:
-        return False, 1.0, ratio
-    # the exact distribution for the sample counts a sweep takes (scipy's "auto" would switch to
-    # the normal approximation above 8 samples, which overstates p several-fold at 10 vs 10)
-    exact = max(len(default_samples), len(challenger_samples)) <= 30
-    p = float(mannwhitneyu(default_samples, challenger_samples, alternative="greater",
-                           method="exact" if exact else "auto").pvalue)
-    return (p < p_threshold and ratio >= min_ratio), p, ratio
-
-
-def decide(measured: Sequence[Measured], default_key: str | None, family: str, page_size: int,
-           p_threshold: float = P_THRESHOLD, min_ratio: float = MIN_RATIO) -> Verdict:
-    """The verdict for one bucket, family and page size from its candidates' latest trials."""
-    ok = [m for m in measured if m.ok]
-    n_invalid = len(measured) - len(ok)
-    default = next((m for m in measured if m.key == default_key), None) if default_key else None
-    best = min(ok, key=lambda m: (m.median_us, m.key)) if ok else None
-    common = dict(family=family, page_size=page_size, default=default, best=best,
-                  n_valid=len(ok), n_invalid=n_invalid)
-    if best is None:
-        return Verdict(chosen=None, significant=False, reason="no valid candidate", **common)
-    if default is None:
-        return Verdict(chosen=best, significant=False,
-                       reason=f"no default measured; fastest valid: {best.key}", **common)
-    if not default.ok:
-        return Verdict(chosen=best, significant=False,
-                       reason=f"default {default.key} invalid ({default.invalid_reason}); "
-                              f"fastest valid: {best.key}", **common)
-    if best.key == default.key:
-        return Verdict(chosen=default, significant=False, reason="the default is the fastest", **common)
-    significant, p, ratio = compare(default.samples, best.samples, p_threshold, min_ratio)
-    if significant:
-        return Verdict(chosen=best, significant=True, p_value=p, ratio=ratio,
-                       reason=f"{ratio:.2f}x faster than the default (Mann-Whitney p={p:.1e})", **common)
-    why = []
-    if p >= p_threshold:
-        floor = min_p_value(len(default.samples), len(best.samples))
-        why.append(f"p={p:.2g} >= {p_threshold:g}" + (
-            f"; {len(default.samples)}/{len(best.samples)} samples cannot reach it" if floor >= p_threshold else ""))
-    if ratio < min_ratio:
-        why.append(f"{ratio:.3f}x < {min_ratio:g}x")
-    return Verdict(chosen=default, significant=False, p_value=p, ratio=ratio,
-                   reason=f"{NO_SIGNIFICANT_DIFFERENCE}: {best.key} vs default ({', '.join(why)})",
-                   **common)
-
-
 # ---------------------------------------------------------------- trials -> measured candidates
 
 def _identity(r) -> tuple:
@@ -319,7 +188,8 @@ def _lookup_context(records: list[TrialRecord]) -> int | None:
     return bucket_context(wl.seq_lens) if wl is not None else None
 
 
-def _tp_size(model: str, heads_per_rank: int) -> int | None:
+def tp_size_of(model: str, heads_per_rank: int) -> int | None:
+    """The TP size at which `model` has this many heads per rank (None: no preset, or no such size)."""
     from mla_tune.problem.workload import ProblemError, model_preset
     try:
         total = model_preset(model).num_heads
@@ -411,7 +281,41 @@ def _choose_model(device_name, g, rows, mix, p_threshold, min_ratio, default_pag
     weights = bucket_weights(mix, per_bucket)
     families = sorted({r.candidate.family for r in rows})
     pages = sorted({r.candidate.page_size for r in rows})
-    verdicts: dict = {}          # (bucket, family, page) -> Verdict
+    verdicts = _verdicts(per_bucket, families, pages, p_threshold, min_ratio, metric, default_of,
+                         notes)
+    totals = _family_totals(verdicts, weights, list(per_bucket), families, pages)
+    page, page_reason = _global_page(totals, default_page_size, min_ratio)
+    at_page = sorted((t for t in totals if t.page_size == page), key=_rank)
+    ranked = [t.family for t in at_page]
+    rest = sorted((f for f in families if f not in ranked),
+                  key=lambda f: min((_rank(t) for t in totals if t.family == f), default=(0, math.inf)))
+    family_order = tuple(ranked + rest)
+    order_reason = "; ".join(f"{t.family} {t.total_us:.4g} us ({t.covered}/{t.of})"
+                             for t in at_page) or "no family measured"
+    if page is not None:
+        order_reason = f"weighted total at page {page}: {order_reason}"
+    buckets = []
+    for bk in sorted(per_bucket, key=lambda k: (k[2], k[0], k[1])):
+        fams = {f: verdicts[(bk, f, page)] for f in families if (bk, f, page) in verdicts}
+        timed = [(v.time_us, f) for f, v in fams.items() if v.time_us is not None]
+        per_page: dict = {}
+        for (k, f, p), v in verdicts.items():
+            if k == bk:
+                per_page.setdefault(p, {})[f] = v
+        buckets.append(BucketChoice(bk[0], bk[1], bk[2], weights.get(bk, 0.0), fams,
+                                    min(timed)[1] if timed else None, per_page,
+                                    _lookup_context(per_bucket[bk])))
+    return ModelChoice(device_name, model, tp_size_of(model, heads), heads, lora_rank, rope, q_dt, kv_dt,
+                       ragged, page, page_reason, family_order,
+                       tuple(ATTENTION_BACKEND[f] for f in family_order if f in ATTENTION_BACKEND),
+                       order_reason, tuple(totals), tuple(buckets))
+
+
+def _verdicts(per_bucket: dict, families: list, pages: list, p_threshold, min_ratio, metric,
+              default_of, notes: list) -> dict:
+    """(bucket, family, page) -> Verdict of the family's candidates there against its default;
+    a note where the samples are too few for the test to ever reach p_threshold."""
+    verdicts: dict = {}
     for bk, brows in per_bucket.items():
         for fam in families:
             for page in pages:
@@ -429,7 +333,13 @@ def _choose_model(device_name, g, rows, mix, p_threshold, min_ratio, default_pag
                     notes.append(f"{len(v.default.samples)} samples per candidate cannot reach "
                                  f"p < {p_threshold:g}: measure more samples")
                 verdicts[(bk, fam, page)] = v
-    weighted = [bk for bk in per_bucket if weights.get(bk, 0) > 0]
+    return verdicts
+
+
+def _family_totals(verdicts: dict, weights: dict, buckets: list, families: list, pages: list) -> list:
+    """Per family and page size, the mix-weighted total of its chosen times over the weighted
+    buckets where it has a valid candidate."""
+    weighted = [bk for bk in buckets if weights.get(bk, 0) > 0]
     totals = []
     for fam in families:
         for page in pages:
@@ -441,52 +351,35 @@ def _choose_model(device_name, g, rows, mix, p_threshold, min_ratio, default_pag
                     total += weights[bk] * v.time_us
             if covered:
                 totals.append(FamilyTotal(fam, page, total, covered, len(weighted)))
+    return totals
 
-    def rank(t: FamilyTotal):
-        return (-t.covered, t.total_us, t.family, t.page_size)
 
-    page, page_reason = None, "no valid candidate in any weighted bucket"
-    if totals:
-        best = min(totals, key=rank)
-        page = best.page_size
-        page_reason = (f"page {page}: smallest weighted total ({best.family}, "
-                       f"{best.total_us:.4g} us over {best.covered}/{best.of} buckets)")
-        at_default = next((t for t in totals if t.family == best.family
-                           and t.page_size == default_page_size), None)
-        if page == default_page_size:
-            page_reason = f"page {page} (the default) has the smallest weighted total ({best.family})"
-        elif at_default is not None and at_default.covered == best.covered:
-            gain = at_default.total_us / best.total_us
-            if gain < min_ratio:
-                page = default_page_size
-                page_reason = (f"page {default_page_size} (the default) kept: page {best.page_size} "
-                               f"is only {gain:.3f}x faster over the mix ({best.family}; needs "
-                               f">= {min_ratio:g}x)")
-            else:
-                page_reason += f"; {gain:.2f}x faster than the default page {default_page_size}"
-        if not best.complete:
-            page_reason += f" (only {best.covered} of {best.of} buckets have a valid candidate)"
-    at_page = [t for t in totals if t.page_size == page]
-    ranked = [t.family for t in sorted(at_page, key=rank)]
-    rest = sorted((f for f in families if f not in ranked),
-                  key=lambda f: min((rank(t) for t in totals if t.family == f), default=(0, math.inf)))
-    family_order = tuple(ranked + rest)
-    order_reason = "; ".join(f"{t.family} {t.total_us:.4g} us ({t.covered}/{t.of})"
-                             for t in sorted(at_page, key=rank)) or "no family measured"
-    if page is not None:
-        order_reason = f"weighted total at page {page}: {order_reason}"
-    buckets = []
-    for bk in sorted(per_bucket, key=lambda k: (k[2], k[0], k[1])):
-        fams = {f: verdicts[(bk, f, page)] for f in families if (bk, f, page) in verdicts}
-        timed = [(v.time_us, f) for f, v in fams.items() if v.time_us is not None]
-        per_page: dict = {}
-        for (k, f, p), v in verdicts.items():
-            if k == bk:
-                per_page.setdefault(p, {})[f] = v
-        buckets.append(BucketChoice(bk[0], bk[1], bk[2], weights.get(bk, 0.0), fams,
-                                    min(timed)[1] if timed else None, per_page,
-                                    _lookup_context(per_bucket[bk])))
-    return ModelChoice(device_name, model, _tp_size(model, heads), heads, lora_rank, rope, q_dt, kv_dt,
-                       ragged, page, page_reason, family_order,
-                       tuple(ATTENTION_BACKEND[f] for f in family_order if f in ATTENTION_BACKEND),
-                       order_reason, tuple(totals), tuple(buckets))
+def _rank(t: FamilyTotal):
+    return (-t.covered, t.total_us, t.family, t.page_size)
+
+
+def _global_page(totals: list, default_page_size: int, min_ratio: float) -> tuple:
+    """(page size, why): the best family's page over the mix, the default page kept unless
+    another is at least min_ratio faster over the same buckets."""
+    if not totals:
+        return None, "no valid candidate in any weighted bucket"
+    best = min(totals, key=_rank)
+    page = best.page_size
+    page_reason = (f"page {page}: smallest weighted total ({best.family}, "
+                   f"{best.total_us:.4g} us over {best.covered}/{best.of} buckets)")
+    at_default = next((t for t in totals if t.family == best.family
+                       and t.page_size == default_page_size), None)
+    if page == default_page_size:
+        page_reason = f"page {page} (the default) has the smallest weighted total ({best.family})"
+    elif at_default is not None and at_default.covered == best.covered:
+        gain = at_default.total_us / best.total_us
+        if gain < min_ratio:
+            page = default_page_size
+            page_reason = (f"page {default_page_size} (the default) kept: page {best.page_size} "
+                           f"is only {gain:.3f}x faster over the mix ({best.family}; needs "
+                           f">= {min_ratio:g}x)")
+        else:
+            page_reason += f"; {gain:.2f}x faster than the default page {default_page_size}"
+    if not best.complete:
+        page_reason += f" (only {best.covered} of {best.of} buckets have a valid candidate)"
+    return page, page_reason

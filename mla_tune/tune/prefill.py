@@ -14,7 +14,7 @@ tokens of 256-8K in one request and in four, and context chunks of 256 or 2K que
 through the plugin's own op (`mla_tune.families.flashinfer_prefill`), gated against the torch
 reference. Per bucket the plugin's untuned default (fa3 on Hopper, fa2 elsewhere) is replaced only
 when another backend is faster by a one-sided Mann-Whitney p < 0.002 and >= 1.05x
-(`mla_tune.tune.choose.decide`, the decode rule). The measuring runs in this process (FlashInfer's
+(`mla_tune.tune.verdict.decide`, the decode rule). The measuring runs in this process (FlashInfer's
 production prefill kernels, fa2/fa3, are not the crash-prone candidates the decode sweep isolates);
 every trial is committed as it finishes, so a rerun continues where a killed one stopped.
 """
@@ -140,10 +140,10 @@ def run_prefill_sweep(config: PrefillSweepConfig,
 
 @dataclass(frozen=True)
 class PrefillVerdict:
-    """One prefill bucket's verdict (`choose.decide`'s) and the bucket it is for."""
+    """One prefill bucket's verdict (`verdict.decide`'s) and the bucket it is for."""
 
     workload: PrefillWorkload
-    verdict: object                   # choose.Verdict
+    verdict: object                   # verdict.Verdict
 
     @property
     def bucket_key(self) -> tuple:
@@ -158,9 +158,10 @@ def choose_prefill(records: list, p_threshold: float | None = None,
     """model key (vllm_metax.tuned_config.ModelDims) -> [PrefillVerdict], from the prefill trials
     of one device (`ResultsStore.records(prefill=True)`); the latest trial per candidate counts."""
     from mla_tune.tune import choose as choosing
+    from mla_tune.tune.verdict import MIN_RATIO, P_THRESHOLD, decide
     from vllm_metax.decisions import model_key
-    p = choosing.P_THRESHOLD if p_threshold is None else p_threshold
-    m = choosing.MIN_RATIO if min_ratio is None else min_ratio
+    p = P_THRESHOLD if p_threshold is None else p_threshold
+    m = MIN_RATIO if min_ratio is None else min_ratio
     by_workload: dict = {}
     for r in choosing.latest_trials(records):
         by_workload.setdefault(r.stored.id, []).append(r)
@@ -171,7 +172,7 @@ def choose_prefill(records: list, p_threshold: float | None = None,
             raise ProblemError(f"not a prefill workload (layout {wrecords[0].stored.ragged!r})")
         measured = [choosing.measured_of(r) for r in wrecords]
         default = next((x.key for x in measured if x.is_default), None)
-        v = choosing.decide(measured, default, first.family, first.page_size, p, m)
+        v = decide(measured, default, first.family, first.page_size, p, m)
         dims = model_key(w.num_heads, w.kv_lora_rank, w.qk_rope_head_dim, w.q_dtype, w.q_dtype)
         out.setdefault(dims, []).append(PrefillVerdict(w, v))
     for vs in out.values():

@@ -8,23 +8,27 @@ import time
 from pathlib import Path
 
 from mla_tune.families.base import Candidate
-from mla_tune.tune.buckets import Bucket
 from mla_tune.problem.workload import Workload
-from mla_tune.tune.search import Evaluation, SearchSpace, search
-from mla_tune.tune.sweep import (BucketOutcome, SweepConfig, SweepInputError, SweepObserver,
-                                 SweepOutcome, SweepPlan, _choose, _note_best, _study_name, _value,
-                                 check_search_settings, plan_bucket)
+from mla_tune.tune.buckets import Bucket
+from mla_tune.tune.search import Evaluation, search
+from mla_tune.tune.search_space import SearchSpace
+from mla_tune.tune.sweep_check import check_search_settings
+from mla_tune.tune.sweep_config import SweepConfig, SweepInputError
+from mla_tune.tune.sweep_finish import choose_winners
+from mla_tune.tune.sweep_measure import kernel_median, note_best
+from mla_tune.tune.sweep_outcome import BucketOutcome, SweepObserver, SweepOutcome
+from mla_tune.tune.sweep_plan import SweepPlan, plan_bucket, study_name
 
 
 def stored_buckets(rows: list) -> list[Bucket]:
     """The buckets a set of trial rows covers, in a stable order."""
-    from mla_tune.tune.choose import _tp_size
+    from mla_tune.tune.choose import tp_size_of
     seen = {}
     for r in rows:
         if r["workload_id"] in seen:
             continue
         w = Workload.from_row(r)
-        seen[r["workload_id"]] = Bucket(r["model"], _tp_size(r["model"], r["num_heads"]), w)
+        seen[r["workload_id"]] = Bucket(r["model"], tp_size_of(r["model"], r["num_heads"]), w)
     return sorted(seen.values(), key=lambda b: (b.model, -b.workload.num_heads, b.workload.q_len,
                                                 b.workload.batch_size, b.workload.context_len))
 
@@ -39,12 +43,38 @@ def replay_sweep(source: str | Path, config: SweepConfig, observer: SweepObserve
     search visited, so a replay shows whether a search (TPE, a smaller budget) reaches the winners
     that the full grid found. Writes nothing.
     """
-    from mla_tune.tune.choose import latest_trials
-    from mla_tune.store.results import ResultsStore
-
     obs = observer or SweepObserver()
     t_start = time.monotonic()
     check_search_settings(config)
+    rows, device_name = _stored_rows(source, device_name)
+    by_workload: dict = {}
+    for r in rows:
+        by_workload.setdefault(_workload_key_of(r), []).append(r)
+    plan = _replay_plan(source, config, rows, by_workload, device_name, where)
+    outcome = SweepOutcome(plan)
+    obs.on_start(plan)
+    visited: list = []
+    for p in plan.buckets:
+        stored = {r["candidate"]: r for r in by_workload[tuple(sorted(p.bucket.workload.key.items()))]}
+        obs.on_bucket(p)
+        evaluate = _evaluate_stored(stored, p, obs, visited, outcome)
+        t0 = time.monotonic()
+        so = search(p.space, evaluate, config.policy(None), study_name(config, p.bucket), None)
+        bo = BucketOutcome(p, so, time.monotonic() - t0)
+        outcome.buckets.append(bo)
+        obs.on_bucket_done(bo)
+    outcome.rows = visited
+    outcome.choice = choose_winners(visited, config, device_name)
+    outcome.seconds = time.monotonic() - t_start
+    obs.on_done(outcome)
+    return outcome
+
+
+def _stored_rows(source, device_name: str | None) -> tuple[list, str]:
+    """The latest stored trial of each candidate in `source` of one device (the one named, or
+    the only one), and that device's name."""
+    from mla_tune.store.results import ResultsStore
+    from mla_tune.tune.choose import latest_trials
     with ResultsStore(source, create=False) as store:
         rows = latest_trials(store.trials())
     devices = sorted({r["device_name"] for r in rows})
@@ -56,10 +86,12 @@ def replay_sweep(source: str | Path, config: SweepConfig, observer: SweepObserve
     rows = [r for r in rows if r["device_name"] == device_name]
     if not rows:
         raise SweepInputError(f"{source} holds no trials" + (f" of device {device_name!r}" if device_name else ""))
-    by_workload: dict = {}
-    for r in rows:
-        key = _workload_key_of(r)
-        by_workload.setdefault(key, []).append(r)
+    return rows, device_name
+
+
+def _replay_plan(source, config: SweepConfig, rows: list, by_workload: dict, device_name: str,
+                 where) -> SweepPlan:
+    """Every requested bucket that `source` holds, planned over its stored candidates."""
     buckets = list(config.buckets) or stored_buckets(rows)
     if where is not None:
         buckets = [b for b in buckets if where(b)]
@@ -85,37 +117,28 @@ def replay_sweep(source: str | Path, config: SweepConfig, observer: SweepObserve
     if config.mix is not None:       # before anything is shown: every weighted bucket is replayed
         config.mix.check_covers({(p.bucket.workload.batch_size, p.bucket.workload.context_len)
                                  for p in planned}, f"the buckets replayed from {source}")
-    outcome = SweepOutcome(plan)
-    obs.on_start(plan)
-    visited: list = []
-    for p in plan.buckets:
-        stored = {r["candidate"]: r for r in by_workload[tuple(sorted(p.bucket.workload.key.items()))]}
-        obs.on_bucket(p)
-        best: list = [None]
+    return plan
 
-        def evaluate(cands, p=p, stored=stored, best=best):
-            out = []
-            for c in cands:
-                r = stored[c.key]
-                ok = r["status"] == "ok"
-                ev = Evaluation(c, _value(r["samples"], ok), False, r["invalid_reason"], r["id"])
-                visited.append(r)
-                outcome.measured += 1
-                _note_best(best, ev)
-                obs.on_trial(p, ev, best[0])
-                out.append(ev)
-            return out
 
-        t0 = time.monotonic()
-        so = search(p.space, evaluate, config.policy(None), _study_name(config, p.bucket), None)
-        bo = BucketOutcome(p, so, time.monotonic() - t0)
-        outcome.buckets.append(bo)
-        obs.on_bucket_done(bo)
-    outcome.rows = visited
-    outcome.choice = _choose(visited, config, device_name)
-    outcome.seconds = time.monotonic() - t_start
-    obs.on_done(outcome)
-    return outcome
+def _evaluate_stored(stored: dict, p, obs: SweepObserver, visited: list, outcome: SweepOutcome):
+    """The search's evaluate(candidates) for bucket p: each answered by its stored trial (which
+    the choice is then made over), counted as measured."""
+    best: list = [None]
+
+    def evaluate(cands):
+        out = []
+        for c in cands:
+            r = stored[c.key]
+            ok = r["status"] == "ok"
+            ev = Evaluation(c, kernel_median(r["samples"], ok), False, r["invalid_reason"], r["id"])
+            visited.append(r)
+            outcome.measured += 1
+            note_best(best, ev)
+            obs.on_trial(p, ev, best[0])
+            out.append(ev)
+        return out
+
+    return evaluate
 
 
 def _workload_key_of(r: dict) -> tuple:
@@ -132,6 +155,7 @@ def _defaults_from_backends(b: Bucket, brows: list, cands: dict) -> list:
         if key in cands:
             out.append(cands[key])
     return out
+
 
 
 __all__ = ["replay_sweep", "stored_buckets"]

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from mla_tune.views.report import CPU_CAVEAT, DeviceReport, Report, ReportError, entry_title
+from mla_tune.views.report import CPU_CAVEAT, DeviceReport, Report, ReportError
+from mla_tune.views.report_format import entry_title
 
 FAMILY_MARKERS = {"flashinfer": "o", "split": "s", "triton": "^", "flashmla": "D", "reference": "x"}
 FAMILY_NAMES = {"flashinfer": "FlashInfer", "split": "split-KV Triton (via FLASHINFER_MLA)",

@@ -6,9 +6,8 @@ per model entry the global choice (page size, attention-backend order) and why. 
 global choice come from `mla_tune.tune.choose` (the same rules `mla-tune emit` writes into the tuned
 config); this module only arranges them. Works on any results.db, with no GPU.
 
-`build_report(store, TrialFilter(...))` returns a `Report`; `report_tables`, `report_csv`,
-`Report.to_json` and `render_report(report, fmt)` turn it into the read formats of
-`mla_tune.views.render`.
+`build_report(store, TrialFilter(...))` returns a `Report` (`Report.to_json` is its JSON);
+mla_tune.views.report_format turns it into tables, the summary, CSV and markdown.
 """
 
 from __future__ import annotations
@@ -19,11 +18,11 @@ from dataclasses import dataclass, field
 from mla_tune.tune import choose as choosing
 from mla_tune.problem.workload import WorkloadMix
 from mla_tune.views import prefill_view
-from mla_tune.views.render import Column, OutputFormat, Table, render, times, to_csv
 from mla_tune.problem.roofline import floor_of, pct_of_floor
 from mla_tune.problem.defaults import DEFAULT_PAGE_SIZE, PLAN_METRIC
 from mla_tune.store.records import StoredWorkload, TrialRecord
 from mla_tune.store.selection import CPU_RUN_KIND, TrialFilter, device_key, select_trials
+from mla_tune.tune.verdict import Verdict
 
 CPU_LABEL = "CPU torch reference: timings of the correctness oracle, not of a GPU kernel"
 # What a CPU run is for, said wherever its numbers are shown: they are no verdict.
@@ -301,7 +300,7 @@ def _rules(choice: choosing.Choice) -> dict:
             "test": "one-sided Mann-Whitney U on raw samples, plus a minimum median ratio"}
 
 
-def _verdict_json(v: choosing.Verdict) -> dict:
+def _verdict_json(v: Verdict) -> dict:
     return {"family": v.family, "page_size": v.page_size,
             "chosen": v.chosen.key if v.chosen else None, "time_us": v.time_us,
             "default": v.default.key if v.default else None, "default_time_us": v.default_time_us,
@@ -340,196 +339,3 @@ def _device_json(d: DeviceReport) -> dict:
         "workloads": [w.to_json() for w in d.workloads],
         "models": [_entry_json(m) for m in d.choice.models],
     }
-
-
-# ---------------------------------------------------------------- tables, CSV, markdown
-
-def _pct(v) -> str:
-    return f"{v * 100:.1f}%"
-
-
-def _short(text: str, n: int = 90) -> str:
-    return text if len(text) <= n else text[:n - 1] + "…"
-
-
-def entry_title(m) -> str:
-    tp = f" tp{m.tp_size}" if getattr(m, "tp_size", None) else ""
-    dt = m.q_dtype if m.q_dtype == m.kv_dtype else f"{m.q_dtype}/{m.kv_dtype}"
-    r = "" if m.ragged == "uniform" else f", {m.ragged} lengths"
-    return f"{m.model}{tp} H{m.num_heads} (R{m.kv_lora_rank} P{m.qk_rope_head_dim} {dt}{r})"
-
-
-def _device_title(d: DeviceReport) -> str:
-    return d.device_name + (f" [{CPU_LABEL}]" if d.is_reference else "")
-
-
-RUN_COLUMNS = [Column("run", justify="right"), Column("kind", justify="left"),
-               Column("started", justify="left"), Column("host", justify="left"),
-               Column("torch", justify="left"), Column("flashinfer", justify="left"),
-               Column("SMs"), Column("copy GB/s", ".0f"), Column("matmul TFLOP/s", ".0f")]
-
-CANDIDATE_COLUMNS = [Column("workload", justify="left"), Column("candidate", justify="left"),
-                     Column("median us", ".2f"), Column("spread", _pct), Column("n"),
-                     Column("% roofline", ".1f"), Column("vs default", times),
-                     Column("choice", justify="left"), Column("status", lambda s: _short(s), "left", wrap=True)]
-
-BUCKET_COLUMNS = [Column("batch"), Column("context"), Column("q"), Column("family", justify="left"),
-                  Column("chosen", justify="left"), Column("median us", ".2f"),
-                  Column("default us", ".2f"), Column("gain", times), Column("% roofline", ".1f"),
-                  Column("best", justify="left"), Column("why", justify="left", wrap=True)]
-
-GLOBAL_COLUMNS = [Column("model entry", justify="left"), Column("page size"),
-                  Column("backend order", justify="left"), Column("why", justify="left", wrap=True)]
-
-
-def report_tables(report: Report) -> list[Table]:
-    """The report as titled tables: per device its runs, candidates, best per bucket, global choice."""
-    tables = []
-    for d in report.devices:
-        title = _device_title(d)
-        t = Table(f"{title}: runs", RUN_COLUMNS)
-        for r in d.runs:
-            t.add(r["id"], r.get("kind"), r.get("started_at"), r.get("host"), r.get("torch"),
-                  r.get("flashinfer"), r.get("sm_count"), r.get("copy_gbps"), r.get("matmul_tflops"))
-        if d.superseded:
-            t.caption = (f"{d.superseded} older trial(s) of re-measured candidates are not shown "
-                         "(the latest trial per workload and candidate counts)")
-        tables.append(t)
-        for m in d.choice.models:
-            views = d.views_of(m)
-            t = Table(f"{title} · {entry_title(m)}: candidates per workload", CANDIDATE_COLUMNS,
-                      caption="spread = interquartile range / median; % roofline = 100 x floor "
-                              "(bytes at copy speed or FLOPs at matmul speed) / median; vs default = "
-                              "family default's median / this median"
-                              + ("" if any(w.floor_us for w in views) else
-                                 "; no ceilings recorded for these runs, so no % roofline"))
-            for w in views:
-                for i, c in enumerate(w.lines):
-                    t.add(w.label if i == 0 else "", c.candidate,
-                          c.median_us, c.spread, c.n or None, c.pct_roofline, c.speedup_vs_default,
-                          c.verdict, c.status_text())
-            tables.append(t)
-            tables.append(_bucket_table(d, m, views, title))
-        if d.is_reference:
-            tables.append(Table(f"{title}: global choice: none", [], caption=CPU_CAVEAT))
-            continue
-        t = Table(f"{title}: global choice", GLOBAL_COLUMNS,
-                  caption=f"rules: a challenger replaces a default only if Mann-Whitney p < "
-                          f"{d.choice.p_threshold:g} and it is >= {d.choice.min_ratio:g}x faster; "
-                          + ("; ".join(d.choice.notes) if d.choice.notes else "no warnings"))
-        _add_global_rows(t, d)
-        tables.append(t)
-    tables += prefill_view.prefill_tables(report.prefill)
-    return tables
-
-
-_FAMILY_ABBR = {"flashinfer": "fi", "triton": "tr", "flashmla": "fm", "split": "sp", "reference": "ref"}
-_FAMILY_WORDS = {"flashinfer": "FlashInfer", "triton": "Triton MLA", "flashmla": "FlashMLA",
-                 "split": "split-KV Triton decode (served by FLASHINFER_MLA)", "reference": "torch reference"}
-
-
-def _legend(families) -> str:
-    """The abbreviations of the families a table shows (all of them when it shows none)."""
-    shown = [f for f in _FAMILY_ABBR if f in families] or list(_FAMILY_ABBR)
-    return ", ".join(f"{_FAMILY_ABBR[f]} = {_FAMILY_WORDS[f]}" for f in shown)
-
-
-def _best_cell(b) -> str | None:
-    v = b.families.get(b.best_family) if b.best_family else None
-    if v is None or v.chosen is None or v.time_us is None:
-        return None
-    star = "*" if v.significant else ""
-    return f"{_FAMILY_ABBR.get(b.best_family, b.best_family)} {v.time_us:.1f}{star}"
-
-
-def summary_tables(report: Report) -> list[Table]:
-    """The one-screen view: per model entry the fastest family and its time in every bucket
-    (batch x context), then the global choice with its reason. `report_tables` has everything."""
-    tables = []
-    for d in report.devices:
-        title = _device_title(d)
-        for m in d.choice.models:
-            contexts = sorted({b.context_len for b in m.buckets})
-            rows = sorted({(b.q_len, b.batch_size) for b in m.buckets})
-            cells = {(b.q_len, b.batch_size, b.context_len): _best_cell(b) for b in m.buckets}
-            show_q = any(q != 1 for q, _ in rows)
-            cols = [Column("batch")] + ([Column("q")] if show_q else []) + [
-                Column(f"L{c}", justify="right") for c in contexts]
-            page = f"page {m.page_size}" if m.page_size is not None else "no page chosen"
-            if d.is_reference:
-                cells = {k: v and v.rstrip("*") for k, v in cells.items()}
-                t = Table(f"{title} · {entry_title(m)}: CPU reference time per bucket, us", cols,
-                          caption=CPU_CAVEAT)
-            else:
-                t = Table(f"{title} · {entry_title(m)}: fastest per bucket, us ({page})", cols,
-                          caption=_legend({b.best_family for b in m.buckets}) + "; * = the "
-                                  "tuned choice beat its family default significantly")
-            for q, bsz in rows:
-                t.add(bsz, *([q] if show_q else []), *[cells.get((q, bsz, c)) for c in contexts])
-            tables.append(t)
-        if d.is_reference:
-            continue        # CPU_CAVEAT: no verdict from the CPU reference
-        t = Table(f"{title}: verdict", GLOBAL_COLUMNS,
-                  caption=f"{len(d.workloads)} workloads, {sum(len(w.lines) for w in d.workloads)} "
-                          "candidate lines: `mla-tune report --full` lists them"
-                          + ("; " + "; ".join(d.choice.notes) if d.choice.notes else ""))
-        _add_global_rows(t, d)
-        tables.append(t)
-    tables += prefill_view.prefill_tables(report.prefill, full=False)
-    return tables
-
-
-def _bucket_table(d: DeviceReport, m, views: list, title: str) -> Table:
-    page = f"page {m.page_size}" if m.page_size is not None else "no page chosen"
-    t = Table(f"{title} · {entry_title(m)}: best per bucket ({page})", BUCKET_COLUMNS)
-    lines = {c.trial_id: c for w in views for c in w.lines}
-    for b in m.buckets:
-        fams = sorted(b.families, key=lambda f: (f != b.best_family, f))
-        if not any(v.chosen for v in b.families.values()):
-            t.add(b.batch_size, b.context_len, b.q_len, None, None, None, None, None, None, "",
-                  "no valid candidate" + (f" at page {m.page_size}" if m.page_size else ""))
-            fams = [f for f in fams if b.families[f].chosen]
-        for f in fams:
-            v = b.families[f]
-            line = lines.get(v.chosen.trial_id) if v.chosen else None
-            t.add(b.batch_size, b.context_len, b.q_len, f, v.chosen.key if v.chosen else None,
-                  v.time_us, v.default_time_us, v.gain, line.pct_roofline if line else None,
-                  "best" if f == b.best_family else "", v.reason)
-    return t
-
-
-def report_csv(report: Report) -> str:
-    """Every candidate line as one CSV row with raw numbers (the stored values, unrounded)."""
-    cols = ["device_name", "kind", "model", "num_heads", "kv_lora_rank", "qk_rope_head_dim",
-            "q_dtype", "kv_dtype", "ragged", "batch_size", "context_len", "q_len", "workload_id",
-            "run_id", "trial_id", "candidate", "family", "backend", "page_size", "params",
-            "is_default", "status", "invalid_reason", "message", "n", "median_us", "spread",
-            "min_us", "plan_median_us", "compile_s", "max_rel_error", "pct_roofline", "floor_us",
-            "bound", "default_candidate", "speedup_vs_default", "chosen", "winner"]
-    t = Table("candidates", [Column(c) for c in cols])
-    for d, w, c in report.lines():
-        t.add(d.device_name, d.kind, w.model, w.num_heads, w.kv_lora_rank, w.qk_rope_head_dim,
-              w.q_dtype, w.kv_dtype, w.ragged, w.batch_size, w.context_len, w.q_len, w.workload_id,
-              c.run_id, c.trial_id, c.candidate, c.family, c.backend, c.page_size, c.params,
-              int(c.is_default), c.status, c.invalid_reason, c.message, c.n, c.median_us, c.spread,
-              c.min_us, c.plan_median_us, c.compile_s, c.max_rel_error, c.pct_roofline, w.floor_us,
-              w.bound, c.default_candidate, c.speedup_vs_default, int(c.chosen), int(c.winner))
-    for row in prefill_view.prefill_csv_rows(report.prefill_records):
-        t.add(*[row.get(col) for col in cols])
-    return to_csv(t)
-
-
-def render_report(report: Report, fmt: str | OutputFormat, full: bool = False) -> str | list:
-    """json, csv, markdown -> text; table -> a list of rich renderables. Table and markdown show
-    the one-screen summary unless `full`; json and csv always carry every line."""
-    return render(fmt, lambda: report_tables(report) if full else summary_tables(report),
-                  f"mla-tune report: {report.db} ({report.filter.describe()})",
-                  report.to_json, lambda: report_csv(report))
-
-
-def _add_global_rows(t: Table, d) -> None:
-    """One row per model entry: page size, attention-backend order and why."""
-    for m in d.choice.models:
-        order = " > ".join(m.backend_order) or (
-            " > ".join(m.family_order) + " (no vLLM attention backend measured)")
-        t.add(entry_title(m), m.page_size, order, f"{m.page_reason}. {m.order_reason}")

@@ -24,7 +24,7 @@ def _us(v) -> str:
 
 def verdict_text(v, reference: bool = False) -> str:
     """Short: the gain over the family default, or why the default stayed."""
-    from mla_tune.tune.choose import NO_SIGNIFICANT_DIFFERENCE
+    from mla_tune.tune.verdict import NO_SIGNIFICANT_DIFFERENCE
     if v is None:
         return "-"
     if v.chosen is None:

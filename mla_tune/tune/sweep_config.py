@@ -1,0 +1,74 @@
+"""What a sweep is asked to do (SweepConfig), the families it runs by default, and its errors.
+
+A SweepConfig is built from command-line values by sweep_flags.build_config, checked by
+sweep_check.check_sweep_config and run by sweep.run_sweep."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from mla_tune.measure.trial import MeasureSettings
+from mla_tune.problem.defaults import SWEEP_PAGE_SIZES
+from mla_tune.problem.workload import WorkloadMix
+from mla_tune.tune.search import GRID_MAX, PATIENCE, SearchPolicy
+from mla_tune.tune.verdict import MIN_RATIO, P_THRESHOLD
+
+# flashmla: opt-in (--family flashmla) until the plugin serves FLASHMLA; split is served by
+# FLASHINFER_MLA's decode in the buckets it wins
+GPU_FAMILIES = ("flashinfer", "triton", "split")
+CPU_FAMILIES = ("reference",)
+
+
+class SweepError(Exception):
+    """A sweep that cannot start or cannot produce anything (the message says why)."""
+
+
+class SweepInputError(SweepError, ValueError):
+    """A sweep asked for something that does not exist (an unknown family, an empty replay DB)."""
+
+
+@dataclass
+class SweepConfig:
+    """What to sweep and how. `families=None` picks by device (GPU: flashinfer + triton; CPU: the
+    reference); `time_budget_s=0` and `max_trials=None` mean no limit; `journal=None` puts the
+    optuna study next to the DB (False: keep it in memory); `db=None` is default_db(device) and
+    `emit=None` emits on a GPU only (the CPU reference is not a serving device)."""
+
+    buckets: list
+    db: Path | None = None               # None: default_db(device)
+    families: Sequence[str] | None = None
+    page_sizes: Sequence[int] = SWEEP_PAGE_SIZES
+    device: str | None = None
+    settings: MeasureSettings | None = None
+    mode: str = "auto"
+    grid_max: int = GRID_MAX
+    max_trials: int | None = None
+    patience: int | None = PATIENCE
+    time_budget_s: float = 0.0
+    batch: int = 32                      # candidates per worker round trip (one interleaved set)
+    seed: int = 0
+    timeout_s: float = 120.0
+    isolation: str = "auto"
+    remeasure: bool = False
+    name: str = "sweep"
+    journal: Path | bool | None = None
+    mix: WorkloadMix | None = None
+    min_ratio: float = MIN_RATIO
+    p_threshold: float = P_THRESHOLD
+    emit: bool | None = None             # None: on a GPU yes, for the CPU reference no
+    configs_dir: Path = Path("configs")
+    command: str = ""
+    storage: str | None = None          # shared optuna storage: RDB URL or journal file (None: journal)
+    heartbeat_s: int | None = None      # RDB storages: heartbeat of a claimed trial
+    gpus: Sequence[str] | None = None   # one worker process per GPU (mla_tune.tune.distributed)
+    worker_index: int = 0
+    worker_count: int = 1
+    role: str = "single"                # single | worker (measures only) | final (after workers)
+    study_tag: str = ""                 # set once per --remeasure launch: fresh studies for it
+
+    def policy(self, deadline: float | None) -> SearchPolicy:
+        return SearchPolicy(self.mode, self.grid_max, self.max_trials, deadline, self.patience,
+                            self.batch, seed=self.seed)
+

@@ -1,0 +1,65 @@
+"""The end of a sweep: the winners chosen over the swept buckets' trials (mla_tune.tune.choose)
+and the tuned config written (mla_tune.tune.emit)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mla_tune.tune.sweep_config import SweepConfig
+from mla_tune.tune.sweep_outcome import SweepOutcome
+
+
+def finish_sweep(outcome: SweepOutcome, config: SweepConfig, store, device_name: str) -> None:
+    """Choose winners over the trials of the outcome's buckets on this device (outcome.rows,
+    outcome.choice) and, where the config says so, emit the tuned config (outcome.emitted or
+    outcome.emit_note)."""
+    plan = outcome.plan
+    outcome.rows = rows_for(store, [p.workload_id for p in plan.buckets], device_name)
+    outcome.choice = choose_winners(outcome.rows, config, device_name)
+    if config.emit and outcome.choice is not None:
+        outcome.emitted, outcome.emit_note = emit_tuned_config(outcome, config, store)
+    elif outcome.choice is not None and plan.kind == "cpu-reference":
+        outcome.emit_note = (f"no tuned config written: the CPU reference is not a serving "
+                             f"device (--emit --configs-dir DIR writes one); the trials are "
+                             f"in {config.db}")
+
+
+def rows_for(store, workload_ids: list, device_name: str) -> list:
+    """The stored trial rows of these workloads on this device."""
+    rows = []
+    ids = sorted(set(i for i in workload_ids if i is not None))
+    for k in range(0, len(ids), 500):
+        chunk = ids[k:k + 500]
+        rows += store.trials(f"t.workload_id in ({','.join('?' * len(chunk))}) and r.device_name = ?",
+                             [*chunk, device_name])
+    return rows
+
+
+def choose_winners(rows: list, config: SweepConfig, device_name: str):
+    """choose.choose over `rows` with the config's mix and rules (None without rows)."""
+    from mla_tune.tune.choose import choose
+    if not rows:
+        return None
+    return choose(rows, config.mix, device_name=device_name, p_threshold=config.p_threshold,
+                  min_ratio=config.min_ratio)
+
+
+def emit_tuned_config(outcome: SweepOutcome, config: SweepConfig, store=None) -> tuple[Path | None, str]:
+    """Write the tuned config of `outcome.choice` through mla_tune.tune.emit.emit_config (the report
+    side's writer), if that module is installed; (path, "") or (None, why not)."""
+    try:
+        from mla_tune.tune import emit
+    except ImportError:
+        return None, "mla_tune.tune.emit is not available: no tuned config written"
+    fn = getattr(emit, "emit_config", None)
+    if fn is None:
+        return None, "mla_tune.tune.emit has no emit_config: no tuned config written"
+    try:
+        # config.emit is True here: for the CPU reference that was asked for explicitly
+        path = fn(outcome.choice, config.configs_dir, store=store, mix=config.mix, cpu_ok=True)
+    except Exception as e:  # noqa: BLE001 - the trials are stored; the config can be emitted later
+        return None, (f"no tuned config written ({type(e).__name__}: {e}); the trials are stored: "
+                      f"`mla-tune emit --db {config.db}` writes it later")
+    return (Path(path) if path else None), ""
+
+
