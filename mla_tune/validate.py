@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from vllm_metax import tuned_config as tc
+from vllm_metax.core import tuned_config as tc
 
 
 class InputError(ValueError):

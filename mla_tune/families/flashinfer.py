@@ -45,7 +45,7 @@ from mla_tune.families.base import Availability, Candidate, CandidateInvalid, Pr
 from mla_tune.problem.defaults import DEFAULT_PAGE_SIZE
 from mla_tune.problem.workload import Workload
 from mla_tune.problem.instance import torch_dtype
-from vllm_metax.choices import KV_CHUNKS, ChoiceError, candidate_choice
+from vllm_metax.core.choices import KV_CHUNKS, ChoiceError, candidate_choice
 
 FAMILY = "flashinfer"
 CHUNKED_BACKENDS = ("fa2", "fa3")     # the backends whose schedule the plugin computes itself
@@ -58,7 +58,7 @@ def _op():
 
 def device_backends():
     """The plugin's FlashInfer backend rule for the visible device."""
-    from vllm_metax.decisions import device_flashinfer_backends
+    from vllm_metax.core.decisions import device_flashinfer_backends
     return device_flashinfer_backends()
 
 

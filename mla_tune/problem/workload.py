@@ -94,7 +94,7 @@ def custom_model(num_heads: int, kv_lora_rank: int = 512, qk_rope_head_dim: int 
                  qk_nope_head_dim: int = 128, rope_scaling_factor: float = 1.0,
                  mscale_all_dim: float = 0.0) -> ModelDims:
     """A model given by its dims rather than a preset name."""
-    from vllm_metax.tuned_config import MAX_HEAD_DIM, MAX_HEADS
+    from vllm_metax.core.tuned_config import MAX_HEAD_DIM, MAX_HEADS
     for label, v, hi in (("num_heads", num_heads, MAX_HEADS), ("kv_lora_rank", kv_lora_rank, MAX_HEAD_DIM),
                          ("qk_rope_head_dim", qk_rope_head_dim, MAX_HEAD_DIM),
                          ("qk_nope_head_dim", qk_nope_head_dim, MAX_HEAD_DIM)):

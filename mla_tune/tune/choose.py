@@ -41,8 +41,8 @@ from typing import Callable, Iterable, Sequence
 from mla_tune.problem.defaults import DEFAULT_PAGE_SIZE, KERNEL_METRIC
 from mla_tune.problem.workload import WorkloadMix
 from mla_tune.store.records import TrialRecord, as_records
-from vllm_metax.decisions import FLASHINFER, TRITON
-from vllm_metax.tuned_config import speedup
+from vllm_metax.core.decisions import FLASHINFER, TRITON
+from vllm_metax.core.tuned_config import speedup
 
 P_THRESHOLD = 0.002
 MIN_RATIO = 1.05
@@ -314,7 +314,7 @@ def family_default(family: str, workload, page_size: int) -> str | None:
 
 def _lookup_context(records: list[TrialRecord]) -> int | None:
     """The plugin's lookup statistic over the lengths a bucket was measured with."""
-    from vllm_metax.decisions import bucket_context
+    from vllm_metax.core.decisions import bucket_context
     wl = records[0].workload if records else None
     return bucket_context(wl.seq_lens) if wl is not None else None
 

@@ -18,7 +18,7 @@ from mla_tune.tune import choose as choosing
 from mla_tune.problem.workload import WorkloadMix
 from mla_tune.store.records import TrialRecord
 from mla_tune.store.selection import CPU_RUN_KIND, TrialFilter, device_key, select_trials
-from vllm_metax import decisions, tuned_config as tc
+from vllm_metax.core import decisions, tuned_config as tc
 
 CPU_NOTE = ("measured with the CPU torch reference (no GPU): the page size exercises the pipeline; "
             "no kernel-family choices, backend order is the schema's listing, not a measurement")
@@ -44,7 +44,7 @@ def pick_device(records: list[TrialRecord], device: str | None = None) -> str:
         return hit[0]
     if len(names) == 1:
         return names[0]
-    from vllm_metax.device import detect_device
+    from vllm_metax.core.device import detect_device
     here = detect_device().name
     hit = [n for n in names if device_key(n) == device_key(here)]
     if hit:

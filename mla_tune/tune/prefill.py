@@ -96,7 +96,7 @@ def run_prefill_sweep(config: PrefillSweepConfig,
     from mla_tune.measure.prefill_trial import measure_prefill
     from mla_tune.store.results import ResultsStore
     from mla_tune.store.selection import CPU_RUN_KIND, GPU_RUN_KIND
-    from vllm_metax.device import detect_device
+    from vllm_metax.core.device import detect_device
     t_start = time.monotonic()
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
     family = config.family or FlashInferPrefillFamily()
@@ -148,7 +148,7 @@ class PrefillVerdict:
     @property
     def bucket_key(self) -> tuple:
         """(causal, query tokens, mean KV tokens per request): the plugin's lookup statistic."""
-        from vllm_metax.decisions import prefill_statistic
+        from vllm_metax.core.decisions import prefill_statistic
         w = self.workload
         return (w.causal, *prefill_statistic(w.query_tokens, w.total_kv_tokens, w.requests))
 
@@ -158,7 +158,7 @@ def choose_prefill(records: list, p_threshold: float | None = None,
     """model key (vllm_metax.tuned_config.ModelDims) -> [PrefillVerdict], from the prefill trials
     of one device (`ResultsStore.records(prefill=True)`); the latest trial per candidate counts."""
     from mla_tune.tune import choose as choosing
-    from vllm_metax.decisions import model_key
+    from vllm_metax.core.decisions import model_key
     p = choosing.P_THRESHOLD if p_threshold is None else p_threshold
     m = choosing.MIN_RATIO if min_ratio is None else min_ratio
     by_workload: dict = {}
@@ -182,7 +182,7 @@ def choose_prefill(records: list, p_threshold: float | None = None,
 def prefill_buckets(verdicts: list) -> list:
     """Verdicts -> the tuned config's prefill buckets (a bucket without a valid candidate, or
     whose chosen backend the schema does not know, is left out: the plugin plans its default)."""
-    from vllm_metax import tuned_config as tc
+    from vllm_metax.core import tuned_config as tc
     out, seen = [], set()
     for pv in verdicts:
         v = pv.verdict

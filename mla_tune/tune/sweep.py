@@ -422,7 +422,7 @@ def _tag_remeasure(config: SweepConfig) -> None:
 
 
 def _device_name(device: str) -> str:
-    from vllm_metax.device import detect_device as detect
+    from vllm_metax.core.device import detect_device as detect
     return detect().name if device.startswith("cuda") else "cpu"
 
 
