@@ -93,7 +93,7 @@ class TunedSplits:
         """The Triton choices of the entry this device's tuned config (read once per process)
         serves for these dims and the user's --block-size (`serving.entry_for`)."""
         if dims is None:
-            return cls(None, "not an MLA model vLLM's config describes")
+            return cls(None, "vLLM's config gives no MLA model dims")
         device_name = device_name or detect_device().name
         cfg = load_tuned_config(device_name)
         if cfg is None:
