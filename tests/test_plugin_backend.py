@@ -323,7 +323,7 @@ def test_values_the_device_does_not_run_plan_the_default_with_one_warning(fb, ba
     # "auto" (the baseline of configs written before the tuner measured the device default) is
     # the default by name; a Blackwell-only value is not served, and the log says so once
     _tuned(tmp_path, monkeypatch, {(1, 64, 1): "auto", (1, 4096, 1): "xqa", (8, 64, 1): "fa2"})
-    with caplog.at_level("WARNING", logger="vllm.vllm_metax.backend.flashinfer_mla"):
+    with caplog.at_level("WARNING", logger="vllm.vllm_metax.backend.plan_choice"):
         builder = ps.make_builder(_config(base_config))
         chosen = [_decode(builder, lens)[0].backend for lens in ([60], [4000], [70] * 8, [60])]
     assert chosen == ["fa3", "fa3", "fa2", "fa3"]

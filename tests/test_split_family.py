@@ -301,7 +301,7 @@ def test_a_tuned_split_bucket_is_served_with_the_steps_block_table_and_scale(spl
 @pytest.mark.vllm
 def test_a_split_kernel_that_fails_its_check_falls_back_to_flashinfer_once(split_builder, caplog):
     fb, ps, vc = split_builder           # the real kernel on a CPU tensor without the interpreter
-    with caplog.at_level(logging.WARNING, logger="vllm.vllm_metax.backend.flashinfer_mla"):
+    with caplog.at_level(logging.WARNING, logger="vllm.vllm_metax.backend.plan_choice"):
         builder = ps.make_builder(vc)        # checked when the builder is made, before any graph
         assert not builder.choice.split_enabled
         md, *_ = _decode(ps, builder, [5, 300, 77])
@@ -318,7 +318,7 @@ def test_a_tuned_pipe_this_server_cannot_run_falls_back_to_flashinfer_with_one_w
     # t32x4 tiles are 32 tokens of one page: a server of 16-token blocks has no such kernel
     fb, ps, vc = _split_builder(monkeypatch, tmp_path, {**SPLIT, "num_splits": 4, "pipe": "t32x4"})
     try:
-        with caplog.at_level(logging.WARNING, logger="vllm.vllm_metax.backend.flashinfer_mla"):
+        with caplog.at_level(logging.WARNING, logger="vllm.vllm_metax.backend.plan_choice"):
             builder = ps.make_builder(vc)
             md, *_ = _decode(ps, builder, [5, 300, 77])
         assert md.backend == "fa3" and not builder.choice.split_enabled

@@ -63,6 +63,7 @@ def split_buckets(entry: ModelEntry) -> int:
 
 
 def describe_dims(dims: ModelDims) -> str:
+    """A model key for people: heads, ranks, dtypes."""
     return (f"{dims.num_heads} heads, kv_lora_rank {dims.kv_lora_rank}, rope {dims.qk_rope_head_dim}, "
             f"{dims.q_dtype}/{dims.kv_dtype}")
 
