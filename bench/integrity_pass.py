@@ -388,7 +388,7 @@ def kind_merge(t: Tally, w: Path, cpu_db: Path):
 # ---------------------------------------------------------------- kind 5: config files
 
 def kind_configs(t: Tally, w: Path, cpu_db: Path):
-    from vllm_metax import tuned_config as tc
+    from vllm_metax.core import tuned_config as tc
     d = w / "configs"
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir()

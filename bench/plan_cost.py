@@ -76,7 +76,7 @@ def _time(fn, n: int, warmup: int = 5, sync: bool = True) -> dict:
 
 
 def _write_tuned_config(folder: Path, device_name: str, heads: tuple) -> None:
-    from vllm_metax import tuned_config as tc
+    from vllm_metax.core import tuned_config as tc
 
     models = []
     for h in heads:
@@ -91,13 +91,13 @@ def _write_tuned_config(folder: Path, device_name: str, heads: tuple) -> None:
 
 
 def measure_lookup() -> dict:
-    from vllm_metax import decisions, tuned_config as tc
-    from vllm_metax.backend.flashinfer_mla import PlanChoice
+    from vllm_metax.backend.plan_choice import PlanChoice
+    from vllm_metax.core import decisions, serving, tuned_config as tc
 
     with tempfile.TemporaryDirectory() as d:
         _write_tuned_config(Path(d), "bench", (16,))
         cfg = tc.read_tuned_config(Path(d) / tc.config_filename("bench"))
-    choice = PlanChoice(cfg.entry_for(tc.ModelDims(16, 512, 64)),
+    choice = PlanChoice(serving.entry_for(cfg, tc.ModelDims(16, 512, 64)).entry,
                         decisions.flashinfer_backends(False, (9, 0)))
     args = [(b, c) for b in (1, 3, 32, 100, 128) for c in (70, 1000, 4096, 5000, 60000)]
     n = 20000
@@ -274,7 +274,7 @@ def main() -> int:
     if torch.cuda.is_available():
         os.environ.setdefault("VLLM_METAX_FORCE", "1")
         import plugin_support as ps
-        from vllm_metax.device import detect_device
+        from vllm_metax.core.device import detect_device
 
         folder = Path(tempfile.mkdtemp(prefix="plan-cost-"))
         _write_tuned_config(folder, detect_device().name, HEADS)

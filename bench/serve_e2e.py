@@ -191,7 +191,7 @@ def run_engine(name: str, model_dir: Path, out_json: Path) -> None:
         write_fa2_config(folder)
         os.environ["VLLM_METAX_MLA_CONFIG_FOLDER"] = str(folder)
     elif tuned == "shipped":
-        from vllm_metax import tuned_config as tc
+        from vllm_metax.core import tuned_config as tc
         os.environ.pop(tc.FOLDER_ENV, None)      # the packaged folder, nothing else
         record["config_folder"] = str(tc.PACKAGED_FOLDER)
     if small_ws:
@@ -254,8 +254,8 @@ def run_engine(name: str, model_dir: Path, out_json: Path) -> None:
 
 def write_fa2_config(folder: Path) -> None:
     """A tuned config for this model on this device that names fa2 everywhere and page 32."""
-    from vllm_metax import tuned_config as tc
-    from vllm_metax.device import detect_device
+    from vllm_metax.core import tuned_config as tc
+    from vllm_metax.core.device import detect_device
 
     dims = tc.ModelDims(CONFIG["num_attention_heads"], CONFIG["kv_lora_rank"],
                         CONFIG["qk_rope_head_dim"])

@@ -80,8 +80,8 @@ def served_candidate(choice, page_size: int, workload):
     """The candidate the plugin plans for this batch: the split kernel where PlanChoice.split_for
     serves it, else PlanChoice.step, on its real lengths."""
     from mla_tune.families.base import Candidate
-    from vllm_metax import decisions
-    from vllm_metax.tuned_config import KV_CHUNKS
+    from vllm_metax.core import decisions
+    from vllm_metax.core.tuned_config import KV_CHUNKS
     context = decisions.bucket_context(workload.seq_lens)
     split = choice.split_for(workload.batch_size, context, workload.q_len)
     if split is not None:
@@ -106,9 +106,9 @@ def measure_all(args) -> dict:
     from mla_tune.measure.timing import default_pool_bytes
     from mla_tune.measure.trial import MeasureSettings, measure_interleaved
     from mla_tune.problem.roofline import measure_ceilings, workload_bytes
-    from vllm_metax import decisions
-    from vllm_metax.backend.flashinfer_mla import PlanChoice
-    from vllm_metax.tuned_config import read_tuned_config
+    from vllm_metax.backend.plan_choice import PlanChoice
+    from vllm_metax.core import decisions, serving
+    from vllm_metax.core.tuned_config import read_tuned_config
 
     env = capture_environment("gpu", " ".join(sys.argv))
     cfg = read_tuned_config(args.config)
@@ -134,7 +134,7 @@ def measure_all(args) -> dict:
             doc["skipped"].append(w.label())
             continue
         dims = decisions.model_key(w.num_heads, w.kv_lora_rank, w.qk_rope_head_dim, w.q_dtype, w.kv_dtype)
-        entry = cfg.entry_for(dims)
+        entry = serving.entry_for(cfg, dims).entry
         page = entry.page_size if entry is not None else DEFAULT_PAGE_SIZE
         tuned = served_candidate(PlanChoice(entry, fb), page, w)
         entries = [(by_family.get(tuned.family, tuned_fi), tuned),

@@ -3,7 +3,7 @@
 The CLI declares the same ranges to typer (`**INT["batch"].typer`, `click.Path`), so a bad flag is
 refused before anything runs; the library checks again at its boundary (`check_int("batch", v)`),
 so a caller that skips the CLI gets the same one-line error. The tuned-config bounds (page sizes,
-bucket dims, FlashInfer backends) are the schema's, `vllm_metax.tuned_config`, so the tuner never
+bucket dims, FlashInfer backends) are the schema's, `vllm_metax.core.tuned_config`, so the tuner never
 measures or writes what the plugin would refuse to read.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from vllm_metax import tuned_config as tc
+from vllm_metax.core import tuned_config as tc
 
 
 class InputError(ValueError):

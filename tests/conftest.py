@@ -29,9 +29,11 @@ def pytest_collection_modifyitems(config, items):
 def _no_shipped_tuned_configs(tmp_path_factory, monkeypatch):
     """Tests never read the configs/ this repository ships (the H200 one among them): a test that
     wants a tuned config writes its own. Subprocesses get the same through the environment."""
-    from vllm_metax import tuned_config as tc
+    from vllm_metax.core import tuned_config as tc
+    from vllm_metax.core.tuned_config import discovery
     empty = tmp_path_factory.mktemp("no-packaged-configs")
-    monkeypatch.setattr(tc, "PACKAGED_FOLDER", empty)
+    monkeypatch.setattr(discovery, "PACKAGED_FOLDER", empty)    # where the plugin searches
+    monkeypatch.setattr(tc, "PACKAGED_FOLDER", empty)           # what readers see (mla_tune.validate)
     monkeypatch.setenv(tc.PACKAGED_ENV, str(empty))
     tc.clear_cache()
     yield
@@ -40,7 +42,7 @@ def _no_shipped_tuned_configs(tmp_path_factory, monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _plugin_records_reach_caplog(monkeypatch):
-    """The plugin logs under vLLM's `vllm` logger (vllm_metax.log). Some vLLM entry points a test
+    """The plugin logs under vLLM's `vllm` logger (vllm_metax.core.log). Some vLLM entry points a test
     calls apply vLLM's logging config, which turns that logger's propagation off for the rest of
     the process; caplog listens at the root, so every test starts with it on again."""
     import logging

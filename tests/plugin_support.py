@@ -53,7 +53,7 @@ def ensure_metax_platform():
     vLLM resolves `current_platform` once per process; when another test resolved it first
     (without the force variable), swap the instance everywhere it was imported by name.
     """
-    from vllm_metax.device import FORCE_ENV
+    from vllm_metax.core.device import FORCE_ENV
     import vllm.platforms as vp
 
     from vllm_metax.platform import MetaxPlatform
@@ -187,12 +187,13 @@ def install_recording_plugin(monkeypatch, device, *more_modules):
     import vllm_metax.backend as backend_pkg
     import vllm_metax.backend.flashinfer_mla as fb
     import vllm_metax.platform as P
+    from vllm_metax.core import device as device_mod
 
     ensure_metax_platform()
     RecordingKernel.instances.clear()
     monkeypatch.setattr(fb, "MLADecodeKernel", RecordingKernel)
     monkeypatch.setattr(fb, "shared_workspace", lambda device: torch.empty(16, dtype=torch.uint8))
-    for mod in (backend_pkg, P, *more_modules):
+    for mod in (device_mod, backend_pkg, P, *more_modules):
         monkeypatch.setattr(mod, "detect_device", lambda: device)
     return fb
 
@@ -251,8 +252,8 @@ def engine_core_probe(vllm_config, queue) -> None:
     which platform resolves there, and which tuned config and entry it serves."""
     import vllm.platforms as vp
 
-    from vllm_metax import tuned_config as tc
-    from vllm_metax.device import detect_device
+    from vllm_metax.core import tuned_config as tc
+    from vllm_metax.core.device import detect_device
 
     platform = vp.current_platform
     cfg = tc.load_tuned_config(detect_device().name)

@@ -24,7 +24,7 @@ from cli_support import one_line, run_main
 from mla_tune.tune.emit import emit_config
 from mla_tune.store.results import ResultsStore
 from results_fixture import H200, build_fixture_db
-from vllm_metax import tuned_config as tc
+from vllm_metax.core import tuned_config as tc
 
 NUMBERS_BAD = ["0", "-1", "nan", "inf", "-inf", "1e400", "9" * 5000, "", "x", "1.5"]
 

@@ -1,6 +1,6 @@
-"""One definition of each family's knobs (vllm_metax.choices): the tuner's candidate check, bench,
+"""One definition of each family's knobs (vllm_metax.core.choices): the tuner's candidate check, bench,
 the tuned-config reader and the plugin's typed choices agree, and the split kernel's facts are
-the kernel's own (vllm_metax.ops.split_facts), not restated."""
+the kernel's own (vllm_metax.core.split_facts), not restated."""
 
 import ast
 from pathlib import Path
@@ -10,9 +10,9 @@ import pytest
 from mla_tune.families import Candidate, check_candidate
 from mla_tune.tune.bench import parse_candidates
 from mla_tune.validate import InputError
-from vllm_metax import choices, decisions
-from vllm_metax import tuned_config as tc
-from vllm_metax.ops import split_facts
+from vllm_metax.core import choices, decisions
+from vllm_metax.core import tuned_config as tc
+from vllm_metax.core import split_facts
 
 ROOT = Path(__file__).resolve().parent.parent
 

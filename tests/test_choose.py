@@ -177,7 +177,7 @@ def test_latest_trial_wins(db):
 def test_default_named_by_backend_when_unmarked(db, monkeypatch):
     # rows written without the is_default mark (older DBs, `mla-tune bench` on the GPU host): the
     # family names its default, for FlashInfer what the plugin plans untuned on this device
-    from vllm_metax import device as device_mod
+    from vllm_metax.core import device as device_mod
     monkeypatch.setattr(device_mod, "detect_device",
                         lambda: device_mod.DeviceInfo("NVIDIA H200", "torch", False, 132, (9, 0)))
     w = workload_for(V3, 8, 1, 1024)
@@ -223,7 +223,7 @@ def test_trials_rows_and_records_choose_alike(db):
 def test_a_split_pipe_that_wins_is_what_the_config_serves(db, tmp_path):
     # the split family's pipe knob, stored, chosen, emitted and read back as the plugin reads it
     from mla_tune.tune.emit import build_tuned_config
-    from vllm_metax import decisions, tuned_config as tc
+    from vllm_metax.core import decisions, tuned_config as tc
     db.put(1, 8192, "flashinfer/fa3/p64", 26.0, default=True)
     db.put(1, 8192, "split/triton/p64/num_splits=128,partial=bfloat16", 16.4, default=True)
     db.put(1, 8192, "split/triton/p64/num_splits=64,partial=bfloat16", 19.0)

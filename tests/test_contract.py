@@ -26,9 +26,9 @@ from mla_tune.families.base import Candidate
 from mla_tune.tune.emit import emit_config
 from mla_tune.problem.workload import custom_model, workload_for
 from mla_tune.store.results import ResultsStore
-from vllm_metax import decisions
-from vllm_metax import tuned_config as tc
-from vllm_metax.device import DeviceInfo
+from vllm_metax.core import decisions
+from vllm_metax.core import tuned_config as tc
+from vllm_metax.core.device import DeviceInfo
 from vllm_metax.ops import split_decode
 
 pytestmark = pytest.mark.vllm
@@ -293,8 +293,8 @@ def test_the_tuner_measures_what_the_plugin_may_plan_and_its_untuned_default(dev
     import flashinfer_fakes as fakes
     import vllm_metax.backend as backend_pkg
     from mla_tune.families.flashinfer import FlashInferFamily
-    from vllm_metax import device as device_mod
-    from vllm_metax.backend.flashinfer_mla import PlanChoice
+    from vllm_metax.core import device as device_mod
+    from vllm_metax.backend.plan_choice import PlanChoice
     from vllm_metax.ops import flashinfer_mla as op
 
     fakes.install(monkeypatch, fakes.keyword_module(op.KNOWN_BACKENDS))   # accepts every value
@@ -303,7 +303,7 @@ def test_the_tuner_measures_what_the_plugin_may_plan_and_its_untuned_default(dev
     wl = workload_for(custom_model(16), 1, 4, 1024)
     tuner = FlashInferFamily()
     measured = {c.backend for c in tuner.space(wl, [64])}
-    served = PlanChoice(None, backend_pkg.flashinfer_backends())
+    served = PlanChoice(None, decisions.device_flashinfer_backends())
     assert measured == set(served.allowed) and decisions.AUTO not in measured
     assert tuner.default_candidate(wl).backend == served.for_step(4, 1024) == served.default
     assert served.default == ("fa3" if dev is H200 else "fa2")

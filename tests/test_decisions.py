@@ -1,4 +1,4 @@
-"""vllm_metax.decisions: the one place the tuner and the plugin take their shared decisions from."""
+"""vllm_metax.core.decisions: the one place the tuner and the plugin take their shared decisions from."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_metax import decisions as d
-from vllm_metax import tuned_config as tc
+from vllm_metax.core import decisions as d
+from vllm_metax.core import tuned_config as tc
 
 
 # ---------------------------------------------------------------- FlashInfer backend values
@@ -119,7 +119,7 @@ def test_the_shipped_h200_config_reads_into_typed_choices():
 
 
 def test_import_is_cheap():
-    code = ("import sys, vllm_metax.decisions; "
+    code = ("import sys, vllm_metax.core.decisions; "
             "print(sorted(m for m in ('torch', 'optuna', 'typer', 'rich', 'sqlite3', 'vllm', "
             "'numpy', 'mla_tune') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

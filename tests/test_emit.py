@@ -16,8 +16,8 @@ from mla_tune.store.selection import SelectionError, TrialFilter
 from mla_tune.problem.roofline import workload_bytes, workload_flops
 from mla_tune.store.results import ResultsStore
 from results_fixture import BATCHES, CONTEXTS, H200, METAX, MODEL, TP, build_fixture_db
-from vllm_metax import device as vdevice
-from vllm_metax import tuned_config as tc
+from vllm_metax.core import device as vdevice
+from vllm_metax.core import tuned_config as tc
 
 runner = CliRunner(env={"COLUMNS": "200"})
 

@@ -10,7 +10,7 @@ from mla_tune.measure.trial import MeasureSettings, measure
 from mla_tune.problem.workload import custom_model, workload_for
 from mla_tune.problem.instance import make_problem
 from tests import flashinfer_fakes as fakes
-from vllm_metax import device as device_mod
+from vllm_metax.core import device as device_mod
 from vllm_metax.ops import flashinfer_mla as op
 
 

@@ -9,7 +9,7 @@ import torch
 
 from mla_tune.families import Candidate, check_candidate, get_family
 from mla_tune.problem.workload import model_preset, workload_for
-from vllm_metax import tuned_config as tc
+from vllm_metax.core import tuned_config as tc
 from vllm_metax.ops import flashmla as op
 
 V3 = model_preset("deepseek-v3")

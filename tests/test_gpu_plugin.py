@@ -18,7 +18,7 @@ import torch
 
 import plugin_support as ps
 from mla_tune.problem.reference import mla_decode_reference, relative_error
-from vllm_metax import decisions, tuned_config as tc
+from vllm_metax.core import decisions, tuned_config as tc
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
@@ -172,7 +172,7 @@ def test_vllm_selects_flashinfer_mla_here(model_root):
     from vllm.platforms import current_platform
     from vllm.v1.attention.selector import AttentionSelectorConfig
 
-    from vllm_metax import FLASHINFER_MLA_CLASS
+    from vllm_metax.platform import FLASHINFER_MLA_CLASS
     from vllm_metax.platform import MetaxPlatform
 
     assert isinstance(current_platform, MetaxPlatform)

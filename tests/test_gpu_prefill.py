@@ -29,7 +29,7 @@ def _backend(value):
     b = FlashInferMLAPrefillBackend(num_heads=HEADS, scale=scale(), kv_lora_rank=KV_LORA,
                                     qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE,
                                     v_head_dim=V_DIM, vllm_config=None)
-    from vllm_metax import decisions
+    from vllm_metax.core import decisions
     b.backends = decisions.FlashInferBackends((value,), value)     # plan this value only
     return b
 
@@ -102,7 +102,7 @@ def test_every_prefill_family_candidate_matches_the_reference(causal, q, kv, n):
     from mla_tune.measure.prefill_trial import measure_prefill
     from mla_tune.measure.trial import MeasureSettings
     from mla_tune.problem.prefill import PrefillWorkload
-    from vllm_metax.decisions import device_prefill_backends
+    from vllm_metax.core.decisions import device_prefill_backends
     fam = FlashInferPrefillFamily()
     w = PrefillWorkload(HEADS, KV_LORA, ROPE, scale(), causal, q, kv, n)
     space = fam.space(w)
@@ -120,9 +120,9 @@ def test_the_plugin_plans_the_tuned_prefill_backend_with_real_flashinfer(tmp_pat
     _prefill_here()
     import os
     import plugin_support as ps
-    from vllm_metax import decisions, tuned_config as tc
+    from vllm_metax.core import decisions, tuned_config as tc
     from vllm_metax.backend.flashinfer_prefill import FlashInferMLAPrefillBackend
-    from vllm_metax.device import detect_device
+    from vllm_metax.core.device import detect_device
     os.environ.setdefault("VLLM_METAX_FORCE", "1")
     dev = detect_device()
     here = decisions.prefill_backends(dev.is_metax, dev.capability)

@@ -20,7 +20,7 @@ from mla_tune.families import Candidate, get_family
 from mla_tune.problem.instance import make_problem
 from mla_tune.problem.reference import mla_decode_reference, relative_error
 from mla_tune.problem.workload import Workload
-from vllm_metax import decisions, tuned_config as tc
+from vllm_metax.core import decisions, tuned_config as tc
 from vllm_metax.ops import split_decode as op
 
 pytestmark = [pytest.mark.gpu]
@@ -94,7 +94,7 @@ def _config(base, cudagraph=False):
 
 
 def _builder(vc, split_params):
-    from vllm_metax.backend.flashinfer_mla import PlanChoice
+    from vllm_metax.backend.plan_choice import PlanChoice
     builder = ps.make_builder(vc, device=DEVICE)
     builder.choice = PlanChoice(_entry(split_params), decisions.FlashInferBackends(("fa3", "fa2"), "fa3"))
     return builder

@@ -13,13 +13,17 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # mla_tune's layers, lowest first: a module may import its own layer and the ones before it.
 MLA_TUNE_LAYERS = ["validate", "faults", "problem", "kernels", "families", "measure", "store", "tune", "views", "cli"]
-# vllm_metax: the vllm-free, stdlib-only base; the vllm-free kernel path; the vLLM glue.
-VLLM_FREE = ["vllm_metax.tuned_config", "vllm_metax.choices", "vllm_metax.decisions", "vllm_metax.device", "vllm_metax.log",
-             "vllm_metax.distribution", "vllm_metax.ops"]
-# cheap to import (the plugin reads its config at start-up): the standard library only at module level
-STDLIB_ONLY = ["vllm_metax.tuned_config", "vllm_metax.choices", "vllm_metax.ops.split_facts",
-               "vllm_metax.decisions", "vllm_metax.device", "vllm_metax.log",
-               "vllm_metax.distribution"]
+# vllm_metax, by folder (a new module is checked by the rules of the folder it lands in):
+# core/ is vllm-free and cheap to import (the plugin reads its config at start-up, `import
+# vllm_metax` registers it): the standard library only at module level, nothing of the plugin
+# outside core/; ops/ is the vllm-free kernel path (torch, triton, FlashInfer): it imports core/
+# and ops/ only; the rest (the package's entry points, platform.py, worker.py, kernels.py,
+# backend/) is the vLLM glue.
+VLLM_FREE = ["vllm_metax.core", "vllm_metax.ops"]
+STDLIB_ONLY = ["vllm_metax.core"]
+# vllm_metax's size limits: a module holds one idea, a function one step
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 80
 
 
 def _modules(package: str) -> dict[str, Path]:
@@ -115,18 +119,95 @@ def test_plugin_never_imports_the_tuner(name):
 @pytest.mark.parametrize("name", sorted(m for m in PLUGIN if _under(m, VLLM_FREE)))
 def test_vllm_free_plugin_modules(name):
     bad = [f"line {line}: {mod}" for line, mod in _imports(name, PLUGIN[name])
-           if _under(mod, ["vllm"]) or (_under(mod, ["vllm_metax"]) and not _under(mod, VLLM_FREE)
-                                        and mod != "vllm_metax")]
+           if _under(mod, ["vllm"]) or (_under(mod, ["vllm_metax"]) and not _under(mod, VLLM_FREE))]
     assert not bad, f"{name} must stay vllm-free (and import only vllm-free modules): {bad}"
 
 
-@pytest.mark.parametrize("name", STDLIB_ONLY)
+@pytest.mark.parametrize("name", sorted(m for m in PLUGIN if _under(m, STDLIB_ONLY)))
 def test_stdlib_only_plugin_modules(name):
     bad = [f"line {line}: {mod}" for line, mod in _imports(name, PLUGIN[name], top_only=True)
            if mod.split(".")[0] not in sys.stdlib_module_names and mod != "__future__"
            and not _under(mod, STDLIB_ONLY)]
     assert not bad, f"{name} must import the standard library only: {bad}"
 
+
+
+def _import_cycles(modules: dict[str, Path]) -> list[list[str]]:
+    """Every cycle of imports among `modules` (the lazy ones inside functions included), each as
+    one strongly connected group of modules (Tarjan), sorted."""
+    graph = {m: sorted({mod for _, mod in _imports(m, path) if mod in modules and mod != m})
+             for m, path in modules.items()}
+    index: dict = {}
+    low: dict = {}
+    stack: list = []
+    on_stack: set = set()
+    out = []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for m in sorted(graph):
+        if m not in index:
+            visit(m)
+    return sorted(out)
+
+
+def test_no_import_cycle_in_the_plugin():
+    """No vllm_metax module imports, directly or through others, one that imports it back
+    (a package and its own modules included; lazy imports count)."""
+    cycles = _import_cycles(PLUGIN)
+    assert not cycles, "import cycles in vllm_metax: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def _oversized(path: Path, max_lines: int, max_function_lines: int) -> list[str]:
+    """What in one file is longer than the limits: the file, or any function (methods, nested
+    functions and Triton kernels included; a function's lines run from `def` to its last line)."""
+    text = path.read_text()
+    out = []
+    if len(text.splitlines()) > max_lines:
+        out.append(f"{len(text.splitlines())} lines (at most {max_lines})")
+    for node in ast.walk(ast.parse(text, str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            n = node.end_lineno - node.lineno + 1
+            if n > max_function_lines:
+                out.append(f"{node.name} (line {node.lineno}): {n} lines (at most {max_function_lines})")
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(PLUGIN))
+def test_plugin_module_and_function_sizes(name):
+    big = _oversized(PLUGIN[name], MAX_MODULE_LINES, MAX_FUNCTION_LINES)
+    assert not big, f"{name}: {big}"
+
+
+def test_the_plugin_checkers_see_a_cycle_and_a_long_function(tmp_path):
+    """The checks themselves can fail: a lazy import back inside one folder, an 81-line function."""
+    (tmp_path / "a.py").write_text("from pkg import b\n")
+    (tmp_path / "b.py").write_text("def f():\n    from pkg.a import x\n")
+    (tmp_path / "c.py").write_text("from pkg import a\n")
+    mods = {f"pkg.{n}": tmp_path / f"{n}.py" for n in "abc"}
+    assert _import_cycles(mods) == [["pkg.a", "pkg.b"]]
+    (tmp_path / "long.py").write_text("def f():\n" + "    x = 1\n" * 80)
+    assert _oversized(tmp_path / "long.py", 500, 80) == ["f (line 1): 81 lines (at most 80)"]
+    assert _oversized(tmp_path / "long.py", 80, 81) == ["81 lines (at most 80)"]
 
 def test_the_checker_sees_an_upward_import(tmp_path):
     """The check itself can fail: a lazy import of the CLI inside a problem-layer function."""

@@ -21,7 +21,7 @@ def stored_workload(row):
     return StoredWorkload.from_row(row).problem
 from mla_tune.tune.buckets import resolve_lengths
 from mla_tune.tune.sweep_flags import build_config
-from vllm_metax.decisions import bucket_context
+from vllm_metax.core.decisions import bucket_context
 
 V3 = model_preset("deepseek-v3")
 DATA = Path(__file__).resolve().parent / "data"
@@ -142,7 +142,7 @@ def test_cli_sweeps_a_trace_and_refuses_bad_files_without_writing(tmp_path):
 
 def test_emit_merges_ragged_buckets_by_mean_length_and_the_ragged_one_wins(tmp_path):
     from mla_tune.tune.emit import emit_config
-    from vllm_metax import tuned_config as tc
+    from vllm_metax.core import tuned_config as tc
     pattern = [1.00, 1.01, 0.99, 1.02, 0.98, 1.00, 1.03, 0.995, 1.005, 1.01, 0.99, 1.0]
 
     def put(s, run, w, key, us, default=False):

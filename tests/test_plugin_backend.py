@@ -15,8 +15,8 @@ import torch
 
 import plugin_support as ps
 from mla_tune.problem.reference import mla_decode_reference, relative_error
-from vllm_metax import tuned_config as tc
-from vllm_metax.device import DeviceInfo
+from vllm_metax.core import tuned_config as tc
+from vllm_metax.core.device import DeviceInfo
 
 pytestmark = pytest.mark.vllm
 
@@ -289,7 +289,8 @@ def test_kv_chunk_of_a_backend_the_device_does_not_serve_is_not_applied(fb, base
                                                                        monkeypatch):
     import vllm_metax.backend as backend_pkg
     import vllm_metax.platform as P
-    for mod in (backend_pkg, P):
+    from vllm_metax.core import device as device_mod
+    for mod in (device_mod, backend_pkg, P):
         monkeypatch.setattr(mod, "detect_device", lambda: METAX)
     _tuned(tmp_path, monkeypatch, {(1, 64, 1): {"backend": "fa3", "kv_chunk": "x0.25"},
                                    (1, 4096, 1): {"backend": "fa2", "kv_chunk": "x2"}}, device=METAX.name)
@@ -303,10 +304,12 @@ def test_kv_chunk_of_a_backend_the_device_does_not_serve_is_not_applied(fb, base
 def test_simulated_metax_keeps_fa3_out(fb, base_config, tmp_path, monkeypatch):
     import vllm_metax.backend as backend_pkg
     import vllm_metax.platform as P
+    from vllm_metax.core import decisions, device as device_mod
 
-    for mod in (backend_pkg, P):
+    for mod in (device_mod, backend_pkg, P):
         monkeypatch.setattr(mod, "detect_device", lambda: METAX)
-    assert backend_pkg.device_backends() == (("fa2",), "fa2")
+    fb_values = decisions.device_flashinfer_backends()
+    assert (fb_values.allowed, fb_values.default) == (("fa2",), "fa2")
     _tuned(tmp_path, monkeypatch, {(1, 64, 1): "fa3", (8, 4096, 1): "fa3"}, device=METAX.name)
     builder = ps.make_builder(_config(base_config))
     assert builder.choice.entry is not None          # MetaX_C500.json was found and read
@@ -320,7 +323,7 @@ def test_values_the_device_does_not_run_plan_the_default_with_one_warning(fb, ba
     # "auto" (the baseline of configs written before the tuner measured the device default) is
     # the default by name; a Blackwell-only value is not served, and the log says so once
     _tuned(tmp_path, monkeypatch, {(1, 64, 1): "auto", (1, 4096, 1): "xqa", (8, 64, 1): "fa2"})
-    with caplog.at_level("WARNING", logger="vllm.vllm_metax.backend.flashinfer_mla"):
+    with caplog.at_level("WARNING", logger="vllm.vllm_metax.backend.plan_choice"):
         builder = ps.make_builder(_config(base_config))
         chosen = [_decode(builder, lens)[0].backend for lens in ([60], [4000], [70] * 8, [60])]
     assert chosen == ["fa3", "fa3", "fa2", "fa3"]
@@ -437,7 +440,7 @@ def test_through_the_real_op_with_a_fake_flashinfer(fb, base_config, monkeypatch
 
 
 def test_mla_backend_order():
-    from vllm_metax.backend import DEFAULT_MLA_ORDER, mla_backend_order
+    from vllm_metax.core.serving import DEFAULT_MLA_ORDER, mla_backend_order
 
     assert mla_backend_order(None) == (list(DEFAULT_MLA_ORDER), "default MLA order")
     order, why = mla_backend_order(["TRITON_MLA"])

@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 
 import flashinfer_fakes
 from mla_tune.cli import app
-from vllm_metax import device as device_mod
-from vllm_metax import tuned_config as tc
+from vllm_metax.core import device as device_mod
+from vllm_metax.core import tuned_config as tc
 
 runner = CliRunner()
 _detect_device = device_mod.detect_device

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 import vllm_metax
-from vllm_metax import device as device_mod
-from vllm_metax import tuned_config as tc
+from vllm_metax.core import device as device_mod
+from vllm_metax.core import tuned_config as tc
 
 ROOT = Path(__file__).resolve().parents[1]
 _detect_device = device_mod.detect_device       # the cached original (tests may patch the name)
@@ -67,7 +67,7 @@ def test_entry_points_declared_and_importable():
 
 
 def test_import_is_cheap():
-    code = ("import sys, vllm_metax, vllm_metax.tuned_config, vllm_metax.device\n"
+    code = ("import sys, vllm_metax, vllm_metax.core.tuned_config, vllm_metax.core.device\n"
             "heavy = [m for m in ('vllm', 'torch', 'flashinfer', 'optuna', 'typer', 'rich', "
             "'sqlite_utils') if m in sys.modules]\n"
             "print(','.join(heavy))")
@@ -102,8 +102,9 @@ def test_simulated_metax_host_activates_unforced_and_finds_its_config(metax_host
     assert (dev.name, dev.source, dev.is_metax) == ("MetaX C500", "pymxsml", True)
     assert vllm_metax.register() == "vllm_metax.platform.MetaxPlatform"
     assert "MetaX C500" in vllm_metax.should_activate()[1]
-    from vllm_metax.backend import device_backends
-    assert device_backends() == (("fa2",), "fa2")      # MetaX's FlashInfer: fa3 is no choice
+    from vllm_metax.core.decisions import device_flashinfer_backends
+    fb = device_flashinfer_backends()
+    assert (fb.allowed, fb.default) == (("fa2",), "fa2")      # MetaX's FlashInfer: fa3 is no choice
 
     entry = tc.ModelEntry(tc.ModelDims(16, 512, 64), 32, ["FLASHINFER_MLA"],
                           [tc.Bucket(8, 4096, 1, {"flashinfer": tc.FamilyChoice({"backend": "fa2"})}, "flashinfer")])
@@ -166,7 +167,8 @@ def test_current_platform_is_the_plugin_under_the_force_variable():
     got = _resolve_in_fresh_process({device_mod.FORCE_ENV: "1"})
     assert got["platform"] == "vllm_metax.platform.MetaxPlatform"
     assert got["cuda_alike"] is True
-    assert got["flashinfer_mla"] == vllm_metax.FLASHINFER_MLA_CLASS
+    from vllm_metax.platform import FLASHINFER_MLA_CLASS
+    assert got["flashinfer_mla"] == FLASHINFER_MLA_CLASS
 
 
 @pytest.mark.vllm
@@ -187,4 +189,5 @@ def test_current_platform_on_a_simulated_metax_host(tmp_path):
     got = _resolve_in_fresh_process({}, tmp_path)
     assert got["platform"] == "vllm_metax.platform.MetaxPlatform"
     assert got["device"] == "MetaX C500"
-    assert got["flashinfer_mla"] == vllm_metax.FLASHINFER_MLA_CLASS
+    from vllm_metax.platform import FLASHINFER_MLA_CLASS
+    assert got["flashinfer_mla"] == FLASHINFER_MLA_CLASS

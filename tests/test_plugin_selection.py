@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import plugin_support as ps
-from vllm_metax import FLASHINFER_MLA_CLASS, TRITON_MLA_CLASS
-from vllm_metax import tuned_config as tc
-from vllm_metax.device import FORCE_ENV, DeviceInfo
+from vllm_metax.platform import FLASHINFER_MLA_CLASS, TRITON_MLA_CLASS
+from vllm_metax.core import tuned_config as tc
+from vllm_metax.core.device import FORCE_ENV, DeviceInfo
 
 pytestmark = pytest.mark.vllm
 
@@ -30,10 +30,11 @@ def platform(monkeypatch):
     import vllm_metax.backend.flashinfer_mla as fb
     import vllm_metax.platform as P
     from vllm.platforms.interface import DeviceCapability
+    from vllm_metax.core import device as device_mod
 
     ps.ensure_metax_platform()
-    monkeypatch.setattr(P, "detect_device", lambda: H200)
-    monkeypatch.setattr(backend_pkg, "detect_device", lambda: H200)
+    for mod in (device_mod, backend_pkg, P):
+        monkeypatch.setattr(mod, "detect_device", lambda: H200)
     monkeypatch.setattr(P, "_device_capability", lambda device_id: DeviceCapability(9, 0))
     monkeypatch.setattr(fb, "flashinfer_available", lambda: (True, "stand-in"))
     monkeypatch.delenv(tc.FOLDER_ENV, raising=False)

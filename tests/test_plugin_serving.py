@@ -15,7 +15,7 @@ import torch
 import plugin_support as ps
 from prefill_support import (HEADS, KV_LORA, NOPE, ROPE, V_DIM, RecordingRaggedWrapper,
                              prefill_metadata, ragged, reference, scale)
-from vllm_metax.device import DeviceInfo
+from vllm_metax.core.device import DeviceInfo
 
 pytestmark = pytest.mark.vllm
 
@@ -36,12 +36,13 @@ def gpu(monkeypatch):
     import vllm_metax.backend as backend_pkg
     import vllm_metax.platform as P
     from vllm.platforms.interface import DeviceCapability
+    from vllm_metax.core import device as device_mod
 
     ps.ensure_metax_platform()
 
     def pretend(dev: DeviceInfo):
-        monkeypatch.setattr(P, "detect_device", lambda: dev)
-        monkeypatch.setattr(backend_pkg, "detect_device", lambda: dev)
+        for mod in (device_mod, backend_pkg, P):
+            monkeypatch.setattr(mod, "detect_device", lambda: dev)
         monkeypatch.setattr(P, "_device_capability", lambda device_id: DeviceCapability(*dev.capability))
         return P.MetaxPlatform
 
@@ -358,7 +359,7 @@ class _Dist:
 
 def test_the_vendor_plugin_owning_vllm_metax_is_detected():
     from importlib.metadata import EntryPoint
-    from vllm_metax.distribution import clash_message, other_owners
+    from vllm_metax.core.distribution import clash_message, other_owners
     vendor = _Dist("vllm-metax", top=["vllm_metax"],
                    eps=[EntryPoint("metax", "vllm_metax:register", "vllm.platform_plugins")])
     ours = _Dist("mla-tune", top=["mla_tune", "vllm_metax"])
@@ -377,7 +378,7 @@ def test_the_vendor_plugin_owning_vllm_metax_is_detected():
 
 def test_doctor_and_register_say_so_in_one_line(monkeypatch, caplog):
     import vllm_metax
-    import vllm_metax.distribution as dist
+    import vllm_metax.core.distribution as dist
     from mla_tune.views.doctor import diagnose
     monkeypatch.setattr(dist, "other_owners", lambda distributions=None: ["vllm-metax 0.11.2"])
     checks = {c.what: c for c in diagnose().checks}

@@ -21,8 +21,8 @@ from mla_tune.problem.prefill import (PrefillWorkload, check_rows, make_prefill_
 from mla_tune.problem.workload import ProblemError, custom_model, model_preset, workload_for
 from mla_tune.store.results import ResultsStore
 from prefill_support import RecordingRaggedWrapper, reference
-from vllm_metax import decisions, tuned_config as tc
-from vllm_metax.device import DeviceInfo
+from vllm_metax.core import decisions, tuned_config as tc
+from vllm_metax.core.device import DeviceInfo
 
 DEVICE = "NVIDIA H200"
 H200 = DeviceInfo(DEVICE, "torch", False, 132, (9, 0))
@@ -252,6 +252,7 @@ def test_what_emit_writes_is_what_the_plugin_plans(tmp_path, monkeypatch):
     import vllm_metax.ops.flashinfer_prefill as op
     import vllm_metax.platform as P
     from mla_tune.tune.emit import emit_config
+    from vllm_metax.core import device as device_mod
     from prefill_support import prefill_metadata
 
     db = tmp_path / "results.db"
@@ -259,7 +260,7 @@ def test_what_emit_writes_is_what_the_plugin_plans(tmp_path, monkeypatch):
     with ResultsStore(db, create=False) as store:
         path = emit_config(store, tmp_path / "configs")
     ps.ensure_metax_platform()
-    for mod in (backend_pkg, P):
+    for mod in (device_mod, backend_pkg, P):
         monkeypatch.setattr(mod, "detect_device", lambda: H200)
     RecordingRaggedWrapper.instances, RecordingRaggedWrapper.refuse = [], set()
     monkeypatch.setattr(op, "ragged_wrapper_cls", lambda: RecordingRaggedWrapper)

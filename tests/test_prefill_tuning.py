@@ -1,5 +1,5 @@
 """The MLA prefill backend as a tuned parameter (issue #12): the tuned config's prefill section
-(schema, refusals, lookup), the decision per device (`vllm_metax.decisions`), and the plugin's
+(schema, refusals, lookup), the decision per device (`vllm_metax.core.decisions`), and the plugin's
 prefill backend planning each bucket's backend with the real vllm==0.33.0 on the CPU (FlashInfer's
 ragged wrapper replaced by the recording stand-in of tests/prefill_support.py, which computes
 with the float64 reference from exactly the planned index pointers)."""
@@ -15,8 +15,9 @@ import torch
 import plugin_support as ps
 from prefill_support import (HEADS, KV_LORA, NOPE, ROPE, V_DIM, RecordingRaggedWrapper,
                              prefill_metadata, ragged, reference, scale)
-from vllm_metax import decisions, tuned_config as tc
-from vllm_metax.device import DeviceInfo
+from vllm_metax.core import decisions, tuned_config as tc
+from vllm_metax.core.device import DeviceInfo
+from vllm_metax.core.serving import entry_for
 
 pytestmark = pytest.mark.vllm
 
@@ -55,7 +56,7 @@ def _write_raw(tmp_path, data, device=HOPPER.name):
 
 def test_prefill_section_round_trips_and_looks_up_by_kind_and_size(tmp_path):
     path = tc.write_tuned_config(_cfg(), tmp_path)
-    e = tc.read_tuned_config(path).entry_for(DIMS)
+    e = entry_for(tc.read_tuned_config(path), DIMS).entry
     assert e.prefill == PREFILL
     assert json.loads(path.read_text())["models"][0]["prefill"]["buckets"][1] == {
         "causal": True, "query_tokens": 256, "kv_len": 64, "params": {"backend": "fa2"},
@@ -74,11 +75,11 @@ def test_prefill_section_round_trips_and_looks_up_by_kind_and_size(tmp_path):
 def test_configs_without_a_prefill_section_stay_valid_and_are_written_as_before(tmp_path):
     path = tc.write_tuned_config(_cfg(prefill=[]), tmp_path)
     assert "prefill" not in json.loads(path.read_text())["models"][0]
-    e = tc.read_tuned_config(path).entry_for(DIMS)
+    e = entry_for(tc.read_tuned_config(path), DIMS).entry
     assert e.prefill == [] and e.prefill_lookup(True, 256, 256) is None
     old = _cfg(prefill=[]).to_json()         # what the writer made before prefill was tuned
     assert "prefill" not in old["models"][0]
-    assert tc.parse_tuned_config(old).entry_for(DIMS).prefill == []
+    assert entry_for(tc.parse_tuned_config(old), DIMS).entry.prefill == []
 
 
 @pytest.mark.parametrize("mutate, message", [
@@ -159,6 +160,7 @@ def plugin(monkeypatch, tmp_path):
     import vllm_metax.backend.flashinfer_prefill as fp
     import vllm_metax.ops.flashinfer_prefill as op
     import vllm_metax.platform as P
+    from vllm_metax.core import device as device_mod
 
     ps.ensure_metax_platform()
     RecordingRaggedWrapper.instances, RecordingRaggedWrapper.refuse = [], set()
@@ -169,7 +171,7 @@ def plugin(monkeypatch, tmp_path):
     tc.clear_cache()
 
     def pretend(dev):
-        for mod in (backend_pkg, P):
+        for mod in (device_mod, backend_pkg, P):
             monkeypatch.setattr(mod, "detect_device", lambda: dev)
     pretend(HOPPER)
     yield pretend

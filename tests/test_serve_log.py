@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 import plugin_support as ps
-from vllm_metax import tuned_config as tc
-from vllm_metax.device import FORCE_ENV
+from vllm_metax.core import tuned_config as tc
+from vllm_metax.core.device import FORCE_ENV
 
 pytestmark = pytest.mark.vllm
 
@@ -82,7 +82,7 @@ def _vllm_lines(log: str, pattern: str) -> list[str]:
 
 
 def _device_name() -> str:
-    from vllm_metax.device import detect_device
+    from vllm_metax.core.device import detect_device
     return detect_device().name
 
 

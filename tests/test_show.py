@@ -12,8 +12,8 @@ from mla_tune.cli import app
 from mla_tune.tune.emit import emit_config
 from mla_tune.store.results import ResultsStore
 from results_fixture import H200, build_fixture_db
-from vllm_metax import device as vdevice
-from vllm_metax import tuned_config as tc
+from vllm_metax.core import device as vdevice
+from vllm_metax.core import tuned_config as tc
 
 runner = CliRunner(env={"COLUMNS": "200"})
 
@@ -151,7 +151,7 @@ def test_lookup_names_the_split_kernel_where_the_plugin_serves_it(cfg_path):
 
 
 def test_lookup_keeps_flashinfer_when_split_wins_by_less_than_the_plugins_margin(cfg_path):
-    from vllm_metax.decisions import SPLIT_MIN_GAIN
+    from vllm_metax.core.decisions import SPLIT_MIN_GAIN
     _with_split(cfg_path, split_us=20.0 / (SPLIT_MIN_GAIN * 0.99))
     (hit,) = json.loads(_show(cfg_path, "--lookup", "1,1024", "-f", "json").stdout)["lookup"]
     assert hit["best_family"] == "split" and hit["served"]["family"] == "flashinfer"

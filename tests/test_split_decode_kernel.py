@@ -236,7 +236,7 @@ def test_the_tma_kernel_is_served_only_where_the_device_has_tma(monkeypatch):
     # MetaX GPUs have no tensor-memory accelerator and their Triton may lack tensor descriptors:
     # there, and on NVIDIA GPUs before Hopper, `served` picks the pointer kernel (same knobs)
     torch = pytest.importorskip("torch")
-    from vllm_metax import device as dev_mod
+    from vllm_metax.core import device as dev_mod
     from vllm_metax.ops import split_decode as sd
     cuda = torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
@@ -262,7 +262,7 @@ def test_compiled_for_hopper_the_grouped_page_ids_let_copies_overlap_the_dots(tm
     pytest.importorskip("torch")
     pytest.importorskip("triton")
     from pathlib import Path
-    from vllm_metax.ops import split_decode as sd
+    from vllm_metax.ops import split_decode as sd, split_kernels
     if sd._TensorDescriptor is None:
         pytest.skip("this Triton has no tensor descriptors")
     skc = load_bench("split_kernel_compile")
@@ -270,7 +270,7 @@ def test_compiled_for_hopper_the_grouped_page_ids_let_copies_overlap_the_dots(tm
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not cuobjdump.exists():
         pytest.skip("this Triton ships no cuobjdump")
-    rows = {v: skc.compile_one(sd._split_tma_kernel, v, 90, str(cuobjdump), tmp_path)
+    rows = {v: skc.compile_one(split_kernels.tma_kernel, v, 90, str(cuobjdump), tmp_path)
             for v in ((16, 16, 64, 8, 2, True, 0), (128, 64, 32, 8, 4, False, 32), (128, 64, 32, 8, 4, False, 0))}
     served, grouped, in_loop = rows.values()
     assert all(r["status"] == "ok" and r["fits"] for r in rows.values()), rows
@@ -281,7 +281,7 @@ def test_compiled_for_hopper_the_grouped_page_ids_let_copies_overlap_the_dots(tm
     # pdl: the split kernel lets the merge grid launch early, and the merge waits for it
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    k = sd._merge_kernel
+    k = split_kernels.merge_kernel
     const = dict(HP=16, R=512, BLOCK_N=64, DC=64, ST=128, PDL=True)
     sig = {n: "constexpr" if n in const else {"WS_ACC": "*bf16", "WS_LSE": "*fp32", "SEQ": "*i32",
                                               "OUT": "*bf16"}.get(n, "i32") for n in k.arg_names}
@@ -294,7 +294,7 @@ def test_compiled_for_hopper_the_grouped_page_ids_let_copies_overlap_the_dots(tm
     assert sum("ld.global" in ln for ln in lines[:wait_at]) == 1
     assert sum("ld.global" in ln for ln in lines[wait_at:]) >= 2
     const = dict(H=16, HP=16, R=512, P=64, PAGE=64, BLOCK_H=16, BLOCK_N=64, TRANS=True, GROUP_PAGES=0, PDL=True)
-    k = sd._split_tma_kernel
+    k = split_kernels.tma_kernel
     c = triton.compile(ASTSource(k, skc.signature(k, const, 64), const), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=8, num_stages=2))
     assert "griddepcontrol.launch_dependents" in c.asm["ptx"]

@@ -17,7 +17,7 @@ import torch
 from mla_tune.families import Candidate, check_candidate, get_family
 from mla_tune.families.split import default_splits, useful_splits
 from mla_tune.problem.workload import model_preset, workload_for
-from vllm_metax import decisions, tuned_config as tc
+from vllm_metax.core import decisions, tuned_config as tc
 from vllm_metax.ops import split_decode as op
 
 V3 = model_preset("deepseek-v3")
@@ -182,7 +182,7 @@ def test_split_serves_only_a_measured_win_of_at_least_the_choice_ratio():
 
 
 def _plan_choice(buckets):
-    from vllm_metax.backend.flashinfer_mla import PlanChoice
+    from vllm_metax.backend.plan_choice import PlanChoice
     entry = tc.ModelEntry(tc.ModelDims(16, 512, 64, "bfloat16", "bfloat16"), 64,
                           ["FLASHINFER_MLA", "TRITON_MLA"], buckets)
     return PlanChoice(entry, decisions.FlashInferBackends(("fa3", "fa2"), "fa3"))
@@ -232,7 +232,7 @@ def _split_builder(monkeypatch, tmp_path, params):
     """FLASHINFER_MLA's builder (FlashInfer replaced by the recording double of
     tests/test_plugin_backend.py) with a tuned config whose B1-B4 buckets name split (`params`)."""
     import plugin_support as ps
-    from vllm_metax.device import DeviceInfo
+    from vllm_metax.core.device import DeviceInfo
 
     h200 = DeviceInfo("Test GPU 9000", "torch", False, 132, (9, 0))
     fb = ps.install_recording_plugin(monkeypatch, h200)
@@ -301,7 +301,7 @@ def test_a_tuned_split_bucket_is_served_with_the_steps_block_table_and_scale(spl
 @pytest.mark.vllm
 def test_a_split_kernel_that_fails_its_check_falls_back_to_flashinfer_once(split_builder, caplog):
     fb, ps, vc = split_builder           # the real kernel on a CPU tensor without the interpreter
-    with caplog.at_level(logging.WARNING, logger="vllm.vllm_metax.backend.flashinfer_mla"):
+    with caplog.at_level(logging.WARNING, logger="vllm.vllm_metax.backend.plan_choice"):
         builder = ps.make_builder(vc)        # checked when the builder is made, before any graph
         assert not builder.choice.split_enabled
         md, *_ = _decode(ps, builder, [5, 300, 77])
@@ -318,7 +318,7 @@ def test_a_tuned_pipe_this_server_cannot_run_falls_back_to_flashinfer_with_one_w
     # t32x4 tiles are 32 tokens of one page: a server of 16-token blocks has no such kernel
     fb, ps, vc = _split_builder(monkeypatch, tmp_path, {**SPLIT, "num_splits": 4, "pipe": "t32x4"})
     try:
-        with caplog.at_level(logging.WARNING, logger="vllm.vllm_metax.backend.flashinfer_mla"):
+        with caplog.at_level(logging.WARNING, logger="vllm.vllm_metax.backend.plan_choice"):
             builder = ps.make_builder(vc)
             md, *_ = _decode(ps, builder, [5, 300, 77])
         assert md.backend == "fa3" and not builder.choice.split_enabled

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_metax import tuned_config as tc
+from vllm_metax.core import tuned_config as tc
 
 pytestmark = pytest.mark.vllm
 

@@ -6,7 +6,8 @@ import timeit
 
 import pytest
 
-from vllm_metax import tuned_config as tc
+from vllm_metax.core import tuned_config as tc
+from vllm_metax.core.serving import entry_for
 
 
 def _cfg(device="NVIDIA H200"):
@@ -30,7 +31,7 @@ def test_roundtrip_and_lookup(tmp_path):
     path = tc.write_tuned_config(_cfg(), tmp_path)
     assert path.name == "device_name=NVIDIA_H200.json"
     cfg = tc.read_tuned_config(path)
-    e = cfg.entry_for(tc.ModelDims(16, 512, 64))
+    e = entry_for(cfg, tc.ModelDims(16, 512, 64)).entry
     assert e.page_size == 64 and e.backend_order[0] == "FLASHINFER_MLA"
     hit = e.lookup(8, 8192)
     assert hit.exact and hit.in_range and hit.bucket.families["flashinfer"].params == {"backend": "fa3"}
@@ -40,7 +41,7 @@ def test_roundtrip_and_lookup(tmp_path):
     assert snap.bucket.context_len == 8192
     out = e.lookup(512, 65536)
     assert not out.in_range and out.bucket.batch_size == 64 and out.bucket.context_len == 8192
-    assert cfg.entry_for(tc.ModelDims(128, 512, 64)) is None
+    assert entry_for(cfg, tc.ModelDims(128, 512, 64)).entry is None
     assert e.buckets[1].families["flashinfer"].gain == pytest.approx(1.2)
 
 
@@ -93,7 +94,7 @@ def test_lookup_is_cheap():
 
 
 def test_reader_is_stdlib_only():
-    code = ("import sys, vllm_metax.tuned_config; "
+    code = ("import sys, vllm_metax.core.tuned_config; "
             "bad = [m for m in ('torch', 'optuna', 'typer', 'rich', 'sqlite_utils', 'vllm') if m in sys.modules]; "
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from bench_support import load_bench
 
-from vllm_metax import decisions
-from vllm_metax import tuned_config as tc
+from vllm_metax.core import decisions
+from vllm_metax.core import tuned_config as tc
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,7 +34,7 @@ def test_reads_the_decode_buckets_of_the_shipped_db_read_only(bench, tmp_path):
 def test_the_tuned_candidate_is_what_plan_choice_serves(bench):
     pytest.importorskip("vllm")
     from mla_tune.problem.workload import model_preset, workload_for
-    from vllm_metax.backend.flashinfer_mla import PlanChoice
+    from vllm_metax.backend.plan_choice import PlanChoice
     w = workload_for(model_preset("deepseek-v3"), 8, 4, 2048)
     dims = decisions.model_key(w.num_heads, w.kv_lora_rank, w.qk_rope_head_dim, w.q_dtype, w.kv_dtype)
     bucket = tc.Bucket(4, 2048, 1, {"flashinfer": tc.FamilyChoice({"backend": "fa2", "kv_chunk": "x2"})})
@@ -50,7 +50,7 @@ def test_the_tuned_candidate_is_what_plan_choice_serves(bench):
 def test_the_tuned_candidate_is_the_split_kernel_where_the_plugin_serves_it(bench):
     pytest.importorskip("vllm")
     from mla_tune.problem.workload import model_preset, workload_for
-    from vllm_metax.backend.flashinfer_mla import PlanChoice
+    from vllm_metax.backend.plan_choice import PlanChoice
     w = workload_for(model_preset("deepseek-v3"), 8, 2, 4096)
     dims = decisions.model_key(w.num_heads, w.kv_lora_rank, w.qk_rope_head_dim, w.q_dtype, w.kv_dtype)
     hopper = decisions.flashinfer_backends(False, (9, 0))

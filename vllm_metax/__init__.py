@@ -5,19 +5,20 @@ functions that need them.
 Entry points (pyproject.toml):
   vllm.platform_plugins  metax            -> register()
   vllm.general_plugins   metax_attention  -> register_attention_backends()
+
+The package is two halves: `core/` and `ops/` never import vLLM (the tuned config, the decisions
+tuner and plugin share, the kernels both run); this module, `platform.py`, `worker.py`,
+`kernels.py` and `backend/` are the vLLM glue. Nothing below imports this module back.
 """
 
 from __future__ import annotations
 
 PLATFORM_CLASS = "vllm_metax.platform.MetaxPlatform"
-FLASHINFER_MLA_CLASS = "vllm_metax.backend.flashinfer_mla.FlashInferMLABackend"
-TRITON_MLA_CLASS = "vllm_metax.backend.triton_mla.MetaxTritonMLABackend"    # tuned num_kv_splits
-FLASHINFER_MLA_PREFILL_CLASS = "vllm_metax.backend.flashinfer_prefill.FlashInferMLAPrefillBackend"
 
 
 def should_activate() -> tuple[bool, str]:
     """Whether the platform plugin activates here, and why (also shown by `mla-tune doctor`)."""
-    from vllm_metax.device import FORCE_ENV, detect_device, forced
+    from vllm_metax.core.device import FORCE_ENV, detect_device, forced
 
     if forced():
         return True, f"forced by ${FORCE_ENV}"
@@ -35,11 +36,11 @@ def register() -> str | None:
     `vllm_metax`."""
     active, _ = should_activate()
     if active:
-        from vllm_metax.distribution import clash_message, other_owners
+        from vllm_metax.core.distribution import clash_message, other_owners
 
         message = clash_message(other_owners())
         if message:
-            from vllm_metax.log import get_logger
+            from vllm_metax.core.log import get_logger
 
             get_logger(__name__).warning("vllm_metax: %s", message)
     return PLATFORM_CLASS if active else None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 
-from vllm_metax.log import get_logger
+from vllm_metax.core.log import get_logger
 
 logger = get_logger(__name__)
 

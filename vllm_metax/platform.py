@@ -4,7 +4,7 @@ and KV block size follow this device's tuned config.
 It subclasses `vllm.platforms.interface.Platform`, not `CudaPlatform`: importing
 `vllm.platforms.cuda` needs libcuda and vLLM's compiled ops, which neither a MetaX host nor a
 GPU-less test machine has. Everything device-specific goes through torch's CUDA API (MetaX's torch
-build exposes it) and `vllm_metax.device`.
+build exposes it) and `vllm_metax.core.device`.
 """
 
 from __future__ import annotations
@@ -20,12 +20,11 @@ from vllm.logger import init_logger
 from vllm.platforms.interface import DeviceCapability, Platform, PlatformEnum
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-from vllm_metax import FLASHINFER_MLA_CLASS, FLASHINFER_MLA_PREFILL_CLASS, TRITON_MLA_CLASS
-from vllm_metax import decisions
-from vllm_metax.backend import mla_backend_order, model_dims, served_entry
-from vllm_metax.device import FORCE_ENV, detect_device
-from vllm_metax.log import PARENT as LOG_PARENT
-from vllm_metax.tuned_config import FOLDER_ENV, PACKAGED_ENV, STRICT_ENV
+from vllm_metax.backend import served_entry
+from vllm_metax.core.device import FORCE_ENV, detect_device
+from vllm_metax.core.log import PARENT as LOG_PARENT
+from vllm_metax.core.serving import mla_backend_order
+from vllm_metax.core.tuned_config import FOLDER_ENV, PACKAGED_ENV, STRICT_ENV
 
 if TYPE_CHECKING:
     from torch.distributed import PrefixStore, ProcessGroup
@@ -36,7 +35,11 @@ if TYPE_CHECKING:
     from vllm.v1.attention.backends.mla.prefill.selector import MLAPrefillSelectorConfig
     from vllm.v1.attention.selector import AttentionSelectorConfig
 
-logger = init_logger(f"{LOG_PARENT}.{__name__}")   # under vLLM's handler (vllm_metax.log)
+logger = init_logger(f"{LOG_PARENT}.{__name__}")   # under vLLM's handler (vllm_metax.core.log)
+
+FLASHINFER_MLA_CLASS = "vllm_metax.backend.flashinfer_mla.FlashInferMLABackend"
+TRITON_MLA_CLASS = "vllm_metax.backend.triton_mla.MetaxTritonMLABackend"    # tuned num_kv_splits
+FLASHINFER_MLA_PREFILL_CLASS = "vllm_metax.backend.flashinfer_prefill.FlashInferMLAPrefillBackend"
 
 SPARSE_MLA_ORDER = ("FLASHMLA_SPARSE",)
 DEFAULT_ATTN_ORDER = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
@@ -320,15 +323,14 @@ class MetaxPlatform(Platform):
 
     @classmethod
     def _tuned_entry_for_selection(cls, attn_selector_config, num_heads):
+        """The served entry for the model keyed with the dtypes vLLM selects a backend for."""
         from vllm.config import get_current_vllm_config_or_none
 
         vllm_config = get_current_vllm_config_or_none()
-        dims = model_dims(vllm_config, num_heads) if vllm_config is not None else None
-        if dims is None:
+        if vllm_config is None:
             return None
-        dims = decisions.model_key(dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim,
-                                   attn_selector_config.dtype, attn_selector_config.kv_cache_dtype)
-        return served_entry(vllm_config, dims=dims)
+        return served_entry(vllm_config, num_heads, q_dtype=attn_selector_config.dtype,
+                            kv_dtype=attn_selector_config.kv_cache_dtype)
 
     @classmethod
     def _invalid_reasons(cls, backend: AttentionBackendEnum, capability: DeviceCapability,

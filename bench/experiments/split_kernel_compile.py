@@ -3,7 +3,7 @@ memory, KV buffers, and how many tiles' copies are in flight while a tile's dots
 
     python3 bench/experiments/split_kernel_compile.py [--arch 90] [--out bench/results]
 
-Compiles `vllm_metax.ops.split_decode._split_tma_kernel` ahead of time with the installed Triton
+Compiles `vllm_metax.ops.split_kernels.tma_kernel` ahead of time with the installed Triton
 (the GPU image's Triton 3.6 is what the H200 runs: `PYTHONPATH=<its wheel, unpacked>` picks it)
 for each variant in VARIANTS, reads registers and stack from the cubin (`cuobjdump
 --dump-resource-usage`, shipped with Triton), and reads the pipelined loop from the TTGIR: the
@@ -115,20 +115,20 @@ def main(argv=None) -> int:
         import triton
     except ImportError as e:
         ap.error(f"needs triton ({e})")
-    from vllm_metax.ops import split_decode as sd
+    from vllm_metax.ops import split_decode as sd, split_kernels
     if sd._TensorDescriptor is None:
         ap.error(f"Triton {triton.__version__} has no tensor descriptors: the TMA kernel does not compile")
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not cuobjdump.exists():
         ap.error(f"no cuobjdump at {cuobjdump} (Triton's NVIDIA backend ships it)")
-    lines = [f"# _split_tma_kernel compiled for sm_{args.arch}a by Triton {triton.__version__} (no GPU: "
+    lines = [f"# tma_kernel compiled for sm_{args.arch}a by Triton {triton.__version__} (no GPU: "
              f"ptxas via Triton, cuobjdump resource usage, the TTGIR's tile loop); page {PAGE}, rank {R}, rope {P}",
              f"{'variant':<36} {'regs':>4} {'stack':>5} {'smem KB':>7} {'fits':>4} {'bufs':>4} "
              f"{'prologue':>8} {'in flight':>9}  next copy"]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for v in VARIANTS:
-            r = compile_one(sd._split_tma_kernel, v, args.arch, str(cuobjdump), Path(tmp))
+            r = compile_one(split_kernels.tma_kernel, v, args.arch, str(cuobjdump), Path(tmp))
             rows.append(r)
             if r["status"] != "ok":
                 lines.append(f"{label(r):<36} {r['status']}: {r['message']}")

@@ -120,7 +120,7 @@ def known_errors() -> tuple:
     from mla_tune.tune.sweep_config import SweepError
     from mla_tune.validate import InputError
     from mla_tune.views.report import ReportError
-    from vllm_metax.tuned_config import TunedConfigError
+    from vllm_metax.core.tuned_config import TunedConfigError
     return (UserError, InputError, ProblemError, StoreError, SelectionError, StorageError,
             SweepError, EmitError, ReportError, TunedConfigError, PrefillSweepError)
 

@@ -97,7 +97,7 @@ def emit(
     A CPU-reference config goes into the packaged configs/ only with an explicit --configs-dir."""
     from mla_tune.tune.emit import config_summary, config_to_emit, configs_to_emit
     from mla_tune.validate import output_folder
-    from vllm_metax.tuned_config import read_tuned_config, write_tuned_config
+    from vllm_metax.core.tuned_config import read_tuned_config, write_tuned_config
     if all_devices and device is not None:
         fail("--device and --all-devices exclude each other")
     output_folder(configs_dir, "--configs-dir")
@@ -127,7 +127,7 @@ def show(
 ):
     """Validate a tuned config as the plugin reads it, and print it."""
     from mla_tune.views.show import check_config_device, parse_lookup, render_config
-    from vllm_metax.tuned_config import check_device_name, read_tuned_config
+    from vllm_metax.core.tuned_config import check_device_name, read_tuned_config
     req = parse_lookup(lookup) if lookup is not None else None
     if device is not None:
         check_device_name(device, "--device")

@@ -34,9 +34,9 @@ def family_targets() -> dict[str, str]:
 def check_candidate(c: Candidate) -> Candidate:
     """Refuse (ValueError) a candidate its family would not understand: an unknown family, a
     backend or knob the family does not have, a knob value out of range (the plugin's rule:
-    `vllm_metax.choices.candidate_choice`). Families registered by tests have no rule beyond the
+    `vllm_metax.core.choices.candidate_choice`). Families registered by tests have no rule beyond the
     page size."""
-    from vllm_metax import choices
+    from vllm_metax.core import choices
     if c.family not in _FAMILIES:
         raise ValueError(f"unknown kernel family {c.family!r} in {c.key!r}; known: {', '.join(_FAMILIES)}")
     if c.family == "reference":

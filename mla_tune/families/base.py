@@ -37,7 +37,7 @@ class Candidate:
     @classmethod
     def parse(cls, text: str) -> "Candidate":
         """Inverse of `key`: 'flashinfer/fa3/p64' or 'triton/triton/p16/num_kv_splits=8'.
-        The page size must be one the plugin can serve (vllm_metax.tuned_config.PAGE_SIZES)."""
+        The page size must be one the plugin can serve (vllm_metax.core.tuned_config.PAGE_SIZES)."""
         from mla_tune.validate import InputError, ascii_int, check_page_size
         parts = text.strip().split("/")
         if (len(parts) < 3 or not parts[0] or not parts[1] or not parts[2].startswith("p")

@@ -2,7 +2,7 @@
 measurable family, through the plugin's op (`vllm_metax.ops.fa3_mla.FA3MLADecode`: the call the
 plugin makes in the buckets a tuned config gives it).
 
-Knobs (`vllm_metax.choices`, family `fa3_mla`): `num_splits`, the bound on KV splits (0: FA3's own
+Knobs (`vllm_metax.core.choices`, family `fa3_mla`): `num_splits`, the bound on KV splits (0: FA3's own
 heuristic; vLLM passes 0 eagerly and `flash_attn_max_num_splits_for_cuda_graph`, 32, under CUDA
 graphs), and `schedule` ("aot": scheduler metadata once per step, reused by every layer, as vLLM
 does; "none": each launch schedules). The page size is any multiple of 16 the sweep measures.
@@ -20,7 +20,7 @@ import torch
 from mla_tune.families.base import Availability, Candidate, CandidateInvalid, Prepared
 from mla_tune.problem.instance import torch_dtype
 from mla_tune.problem.workload import Workload
-from vllm_metax.choices import FA3 as FAMILY, FA3_BACKEND as BACKEND, ChoiceError, candidate_choice
+from vllm_metax.core.choices import FA3 as FAMILY, FA3_BACKEND as BACKEND, ChoiceError, candidate_choice
 
 # the candidates per page: FA3's heuristic (vLLM's eager call), vLLM's CUDA-graph bound (32) and
 # a few fixed bounds between; with the in-launch schedule only the heuristic

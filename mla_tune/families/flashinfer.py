@@ -12,7 +12,7 @@ cut; the plugin's own schedule does:
   kv_len_limit from the average work per cluster of SMs, rounded to 32/64/128/192/k*256); the
   query tile is fixed at 64*cluster rows. plan() accepts no split size. The plugin's fast
   re-plan computes the same schedule with numpy (`vllm_metax.ops.mla_schedule`), so the KV chunk
-  limit is ours: the knob `kv_chunk` (`vllm_metax.choices.KV_CHUNKS`: MLAPlan's limit x
+  limit is ours: the knob `kv_chunk` (`vllm_metax.core.choices.KV_CHUNKS`: MLAPlan's limit x
   0.25/0.5/2/4, or "none": never split) is measured like any candidate, correctness gate
   included. Without it the candidate is what the plugin plans untuned. Chunk variants are
   declared at the default page size only (the chunking is per step, the page size global; the
@@ -29,7 +29,7 @@ cut; the plugin's own schedule does:
   page size, so every page size costs no extra JIT.
 
 What this device may run, and the untuned default, are the plugin's rule
-(`vllm_metax.decisions.flashinfer_backends`): fa3 and fa2 on Hopper (default fa3), fa2 on MetaX
+(`vllm_metax.core.decisions.flashinfer_backends`): fa3 and fa2 on Hopper (default fa3), fa2 on MetaX
 and everywhere else. The space is those values the installed FlashInfer accepts, and the default
 candidate is what the plugin plans without a tuned config, so the tuner measures exactly what the
 plugin may serve. A refusal is stored as invalid("unsupported") with FlashInfer's message.
@@ -45,7 +45,7 @@ from mla_tune.families.base import Availability, Candidate, CandidateInvalid, Pr
 from mla_tune.problem.defaults import DEFAULT_PAGE_SIZE
 from mla_tune.problem.workload import Workload
 from mla_tune.problem.instance import torch_dtype
-from vllm_metax.choices import KV_CHUNKS, ChoiceError, candidate_choice
+from vllm_metax.core.choices import KV_CHUNKS, ChoiceError, candidate_choice
 
 FAMILY = "flashinfer"
 CHUNKED_BACKENDS = ("fa2", "fa3")     # the backends whose schedule the plugin computes itself
@@ -58,7 +58,7 @@ def _op():
 
 def device_backends():
     """The plugin's FlashInfer backend rule for the visible device."""
-    from vllm_metax.decisions import device_flashinfer_backends
+    from vllm_metax.core.decisions import device_flashinfer_backends
     return device_flashinfer_backends()
 
 

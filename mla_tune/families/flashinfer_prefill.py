@@ -7,7 +7,7 @@ has (the new tokens' from the host, a context chunk's from the device) -> `.run`
 a context chunk, which vLLM merges).
 
 The one knob is the backend: what this device may plan for prefill
-(`vllm_metax.decisions.prefill_backends`: fa3 and fa2 on Hopper, default fa3; fa2 on MetaX and
+(`vllm_metax.core.decisions.prefill_backends`: fa3 and fa2 on Hopper, default fa3; fa2 on MetaX and
 everywhere else), limited to what the installed wrapper accepts. The default candidate is what the
 plugin plans untuned. The chunked-prefill workspace size is not a knob: it changed nothing beyond
 the A/A spread on the H200 (bench/results/prefill_choice_h200.md). A refusal is
@@ -27,7 +27,7 @@ PAGE = 1                      # ragged KV: no pages
 
 def device_backends():
     """The plugin's prefill backend rule for the visible device."""
-    from vllm_metax.decisions import device_prefill_backends
+    from vllm_metax.core.decisions import device_prefill_backends
     return device_prefill_backends()
 
 

@@ -24,8 +24,8 @@ from mla_tune.families.base import Availability, Candidate, CandidateInvalid, Pr
 from mla_tune.families.triton_mla import packed_query
 from mla_tune.problem.instance import torch_dtype
 from mla_tune.problem.workload import Workload
-from vllm_metax.decisions import FLASHMLA as FAMILY
-from vllm_metax.tuned_config import FLASHMLA_BACKEND as BACKEND, FLASHMLA_PAGE_SIZE
+from vllm_metax.core.decisions import FLASHMLA as FAMILY
+from vllm_metax.core.tuned_config import FLASHMLA_BACKEND as BACKEND, FLASHMLA_PAGE_SIZE
 
 
 def _op():

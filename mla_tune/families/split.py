@@ -1,6 +1,6 @@
 """The split-KV Triton decode kernel (`vllm_metax.ops.split_decode`) as a measurable family: the
 kernel FLASHINFER_MLA's decode serves for the buckets where it beats FlashInfer
-(`vllm_metax.decisions.split_serves`).
+(`vllm_metax.core.decisions.split_serves`).
 
 Why it exists: FlashInfer's MLA kernels merge a request's KV chunks with one (request, head) per
 merge item, so at batch 1-2 with 16 heads they can neither split a long context finely nor merge
@@ -36,10 +36,10 @@ import torch
 from mla_tune.families.base import Availability, Candidate, CandidateInvalid, Prepared
 from mla_tune.problem.defaults import DEFAULT_PAGE_SIZE
 from mla_tune.problem.workload import Workload
-from vllm_metax.choices import SPLIT as FAMILY
-from vllm_metax.choices import SPLIT_BACKEND as BACKEND
-from vllm_metax.choices import ChoiceError, candidate_choice
-from vllm_metax.ops.split_facts import SERVED_PIPE   # its candidates carry no `pipe` knob
+from vllm_metax.core.choices import SPLIT as FAMILY
+from vllm_metax.core.choices import SPLIT_BACKEND as BACKEND
+from vllm_metax.core.choices import ChoiceError, candidate_choice
+from vllm_metax.core.split_facts import SERVED_PIPE   # its candidates carry no `pipe` knob
 
 WAVE = 132                 # programs of one wave on the H200 the default is written for
 SPLIT_COUNTS = tuple(2 ** i for i in range(2, 9))     # 4..256

@@ -130,7 +130,7 @@ def rule_from_source():
 
 
 def _sm_count() -> int | None:
-    from vllm_metax.device import detect_device
+    from vllm_metax.core.device import detect_device
     return detect_device().sm_count
 
 

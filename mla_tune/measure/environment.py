@@ -9,7 +9,7 @@ import subprocess
 import sys
 from importlib import metadata
 
-from vllm_metax.device import detect_device
+from vllm_metax.core.device import detect_device
 
 
 def _version(*dists: str) -> str | None:

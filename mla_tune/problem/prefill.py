@@ -5,7 +5,7 @@ MLA prefill is plain multi-head attention over up-projected heads (q/k: qk_nope 
 v_head_dim): vLLM's MLA layer plans it once for the new tokens of a step (causal, each request's
 KV is its own tokens) and once per context chunk (non-causal, a request's new tokens against a
 workspace-sized chunk of its cached context). A bucket is what the plugin looks a plan up by
-(`vllm_metax.decisions.prefill_statistic`): the plan kind, its total query tokens and its mean KV
+(`vllm_metax.core.decisions.prefill_statistic`): the plan kind, its total query tokens and its mean KV
 tokens per request. A bucket is measured on a uniform plan: `requests` requests of
 query_tokens / requests queries and kv_len KV tokens each (the new tokens: kv_len = queries per
 request, so requests = query_tokens / kv_len; a context chunk: one request unless told).

@@ -94,7 +94,7 @@ def custom_model(num_heads: int, kv_lora_rank: int = 512, qk_rope_head_dim: int 
                  qk_nope_head_dim: int = 128, rope_scaling_factor: float = 1.0,
                  mscale_all_dim: float = 0.0) -> ModelDims:
     """A model given by its dims rather than a preset name."""
-    from vllm_metax.tuned_config import MAX_HEAD_DIM, MAX_HEADS
+    from vllm_metax.core.tuned_config import MAX_HEAD_DIM, MAX_HEADS
     for label, v, hi in (("num_heads", num_heads, MAX_HEADS), ("kv_lora_rank", kv_lora_rank, MAX_HEAD_DIM),
                          ("qk_rope_head_dim", qk_rope_head_dim, MAX_HEAD_DIM),
                          ("qk_nope_head_dim", qk_nope_head_dim, MAX_HEAD_DIM)):
@@ -237,7 +237,7 @@ def _scaled_to_mean(raw: Sequence[float], context_len: int, lo: int) -> list[int
     mean), each clipped to [lo, 8 x context_len]: what a clip cuts off (or adds) is made up by
     rescaling the others, then the rounding remainder goes a token at a time to the largest
     fractions, so the total is exactly batch x context_len wherever the clips allow and the
-    bucket's lookup statistic (vllm_metax.decisions.bucket_context) is its context."""
+    bucket's lookup statistic (vllm_metax.core.decisions.bucket_context) is its context."""
     n = len(raw)
     target = context_len * n
     hi = max(lo, min(8 * context_len, MAX_LENGTH))

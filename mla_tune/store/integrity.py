@@ -82,7 +82,7 @@ LENGTHS = Rule("{c} is null or (typeof({c}) = 'text' and case when json_valid({c
 
 
 def _page_sizes() -> tuple:
-    from vllm_metax.tuned_config import PAGE_SIZES
+    from vllm_metax.core.tuned_config import PAGE_SIZES
     return PAGE_SIZES
 
 

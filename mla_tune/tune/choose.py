@@ -41,7 +41,7 @@ from mla_tune.problem.defaults import DEFAULT_PAGE_SIZE, KERNEL_METRIC
 from mla_tune.problem.workload import WorkloadMix
 from mla_tune.store.records import TrialRecord, as_records
 from mla_tune.tune.verdict import MIN_RATIO, P_THRESHOLD, Measured, decide, min_p_value
-from vllm_metax.decisions import FLASHINFER, TRITON
+from vllm_metax.core.decisions import FLASHINFER, TRITON
 
 METRIC = KERNEL_METRIC            # what winners are chosen by
 # sweep family -> vLLM's attention backend. flashmla is measured (opt-in) but not mapped: the plugin
@@ -61,7 +61,7 @@ class BucketChoice:
     families: dict                  # family -> Verdict at the model entry's page size
     best_family: str | None         # fastest chosen candidate among `families`
     per_page: dict = field(default_factory=dict, repr=False)   # page -> family -> Verdict
-    # the context the plugin finds this bucket by: `vllm_metax.decisions.bucket_context` of the
+    # the context the plugin finds this bucket by: `vllm_metax.core.decisions.bucket_context` of the
     # measured per-request lengths (context_len itself for uniform lengths)
     lookup_context: int | None = None
 
@@ -183,7 +183,7 @@ def family_default(family: str, workload, page_size: int) -> str | None:
 
 def _lookup_context(records: list[TrialRecord]) -> int | None:
     """The plugin's lookup statistic over the lengths a bucket was measured with."""
-    from vllm_metax.decisions import bucket_context
+    from vllm_metax.core.decisions import bucket_context
     wl = records[0].workload if records else None
     return bucket_context(wl.seq_lens) if wl is not None else None
 

@@ -1,8 +1,8 @@
 """results.db -> the tuned config the vllm_metax plugin loads (configs/device_name=<device>.json).
 
 Winners and the global choice are `mla_tune.tune.choose`'s; this module only translates a
-`choose.Choice` into `vllm_metax.tuned_config.TunedConfig` (the one schema shared with the reader)
-with its provenance: the device name as the plugin sees it (the name `vllm_metax.device` recorded
+`choose.Choice` into `vllm_metax.core.tuned_config.TunedConfig` (the one schema shared with the reader)
+with its provenance: the device name as the plugin sees it (the name `vllm_metax.core.device` recorded
 in the run), SM count, FlashInfer / torch / CUDA versions, the date, the rules, and the results.db
 runs the numbers came from. `mla-tune emit` and the sweep both call `emit_config`. The prefill
 section of each entry comes from the device's stored prefill trials (`mla_tune.tune.prefill`,
@@ -18,7 +18,7 @@ from mla_tune.tune import choose as choosing
 from mla_tune.problem.workload import WorkloadMix
 from mla_tune.store.records import TrialRecord
 from mla_tune.store.selection import CPU_RUN_KIND, TrialFilter, device_key, select_trials
-from vllm_metax import decisions, tuned_config as tc
+from vllm_metax.core import decisions, tuned_config as tc
 
 CPU_NOTE = ("measured with the CPU torch reference (no GPU): the page size exercises the pipeline; "
             "no kernel-family choices, backend order is the schema's listing, not a measurement")
@@ -44,7 +44,7 @@ def pick_device(records: list[TrialRecord], device: str | None = None) -> str:
         return hit[0]
     if len(names) == 1:
         return names[0]
-    from vllm_metax.device import detect_device
+    from vllm_metax.core.device import detect_device
     here = detect_device().name
     hit = [n for n in names if device_key(n) == device_key(here)]
     if hit:

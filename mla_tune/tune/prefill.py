@@ -6,7 +6,7 @@ config's prefill section (`mla-tune prefill-sweep`, then `mla-tune emit`).
     choose_prefill(rows)             -> {dims: [PrefillVerdict]}    the decode sweep's rule
     prefill_buckets(verdicts)        -> [tuned_config.PrefillBucket]   (emit.with_prefill)
 
-A bucket is what the plugin looks a prefill plan up by (`vllm_metax.decisions.prefill_statistic`:
+A bucket is what the plugin looks a prefill plan up by (`vllm_metax.core.decisions.prefill_statistic`:
 plan kind, total query tokens, mean KV tokens per request). The default buckets are the shapes
 bench/experiments/prefill_choice.py measured on the H200 (where the backend turned out a real choice): new
 tokens of 256-8K in one request and in four, and context chunks of 256 or 2K queries against
@@ -96,7 +96,7 @@ def run_prefill_sweep(config: PrefillSweepConfig,
     from mla_tune.measure.prefill_trial import measure_prefill
     from mla_tune.store.results import ResultsStore
     from mla_tune.store.selection import CPU_RUN_KIND, GPU_RUN_KIND
-    from vllm_metax.device import detect_device
+    from vllm_metax.core.device import detect_device
     t_start = time.monotonic()
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
     family = config.family or FlashInferPrefillFamily()
@@ -148,18 +148,18 @@ class PrefillVerdict:
     @property
     def bucket_key(self) -> tuple:
         """(causal, query tokens, mean KV tokens per request): the plugin's lookup statistic."""
-        from vllm_metax.decisions import prefill_statistic
+        from vllm_metax.core.decisions import prefill_statistic
         w = self.workload
         return (w.causal, *prefill_statistic(w.query_tokens, w.total_kv_tokens, w.requests))
 
 
 def choose_prefill(records: list, p_threshold: float | None = None,
                    min_ratio: float | None = None) -> dict:
-    """model key (vllm_metax.tuned_config.ModelDims) -> [PrefillVerdict], from the prefill trials
+    """model key (vllm_metax.core.tuned_config.ModelDims) -> [PrefillVerdict], from the prefill trials
     of one device (`ResultsStore.records(prefill=True)`); the latest trial per candidate counts."""
     from mla_tune.tune import choose as choosing
     from mla_tune.tune.verdict import MIN_RATIO, P_THRESHOLD, decide
-    from vllm_metax.decisions import model_key
+    from vllm_metax.core.decisions import model_key
     p = P_THRESHOLD if p_threshold is None else p_threshold
     m = MIN_RATIO if min_ratio is None else min_ratio
     by_workload: dict = {}
@@ -183,7 +183,7 @@ def choose_prefill(records: list, p_threshold: float | None = None,
 def prefill_buckets(verdicts: list) -> list:
     """Verdicts -> the tuned config's prefill buckets (a bucket without a valid candidate, or
     whose chosen backend the schema does not know, is left out: the plugin plans its default)."""
-    from vllm_metax import tuned_config as tc
+    from vllm_metax.core import tuned_config as tc
     out, seen = [], set()
     for pv in verdicts:
         v = pv.verdict

@@ -182,8 +182,8 @@ def tag_remeasure(config: SweepConfig) -> None:
 
 
 def device_name_of(device: str) -> str:
-    """The name trials are stored under: the GPU's (vllm_metax.device), or "cpu"."""
-    from vllm_metax.device import detect_device as detect
+    """The name trials are stored under: the GPU's (vllm_metax.core.device), or "cpu"."""
+    from vllm_metax.core.device import detect_device as detect
     return detect().name if device.startswith("cuda") else "cpu"
 
 

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from vllm_metax.tuned_config import speedup
+from vllm_metax.core.tuned_config import speedup
 
 P_THRESHOLD = 0.002
 MIN_RATIO = 1.05

@@ -102,7 +102,7 @@ def _entry_point_check() -> Check:
 
 
 def _clash_check() -> Check:
-    from vllm_metax.distribution import clash_message, other_owners
+    from vllm_metax.core.distribution import clash_message, other_owners
 
     message = clash_message(other_owners())
     if message:
@@ -167,10 +167,11 @@ def _attention_backends(dev, flashinfer_ok: tuple[bool, str], order: list[str]) 
 
 
 def _flashinfer_backends(probe: bool) -> list[Check]:
-    from vllm_metax.backend import device_backends
+    from vllm_metax.core.decisions import device_flashinfer_backends
     from vllm_metax.ops import flashinfer_mla as op
 
-    allowed, default = device_backends()
+    fb = device_flashinfer_backends()
+    allowed, default = fb.allowed, fb.default
     try:
         accepted = op.accepted_backends()
     except op.FlashInferUnavailable as e:
@@ -195,7 +196,7 @@ def _flashinfer_backends(probe: bool) -> list[Check]:
 
 
 def _tuned_config(device_name: str, dims) -> tuple[dict, list[str] | None]:
-    from vllm_metax import decisions, tuned_config as tc
+    from vllm_metax.core import serving, tuned_config as tc
 
     res = tc.resolve_tuned_config(device_name)      # strict mode raises TunedConfigError
     info = {"device_name": device_name, "file_name": tc.config_filename(device_name),
@@ -211,9 +212,9 @@ def _tuned_config(device_name: str, dims) -> tuple[dict, list[str] | None]:
                 "dims": f"H{d.num_heads} ckv{d.kv_lora_rank} kpe{d.qk_rope_head_dim} {d.q_dtype}/{d.kv_dtype}",
                 "backend_order": list(m.backend_order), "buckets": len(m.buckets),
                 # buckets whose decode FLASHINFER_MLA runs with the split-KV Triton kernel
-                "split_buckets": sum(decisions.split_serves(b) is not None for b in m.buckets)})
+                "split_buckets": serving.split_buckets(m)})
         if dims is not None:
-            entry = res.config.entry_for(dims)
+            entry = serving.entry_for(res.config, dims).entry
             info["entry_for_model"] = entry is not None
             if entry is not None:
                 order = list(entry.backend_order)
@@ -225,7 +226,7 @@ def model_dims(model: str | None, tp_size: int, dtype: str = "bfloat16"):
     if model is None:
         return None
     from mla_tune.problem.workload import model_preset
-    from vllm_metax.decisions import model_key
+    from vllm_metax.core.decisions import model_key
 
     m = model_preset(model)
     return model_key(m.heads_per_rank(tp_size), m.kv_lora_rank, m.qk_rope_head_dim, dtype, dtype)
@@ -236,9 +237,9 @@ def diagnose(model: str | None = None, tp_size: int = 1, probe: bool = False) ->
     import os
 
     import vllm_metax
-    from vllm_metax.device import FORCE_ENV, detect_device
+    from vllm_metax.core.device import FORCE_ENV, detect_device
     from vllm_metax.ops.flashinfer_mla import flashinfer_available
-    from vllm_metax.tuned_config import FOLDER_ENV, STRICT_ENV
+    from vllm_metax.core.tuned_config import FOLDER_ENV, STRICT_ENV
 
     dims = model_dims(model, tp_size)
     dev = detect_device()
@@ -257,7 +258,7 @@ def diagnose(model: str | None = None, tp_size: int = 1, probe: bool = False) ->
                         pf[1] if pf[0] else f"{pf[1]}: vLLM's torch prefill (slow) instead"))
 
     tuned, tuned_order = _tuned_config(dev.name, dims)
-    from vllm_metax.backend import mla_backend_order
+    from vllm_metax.core.serving import mla_backend_order
     order, _ = mla_backend_order(tuned_order)
     if dims is not None:
         checks.append(Check("model", OK if tuned_order else WARN,

@@ -38,8 +38,8 @@ class BucketPoint:
 def bucket_points(dev: DeviceReport, m) -> list[BucketPoint]:
     """The served choice per q_len-1 bucket of a model entry: the fastest family, except that
     FLASHINFER_MLA serves the split kernel only where it beats FlashInfer's choice by the
-    plugin's margin (`vllm_metax.decisions.SPLIT_MIN_GAIN`), as the plugin does."""
-    from vllm_metax.decisions import SPLIT_MIN_GAIN
+    plugin's margin (`vllm_metax.core.decisions.SPLIT_MIN_GAIN`), as the plugin does."""
+    from vllm_metax.core.decisions import SPLIT_MIN_GAIN
     lines = {c.trial_id: c for w in dev.views_of(m) for c in w.lines}
     out = []
     for b in m.buckets:

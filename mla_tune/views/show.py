@@ -24,7 +24,7 @@ def parse_lookup(text: str) -> tuple[int, int, int]:
 def check_config_device(cfg, path, device: str | None = None) -> None:
     """Raise TunedConfigError if the file belongs to another device than its name, `device`, or
     (without `device`) this machine's accelerator; a machine without one checks the name only."""
-    from vllm_metax.tuned_config import TunedConfigError
+    from vllm_metax.core.tuned_config import TunedConfigError
     name = Path(path).name
     if name.startswith("device_name=") and name.endswith(".json") and \
             device_key(name[len("device_name="):-len(".json")]) != device_key(cfg.device_name):
@@ -32,7 +32,7 @@ def check_config_device(cfg, path, device: str | None = None) -> None:
                                f"device {cfg.device_name!r}; the plugin would ignore it")
     where = "--device"
     if device is None:
-        from vllm_metax.device import detect_device
+        from vllm_metax.core.device import detect_device
         dev = detect_device()
         if dev.source == "none":
             return
@@ -52,7 +52,7 @@ def _dims_title(e) -> str:
 def _params_text(p: dict, family: str = "") -> str:
     """{"backend": "fa3"} -> "fa3"; {"backend": "triton", "num_kv_splits": 16} -> "num_kv_splits=16"
     (a family's one backend value, triton's and split's, is not shown)."""
-    from vllm_metax.tuned_config import SPLIT_BACKEND
+    from vllm_metax.core.tuned_config import SPLIT_BACKEND
     backend = p.get("backend")
     knobs = [f"{k}={v}" for k, v in p.items() if k not in ("backend", "rule")]
     one = backend == family or (family == "split" and backend == SPLIT_BACKEND)
@@ -127,9 +127,9 @@ class Served:
 
 def served_kernel(entry, bucket) -> Served:
     """The kernel a decode step of `bucket` runs under `entry`, by the plugin's rules
-    (`vllm_metax.decisions`): FLASHINFER_MLA runs the split-KV kernel where `split_serves` says,
+    (`vllm_metax.core.decisions`): FLASHINFER_MLA runs the split-KV kernel where `split_serves` says,
     else its FlashInfer choice; TRITON_MLA its split count or vLLM's rule; FLASHMLA FlashMLA."""
-    from vllm_metax import decisions as d
+    from vllm_metax.core import decisions as d
     backend = entry.backend_order[0] if entry.backend_order else None
     if bucket is None:
         return Served(backend, None, {}, "no tuned bucket: the plugin's defaults")

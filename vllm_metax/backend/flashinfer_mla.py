@@ -9,13 +9,13 @@ page metadata through `vllm_metax.ops.paged_metadata.build_paged_metadata` and p
 `vllm_metax.ops.flashinfer_mla.MLADecodeKernel` (the op the tuner measures). After a step's first
 plan the op re-plans through FlashInfer's compiled MLAPlan only, and the metadata is strided: the
 block table itself is the page list, so nothing is launched on the device to build it. Which FlashInfer
-backend value plans the step comes from this device's tuned config (per batch/context bucket),
-loaded once per process; every layer of the step then runs that plan.
+backend value (or the split-KV kernel) plans the step comes from this device's tuned config (per
+batch/context bucket, `vllm_metax.backend.plan_choice`), loaded once per process; every layer of
+the step then runs that plan.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 from dataclasses import dataclass
 from typing import ClassVar
@@ -39,12 +39,14 @@ from vllm.v1.attention.backend import (
     AttentionCGSupport,
     AttentionLayer,
     AttentionType,
-    CommonAttentionMetadata,
     MultipleOf,
 )
 
-from vllm_metax import decisions
-from vllm_metax.backend import flashinfer_backends, served_entry
+from vllm_metax.backend import served_entry
+from vllm_metax.backend.builder import HostLengthsBuilder
+from vllm_metax.backend.plan_choice import PlanChoice
+from vllm_metax.core import decisions
+from vllm_metax.core.log import get_logger, log_once
 from vllm_metax.ops.flashinfer_mla import (
     BackendRefused,
     GraphBuffers,
@@ -52,169 +54,14 @@ from vllm_metax.ops.flashinfer_mla import (
     device_workspace,
     flashinfer_available,
 )
-from vllm_metax.ops.paged_metadata import PagedMetadata, build_paged_metadata
 from vllm_metax.ops import split_decode
-from vllm_metax.tuned_config import ModelEntry
-from vllm_metax.log import get_logger, log_once
+from vllm_metax.ops.paged_metadata import PagedMetadata, build_paged_metadata
 
 logger = get_logger(__name__)
 
-FAMILY = "flashinfer"           # the tuned-config kernel family this backend reads
 # A CUDA-graph step copies strided page indices (the whole block table) into the graph's buffer:
 # up to 2M pages (8 MB, a few microseconds of copy) that beats the compacting gather's launches.
 _GRAPH_STRIDED_MAX_PAGES = 1 << 21
-
-
-# ---------------------------------------------------------------------------- plan-time choice
-
-class PlanChoice:
-    """Which FlashInfer backend value plans a decode step: the tuned bucket's choice when it may
-    run here, else the device default (`decisions.FlashInferBackends.serve`). Lookups cost a few
-    microseconds, no I/O."""
-
-    def __init__(self, entry: ModelEntry | None, backends: decisions.FlashInferBackends):
-        self.entry = entry
-        self.backends = backends
-        self._graph: dict = {}
-        self._graph_split: dict = {}
-        self.split_enabled = True
-        # bucket -> the split kernel's knobs, where it serves that bucket (decided once, per file)
-        self._splits: dict[int, decisions.SplitChoice] = {} if entry is None else {
-            id(b): c for b in entry.buckets if b.q_len == 1 and (c := decisions.split_serves(b)) is not None}
-        self._found: tuple = (None, None)     # the last step's (lookup key, bucket): one lookup a step
-        self._warn_unservable()
-
-    @property
-    def default(self) -> str:
-        return self.backends.default
-
-    @property
-    def allowed(self) -> tuple:
-        return self.backends.allowed
-
-    def _warn_unservable(self) -> None:
-        if self.entry is None:
-            return
-        named = {c.backend for b in self.entry.buckets
-                 if (c := decisions.bucket_choice(b, FAMILY)) is not None}
-        unservable = sorted(named - set(self.allowed) - {decisions.AUTO})
-        if unservable:
-            logger.warning("vllm_metax MLA: the tuned config names FlashInfer backend(s) %s, which "
-                           "this device does not run (it runs %s); those buckets plan %r",
-                           ", ".join(unservable), ", ".join(self.allowed), self.default)
-
-    def describe(self) -> str:
-        """Which kernel decodes which tuned buckets (for the server log)."""
-        if self.entry is None:
-            return f"FlashInfer {self.default} every step (untuned)"
-        served = collections.Counter()
-        for b in self.entry.buckets:
-            split = self._splits.get(id(b)) if b.q_len == 1 and self.split_enabled else None
-            served["split-KV Triton" if split is not None else f"FlashInfer {self.for_bucket(b)}"] += 1
-        split_batches = sorted({b.batch_size for b in self.entry.buckets if id(b) in self._splits})
-        where = f" (split at batch {', '.join(map(str, split_batches))})" if split_batches else ""
-        return (", ".join(f"{k} in {n}" for k, n in served.most_common())
-                + f" of {len(self.entry.buckets)} tuned buckets{where}; the nearest bucket decides each step")
-
-    def for_bucket(self, bucket) -> str:
-        return self.backends.serve(decisions.bucket_choice(bucket, FAMILY))
-
-    def for_step(self, batch_size: int, context_len: int, q_len: int = 1) -> str:
-        """`context_len` is `decisions.bucket_context` of the batch's sequence lengths."""
-        return self.step(batch_size, context_len, q_len)[0]
-
-    def step(self, batch_size: int, context_len: int, q_len: int = 1,
-             graph: bool = False) -> tuple[str, float | None]:
-        """(backend value, KV chunk factor) for one decode step: the nearest tuned bucket's.
-        A captured graph keeps its batch size's backend (`for_graph`); the chunking is only data
-        the step's plan writes, so it follows the bucket in graphs too. The chunk factor is the
-        bucket's only where the served backend is the one it was tuned for."""
-        found = self._lookup(batch_size, context_len, q_len)
-        typed = decisions.bucket_choice(found.bucket, FAMILY) if found is not None else None
-        backend = self.for_graph(batch_size, q_len) if graph else self.backends.serve(typed)
-        chunk = typed.kv_chunk_factor if typed is not None and typed.backend == backend else None
-        return backend, chunk
-
-    def for_graph(self, batch_size: int, q_len: int = 1) -> str:
-        """A captured graph fixes its kernel for every context: the choice most buckets of the
-        nearest tuned batch size make."""
-        key = (batch_size, q_len)
-        if key not in self._graph:
-            self._graph[key] = self._graph_choice(batch_size, q_len)
-        return self._graph[key]
-
-    def _graph_choice(self, batch_size: int, q_len: int) -> str:
-        if self.entry is None or not self.entry.buckets:
-            return self.default
-        found = self.entry.lookup(batch_size, 1, q_len)
-        b, q = found.bucket.batch_size, found.bucket.q_len
-        votes = collections.Counter(
-            self.for_bucket(x) for x in self.entry.buckets if x.batch_size == b and x.q_len == q)
-        return votes.most_common(1)[0][0] if votes else self.default
-
-    def split_for(self, batch_size: int, context_len: int, q_len: int = 1,
-                  graph: bool = False) -> decisions.SplitChoice | None:
-        """The split kernel's knobs where this step should run it instead of FlashInfer
-        (`decisions.split_serves` of the nearest tuned bucket, for a launch its workspace holds),
-        else None. A captured graph fixes
-        its kernel for every context: split there only where it serves most buckets of the
-        nearest tuned batch size, with the knobs most of those name (ties: the longest context's)."""
-        if not self._splits or q_len != 1 or not self.split_enabled:
-            return None
-        if graph:
-            if batch_size not in self._graph_split:
-                self._graph_split[batch_size] = self._split_graph_choice(batch_size)
-            choice = self._graph_split[batch_size]
-        else:
-            found = self._lookup(batch_size, context_len, q_len)
-            choice = self._splits.get(id(found.bucket)) if found is not None else None
-        if choice is None or not split_decode.fits(self.entry.dims.num_heads, batch_size, choice.num_splits,
-                                                   choice.pipe):
-            return None
-        return choice
-
-    def _lookup(self, batch_size: int, context_len: int, q_len: int):
-        """`entry.lookup`, remembered for the last key: a step asks for the split kernel and then
-        for the FlashInfer plan with the same key."""
-        key = (batch_size, context_len, q_len)
-        if self._found[0] != key:
-            self._found = (key, None if self.entry is None else self.entry.lookup(*key))
-        return self._found[1]
-
-    def _split_graph_choice(self, batch_size: int) -> decisions.SplitChoice | None:
-        found = self.entry.lookup(batch_size, 1, 1)
-        if found is None:
-            return None
-        at_b = [x for x in self.entry.buckets if x.batch_size == found.bucket.batch_size and x.q_len == 1]
-        served = [(x.context_len, c) for x in at_b if (c := self._splits.get(id(x))) is not None]
-        if 2 * len(served) <= len(at_b):
-            return None
-        votes = collections.Counter(c for _, c in served)
-        top = max(votes.values())
-        return max((t for t in served if votes[t[1]] == top), key=lambda t: t[0])[1]
-
-    def split_choices(self) -> list:
-        """Every split choice the entry may serve (distinct knobs, in bucket order)."""
-        return list(dict.fromkeys(self._splits.values())) if self.split_enabled else []
-
-    def disable_split(self, reason: str) -> None:
-        """The split kernel cannot run here: FlashInfer plans every step from now on."""
-        if self.split_enabled:
-            logger.warning("vllm_metax MLA: the tuned config's split-KV decode kernel cannot run "
-                           "here (%s); FlashInfer decodes every step", reason)
-        self.split_enabled = False
-        self._graph_split.clear()
-
-    def refuse(self, backend: str, reason: str) -> str:
-        """FlashInfer refused `backend` here: never choose it again; returns the fallback."""
-        fallback = self.backends.fallback
-        logger.warning("vllm_metax MLA: FlashInfer backend %r cannot plan here (%s); using %r",
-                       backend, reason, fallback)
-        allowed = tuple(b for b in self.allowed if b != backend) or (fallback,)
-        default = fallback if self.default == backend else self.default
-        self.backends = decisions.FlashInferBackends(allowed, default, fallback)
-        self._graph.clear()
-        return fallback
 
 
 def shared_workspace(device: torch.device) -> torch.Tensor:
@@ -244,11 +91,12 @@ class FlashInferMLAMetadata(MLACommonMetadata[FlashInferMLADecodeMetadata]):
     pass
 
 
-class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder[FlashInferMLAMetadata]):
+class FlashInferMLAMetadataBuilder(HostLengthsBuilder, MLACommonMetadataBuilder[FlashInferMLAMetadata]):
     # Full CUDA graphs for uniform decode batches: one wrapper per captured (batch, q_len) with
     # persistent metadata buffers; fa2/fa3 re-plan into them before each replay.
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
     query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.UNIFORM
+    EXACT_HOST_LENGTHS: ClassVar[bool] = True      # FlashInfer plans the step from them
 
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config: VllmConfig,
                  device: torch.device):
@@ -262,8 +110,6 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder[FlashInferMLAMetadat
         # Only decode context parallelism consumes the decode LSE, and FlashInfer fixes the LSE
         # mode at plan time.
         self.plan_lse = self.dcp_world_size > 1
-        spec = vllm_config.speculative_config
-        self._num_spec_tokens = (spec.num_speculative_tokens or 0) if spec is not None else 0
         mode = self.compilation_config.cudagraph_mode
         self.full_cudagraph = mode is not None and mode.decode_mode() == CUDAGraphMode.FULL
         max_graph = self.compilation_config.max_cudagraph_capture_size
@@ -274,7 +120,7 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder[FlashInferMLAMetadat
         self.max_pages_per_req = -(-self.model_config.max_model_len // page)
 
         entry = served_entry(vllm_config, self.num_heads)
-        self.choice = PlanChoice(entry, flashinfer_backends())
+        self.choice = PlanChoice(entry, decisions.device_flashinfer_backends())
         log_once(logger, logging.INFO, "vllm_metax MLA: FLASHINFER_MLA decode kernels: %s",
                  self.choice.describe())
         self._kernels: dict[str, MLADecodeKernel] = {}
@@ -282,28 +128,10 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder[FlashInferMLAMetadat
         self._graph_buffers: dict[tuple, GraphBuffers] = {}
         self._split_kernels: dict[tuple, split_decode.SplitDecode] = {}
         self._split_workspaces: dict[tuple, tuple] = {}
-        self._common: CommonAttentionMetadata | None = None
         # every split kernel the config can serve is made and checked now, before vLLM captures a
         # graph: a capture must find the same choice its replays will make
         for choice in self.choice.split_choices():
             self._split_kernel(choice)
-
-    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> FlashInferMLAMetadata:
-        # _build_decode gets device seq_lens only; FlashInfer plans from host lengths.
-        self._common = common_attn_metadata
-        try:
-            return super().build(common_prefix_len, common_attn_metadata, fast_build)
-        finally:
-            self._common = None
-
-    def _host_seq_lens(self, seq_lens_device: torch.Tensor, num_decodes: int) -> torch.Tensor:
-        common = self._common
-        if (common is not None and common.seq_lens_cpu_upper_bound is not None
-                and self._num_spec_tokens == 0):
-            lens = common.seq_lens_cpu_upper_bound                  # exact without spec tokens
-            return lens if lens.shape[0] == num_decodes else lens[:num_decodes]
-        return seq_lens_device[:num_decodes].to("cpu")               # one sync, as vLLM's FlashInfer
 
     def _use_graph(self, num_decodes: int, num_decode_tokens: int) -> bool:
         common = self._common

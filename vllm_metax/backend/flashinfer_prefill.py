@@ -8,7 +8,7 @@ chunks by their natural-log LSE, which this backend converts from FlashInfer's b
 Plans are made from host index pointers where vLLM gives them (no device sync for the new
 tokens). Which backend each plan runs (the new tokens' plan and every context chunk's, each
 separately) comes from the tuned config's prefill section for the model, looked up by the plan's
-kind, total query tokens and mean KV tokens per request (`vllm_metax.decisions.prefill_backend`);
+kind, total query tokens and mean KV tokens per request (`vllm_metax.core.decisions.prefill_backend`);
 untuned, the device default. A value the device may not run is never planned (one warning, the
 default instead); a backend value FlashInfer refuses here falls back to fa2 for good, with one
 warning.
@@ -26,10 +26,10 @@ from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 from vllm.v1.attention.backends.mla.prefill.base import MLADimensions, MLAPrefillBackend
 from vllm.v1.attention.backends.utils import log2_lse_to_ln
 
-from vllm_metax import decisions
-from vllm_metax.backend import prefill_backends, served_entry
+from vllm_metax.backend import served_entry
+from vllm_metax.core import decisions
+from vllm_metax.core.log import get_logger, log_once
 from vllm_metax.ops.flashinfer_mla import BackendRefused, device_workspace
-from vllm_metax.log import get_logger, log_once
 from vllm_metax.ops.flashinfer_prefill import MLAPrefillKernel, prefill_available
 
 if TYPE_CHECKING:
@@ -49,8 +49,8 @@ def _workspace(device: torch.device) -> torch.Tensor:
 
 def prefill_backend_value() -> str:
     """The FlashInfer backend value prefill plans with on this device untuned: the decode default
-    (`vllm_metax.decisions`: fa3 on Hopper, fa2 elsewhere; MetaX's FlashInfer has fa2 only)."""
-    return prefill_backends().default
+    (`vllm_metax.core.decisions`: fa3 on Hopper, fa2 elsewhere; MetaX's FlashInfer has fa2 only)."""
+    return decisions.device_prefill_backends().default
 
 
 def prefill_entry(vllm_config, num_heads: int):
@@ -108,7 +108,7 @@ class FlashInferMLAPrefillBackend(MLAPrefillBackend):
         super().__init__(num_heads=num_heads, scale=scale, kv_lora_rank=kv_lora_rank,
                          qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim,
                          v_head_dim=v_head_dim, vllm_config=vllm_config)
-        self.backends = prefill_backends()
+        self.backends = decisions.device_prefill_backends()
         self.backend = self.backends.default     # the value the last new-token plan ran
         self.entry = prefill_entry(vllm_config, num_heads)
         self._main: MLAPrefillKernel | None = None

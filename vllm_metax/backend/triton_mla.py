@@ -3,7 +3,7 @@
 vLLM's TritonMLAImpl picks num_kv_splits with a fixed rule (next_power_of_2(max_seq_len // 512),
 capped at 2 x SM count), too coarse at small batch. Here the metadata builder (once per step, the
 "plan") looks the decode batch up in the tuned config's Triton choices (by the mean sequence
-length, `vllm_metax.decisions.bucket_context`, as for FlashInfer and as the tuner measured) and
+length, `vllm_metax.core.decisions.bucket_context`, as for FlashInfer and as the tuner measured) and
 records num_kv_splits in the decode metadata; the impl hands that to vLLM's own forward_mqa. Where
 the bucket kept vLLM's rule (`"rule": "vllm"`), and on a miss (no config, no entry for these dims,
 no Triton choice in the bucket, a context more than 2x from the nearest tuned one), the metadata
@@ -33,14 +33,15 @@ from vllm.v1.attention.backends.mla.triton_mla import (
 )
 from vllm.v1.worker.workspace import current_workspace_manager, is_workspace_manager_initialized
 
-from vllm_metax import decisions, tuned_config
-from vllm_metax.backend import served_entry
-from vllm_metax.device import detect_device
-from vllm_metax.log import get_logger, log_once
+from vllm_metax.backend import model_dims, user_block_size
+from vllm_metax.backend.builder import HostLengthsBuilder
+from vllm_metax.core import decisions, serving
+from vllm_metax.core.device import detect_device
+from vllm_metax.core.log import get_logger, log_once
+from vllm_metax.core.tuned_config import ModelDims, ModelEntry, load_tuned_config
 
 logger = get_logger(__name__)
 
-FAMILY = "triton"
 MAX_CONTEXT_RATIO = 2.0      # a bucket tuned for context c serves [c/2, 2c]; beyond, vLLM's rule
 
 # ------------------------------------------------------------------ the split-count hook
@@ -74,7 +75,7 @@ dtype_name = decisions.dtype_name
 class TunedSplits:
     """num_kv_splits per decode batch from one model entry of the tuned config (None: vLLM's rule)."""
 
-    def __init__(self, entry: tuned_config.ModelEntry | None, why: str = ""):
+    def __init__(self, entry: ModelEntry | None, why: str = ""):
         self.entry = entry
         self.why = why
         self.max_splits = max(self._values(), default=None)
@@ -82,20 +83,25 @@ class TunedSplits:
 
     def _values(self):
         for b in (self.entry.buckets if self.entry else ()):
-            choice = decisions.bucket_choice(b, FAMILY)
+            choice = decisions.bucket_choice(b, decisions.TRITON)
             if choice is not None and choice.served_splits is not None:
                 yield choice.served_splits
 
     @classmethod
-    def load(cls, dims: tuned_config.ModelDims, device_name: str | None = None) -> "TunedSplits":
-        """The entry for these dims in this device's tuned config (cached by the reader)."""
+    def load(cls, dims: ModelDims | None, device_name: str | None = None,
+             block_size: int | None = None) -> "TunedSplits":
+        """The Triton choices of the entry this device's tuned config (read once per process)
+        serves for these dims and the user's --block-size (`serving.entry_for`)."""
+        if dims is None:
+            return cls(None, "vLLM's config gives no MLA model dims")
         device_name = device_name or detect_device().name
-        cfg = tuned_config.load_tuned_config(device_name)
+        cfg = load_tuned_config(device_name)
         if cfg is None:
             return cls(None, f"no tuned config for {device_name!r}")
-        entry = cfg.entry_for(dims)
-        if entry is None:
-            return cls(None, f"{cfg.path}: no entry for {dims}")
+        served = serving.entry_for(cfg, dims, block_size)
+        if served.entry is None:
+            return cls(None, served.why)
+        entry = served.entry
         out = cls(entry, f"{cfg.path}")
         if out.max_splits is None:
             out.why = f"{cfg.path}: the entry for {dims} has no Triton choices but vLLM's rule"
@@ -121,7 +127,7 @@ class TunedSplits:
         ratio = max(context_len, 1) / found.bucket.context_len
         if not (1 / MAX_CONTEXT_RATIO <= ratio <= MAX_CONTEXT_RATIO):
             return None          # splits tuned for a very different length would mis-chunk
-        choice = decisions.bucket_choice(found.bucket, FAMILY)
+        choice = decisions.bucket_choice(found.bucket, decisions.TRITON)
         return choice.served_splits if choice is not None else None
 
 
@@ -146,16 +152,14 @@ class MetaxTritonMLADecodeMetadata(MLACommonDecodeMetadata):
     num_kv_splits: int | None = None      # None: vLLM's rule
 
 
-class MetaxTritonMLAMetadataBuilder(TritonMLAMetadataBuilder):
+class MetaxTritonMLAMetadataBuilder(HostLengthsBuilder, TritonMLAMetadataBuilder):
+    EXACT_HOST_LENGTHS = False     # only a bucket lookup statistic: vLLM's upper bound serves
+
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         heads = self.num_heads * self.dcp_world_size      # forward_mqa sees DCP-gathered heads
-        dims = decisions.model_key(heads, self.mla_dims.kv_lora_rank,
-                                   self.mla_dims.qk_rope_head_dim, vllm_config.model_config.dtype,
-                                   getattr(kv_cache_spec, "dtype", None))
-        self.tuned_splits = (TunedSplits.load(dims) if served_entry(vllm_config, dims=dims) is not None
-                             else TunedSplits(None, "no tuned entry serves this model (see above)"))
-        self._common = None
+        dims = model_dims(vllm_config, heads, kv_dtype=getattr(kv_cache_spec, "dtype", None))
+        self.tuned_splits = TunedSplits.load(dims, block_size=user_block_size(vllm_config))
         if self.tuned_splits.max_splits is None:
             log_once(logger, logging.INFO, "vllm_metax TRITON_MLA: vLLM's num_kv_splits rule (%s)",
                      self.tuned_splits.why)
@@ -164,27 +168,6 @@ class MetaxTritonMLAMetadataBuilder(TritonMLAMetadataBuilder):
                      self.tuned_splits.why)
         reserve_tuned_workspace(vllm_config.scheduler_config.max_num_seqs * self.reorder_batch_threshold,
                                 heads, self.mla_dims.kv_lora_rank, self.tuned_splits.max_splits)
-
-    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
-        # _build_decode gets device seq_lens only; the lookup statistic needs the host lengths
-        self._common = common_attn_metadata
-        try:
-            return super().build(common_prefix_len, common_attn_metadata, fast_build)
-        finally:
-            self._common = None
-
-    def _host_seq_lens(self, seq_lens_device: torch.Tensor, num_decodes: int):
-        """The decode rows' lengths on the host: vLLM's CPU upper bound (exact outside async
-        speculative decoding, where it is off by the drafts, nothing on a log2 lookup), else one
-        device copy."""
-        common = getattr(self, "_common", None)
-        lens = None
-        if common is not None:
-            lens = (common.dcp_local_seq_lens_cpu_upper_bound if self.dcp_world_size > 1
-                    else common.seq_lens_cpu_upper_bound)
-        if lens is None:
-            return seq_lens_device[:num_decodes].to("cpu")
-        return lens[:num_decodes]
 
     def _build_decode(
         self,
@@ -218,10 +201,10 @@ class MetaxTritonMLAImpl(TritonMLAImpl):
         super().reserve_workspace()
         cfg = self._vllm_config
         heads = self.num_heads * self.dcp_world_size
-        dims = decisions.model_key(heads, self.kv_lora_rank, self.qk_rope_head_dim,
-                                   cfg.model_config.dtype, self.kv_cache_dtype)
-        reserve_tuned_workspace(cfg.scheduler_config.max_num_seqs * max_decode_query_len(cfg),
-                                heads, self.kv_lora_rank, TunedSplits.load(dims).max_splits)
+        dims = model_dims(cfg, heads, kv_dtype=self.kv_cache_dtype)
+        reserve_tuned_workspace(cfg.scheduler_config.max_num_seqs * max_decode_query_len(cfg), heads,
+                                self.kv_lora_rank,
+                                TunedSplits.load(dims, block_size=user_block_size(cfg)).max_splits)
 
     def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
         splits = getattr(attn_metadata.decode, "num_kv_splits", None)

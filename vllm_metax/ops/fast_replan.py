@@ -29,7 +29,7 @@ import os
 import numpy as np
 import torch
 
-from vllm_metax.log import get_logger
+from vllm_metax.core.log import get_logger
 from vllm_metax.ops import mla_schedule as ms
 from vllm_metax.ops.paged_metadata import PagedMetadata
 

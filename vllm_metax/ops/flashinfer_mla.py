@@ -30,10 +30,10 @@ from typing import Optional
 
 import torch
 
-from vllm_metax.log import get_logger
+from vllm_metax.core.log import get_logger
 from vllm_metax.ops import fast_replan as fr
 from vllm_metax.ops.paged_metadata import PagedMetadata
-from vllm_metax.tuned_config import FLASHINFER_BACKENDS
+from vllm_metax.core.tuned_config import FLASHINFER_BACKENDS
 
 logger = get_logger(__name__)
 
@@ -287,7 +287,7 @@ class MLADecodeKernel:
         backends that need it (cutlass, trtllm-gen, xqa, cute-dsl: then run()'s split tensors
         must be adjacent views of one [..., ckv+kpe] tensor).
 
-        `kv_chunk` (a tuned choice, `vllm_metax.decisions.FlashInferChoice`) scales the KV chunk
+        `kv_chunk` (a tuned choice, `vllm_metax.core.decisions.FlashInferChoice`) scales the KV chunk
         limit of the schedule (`mla_schedule.chunk_limit`; infinity: never split). Only the fast
         re-plan's numpy schedule can apply it, so it takes effect from the second plan with the
         same arguments on; a batch whose chunked schedule would not fit FlashInfer's buffers is

@@ -15,7 +15,7 @@ import inspect
 
 import torch
 
-from vllm_metax.log import get_logger
+from vllm_metax.core.log import get_logger
 from vllm_metax.ops.flashinfer_mla import BackendRefused, FlashInferUnavailable, is_refusal
 
 logger = get_logger(__name__)

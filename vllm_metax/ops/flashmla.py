@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_metax.tuned_config import FLASHMLA_PAGE_SIZE as PAGE_SIZE   # FlashMLA's only KV block size
+from vllm_metax.core.tuned_config import FLASHMLA_PAGE_SIZE as PAGE_SIZE   # FlashMLA's only KV block size
 
 HEAD_DIM = 576                 # kv_lora_rank + qk_rope_head_dim
 HEAD_DIM_V = 512               # kv_lora_rank

@@ -140,29 +140,7 @@ def mla_schedule(qo_indptr, kv_indptr, kv_len, num_heads: int, causal: bool, num
     cs = cluster_size(avg)
     clusters = num_sm // cs
     tile_q = CTA_TILE_Q * cs
-    qo_start = qo_indptr[:-1]
-
-    # query tiles in MLAPlan's order: request by request, a request's last tile first
-    if q_len is not None and q_len * num_heads <= tile_q:     # one tile per request
-        req = None
-        tile = 0
-        eff = kv_len.astype(np.int64)                         # the last tile sees all the KV
-        row_tile = q_len * num_heads
-    else:
-        if qo_len is None:
-            qo_len = np.full(batch, q_len, dtype=np.int64)
-        packed = qo_len * num_heads
-        n_tiles = -(-packed // tile_q)
-        req = np.repeat(np.arange(batch), n_tiles)
-        first = np.cumsum(n_tiles) - n_tiles
-        tile = n_tiles[req] - 1 - (np.arange(req.shape[0]) - first[req])
-        eff = kv_len[req].astype(np.int64)
-        if causal:
-            t_q = qo_len[req]
-            cut = np.maximum(np.minimum(eff - t_q + -(-(tile + 1) * tile_q // num_heads), eff), 0)
-            eff = np.where(tile + 1 == n_tiles[req], eff, cut)
-        row_tile = np.minimum(tile_q, packed[req] - tile * tile_q)
-    num_tiles = eff.shape[0]
+    qo_len, req, tile, eff, row_tile = _query_tiles(kv_len, qo_len, q_len, num_heads, causal, tile_q)
     base = _kv_len_limit(int(_sum(eff)), clusters)
     limit = base if kv_chunk is None else chunk_limit(base, kv_chunk, int(eff.max()))
     n_chunks = _max((eff + (limit - 1)) // limit, 1)          # a zero-length tile gets one item
@@ -174,49 +152,13 @@ def mla_schedule(qo_indptr, kv_indptr, kv_len, num_heads: int, causal: bool, num
     num_works = int(_sum(n_chunks))
     if num_works > MAX_WORK_ITEMS:
         return None
+    qo_start = qo_indptr[:-1]
     tile_row0 = qo_start * num_heads if req is None else qo_start[req] * num_heads + tile * tile_q
-
-    if num_works == num_tiles:                                # nothing split: one item per tile
-        wt = None
-        kv_start = np.zeros(num_works, dtype=np.int64)
-        kv_end = eff
-        partial = np.full(num_works, -1, dtype=np.int64)
-        num_merges = 0
-        merges = {name: np.zeros(0, dtype=np.int64) for name in MERGE_FIELDS}
-    else:
-        split = n_chunks > 1
-        part_rows = n_chunks * row_tile * split
-        part_base = _cumsum(part_rows) - part_rows            # a split tile's first partial row
-        if limit != base and int(part_base[-1] + part_rows[-1]) > 2 * clusters * tile_q:
-            return None                                       # partial outputs beyond the buffer
-        wt = np.arange(num_tiles).repeat(n_chunks)
-        k = np.arange(num_works) - (_cumsum(n_chunks) - n_chunks)[wt]
-        kv_start = k * limit
-        kv_end = np.minimum(kv_start + limit, eff[wt])
-        rt = row_tile if req is None else row_tile[wt]
-        partial = (part_base[wt] + k * rt + 1) * split[wt] - 1    # -1 where not split
-        # merge CTAs: a split tile's rows cut into about (its KV x cluster size / limit) pieces
-        st = split.nonzero()[0]
-        rows = row_tile if req is None else row_tile[st]
-        scalar_rows = req is None
-        chunk_rows = -(-rows // pieces[st])
-        per_tile = -(-rows // chunk_rows)
-        num_merges = int(_sum(per_tile))
-        if num_merges > num_sm:
-            return None
-        q0, p0 = tile_row0[st], part_base[st]
-        p_end = p0 + n_chunks[st] * rows
-        if num_merges == st.shape[0]:                         # one merge CTA per split tile
-            m_start, m_end, m_pstart = q0, q0 + _min(chunk_rows, rows), p0
-            m_stride = np.full(num_merges, rows) if scalar_rows else rows
-        else:
-            g = np.arange(st.shape[0]).repeat(per_tile)
-            off = (np.arange(num_merges) - (_cumsum(per_tile) - per_tile)[g]) * chunk_rows[g]
-            rows_g = rows if scalar_rows else rows[g]
-            m_start, m_pstart, p_end = q0[g] + off, p0[g] + off, p_end[g]
-            m_end = q0[g] + _min(off + chunk_rows[g], rows_g)
-            m_stride = np.full(num_merges, rows) if scalar_rows else rows_g
-        merges = dict(zip(MERGE_FIELDS, (m_start, m_end, m_pstart, p_end, m_stride)))
+    items = _work_items(eff, n_chunks, pieces, num_works, row_tile, tile_row0, req is None, limit, base,
+                        2 * clusters * tile_q, num_sm)
+    if items is None:
+        return None
+    wt, kv_start, kv_end, partial, merges, num_merges = items
 
     # clusters: the largest chunk first, dealt in snake order (0..C-1, C-1..0, ...), each
     # cluster's items together (positions from `_deal`, cached per clusters x items)
@@ -237,6 +179,80 @@ def mla_schedule(qo_indptr, kv_indptr, kv_len, num_heads: int, causal: bool, num
         _REUSE.clear()
     _REUSE[key] = _Reuse(qo_indptr, np.asarray(kv_indptr), n_chunks, pieces, sched, w_req, w_tile, limit)
     return sched
+
+
+def _query_tiles(kv_len, qo_len, q_len, num_heads: int, causal: bool, tile_q: int):
+    """The batch's query tiles in MLAPlan's order (request by request, a request's last tile
+    first): (per-request query lengths, each tile's request and tile index, the KV it attends
+    to, its query rows). The common case, one tile per request, is scalars and None: tile i is
+    request i's only one."""
+    if q_len is not None and q_len * num_heads <= tile_q:     # one tile per request
+        return qo_len, None, 0, kv_len.astype(np.int64), q_len * num_heads    # the last tile sees all the KV
+    if qo_len is None:
+        qo_len = np.full(kv_len.shape[0], q_len, dtype=np.int64)
+    packed = qo_len * num_heads
+    n_tiles = -(-packed // tile_q)
+    req = np.repeat(np.arange(kv_len.shape[0]), n_tiles)
+    first = np.cumsum(n_tiles) - n_tiles
+    tile = n_tiles[req] - 1 - (np.arange(req.shape[0]) - first[req])
+    eff = kv_len[req].astype(np.int64)
+    if causal:
+        t_q = qo_len[req]
+        cut = np.maximum(np.minimum(eff - t_q + -(-(tile + 1) * tile_q // num_heads), eff), 0)
+        eff = np.where(tile + 1 == n_tiles[req], eff, cut)
+    return qo_len, req, tile, eff, np.minimum(tile_q, packed[req] - tile * tile_q)
+
+
+def _work_items(eff, n_chunks, pieces, num_works: int, row_tile, tile_row0, scalar_rows: bool,
+                limit: int, base: int, partial_rows: int, num_sm: int):
+    """The KV chunks' work items before the deal, and the merge CTAs: (each item's tile, None
+    where item i is tile i; its KV start and end; its partial-output row, -1 where its tile is
+    not split; the merges; their count). None when the batch would not fit MLAPlan's buffers
+    (`partial_rows` partial-output rows, `num_sm` merge CTAs)."""
+    num_tiles = eff.shape[0]
+    if num_works == num_tiles:                                # nothing split: one item per tile
+        merges = {name: np.zeros(0, dtype=np.int64) for name in MERGE_FIELDS}
+        return None, np.zeros(num_works, dtype=np.int64), eff, np.full(num_works, -1, dtype=np.int64), merges, 0
+    split = n_chunks > 1
+    part_rows = n_chunks * row_tile * split
+    part_base = _cumsum(part_rows) - part_rows                # a split tile's first partial row
+    if limit != base and int(part_base[-1] + part_rows[-1]) > partial_rows:
+        return None                                           # partial outputs beyond the buffer
+    wt = np.arange(num_tiles).repeat(n_chunks)
+    k = np.arange(num_works) - (_cumsum(n_chunks) - n_chunks)[wt]
+    kv_start = k * limit
+    kv_end = np.minimum(kv_start + limit, eff[wt])
+    rt = row_tile if scalar_rows else row_tile[wt]
+    partial = (part_base[wt] + k * rt + 1) * split[wt] - 1    # -1 where not split
+    found = _merge_ctas(split.nonzero()[0], n_chunks, pieces, row_tile, tile_row0, part_base, scalar_rows,
+                        num_sm)
+    if found is None:
+        return None
+    return (wt, kv_start, kv_end, partial) + found
+
+
+def _merge_ctas(st, n_chunks, pieces, row_tile, tile_row0, part_base, scalar_rows: bool, num_sm: int):
+    """The merge CTAs of the split tiles `st`: a split tile's rows cut into about (its KV x
+    cluster size / limit) pieces. (MERGE_FIELDS -> arrays, their count), or None beyond `num_sm`."""
+    rows = row_tile if scalar_rows else row_tile[st]
+    chunk_rows = -(-rows // pieces[st])
+    per_tile = -(-rows // chunk_rows)
+    num_merges = int(_sum(per_tile))
+    if num_merges > num_sm:
+        return None
+    q0, p0 = tile_row0[st], part_base[st]
+    p_end = p0 + n_chunks[st] * rows
+    if num_merges == st.shape[0]:                             # one merge CTA per split tile
+        m_start, m_end, m_pstart = q0, q0 + _min(chunk_rows, rows), p0
+        m_stride = np.full(num_merges, rows) if scalar_rows else rows
+    else:
+        g = np.arange(st.shape[0]).repeat(per_tile)
+        off = (np.arange(num_merges) - (_cumsum(per_tile) - per_tile)[g]) * chunk_rows[g]
+        rows_g = rows if scalar_rows else rows[g]
+        m_start, m_pstart, p_end = q0[g] + off, p0[g] + off, p_end[g]
+        m_end = q0[g] + _min(off + chunk_rows[g], rows_g)
+        m_stride = np.full(num_merges, rows) if scalar_rows else rows_g
+    return dict(zip(MERGE_FIELDS, (m_start, m_end, m_pstart, p_end, m_stride))), num_merges
 
 
 class _Reuse:

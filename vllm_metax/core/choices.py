@@ -5,7 +5,7 @@ the plugin (`decisions.family_choice`) all use.
 
 A family's stored parameters are `{"backend": <value>, **knobs}`: a tuned config's bucket params,
 a measured candidate's plan parameters, and a candidate string `family/<backend>/p<page>/k=v,...`
-(its knobs). Kernel facts come from the kernels (`vllm_metax.ops.split_facts`), not restated here.
+(its knobs). The split kernel's facts come from `vllm_metax.core.split_facts`, not restated here.
 
 * `check_params(family, params, where)`: strict; the typed choice, or ChoiceError (one line naming
   the bad value and the legal ones).
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm_metax.ops.split_facts import MAX_PROGRAMS, PARTIAL_DTYPES, PIPES, SERVED_PIPE
+from vllm_metax.core.split_facts import MAX_PROGRAMS, PARTIAL_DTYPES, PIPES, SERVED_PIPE
 
 FLASHINFER = "flashinfer"
 TRITON = "triton"

@@ -9,7 +9,7 @@ Both sides import this module, so they cannot drift apart:
 * the lookup statistic (`bucket_context`): a batch's per-request KV lengths -> the bucket context
   the tuner measured (the mean; a uniform bucket of context c has every length c);
 * what each kernel family's stored parameters mean (`FlashInferChoice` with its KV chunking,
-  `TritonChoice`, `SplitChoice`; defined in `vllm_metax.choices`, re-exported here), "keep vLLM's
+  `TritonChoice`, `SplitChoice`; defined in `vllm_metax.core.choices`, re-exported here), "keep vLLM's
   rule" included, read by the plugin and written by `mla-tune emit`;
 * the MLA prefill backend (`prefill_statistic`, `prefill_backend`): the lookup statistic of one
   prefill plan (total query tokens, mean KV tokens per request) and the FlashInfer ragged-prefill
@@ -21,12 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-# the typed choices, their knobs and the params <-> choice parsing: vllm_metax.choices (re-exported)
-from vllm_metax.choices import (  # noqa: F401
+# the typed choices, their knobs and the params <-> choice parsing: vllm_metax.core.choices (re-exported)
+from vllm_metax.core.choices import (  # noqa: F401
     FLASHINFER, FLASHMLA, SPLIT, TRITON, TRITON_BACKEND, VLLM_RULE, FlashInferChoice, FlashMLAChoice,
     SplitChoice, TritonChoice, family_choice, kv_chunk_factor,
 )
-from vllm_metax.tuned_config import PREFILL_BACKENDS, ModelDims
+from vllm_metax.core.tuned_config import PREFILL_BACKENDS, ModelDims
 # FLASHINFER_MLA's decode runs a bucket with the split kernel only where the sweep measured it at
 # least this much faster than the bucket's FlashInfer choice (the choice rule's ratio: a tie
 # or noise keeps FlashInfer)
@@ -66,15 +66,15 @@ def flashinfer_backends(is_metax: bool, capability: tuple | None) -> FlashInferB
 
 
 def device_flashinfer_backends() -> FlashInferBackends:
-    """`flashinfer_backends` for the visible device (vllm_metax.device, cached per process)."""
-    from vllm_metax.device import detect_device
+    """`flashinfer_backends` for the visible device (vllm_metax.core.device, cached per process)."""
+    from vllm_metax.core.device import detect_device
     dev = detect_device()
     return flashinfer_backends(dev.is_metax, dev.capability)
 
 
 def device_prefill_backends() -> FlashInferBackends:
-    """`prefill_backends` for the visible device (vllm_metax.device, cached per process)."""
-    from vllm_metax.device import detect_device
+    """`prefill_backends` for the visible device (vllm_metax.core.device, cached per process)."""
+    from vllm_metax.core.device import detect_device
     dev = detect_device()
     return prefill_backends(dev.is_metax, dev.capability)
 

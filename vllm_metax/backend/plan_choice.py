@@ -1,0 +1,165 @@
+"""Which kernel plans each decode step of FLASHINFER_MLA (vllm-free): the FlashInfer backend value
+and KV chunking of the nearest tuned bucket, or the split-KV Triton kernel where the tuned config
+serves it; a captured CUDA graph fixes its choice per batch size. The backend's metadata builder
+asks once a step; `bench/plan_cost.py` times it."""
+
+from __future__ import annotations
+
+import collections
+
+from vllm_metax.core import decisions
+from vllm_metax.core.log import get_logger
+from vllm_metax.core.tuned_config import ModelEntry
+from vllm_metax.ops import split_decode
+
+logger = get_logger(__name__)
+
+
+class PlanChoice:
+    """Which FlashInfer backend value plans a decode step: the tuned bucket's choice when it may
+    run here, else the device default (`decisions.FlashInferBackends.serve`). Lookups cost a few
+    microseconds, no I/O."""
+
+    def __init__(self, entry: ModelEntry | None, backends: decisions.FlashInferBackends):
+        self.entry = entry
+        self.backends = backends
+        self._graph: dict = {}
+        self._graph_split: dict = {}
+        self.split_enabled = True
+        # bucket -> the split kernel's knobs, where it serves that bucket (decided once, per file)
+        self._splits: dict[int, decisions.SplitChoice] = {} if entry is None else {
+            id(b): c for b in entry.buckets if b.q_len == 1 and (c := decisions.split_serves(b)) is not None}
+        self._found: tuple = (None, None)     # the last step's (lookup key, bucket): one lookup a step
+        self._warn_unservable()
+
+    @property
+    def default(self) -> str:
+        return self.backends.default
+
+    @property
+    def allowed(self) -> tuple:
+        return self.backends.allowed
+
+    def _warn_unservable(self) -> None:
+        if self.entry is None:
+            return
+        named = {c.backend for b in self.entry.buckets
+                 if (c := decisions.bucket_choice(b, decisions.FLASHINFER)) is not None}
+        unservable = sorted(named - set(self.allowed) - {decisions.AUTO})
+        if unservable:
+            logger.warning("vllm_metax MLA: the tuned config names FlashInfer backend(s) %s, which "
+                           "this device does not run (it runs %s); those buckets plan %r",
+                           ", ".join(unservable), ", ".join(self.allowed), self.default)
+
+    def describe(self) -> str:
+        """Which kernel decodes which tuned buckets (for the server log)."""
+        if self.entry is None:
+            return f"FlashInfer {self.default} every step (untuned)"
+        served = collections.Counter()
+        for b in self.entry.buckets:
+            split = self._splits.get(id(b)) if b.q_len == 1 and self.split_enabled else None
+            served["split-KV Triton" if split is not None else f"FlashInfer {self.for_bucket(b)}"] += 1
+        split_batches = sorted({b.batch_size for b in self.entry.buckets if id(b) in self._splits})
+        where = f" (split at batch {', '.join(map(str, split_batches))})" if split_batches else ""
+        return (", ".join(f"{k} in {n}" for k, n in served.most_common())
+                + f" of {len(self.entry.buckets)} tuned buckets{where}; the nearest bucket decides each step")
+
+    def for_bucket(self, bucket) -> str:
+        return self.backends.serve(decisions.bucket_choice(bucket, decisions.FLASHINFER))
+
+    def for_step(self, batch_size: int, context_len: int, q_len: int = 1) -> str:
+        """`context_len` is `decisions.bucket_context` of the batch's sequence lengths."""
+        return self.step(batch_size, context_len, q_len)[0]
+
+    def step(self, batch_size: int, context_len: int, q_len: int = 1,
+             graph: bool = False) -> tuple[str, float | None]:
+        """(backend value, KV chunk factor) for one decode step: the nearest tuned bucket's.
+        A captured graph keeps its batch size's backend (`for_graph`); the chunking is only data
+        the step's plan writes, so it follows the bucket in graphs too. The chunk factor is the
+        bucket's only where the served backend is the one it was tuned for."""
+        found = self._lookup(batch_size, context_len, q_len)
+        typed = decisions.bucket_choice(found.bucket, decisions.FLASHINFER) if found is not None else None
+        backend = self.for_graph(batch_size, q_len) if graph else self.backends.serve(typed)
+        chunk = typed.kv_chunk_factor if typed is not None and typed.backend == backend else None
+        return backend, chunk
+
+    def for_graph(self, batch_size: int, q_len: int = 1) -> str:
+        """A captured graph fixes its kernel for every context: the choice most buckets of the
+        nearest tuned batch size make."""
+        key = (batch_size, q_len)
+        if key not in self._graph:
+            self._graph[key] = self._graph_choice(batch_size, q_len)
+        return self._graph[key]
+
+    def _graph_choice(self, batch_size: int, q_len: int) -> str:
+        if self.entry is None or not self.entry.buckets:
+            return self.default
+        found = self.entry.lookup(batch_size, 1, q_len)
+        b, q = found.bucket.batch_size, found.bucket.q_len
+        votes = collections.Counter(
+            self.for_bucket(x) for x in self.entry.buckets if x.batch_size == b and x.q_len == q)
+        return votes.most_common(1)[0][0] if votes else self.default
+
+    def split_for(self, batch_size: int, context_len: int, q_len: int = 1,
+                  graph: bool = False) -> decisions.SplitChoice | None:
+        """The split kernel's knobs where this step should run it instead of FlashInfer
+        (`decisions.split_serves` of the nearest tuned bucket, for a launch its workspace holds),
+        else None. A captured graph fixes
+        its kernel for every context: split there only where it serves most buckets of the
+        nearest tuned batch size, with the knobs most of those name (ties: the longest context's)."""
+        if not self._splits or q_len != 1 or not self.split_enabled:
+            return None
+        if graph:
+            if batch_size not in self._graph_split:
+                self._graph_split[batch_size] = self._split_graph_choice(batch_size)
+            choice = self._graph_split[batch_size]
+        else:
+            found = self._lookup(batch_size, context_len, q_len)
+            choice = self._splits.get(id(found.bucket)) if found is not None else None
+        if choice is None or not split_decode.fits(self.entry.dims.num_heads, batch_size, choice.num_splits,
+                                                   choice.pipe):
+            return None
+        return choice
+
+    def _lookup(self, batch_size: int, context_len: int, q_len: int):
+        """`entry.lookup`, remembered for the last key: a step asks for the split kernel and then
+        for the FlashInfer plan with the same key."""
+        key = (batch_size, context_len, q_len)
+        if self._found[0] != key:
+            self._found = (key, None if self.entry is None else self.entry.lookup(*key))
+        return self._found[1]
+
+    def _split_graph_choice(self, batch_size: int) -> decisions.SplitChoice | None:
+        found = self.entry.lookup(batch_size, 1, 1)
+        if found is None:
+            return None
+        at_b = [x for x in self.entry.buckets if x.batch_size == found.bucket.batch_size and x.q_len == 1]
+        served = [(x.context_len, c) for x in at_b if (c := self._splits.get(id(x))) is not None]
+        if 2 * len(served) <= len(at_b):
+            return None
+        votes = collections.Counter(c for _, c in served)
+        top = max(votes.values())
+        return max((t for t in served if votes[t[1]] == top), key=lambda t: t[0])[1]
+
+    def split_choices(self) -> list:
+        """Every split choice the entry may serve (distinct knobs, in bucket order)."""
+        return list(dict.fromkeys(self._splits.values())) if self.split_enabled else []
+
+    def disable_split(self, reason: str) -> None:
+        """The split kernel cannot run here: FlashInfer plans every step from now on."""
+        if self.split_enabled:
+            logger.warning("vllm_metax MLA: the tuned config's split-KV decode kernel cannot run "
+                           "here (%s); FlashInfer decodes every step", reason)
+        self.split_enabled = False
+        self._graph_split.clear()
+
+    def refuse(self, backend: str, reason: str) -> str:
+        """FlashInfer refused `backend` here: never choose it again; returns the fallback."""
+        fallback = self.backends.fallback
+        logger.warning("vllm_metax MLA: FlashInfer backend %r cannot plan here (%s); using %r",
+                       backend, reason, fallback)
+        allowed = tuple(b for b in self.allowed if b != backend) or (fallback,)
+        default = fallback if self.default == backend else self.default
+        self.backends = decisions.FlashInferBackends(allowed, default, fallback)
+        self._graph.clear()
+        return fallback
