@@ -23,6 +23,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_b
 from vllm_metax.backend import served_entry
 from vllm_metax.core.device import FORCE_ENV, detect_device
 from vllm_metax.core.log import PARENT as LOG_PARENT
+from vllm_metax.core.profile import PROFILE_ENV
 from vllm_metax.core.serving import mla_backend_order
 from vllm_metax.core.tuned_config import FOLDER_ENV, PACKAGED_ENV, STRICT_ENV
 
@@ -39,11 +40,13 @@ logger = init_logger(f"{LOG_PARENT}.{__name__}")   # under vLLM's handler (vllm_
 
 FLASHINFER_MLA_CLASS = "vllm_metax.backend.flashinfer_mla.FlashInferMLABackend"
 TRITON_MLA_CLASS = "vllm_metax.backend.triton_mla.MetaxTritonMLABackend"    # tuned num_kv_splits
+FLASHMLA_CLASS = "vllm_metax.backend.flashmla.MetaxFlashMLABackend"       # the plugin's FlashMLA op
 FLASHINFER_MLA_PREFILL_CLASS = "vllm_metax.backend.flashinfer_prefill.FlashInferMLAPrefillBackend"
 
 SPARSE_MLA_ORDER = ("FLASHMLA_SPARSE",)
 DEFAULT_ATTN_ORDER = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
-PLUGIN_BACKENDS = {"FLASHINFER_MLA": FLASHINFER_MLA_CLASS, "TRITON_MLA": TRITON_MLA_CLASS}
+PLUGIN_BACKENDS = {"FLASHINFER_MLA": FLASHINFER_MLA_CLASS, "TRITON_MLA": TRITON_MLA_CLASS,
+                   "FLASHMLA": FLASHMLA_CLASS}
 PLUGIN_PREFILL_BACKENDS = {"FLASHINFER": FLASHINFER_MLA_PREFILL_CLASS}
 # MLA prefill by priority: the plugin's FlashInfer ragged prefill, then vLLM's dense torch prefill
 # (correct anywhere, slow: for hosts without FlashInfer). vLLM's FLASH_ATTN prefill needs
@@ -51,12 +54,12 @@ PLUGIN_PREFILL_BACKENDS = {"FLASHINFER": FLASHINFER_MLA_PREFILL_CLASS}
 MLA_PREFILL_ORDER = ("FLASHINFER", "CPU")
 # Our variables start with VLLM_ (vLLM-metax convention), so vLLM's environment check must know them.
 WORKER_CLASS = "vllm_metax.worker.MetaxWorker"
-OWN_ENV_VARS = frozenset({FORCE_ENV, FOLDER_ENV, STRICT_ENV, PACKAGED_ENV})
+OWN_ENV_VARS = frozenset({FORCE_ENV, FOLDER_ENV, STRICT_ENV, PACKAGED_ENV, PROFILE_ENV})
 
 
 def register_backends() -> None:
-    """Point FLASHINFER_MLA, TRITON_MLA and the FLASHINFER MLA prefill at the plugin's backends
-    (idempotent)."""
+    """Point FLASHINFER_MLA, TRITON_MLA, FLASHMLA and the FLASHINFER MLA prefill at the plugin's
+    backends (idempotent)."""
     from vllm.v1.attention.backends.mla.prefill.registry import (
         MLAPrefillBackendEnum,
         register_mla_prefill_backend,
@@ -322,6 +325,17 @@ class MetaxPlatform(Platform):
         return [AttentionBackendEnum[n] for n in order], why
 
     @classmethod
+    def _warn_tuned_skipped(cls, invalid: dict, chosen: AttentionBackendEnum,
+                            attn_selector_config, num_heads) -> None:
+        """One warning where backends the tuned config orders first cannot run here."""
+        entry = cls._tuned_entry_for_selection(attn_selector_config, num_heads)
+        tuned = set(entry.backend_order) if entry is not None else set()
+        skipped = {b: r for b, r in invalid.items() if b.name in tuned}
+        if skipped:
+            logger.warning_once("vllm_metax MLA: the tuned config's %s cannot run here %s; using %s",
+                                ", ".join(b.name for b in skipped), _reasons_str(skipped), chosen.name)
+
+    @classmethod
     def _tuned_entry_for_selection(cls, attn_selector_config, num_heads):
         """The served entry for the model keyed with the dtypes vLLM selects a backend for."""
         from vllm.config import get_current_vllm_config_or_none
@@ -368,6 +382,7 @@ class MetaxPlatform(Platform):
                 continue
             if invalid:
                 logger.debug("vllm_metax: skipped %s", _reasons_str(invalid))
+                cls._warn_tuned_skipped(invalid, backend, attn_selector_config, num_heads)
             logger.info_once("Using %s attention backend (%s: %s).", backend.name, why,
                              ", ".join(b.name for b in order))
             return backend.get_path()

@@ -5,9 +5,10 @@ package's modules, imported only when vLLM resolves them."""
 
 from __future__ import annotations
 
+import collections
 import logging
 
-from vllm_metax.core import decisions, serving
+from vllm_metax.core import decisions, profile, serving
 from vllm_metax.core.device import detect_device
 from vllm_metax.core.log import get_logger, log_once
 from vllm_metax.core.tuned_config import ModelDims, ModelEntry, load_tuned_config
@@ -62,4 +63,21 @@ def served_entry(vllm_config, num_heads: int | None = None, *, q_dtype=None,
     served = serving.entry_for(cfg, dims, user_block_size(vllm_config))
     log_once(logger, logging.INFO if served.entry is not None else logging.WARNING,
              "vllm_metax MLA: %s", served.why)
+    say_profile(cfg, served.entry)
     return served.entry
+
+
+def say_profile(cfg, entry: ModelEntry | None) -> None:
+    """Once per process: one warning where the config was tuned under another profile than the
+    active one, and one line on the entry's choices the active profile cannot run (each such
+    bucket is served with the device default)."""
+    active = profile.active_profile()
+    mismatch = profile.config_mismatch(cfg, active)
+    if mismatch:
+        log_once(logger, logging.WARNING, "vllm_metax MLA: %s", mismatch)
+    refused = profile.unservable_choices(entry, active)
+    if refused:
+        whys = collections.Counter(why for _, _, why in refused)
+        log_once(logger, logging.INFO, "vllm_metax MLA: %d bucket choices the %s target cannot run "
+                 "are served with the device default: %s", len(refused), active.name,
+                 "; ".join(f"{why} ({n} buckets)" for why, n in whys.most_common()))

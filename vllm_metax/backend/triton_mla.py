@@ -38,6 +38,7 @@ from vllm_metax.backend.builder import HostLengthsBuilder
 from vllm_metax.core import decisions, serving
 from vllm_metax.core.device import detect_device
 from vllm_metax.core.log import get_logger, log_once
+from vllm_metax.core.profile import active_profile
 from vllm_metax.core.tuned_config import ModelDims, ModelEntry, load_tuned_config
 
 logger = get_logger(__name__)
@@ -66,6 +67,32 @@ def _install_split_hook():
 
 vllm_num_kv_splits = _install_split_hook()
 
+# The launch variant (`choices.TRITON_VARIANTS`) of the forward_mqa call in progress: vLLM's own
+# `decode_attention_fwd` ("vllm"), or vLLM's kernels launched with a vendor's settings
+# (`vllm_metax.backend.triton_launch`), wrapped like the split count.
+_VARIANT: contextvars.ContextVar[str] = contextvars.ContextVar(
+    "vllm_metax_triton_mla_variant", default=decisions.DEFAULT_TRITON_VARIANT)
+
+
+def _install_launch_hook():
+    """Wrap the `decode_attention_fwd` vLLM's TRITON_MLA module calls once; returns vLLM's."""
+    current = _vllm_triton_mla.decode_attention_fwd
+    original = getattr(current, "__wrapped__", current)
+
+    def decode_attention_fwd(*args, **kwargs):
+        variant = _VARIANT.get()
+        if variant == decisions.DEFAULT_TRITON_VARIANT:
+            return original(*args, **kwargs)
+        from vllm_metax.backend import triton_launch
+        return triton_launch.decode_attention_fwd(*args, variant=variant, **kwargs)
+
+    decode_attention_fwd.__wrapped__ = original
+    _vllm_triton_mla.decode_attention_fwd = decode_attention_fwd
+    return original
+
+
+vllm_decode_attention_fwd = _install_launch_hook()
+
 
 # ------------------------------------------------------------------ tuned choice per step
 
@@ -73,13 +100,18 @@ dtype_name = decisions.dtype_name
 
 
 class TunedSplits:
-    """num_kv_splits per decode batch from one model entry of the tuned config (None: vLLM's rule)."""
+    """num_kv_splits per decode batch from one model entry of the tuned config (None: vLLM's rule),
+    and the launch variant of each (`launch`; untuned: the active profile's default)."""
 
     def __init__(self, entry: ModelEntry | None, why: str = ""):
         self.entry = entry
         self.why = why
         self.max_splits = max(self._values(), default=None)
+        self.default_variant = active_profile().triton_default
+        self.variants = {c.variant for b in (entry.buckets if entry else ())
+                         if (c := decisions.bucket_choice(b, decisions.TRITON)) is not None}
         self._memo: tuple | None = None
+        self._launch_memo: tuple | None = None
 
     def _values(self):
         for b in (self.entry.buckets if self.entry else ()):
@@ -121,14 +153,31 @@ class TunedSplits:
         return n
 
     def _lookup(self, batch_size: int, context_len: int, q_len: int) -> int | None:
-        found = self.entry.lookup(batch_size, max(context_len, 1), q_len)
+        choice = self._choice(batch_size, context_len, q_len)
+        return choice.served_splits if choice is not None else None
+
+    def _choice(self, batch_size: int, context_len: int, q_len: int):
+        """The nearest bucket's TritonChoice, or None (no entry, or too far in context)."""
+        found = self.entry.lookup(batch_size, max(context_len, 1), q_len) if self.entry else None
         if found is None:
             return None
         ratio = max(context_len, 1) / found.bucket.context_len
         if not (1 / MAX_CONTEXT_RATIO <= ratio <= MAX_CONTEXT_RATIO):
             return None          # splits tuned for a very different length would mis-chunk
-        choice = decisions.bucket_choice(found.bucket, decisions.TRITON)
-        return choice.served_splits if choice is not None else None
+        return decisions.bucket_choice(found.bucket, decisions.TRITON)
+
+    def launch(self, batch_size: int, context_len: int, q_len: int = 1) -> str:
+        """The launch variant for this decode batch: the nearest bucket's, else the profile's
+        default (also where the entry names one launch only, without a lookup)."""
+        if not self.variants:
+            return self.default_variant
+        if len(self.variants) == 1 and self.max_splits is not None:
+            return next(iter(self.variants))
+        key = (batch_size, context_len, q_len)
+        if self._launch_memo is None or self._launch_memo[0] != key:
+            choice = self._choice(batch_size, context_len, q_len)
+            self._launch_memo = (key, choice.variant if choice is not None else self.default_variant)
+        return self._launch_memo[1]
 
 
 def reserve_tuned_workspace(max_decode_rows: int, q_num_heads: int, kv_lora_rank: int,
@@ -150,6 +199,7 @@ def reserve_tuned_workspace(max_decode_rows: int, q_num_heads: int, kv_lora_rank
 @dataclass
 class MetaxTritonMLADecodeMetadata(MLACommonDecodeMetadata):
     num_kv_splits: int | None = None      # None: vLLM's rule
+    variant: str = decisions.DEFAULT_TRITON_VARIANT     # the kernels' launch
 
 
 class MetaxTritonMLAMetadataBuilder(HostLengthsBuilder, TritonMLAMetadataBuilder):
@@ -166,6 +216,10 @@ class MetaxTritonMLAMetadataBuilder(HostLengthsBuilder, TritonMLAMetadataBuilder
         else:
             log_once(logger, logging.INFO, "vllm_metax TRITON_MLA: tuned num_kv_splits from %s",
                      self.tuned_splits.why)
+        launches = sorted(self.tuned_splits.variants | {self.tuned_splits.default_variant})
+        if launches != [decisions.DEFAULT_TRITON_VARIANT]:
+            log_once(logger, logging.INFO, "vllm_metax TRITON_MLA: kernel launch %s (untuned: %s)",
+                     " / ".join(launches), self.tuned_splits.default_variant)
         reserve_tuned_workspace(vllm_config.scheduler_config.max_num_seqs * self.reorder_batch_threshold,
                                 heads, self.mla_dims.kv_lora_rank, self.tuned_splits.max_splits)
 
@@ -182,18 +236,23 @@ class MetaxTritonMLAMetadataBuilder(HostLengthsBuilder, TritonMLAMetadataBuilder
     ) -> MetaxTritonMLADecodeMetadata:
         num_decodes = block_table_tensor.shape[0]
         q_len = max(1, num_decode_tokens // max(num_decodes, 1))
+        splits, variant = self._tuned_splits_for(seq_lens_device, num_decodes, q_len)
         return MetaxTritonMLADecodeMetadata(
             block_table=block_table_tensor,
             seq_lens=seq_lens_device,
             dcp_tot_seq_lens=dcp_tot_seq_lens_device,
-            num_kv_splits=self._tuned_splits_for(seq_lens_device, num_decodes, q_len),
+            num_kv_splits=splits,
+            variant=variant,
         )
 
-    def _tuned_splits_for(self, seq_lens_device, num_decodes: int, q_len: int) -> int | None:
-        if self.tuned_splits.max_splits is None or num_decodes < 1:
-            return None          # no tuned counts: no host lengths needed
-        lens = self._host_seq_lens(seq_lens_device, num_decodes)
-        return self.tuned_splits.choose(num_decodes, decisions.bucket_context(lens), q_len)
+    def _tuned_splits_for(self, seq_lens_device, num_decodes: int, q_len: int) -> tuple:
+        """(num_kv_splits or None for vLLM's rule, launch variant) of this decode batch."""
+        tuned = self.tuned_splits
+        if num_decodes < 1 or (tuned.max_splits is None and len(tuned.variants) <= 1):
+            return None, tuned.launch(num_decodes, 1, q_len)   # no lookup: no host lengths needed
+        context = decisions.bucket_context(self._host_seq_lens(seq_lens_device, num_decodes))
+        return (tuned.choose(num_decodes, context, q_len),
+                tuned.launch(num_decodes, context, q_len))
 
 
 class MetaxTritonMLAImpl(TritonMLAImpl):
@@ -208,13 +267,13 @@ class MetaxTritonMLAImpl(TritonMLAImpl):
 
     def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
         splits = getattr(attn_metadata.decode, "num_kv_splits", None)
-        if splits is None:
-            return super().forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)
-        token = _TUNED_SPLITS.set(splits)
+        variant = getattr(attn_metadata.decode, "variant", decisions.DEFAULT_TRITON_VARIANT)
+        tokens = (_TUNED_SPLITS.set(splits), _VARIANT.set(variant))
         try:
             return super().forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)
         finally:
-            _TUNED_SPLITS.reset(token)
+            _VARIANT.reset(tokens[1])
+            _TUNED_SPLITS.reset(tokens[0])
 
 
 class MetaxTritonMLABackend(TritonMLABackend):

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vllm_metax.core.split_facts import MAX_PROGRAMS, PARTIAL_DTYPES, PIPES, SERVED_PIPE
+from vllm_metax.core.triton_facts import LAUNCHES as TRITON_LAUNCHES
 
 FLASHINFER = "flashinfer"
 TRITON = "triton"
@@ -36,6 +37,10 @@ KV_CHUNKS = ("x0.25", "x0.5", "x2", "x4", "none")
 TRITON_BACKEND = "triton"   # the Triton family's one backend value (params["backend"])
 MAX_KV_SPLITS = 256         # vLLM's Triton MLA decode: num_kv_splits in 1..256
 VLLM_RULE = "vllm"          # TritonChoice params["rule"]: the split count is vLLM's own rule
+# TritonChoice params["variant"]: how the kernel is launched. "vllm": vLLM's own launch; the others
+# are vendors' launch settings for the same kernels (vllm_metax.core.triton_facts); absent = "vllm"
+TRITON_VARIANTS = ("vllm",) + tuple(TRITON_LAUNCHES)
+DEFAULT_TRITON_VARIANT = "vllm"
 FLASHMLA_BACKEND = "flashmla"   # the flashmla family's one backend value (FlashMLA has no knobs)
 FLASHMLA_PAGE_SIZE = 64         # FlashMLA's only KV block size
 # The split family (vllm_metax/ops/split_decode.py, served by FLASHINFER_MLA's decode for the
@@ -56,7 +61,7 @@ DEFAULT_FA3_SCHEDULE = "aot"
 # family -> (required knobs, optional knobs); a family's params are {"backend", *knobs}
 KNOBS = {
     FLASHINFER: ((), ("kv_chunk",)),
-    TRITON: (("num_kv_splits",), ("rule",)),
+    TRITON: (("num_kv_splits",), ("rule", "variant")),
     FLASHMLA: ((), ()),
     SPLIT: (("num_splits", "partial"), ("pipe",)),
     FA3: (("num_splits",), ("schedule",)),
@@ -64,7 +69,8 @@ KNOBS = {
 # how a candidate of each family is written, for the refusals of a malformed one
 CANDIDATE_FORMS = {
     FLASHINFER: f"flashinfer/<backend>/p<page>[/kv_chunk=<{'|'.join(KV_CHUNKS)}>]",
-    TRITON: f"{TRITON}/{TRITON_BACKEND}/p<page>/num_kv_splits=N[,rule={VLLM_RULE}]",
+    TRITON: f"{TRITON}/{TRITON_BACKEND}/p<page>/num_kv_splits=N[,rule={VLLM_RULE}]"
+            f"[,variant=<{'|'.join(TRITON_VARIANTS)}>]",
     SPLIT: f"{SPLIT}/{SPLIT_BACKEND}/p<page>/num_splits=N,partial=<dtype>[,pipe=<pipe>]",
     FLASHMLA: f"{FLASHMLA}/{FLASHMLA_BACKEND}/p{FLASHMLA_PAGE_SIZE}, no knobs",
     FA3: f"{FA3}/{FA3_BACKEND}/p<page, a multiple of 16>/num_splits=N (0: FA3's heuristic)"
@@ -112,10 +118,12 @@ class FlashInferChoice:
 @dataclass(frozen=True)
 class TritonChoice:
     """A Triton bucket's choice: a tuned num_kv_splits, or vLLM's own rule (`vllm_rule`; then
-    `num_kv_splits` is what the rule gave at the bucket's length, kept for people)."""
+    `num_kv_splits` is what the rule gave at the bucket's length, kept for people), and the launch
+    variant (`TRITON_VARIANTS`: vLLM's own launch, or a vendor's settings for the same kernels)."""
 
     num_kv_splits: int | None
     vllm_rule: bool = False
+    variant: str = DEFAULT_TRITON_VARIANT
 
     @property
     def served_splits(self) -> int | None:
@@ -126,6 +134,8 @@ class TritonChoice:
         p = {"backend": TRITON_BACKEND, "num_kv_splits": self.num_kv_splits}
         if self.vllm_rule:
             p["rule"] = VLLM_RULE
+        if self.variant != DEFAULT_TRITON_VARIANT:
+            p["variant"] = self.variant
         return p
 
 
@@ -231,7 +241,9 @@ def check_params(family: str, params, where: str):
     _one_of(params, "backend", (TRITON_BACKEND,), where, TRITON_BACKEND)   # hand-written: optional
     n = _int_in(params, "num_kv_splits", 1, MAX_KV_SPLITS, where)
     rule = _one_of(params, "rule", (VLLM_RULE,), where) if "rule" in params else None
-    return TritonChoice(n, rule == VLLM_RULE)
+    variant = (_one_of(params, "variant", TRITON_VARIANTS, where) if "variant" in params
+               else DEFAULT_TRITON_VARIANT)
+    return TritonChoice(n, rule == VLLM_RULE, variant)
 
 
 def candidate_choice(family: str, backend: str, knobs: dict, where: str):
@@ -274,9 +286,12 @@ def family_choice(family: str, params) -> FlashInferChoice | TritonChoice | Spli
         return FlashInferChoice(b, chunk if chunk in KV_CHUNKS else None)
     if family == TRITON:
         n = params.get("num_kv_splits")
+        variant = params.get("variant", DEFAULT_TRITON_VARIANT)
+        if variant not in TRITON_VARIANTS:
+            return None            # a launch this version does not know: vLLM's rule and launch
         if params.get("rule") == VLLM_RULE:
-            return TritonChoice(n if _positive_int(n) else None, True)
-        return TritonChoice(n) if _positive_int(n) else None
+            return TritonChoice(n if _positive_int(n) else None, True, variant)
+        return TritonChoice(n, False, variant) if _positive_int(n) else None
     if family in (SPLIT, FA3):
         backend = SPLIT_BACKEND if family == SPLIT else FA3_BACKEND
         try:

@@ -23,9 +23,11 @@ from typing import Sequence
 
 # the typed choices, their knobs and the params <-> choice parsing: vllm_metax.core.choices (re-exported)
 from vllm_metax.core.choices import (  # noqa: F401
-    FLASHINFER, FLASHMLA, SPLIT, TRITON, TRITON_BACKEND, VLLM_RULE, FlashInferChoice, FlashMLAChoice,
-    SplitChoice, TritonChoice, family_choice, kv_chunk_factor,
+    DEFAULT_TRITON_VARIANT, FLASHINFER, FLASHMLA, SPLIT, TRITON, TRITON_BACKEND, TRITON_VARIANTS,
+    VLLM_RULE, FlashInferChoice, FlashMLAChoice, SplitChoice, TritonChoice, family_choice,
+    kv_chunk_factor,
 )
+from vllm_metax.core.profile import Profile, active_profile, get_profile, why_unservable
 from vllm_metax.core.tuned_config import PREFILL_BACKENDS, ModelDims
 # FLASHINFER_MLA's decode runs a bucket with the split kernel only where the sweep measured it at
 # least this much faster than the bucket's FlashInfer choice (the choice rule's ratio: a tie
@@ -53,6 +55,15 @@ class FlashInferBackends:
             return choice.backend
         return self.default
 
+    def limited_to(self, values: tuple | None) -> "FlashInferBackends":
+        """These backends within `values` (a profile's; None: all of them), the default the first
+        allowed one where the device default is not among them."""
+        if values is None:
+            return self
+        allowed = tuple(b for b in self.allowed if b in values) or (self.fallback,)
+        return FlashInferBackends(allowed, self.default if self.default in allowed else allowed[0],
+                                  self.fallback)
+
 
 def flashinfer_backends(is_metax: bool, capability: tuple | None) -> FlashInferBackends:
     """Hopper (SM90): fa3 (faster at every measured shape) and fa2; MetaX, whose FlashInfer build
@@ -65,18 +76,26 @@ def flashinfer_backends(is_metax: bool, capability: tuple | None) -> FlashInferB
     return FlashInferBackends(("fa2",), "fa2")
 
 
-def device_flashinfer_backends() -> FlashInferBackends:
-    """`flashinfer_backends` for the visible device (vllm_metax.core.device, cached per process)."""
+def device_flashinfer_backends(profile=None) -> FlashInferBackends:
+    """`flashinfer_backends` for the visible device (vllm_metax.core.device, cached per process)
+    under `profile` (default: the active one, `vllm_metax.core.profile`)."""
     from vllm_metax.core.device import detect_device
-    dev = detect_device()
-    return flashinfer_backends(dev.is_metax, dev.capability)
+    dev, prof = detect_device(), _profile(profile)
+    return flashinfer_backends(dev.is_metax or prof.is_metax, dev.capability).limited_to(
+        prof.flashinfer_backends)
 
 
-def device_prefill_backends() -> FlashInferBackends:
-    """`prefill_backends` for the visible device (vllm_metax.core.device, cached per process)."""
+def device_prefill_backends(profile=None) -> FlashInferBackends:
+    """`prefill_backends` for the visible device (vllm_metax.core.device, cached per process)
+    under `profile` (default: the active one)."""
     from vllm_metax.core.device import detect_device
-    dev = detect_device()
-    return prefill_backends(dev.is_metax, dev.capability)
+    dev, prof = detect_device(), _profile(profile)
+    return prefill_backends(dev.is_metax or prof.is_metax, dev.capability).limited_to(
+        prof.flashinfer_backends)
+
+
+def _profile(profile) -> Profile:
+    return active_profile() if profile is None else get_profile(profile)
 
 
 # ---------------------------------------------------------------- the model key
@@ -154,16 +173,19 @@ def unservable_prefill(entry, backends: FlashInferBackends) -> list[str]:
 
 # ---------------------------------------------------------------- per-family choices
 
-def split_serves(bucket) -> "SplitChoice | None":
+def split_serves(bucket, profile=None) -> "SplitChoice | None":
     """The split kernel's choice where FLASHINFER_MLA's decode should run it in this bucket: the
     bucket names split as its best family, and split measured at least SPLIT_MIN_GAIN times
     faster than the bucket's FlashInfer choice (both times from the same sweep). None: run
-    FlashInfer (no split choice, no FlashInfer time to compare, or too small a gain)."""
+    FlashInfer (no split choice, no FlashInfer time to compare, too small a gain, or a pipe
+    `profile` (default: the active one) cannot run)."""
     if bucket is None or bucket.best_family != SPLIT:
         return None
     sc, fc = bucket.families.get(SPLIT), bucket.families.get(FLASHINFER)
     choice = family_choice(SPLIT, sc.params) if sc is not None else None
     if choice is None or fc is None or not sc.time_us or not fc.time_us:
+        return None
+    if why_unservable(SPLIT, sc.params, _profile(profile)):
         return None
     return choice if fc.time_us >= SPLIT_MIN_GAIN * sc.time_us else None
 
@@ -174,8 +196,8 @@ def bucket_choice(bucket, family: str) -> FlashInferChoice | TritonChoice | None
     return family_choice(family, fc.params) if fc is not None else None
 
 
-__all__ = ["AUTO", "FALLBACK_BACKEND", "FLASHINFER", "FLASHMLA", "FlashInferBackends", "FlashInferChoice",
-           "SPLIT", "SPLIT_MIN_GAIN", "SplitChoice", "TRITON", "split_serves", "TritonChoice", "VLLM_RULE", "bucket_choice",
+__all__ = ["AUTO", "DEFAULT_TRITON_VARIANT", "FALLBACK_BACKEND", "FLASHINFER", "FLASHMLA", "FlashInferBackends", "FlashInferChoice",
+           "SPLIT", "SPLIT_MIN_GAIN", "SplitChoice", "TRITON", "TRITON_VARIANTS", "split_serves", "TritonChoice", "VLLM_RULE", "bucket_choice",
            "bucket_context", "device_flashinfer_backends", "device_prefill_backends", "dtype_name",
            "family_choice", "flashinfer_backends", "kv_chunk_factor", "model_key",
            "prefill_backend", "prefill_backends", "prefill_statistic", "unservable_prefill"]

@@ -16,19 +16,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vllm_metax.core import decisions
+from vllm_metax.core.profile import NVIDIA, PROFILES, active_profile, get_profile
 from vllm_metax.core.tuned_config import ModelDims, ModelEntry, TunedConfig
 
-# MLA backends by priority when no tuned config decides. FLASHINFER_MLA is ours (wrapper-based
-# fa2/fa3, runs on Hopper and MetaX); FLASHMLA and TRITON_MLA are what vLLM-metax ships.
-DEFAULT_MLA_ORDER = ("FLASHINFER_MLA", "FLASHMLA", "TRITON_MLA")
+# MLA backends by priority when no tuned config decides, per profile (`Profile.mla_order`). On
+# NVIDIA: FLASHINFER_MLA (ours: wrapper-based fa2/fa3), FLASHMLA, TRITON_MLA; on MetaX the vendor
+# plugin's order, FLASHMLA then TRITON_MLA, before ours.
+DEFAULT_MLA_ORDER = PROFILES[NVIDIA].mla_order
 
 
-def mla_backend_order(tuned_order: list[str] | None = None) -> tuple[list[str], str]:
-    """The MLA backends to try, best first, and why: a tuned order first, the defaults after it
-    (so a backend the tuned order lists that cannot run still has a fallback)."""
+def mla_backend_order(tuned_order: list[str] | None = None, profile=None) -> tuple[list[str], str]:
+    """The MLA backends to try, best first, and why: a tuned order first, the profile's defaults
+    (default: the active profile's) after it, so a backend the tuned order lists that cannot run
+    still has a fallback."""
+    prof = active_profile() if profile is None else get_profile(profile)
     if not tuned_order:
-        return list(DEFAULT_MLA_ORDER), "default MLA order"
-    return list(dict.fromkeys(list(tuned_order) + list(DEFAULT_MLA_ORDER))), "tuned config"
+        why = "default MLA order" + (f" ({prof.name} profile)" if prof.name != NVIDIA else "")
+        return list(prof.mla_order), why
+    return list(dict.fromkeys(list(tuned_order) + list(prof.mla_order))), "tuned config"
 
 
 @dataclass(frozen=True)

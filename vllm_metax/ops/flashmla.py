@@ -20,8 +20,16 @@ FlashMLASchedMeta per step. `FlashMLADecode.new_step()` forgets the schedule.
 
 Constraints (FlashMLA's): page (KV block) size 64, head dim 576 (kv_lora_rank 512 + rope 64),
 head_dim_v 512, q and KV of one 16-bit dtype, Hopper (compute capability 9.x: the dense kernels
-of this build are sm_90a only). MetaX's FlashMLA port is a different library; where this one is
-missing, `flashmla_available()` says so and FLASHMLA is not chosen.
+of this build are sm_90a only).
+
+MetaX's FlashMLA port is another library: the `flash_mla` package (`flash_mla==1.0.1+metax`, what
+the vendor's vLLM-metax FLASHMLA backend calls), with FlashMLA 1.0's Python interface
+`get_mla_metadata(cache_seqlens, q_tokens_per_head_k, num_heads_k) -> (tile_scheduler_metadata,
+num_splits)` and `flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v,
+tile_scheduler_metadata, num_splits, softmax_scale, causal) -> (out, lse)`: the same schedule
+once per step, then one attention call per layer. On a MetaX device (`vllm_metax.core.device`)
+the op runs that package; elsewhere vLLM's library (or, where vLLM's is absent, the package).
+Where neither can run, `flashmla_available()` says so and FLASHMLA is not chosen.
 """
 
 from __future__ import annotations
@@ -38,6 +46,8 @@ HEAD_DIM = 576                 # kv_lora_rank + qk_rope_head_dim
 HEAD_DIM_V = 512               # kv_lora_rank
 LIBRARY_GLOB = "_flashmla_C*.so"
 OP_NAMESPACE = "_flashmla_C"
+VLLM_LIBRARY = "vllm"          # vllm/_flashmla_C: torch.ops._flashmla_C.dense_decode_fwd
+VENDOR_LIBRARY = "flash_mla"   # the flash_mla package (MetaX's build): FlashMLA 1.0's interface
 
 _lock = threading.Lock()
 _loaded: tuple[bool, str] | None = None
@@ -87,17 +97,51 @@ def load_library() -> tuple[bool, str]:
         return _loaded
 
 
-def flashmla_available(device=None, capability: tuple | None = None) -> tuple[bool, str]:
-    """(FlashMLA dense decode can run here, why not). `capability` overrides the device's
-    (tests); the library is only loaded once a CUDA device qualifies."""
+def vendor_interface():
+    """The flash_mla package's (get_mla_metadata, flash_mla_with_kvcache), or (None, why not).
+    Never raises."""
+    try:
+        import flash_mla
+    except Exception as e:  # noqa: BLE001 - a broken install is "not here", with its reason
+        return None, f"the flash_mla package is not importable ({type(e).__name__}: {str(e)[:200]})"
+    for mod in (flash_mla, getattr(flash_mla, "flash_mla_interface", None)):
+        meta = getattr(mod, "get_mla_metadata", None)
+        fwd = getattr(mod, "flash_mla_with_kvcache", None)
+        if callable(meta) and callable(fwd):
+            return (meta, fwd), ""
+    return None, "the flash_mla package has no get_mla_metadata / flash_mla_with_kvcache"
+
+
+def _on_metax() -> bool:
+    from vllm_metax.core import device
+    return device.detect_device().is_metax
+
+
+def flashmla_library(device=None, capability: tuple | None = None) -> tuple[str | None, str]:
+    """(the library FlashMLA's dense decode runs with here, why none): the flash_mla package on
+    a MetaX device; vLLM's library on a Hopper GPU, else the package there. `capability`
+    overrides the device's (tests); a library is only loaded once a device qualifies."""
+    if _on_metax():
+        found, why = vendor_interface()
+        return (VENDOR_LIBRARY, "") if found else (None, f"MetaX device: {why}")
     if capability is None:
         if not torch.cuda.is_available():
-            return False, "FlashMLA needs a CUDA device (torch sees none)"
+            return None, "FlashMLA needs a CUDA device (torch sees none)"
         capability = tuple(torch.cuda.get_device_capability(device))
     if capability[0] != 9:
-        return False, (f"FlashMLA's dense decode kernels are built for Hopper (sm_90a); this device "
-                       f"is compute capability {capability[0]}.{capability[1]}")
-    return load_library()
+        return None, (f"FlashMLA's dense decode kernels are built for Hopper (sm_90a); this device "
+                      f"is compute capability {capability[0]}.{capability[1]}")
+    ok, why = load_library()
+    if ok:
+        return VLLM_LIBRARY, ""
+    found, vendor_why = vendor_interface()
+    return (VENDOR_LIBRARY, "") if found else (None, f"{why}; {vendor_why}")
+
+
+def flashmla_available(device=None, capability: tuple | None = None) -> tuple[bool, str]:
+    """(FlashMLA dense decode can run here, why not): `flashmla_library` found one."""
+    library, why = flashmla_library(device, capability)
+    return library is not None, why
 
 
 def check_shapes(num_heads: int, kv_lora_rank: int, rope_dim: int, page_size: int,
@@ -120,11 +164,23 @@ class FlashMLADecode:
     the step's first call. CUDA-graph capturable once a schedule exists or is computed inside
     the captured call (its tensors then live in the graph's pool)."""
 
-    def __init__(self, softmax_scale: float, causal: bool = False):
-        ok, why = load_library()
-        if not ok:
-            raise RuntimeError(why)
-        self._fwd = getattr(torch.ops, OP_NAMESPACE).dense_decode_fwd   # resolved once, not per layer
+    def __init__(self, softmax_scale: float, causal: bool = False, library: str | None = None):
+        """`library`: VLLM_LIBRARY or VENDOR_LIBRARY (default: `flashmla_library()`'s)."""
+        if library is None:
+            library, why = flashmla_library()
+            if library is None:
+                raise RuntimeError(why)
+        self.library = library
+        if library == VENDOR_LIBRARY:
+            found, why = vendor_interface()
+            if found is None:
+                raise RuntimeError(why)
+            self._metadata, self._vendor_fwd = found
+        else:
+            ok, why = load_library()
+            if not ok:
+                raise RuntimeError(why)
+            self._fwd = getattr(torch.ops, OP_NAMESPACE).dense_decode_fwd   # resolved once, not per layer
         self.softmax_scale = float(softmax_scale)
         self.causal = bool(causal)
         self.tile_scheduler_metadata: torch.Tensor | None = None
@@ -142,22 +198,44 @@ class FlashMLADecode:
         """q [B, q_len, H, 576], kv_cache [pages, 64, 576] (vLLM's layout), block_table int32
         [B, max_pages], seq_lens int32 [B] on the device; out [B, q_len, H, 512] (contiguous) or
         None. Returns (out, lse [B, H, q_len])."""
+        if self.library == VENDOR_LIBRARY:
+            return self._run_vendor(q, kv_cache, block_table, seq_lens, out)
         stale = self._stale
         o, lse, tsm, ns = self._fwd(
             q, kv_cache.unsqueeze(-2), HEAD_DIM_V, seq_lens, block_table, self.softmax_scale,
             self.causal, None if stale else self.tile_scheduler_metadata,
             None if stale else self.num_splits, out)
         if stale:
-            old_t, old_n = self.tile_scheduler_metadata, self.num_splits
-            if (old_t is not None and old_n is not None and old_t.shape == tsm.shape
-                    and old_n.shape == ns.shape):
-                old_t.copy_(tsm)
-                old_n.copy_(ns)
-            else:
-                self.tile_scheduler_metadata, self.num_splits = tsm, ns
-            self._stale = False
+            self._keep_schedule(tsm, ns)
         return o, lse
 
+    def _run_vendor(self, q, kv_cache, block_table, seq_lens, out):
+        """The flash_mla package: the schedule from `get_mla_metadata` on the step's first call
+        (one KV head: q_len x heads query rows per head), then `flash_mla_with_kvcache`, whose
+        output is copied into `out` where one is given (FlashMLA 1.0 takes none)."""
+        if self._stale:
+            tsm, ns = self._metadata(seq_lens, q.shape[1] * q.shape[2], 1)
+            self._keep_schedule(tsm, ns)
+        o, lse = self._vendor_fwd(q, kv_cache.unsqueeze(-2), block_table, seq_lens, HEAD_DIM_V,
+                                  self.tile_scheduler_metadata, self.num_splits,
+                                  softmax_scale=self.softmax_scale, causal=self.causal)
+        if out is not None:
+            out.copy_(o)
+            o = out
+        return o, lse
 
-__all__ = ["FlashMLADecode", "HEAD_DIM", "HEAD_DIM_V", "PAGE_SIZE", "check_shapes",
-           "flashmla_available", "library_path", "load_library"]
+    def _keep_schedule(self, tsm: torch.Tensor, ns: torch.Tensor) -> None:
+        """A fresh schedule, copied into the old tensors where it has their shapes."""
+        old_t, old_n = self.tile_scheduler_metadata, self.num_splits
+        if (old_t is not None and old_n is not None and old_t.shape == tsm.shape
+                and old_n.shape == ns.shape):
+            old_t.copy_(tsm)
+            old_n.copy_(ns)
+        else:
+            self.tile_scheduler_metadata, self.num_splits = tsm, ns
+        self._stale = False
+
+
+__all__ = ["FlashMLADecode", "HEAD_DIM", "HEAD_DIM_V", "PAGE_SIZE", "VENDOR_LIBRARY", "VLLM_LIBRARY",
+           "check_shapes", "flashmla_available", "flashmla_library", "library_path", "load_library",
+           "vendor_interface"]

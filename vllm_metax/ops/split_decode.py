@@ -253,8 +253,10 @@ def fits(num_heads: int, batch_size: int, num_splits: int, pipe: str = SERVED_PI
 
 
 def served(num_splits: int, partial: str, num_heads: int, page_size: int, max_batch: int, device,
-           workspace=None, kv_lora_rank: int = 512, rope_dim: int = 64, pipe: str = SERVED_PIPE) -> "SplitDecode":
-    """The served configuration of the `split` family for these knobs (validated: ValueError)."""
+           workspace=None, kv_lora_rank: int = 512, rope_dim: int = 64, pipe: str = SERVED_PIPE,
+           profile=None) -> "SplitDecode":
+    """The served configuration of the `split` family for these knobs (validated: ValueError);
+    `profile` (default: the active one) may rule the TMA kernel out (`tma_supported`)."""
     if partial not in PARTIAL_DTYPES:
         raise ValueError(f"partial must be one of {', '.join(PARTIAL_DTYPES)}, got {partial!r}")
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 1 <= num_splits <= MAX_PROGRAMS:
@@ -262,7 +264,7 @@ def served(num_splits: int, partial: str, num_heads: int, page_size: int, max_ba
     p = pipe_of(pipe)
     # a TMA tile lies in one page; below that page size, or where the device has no TMA, the
     # pointer kernel (pipes of the TMA kernel only: refused)
-    tma = p.block_n <= page_size and tma_supported(device)
+    tma = p.block_n <= page_size and tma_supported(device, profile)
     if p.tma_only and not tma:
         raise ValueError(f"pipe {pipe!r} runs on the TMA kernel only: a page of at least {p.block_n} tokens "
                          f"(got {page_size}) on a GPU with a tensor-memory accelerator")
@@ -276,11 +278,15 @@ def served(num_splits: int, partial: str, num_heads: int, page_size: int, max_ba
                        load="tma" if tma else "gather", group_pages=p.group_pages, pdl=p.pdl)
 
 
-def tma_supported(device) -> bool:
+def tma_supported(device, profile=None) -> bool:
     """Whether the TMA kernel can run on `device`: a Triton with tensor descriptors, and an NVIDIA
     GPU of compute capability 9 or later (Hopper's tensor-memory accelerator; MetaX GPUs, found
-    by pymxsml or their name, have none); a CPU tensor runs it under Triton's interpreter."""
+    by pymxsml or their name, have none); a CPU tensor runs it under Triton's interpreter. Never
+    under a profile whose target has no TMA (`profile`, default: the active one: metax)."""
+    from vllm_metax.core.profile import active_profile, get_profile
     if _TensorDescriptor is None:
+        return False
+    if not (active_profile() if profile is None else get_profile(profile)).split_tma:
         return False
     dev = torch.device(device)
     if dev.type != "cuda":
