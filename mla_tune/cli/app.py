@@ -5,11 +5,14 @@ from __future__ import annotations
 import errno
 import os
 import sys
+from enum import Enum
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup
+
+from vllm_metax.core.profile import PROFILE_ENV, PROFILE_NAMES
 
 
 # Old flag spellings, kept working for one release (0.2 drops them) but left out of --help and
@@ -83,6 +86,23 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
     the vllm_metax plugin loads. Start with `mla-tune sweep`, then `mla-tune report`."""
 console = Console()
 err_console = Console(stderr=True)
+
+# The target profiles (vllm_metax.core.profile) as a Typer choice: --profile on every command
+# that measures or writes a config for a target.
+ProfileName = Enum("ProfileName", {n: n for n in PROFILE_NAMES}, type=str)
+
+
+def profile_option(what: str, default: str = ""):
+    """The --profile option; `what` says what it does, `default` what it is when not given."""
+    default = default or f"${PROFILE_ENV}, else the device's: metax on a MetaX GPU"
+    return typer.Option(None, "--profile", case_sensitive=False,
+                        help=f"target profile, {' or '.join(PROFILE_NAMES)}: {what} (default: "
+                             f"{default})")
+
+
+def profile_value(value) -> str | None:
+    """A --profile value as the library takes it (None: not given)."""
+    return getattr(value, "value", value)
 
 EXIT_USER_ERROR = 2     # bad input: flags, files, DBs
 EXIT_FAILURE = 1        # the job ran and failed

@@ -9,7 +9,8 @@ from typing import List, Optional
 
 import typer
 
-from mla_tune.cli.app import app, console, err_console, fail, given, print_view
+from mla_tune.cli.app import (ProfileName, app, console, err_console, fail, given, print_view,
+                              profile_option, profile_value)
 from mla_tune.views.render import OutputFormat
 from mla_tune.validate import INT, PathArgument, PathOption
 
@@ -92,6 +93,8 @@ def emit(
     mix: Optional[Path] = PathOption(None, "--mix", help="Workload mix CSV (batch,context,weight)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="Check everything and say what would "
                                  "be written; write nothing"),
+    profile: Optional[ProfileName] = profile_option(
+        "only trials measured under it", "the one the device's trials were measured under"),
 ):
     """Write the tuned config(s) the vllm_metax plugin loads, from the measurements in the DB.
     A CPU-reference config goes into the packaged configs/ only with an explicit --configs-dir."""
@@ -102,7 +105,8 @@ def emit(
         fail("--device and --all-devices exclude each other")
     output_folder(configs_dir, "--configs-dir")
     flt = _filter(device, model, run)
-    kw = dict(model=flt.model, runs=flt.runs, mix=_mix(mix), cpu_ok=bool(given(ctx, "configs_dir")))
+    kw = dict(model=flt.model, runs=flt.runs, mix=_mix(mix), cpu_ok=bool(given(ctx, "configs_dir")),
+              profile=profile_value(profile))
     with _open_store(_db_path(db)) as store:
         planned = (configs_to_emit(store, configs_dir, **kw) if all_devices else
                    [config_to_emit(store, configs_dir, device=flt.device, **kw)])

@@ -14,7 +14,8 @@ from rich.markup import escape
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
 
-from mla_tune.cli.app import EXIT_FAILURE, app, console, err_console, fail, given, print_view
+from mla_tune.cli.app import (EXIT_FAILURE, ProfileName, app, console, err_console, fail, given,
+                              print_view, profile_option, profile_value)
 from mla_tune.measure.worker import Isolation
 from mla_tune.problem.defaults import SWEEP_PAGE_SIZES
 from mla_tune.tune.verdict import MIN_RATIO
@@ -220,8 +221,13 @@ Q_DTYPE = typer.Option("bfloat16", "--q-dtype")
 KV_DTYPE = typer.Option("bfloat16", "--kv-dtype")
 PAGE_SIZE = typer.Option(None, "--page-size", help="KV page sizes (powers of two, 1-256); repeat "
                          f"(default {', '.join(map(str, SWEEP_PAGE_SIZES))})")
-FAMILY = typer.Option(None, "--family", help=f"kernel families; repeat (default: GPU "
-                      f"{', '.join(GPU_FAMILIES)}; CPU {', '.join(CPU_FAMILIES)}; opt-in: flashmla)")
+FAMILY = typer.Option(None, "--family", help=f"kernel families; repeat (default: the profile's: "
+                      f"GPU {', '.join(GPU_FAMILIES)}, on metax flashmla too; CPU "
+                      f"{', '.join(CPU_FAMILIES)}; opt-in: flashmla)")
+PROFILE = profile_option("limit every family to what that target runs (metax: FlashInfer fa2 "
+                         "through the flat API, no TMA or PDL split pipes, the vendor's Triton "
+                         "launch beside vLLM's, FlashMLA at page 64); recorded with the results "
+                         "and in the config")
 MODE = typer.Option(Mode.auto, "--mode", help="auto (grid when the space is small), grid, tpe")
 GRID_MAX = typer.Option(64, "--grid-max", help="auto: largest space searched exhaustively",
                         **INT["grid_max"].typer)
@@ -275,7 +281,7 @@ def sweep(
     contexts: Optional[str] = CONTEXTS, q_len: Optional[List[int]] = Q_LEN,
     lengths: Optional[str] = LENGTHS, q_dtype: str = Q_DTYPE, kv_dtype: str = KV_DTYPE,
     page_size: Optional[List[int]] = PAGE_SIZE, family: Optional[List[str]] = FAMILY,
-    mode: Mode = MODE, grid_max: int = GRID_MAX, trials: Optional[int] = TRIALS,
+    profile: Optional[ProfileName] = PROFILE, mode: Mode = MODE, grid_max: int = GRID_MAX, trials: Optional[int] = TRIALS,
     patience: int = PATIENCE, time_budget: Optional[str] = TIME_BUDGET,
     timeout: Optional[float] = TIMEOUT, samples: Optional[int] = SAMPLES,
     warmup: Optional[int] = WARMUP, isolation: Isolation = ISOLATION, remeasure: bool = REMEASURE,
@@ -336,7 +342,8 @@ def _checked_combination(ctx, f: dict) -> list[str] | None:
 def _search_flags(ctx, f: dict, gpu_list) -> dict:
     """The SweepConfig fields a live sweep and a replay take alike."""
     from mla_tune.problem.workload import WorkloadMix
-    return dict(families=f["family"], mode=f["mode"].value, grid_max=f["grid_max"],
+    return dict(families=f["family"], profile=profile_value(f["profile"]), mode=f["mode"].value,
+                grid_max=f["grid_max"],
                 max_trials=f["trials"], patience=f["patience"] or None, seed=f["seed"],
                 isolation=f["isolation"].value, remeasure=f["remeasure"], name=f["name"],
                 journal=f["journal"], mix=WorkloadMix.from_file(str(f["mix"])) if f["mix"] else None,

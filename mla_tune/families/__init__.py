@@ -3,6 +3,7 @@ dependencies (flashinfer, vllm) load only when it is asked for."""
 
 from __future__ import annotations
 
+import inspect
 from importlib import import_module
 
 from mla_tune.families.base import Availability, Candidate, CandidateInvalid, Family, Prepared
@@ -51,15 +52,20 @@ def check_candidate(c: Candidate) -> Candidate:
     return c
 
 
-def get_family(family: str) -> Family:
-    """Instantiate a family by name; unknown names raise KeyError with the known ones."""
+def get_family(family: str, profile=None) -> Family:
+    """Instantiate a family by name, limited to `profile`'s target (`vllm_metax.core.profile`;
+    None: the active one) where the family takes one; unknown names raise KeyError with the
+    known ones."""
     if family not in _FAMILIES:
         raise KeyError(f"unknown kernel family {family!r}; known: {', '.join(_FAMILIES)}")
     mod, _, cls = _FAMILIES[family].partition(":")
     try:
-        return getattr(import_module(mod), cls)()
+        klass = getattr(import_module(mod), cls)
     except ImportError as e:
         return _Unavailable(family, f"cannot import {mod}: {e}")
+    if profile is not None and "profile" in inspect.signature(klass).parameters:
+        return klass(profile=profile)
+    return klass()
 
 
 class _Unavailable:

@@ -75,6 +75,15 @@ class CandidateInvalid(Exception):
         self.message = message
 
 
+def refuse_outside_profile(candidate: Candidate, profile) -> None:
+    """CandidateInvalid("unsupported") for a candidate `profile`'s target cannot run
+    (`vllm_metax.core.profile.why_unservable`): measured data that no config of it may name."""
+    from vllm_metax.core.profile import why_unservable
+    why = why_unservable(candidate.family, {"backend": candidate.backend, **candidate.params}, profile)
+    if why:
+        raise CandidateInvalid("unsupported", f"{candidate.key}: {why} (profile {profile.name})")
+
+
 @dataclass
 class Prepared:
     """A planned candidate over one problem instance.

@@ -30,7 +30,9 @@ cut; the plugin's own schedule does:
 
 What this device may run, and the untuned default, are the plugin's rule
 (`vllm_metax.core.decisions.flashinfer_backends`): fa3 and fa2 on Hopper (default fa3), fa2 on MetaX
-and everywhere else. The space is those values the installed FlashInfer accepts, and the default
+and everywhere else, within the target profile's (`vllm_metax.core.profile`): under "metax" fa2
+only, planned through FlashInfer's flat 0.2.x API (as MetaX's `flashinfer==0.2.6+metax` plans it:
+FlashInfer's own plan(), so no fast re-plan and no `kv_chunk` candidates). The space is those values the installed FlashInfer accepts, and the default
 candidate is what the plugin plans without a tuned config, so the tuner measures exactly what the
 plugin may serve. A refusal is stored as invalid("unsupported") with FlashInfer's message.
 """
@@ -41,7 +43,8 @@ import time
 
 import torch
 
-from mla_tune.families.base import Availability, Candidate, CandidateInvalid, Prepared
+from mla_tune.families.base import (Availability, Candidate, CandidateInvalid, Prepared,
+                                   refuse_outside_profile)
 from mla_tune.problem.defaults import DEFAULT_PAGE_SIZE
 from mla_tune.problem.workload import Workload
 from mla_tune.problem.instance import torch_dtype
@@ -56,21 +59,24 @@ def _op():
     return flashinfer_mla
 
 
-def device_backends():
-    """The plugin's FlashInfer backend rule for the visible device."""
+def device_backends(profile=None):
+    """The plugin's FlashInfer backend rule for the visible device under `profile` (None: the
+    active one)."""
     from vllm_metax.core.decisions import device_flashinfer_backends
-    return device_flashinfer_backends()
+    return device_flashinfer_backends(profile)
 
 
 class FlashInferFamily:
     family = FAMILY
 
     def __init__(self, api: str | None = None, workspace_bytes: int | None = None,
-                 fast_replan: bool | None = None):
-        """`api` forces the flat or keyword FlashInfer API form (tests); default: detected.
-        `fast_replan` is MLADecodeKernel's (on, as the plugin runs it; off times FlashInfer's own
-        plan())."""
-        self.api = api
+                 fast_replan: bool | None = None, profile=None):
+        """`api` forces the flat or keyword FlashInfer API form (tests); default: the profile's
+        (`profile`, None: the active one), else detected. `fast_replan` is MLADecodeKernel's (on,
+        as the plugin runs it; off times FlashInfer's own plan())."""
+        from vllm_metax.core.profile import active_profile, get_profile
+        self.profile = get_profile(profile) if profile is not None else active_profile()
+        self.api = api or self.profile.flashinfer_api
         self.workspace_bytes = workspace_bytes
         from vllm_metax.ops.fast_replan import ENABLED
         self.fast_replan = ENABLED if fast_replan is None else fast_replan
@@ -92,7 +98,7 @@ class FlashInferFamily:
             accepted = set(op.concrete_backends())
         except op.FlashInferUnavailable:
             return ()
-        return tuple(b for b in device_backends().allowed if b in accepted)
+        return tuple(b for b in device_backends(self.profile).allowed if b in accepted)
 
     def space(self, workload: Workload, page_sizes: list[int]) -> list[Candidate]:
         backends = self.backends()
@@ -111,8 +117,9 @@ class FlashInferFamily:
             return False
 
     def default_candidate(self, workload: Workload, page_size: int = DEFAULT_PAGE_SIZE) -> Candidate:
-        """What the plugin plans without a tuned config (fa3 on Hopper, fa2 elsewhere)."""
-        return Candidate(self.family, device_backends().default, page_size)
+        """What the plugin plans without a tuned config (fa3 on Hopper, fa2 elsewhere and under
+        the metax profile)."""
+        return Candidate(self.family, device_backends(self.profile).default, page_size)
 
     def prepare(self, workload: Workload, candidate: Candidate, problem) -> Prepared:
         """Plan the candidate over `problem` (first plan JIT-compiles: `compile_s`)."""
@@ -121,6 +128,7 @@ class FlashInferFamily:
             choice = candidate_choice(FAMILY, candidate.backend, candidate.params, candidate.key)
         except ChoiceError as e:
             raise CandidateInvalid("unsupported", str(e)) from None
+        refuse_outside_profile(candidate, self.profile)
         kv_chunk, factor = choice.kv_chunk, choice.kv_chunk_factor
         try:
             api = op.flashinfer_api()

@@ -1,5 +1,7 @@
 """FlashMLA's dense decode kernel (vLLM's FLASHMLA backend) as a measurable family, through the
-plugin's op (`vllm_metax.ops.flashmla.FlashMLADecode`: the call the plugin's FLASHMLA backend makes).
+plugin's op (`vllm_metax.ops.flashmla.FlashMLADecode`: the call the plugin's FLASHMLA backend
+makes, with vLLM's FlashMLA library on Hopper and MetaX's `flash_mla` package on a MetaX GPU).
+The choose step maps it to the FLASHMLA attention backend (page 64 only), which the plugin serves.
 
 What a caller of FlashMLA's dense decode can choose, and what of it is a knob: nothing but the
 backend itself. The page size is fixed at 64; the split schedule (how many KV splits per request,
@@ -39,8 +41,13 @@ class FlashMLAFamily:
     def available(self, device: str) -> Availability:
         if not str(device).startswith("cuda"):
             return Availability(False, "FlashMLA needs a CUDA device")
-        ok, why = _op().flashmla_available(device)
-        return Availability(ok, why or f"FlashMLA dense decode ({_op().library_path().name})")
+        op = _op()
+        library, why = op.flashmla_library(device)
+        if library is None:
+            return Availability(False, why)
+        where = (op.library_path().name if library == op.VLLM_LIBRARY and op.library_path()
+                 else "the flash_mla package")
+        return Availability(True, f"FlashMLA dense decode ({where})")
 
     def space(self, workload: Workload, page_sizes: list[int]) -> list[Candidate]:
         page = FLASHMLA_PAGE_SIZE

@@ -33,7 +33,8 @@ import time
 
 import torch
 
-from mla_tune.families.base import Availability, Candidate, CandidateInvalid, Prepared
+from mla_tune.families.base import (Availability, Candidate, CandidateInvalid, Prepared,
+                                   refuse_outside_profile)
 from mla_tune.problem.defaults import DEFAULT_PAGE_SIZE
 from mla_tune.problem.workload import Workload
 from vllm_metax.core.choices import SPLIT as FAMILY
@@ -100,6 +101,12 @@ def pipe_splits(num_heads: int, batch_size: int, max_len: int, pipe: str) -> lis
 class SplitFamily:
     family = FAMILY
 
+    def __init__(self, profile=None):
+        """`profile`: the target profile (None: the active one); its pipes only, and no TMA
+        kernel where its target has no tensor-memory accelerator."""
+        from vllm_metax.core.profile import active_profile, get_profile
+        self.profile = get_profile(profile) if profile is not None else active_profile()
+
     def available(self, device: str) -> Availability:
         if not str(device).startswith("cuda"):
             return Availability(False, "the split kernel is timed on a CUDA device (Triton)")
@@ -124,7 +131,7 @@ class SplitFamily:
             out.append(Candidate(self.family, BACKEND, DEFAULT_PAGE_SIZE,
                                  {"num_splits": default, "partial": "float32"}))
         for pipe in _op().PIPES:
-            if pipe != SERVED_PIPE:
+            if pipe != SERVED_PIPE and pipe in self.profile.split_pipes:
                 out += [Candidate(self.family, BACKEND, DEFAULT_PAGE_SIZE,
                                   {"num_splits": s, "partial": "bfloat16", "pipe": pipe})
                         for s in pipe_splits(H, B, max_len, pipe)]
@@ -145,6 +152,7 @@ class SplitFamily:
             raise CandidateInvalid("unsupported", str(e)) from None
         if not self._servable(workload):
             raise CandidateInvalid("unsupported", "the split kernel decodes q_len 1 only")
+        refuse_outside_profile(candidate, self.profile)
         dev = problem.device
         if dev.type != "cuda" and not _interpreted():
             raise CandidateInvalid("unsupported", "the split kernel needs a CUDA device (or Triton's interpreter)")
@@ -156,7 +164,7 @@ class SplitFamily:
                                  f"workspace ({op.served_rows(H, pipe)} rows)")
             kernel = op.served(s, partial, H, candidate.page_size, workload.batch_size, dev,
                                kv_lora_rank=workload.kv_lora_rank, rope_dim=workload.qk_rope_head_dim,
-                               pipe=pipe)
+                               pipe=pipe, profile=self.profile)
         except ValueError as e:
             raise CandidateInvalid("unsupported", str(e)) from None
         seq_lens = problem.seq_lens_cpu.to(dev)

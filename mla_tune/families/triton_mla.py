@@ -16,12 +16,19 @@ it is a tuning knob:
 * `is_mla=False` computes the same result on a slower path (576-wide K padded to a 1024 tile, V
   loaded a second time); TRITON_MLA always passes True. `logit_cap`, `k_scale`/`v_scale` change the
   math, not the speed. BLOCK_N (32), BLOCK_H (16), num_warps (4) and num_stages (2) are fixed
-  inside vLLM: no caller can set them. None of these is in the search space.
+  inside vLLM: no caller of `decode_attention_fwd` can set them.
+* `variant` (`vllm_metax.core.choices.TRITON_VARIANTS`): how the kernels are launched. "vllm" (no
+  knob) is vLLM's `decode_attention_fwd`; "metax" launches vLLM's own kernels with the MetaX
+  vendor's settings (BLOCK_N 16, one stage, the general head-tile rule:
+  `vllm_metax.core.triton_facts`; the launcher is `vllm_metax.backend.triton_launch`, what
+  TRITON_MLA serves). The target profile (`vllm_metax.core.profile`) says which launches a sweep
+  measures (metax: both) and which one is the untuned default (metax: the vendor's).
 """
 
 from __future__ import annotations
 
 import builtins
+import functools
 import importlib.util
 import math
 import os
@@ -33,6 +40,7 @@ import torch
 
 from mla_tune.families.base import Availability, Candidate, CandidateInvalid, Prepared
 from mla_tune.problem.workload import Workload
+from vllm_metax.core.choices import DEFAULT_TRITON_VARIANT as VLLM_VARIANT
 
 BACKEND = "triton"
 KERNEL_BLOCK_N = 32          # tokens per stage-1 iteration (fixed in vLLM): the finest split worth having
@@ -40,6 +48,7 @@ MAX_SPLITS = 256
 MAX_WAVES = 64               # a restriction, not a constraint: past 64 CTAs per SM more splits only
                              # add stage-2 merge work (vLLM's own choice always stays in the space)
 RULE_PARAM = "rule"          # params["rule"] = "vllm" marks the candidate vLLM's own rule picks
+VARIANT_PARAM = "variant"    # params["variant"]: the launch (absent: vLLM's own, VLLM_VARIANT)
 PAGE_MULTIPLE = 16           # vLLM's TritonMLABackend.get_supported_kernel_block_sizes() == [MultipleOf(16)]
 
 
@@ -159,9 +168,14 @@ def _check_page(page_size: int) -> None:
 
 
 class TritonMLAFamily:
-    """vLLM's TRITON_MLA decode kernel; knobs: page size (multiple of 16) x num_kv_splits."""
+    """vLLM's TRITON_MLA decode kernel; knobs: page size (multiple of 16) x num_kv_splits, and the
+    launch variants of the target profile."""
 
     family = "triton"
+
+    def __init__(self, profile=None):
+        from vllm_metax.core.profile import active_profile, get_profile
+        self.profile = get_profile(profile) if profile is not None else active_profile()
 
     def available(self, device: str) -> Availability:
         try:
@@ -176,28 +190,32 @@ class TritonMLAFamily:
         import vllm
         return Availability(True, f"vllm {vllm.__version__} decode_attention_fwd")
 
-    def _candidate(self, page_size: int, splits: int, default: int) -> Candidate:
+    def _candidate(self, page_size: int, splits: int, default: int,
+                   variant: str = VLLM_VARIANT) -> Candidate:
         params = {"num_kv_splits": splits}
         if splits == default:
             params[RULE_PARAM] = "vllm"
+        if variant != VLLM_VARIANT:
+            params[VARIANT_PARAM] = variant
         return Candidate(self.family, BACKEND, page_size, params)
 
     def space(self, workload: Workload, page_sizes: list[int]) -> list[Candidate]:
         sm = _sm_count()
         default = vllm_num_kv_splits(max(workload.seq_lens), sm)
         splits = sorted(set(split_choices(workload, sm)) | {default})
-        return [self._candidate(p, n, default)
+        return [self._candidate(p, n, default, v) for v in self.profile.triton_variants
                 for p in page_sizes if p % PAGE_MULTIPLE == 0 for n in splits]
 
     def default_candidate(self, workload: Workload, page_size: int) -> Candidate:
-        """num_kv_splits by vLLM's own rule for this batch (params carry rule=vllm)."""
+        """num_kv_splits by vLLM's own rule for this batch (params carry rule=vllm), launched as
+        TRITON_MLA launches it untuned under the profile (metax: the vendor's settings)."""
         n = vllm_num_kv_splits(max(workload.seq_lens), _sm_count())
-        return self._candidate(page_size, n, n)
+        return self._candidate(page_size, n, n, self.profile.triton_default)
 
     def prepare(self, workload: Workload, candidate: Candidate, problem) -> Prepared:
         _check_page(candidate.page_size)
         try:
-            decode_attention_fwd = _kernel()
+            decode_attention_fwd = launcher(candidate.params.get(VARIANT_PARAM, VLLM_VARIANT))
         except ImportError as e:
             raise CandidateInvalid("unsupported", str(e)) from None
         splits = candidate.params.get("num_kv_splits")
@@ -240,6 +258,23 @@ class TritonMLAFamily:
         except Exception as e:
             raise CandidateInvalid("compile", f"{type(e).__name__}: {e}") from None
         return Prepared(run=run, plan=None, out=o, compile_s=time.perf_counter() - t0, graphable=True)
+
+
+def launcher(variant: str):
+    """`decode_attention_fwd` as `variant` launches it: vLLM's own, or vLLM's kernels with a
+    vendor's settings (`vllm_metax.backend.triton_launch`); ImportError saying why not here."""
+    kernel = _kernel()
+    if variant == VLLM_VARIANT:
+        return kernel
+    from vllm_metax.core.choices import TRITON_VARIANTS
+    if variant not in TRITON_VARIANTS:
+        raise ImportError(f"unknown Triton launch variant {variant!r} (known: "
+                          f"{', '.join(TRITON_VARIANTS)})")
+    try:
+        from vllm_metax.backend import triton_launch
+    except Exception as e:
+        raise ImportError(f"the {variant} Triton launch is not importable: {type(e).__name__}: {e}") from None
+    return functools.partial(triton_launch.decode_attention_fwd, variant=variant)
 
 
 def packed_query(q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:

@@ -134,15 +134,16 @@ def _kernel_key(w, c: Candidate, longest: int):
     specialised on."""
     if c.family == TRITON_FAMILY:
         width = -(-longest // c.page_size)
-        return (w.q_len, c.page_size, c.params.get("num_kv_splits"), width == 1, width % 16 == 0)
+        return (w.q_len, c.page_size, c.params.get("num_kv_splits"), c.params.get("variant"),
+                width == 1, width % 16 == 0)
     return (c.page_size, c.params.get("pipe"), c.params.get("partial"), c.params.get("num_splits", 1) > 1)
 
 
-def triton_jobs(buckets: Iterable[tuple]) -> list[dict]:
+def triton_jobs(buckets: Iterable[tuple], profile: str | None = None) -> list[dict]:
     """One compile job per Triton kernel specialisation that the Triton and split candidates of
     `buckets` ((workload, candidates) pairs, in sweep order) need, first needed first
     (`_kernel_key`). A job holds a one-request workload with the longest request's length: the
-    same table width."""
+    same table width. `profile`: the target profile the families are prepared under."""
     seen, jobs = set(), []
     for w, cands in buckets:
         longest = max(w.seq_lens)
@@ -158,7 +159,7 @@ def triton_jobs(buckets: Iterable[tuple]) -> list[dict]:
                          "qk_rope_head_dim": w.qk_rope_head_dim, "softmax_scale": w.softmax_scale,
                          "context_len": longest, "q_len": w.q_len, "q_dtype": w.q_dtype,
                          "kv_dtype": w.kv_dtype, "backend": c.backend, "page_size": c.page_size,
-                         "params": c.params})
+                         "params": c.params, "profile": profile})
     return jobs
 
 
@@ -230,7 +231,7 @@ def compile_triton(job: dict) -> bool:
             return False
         cand = Candidate(family, job["backend"], job["page_size"], dict(job["params"]))
         problem = make_problem(w, cand.page_size, "cuda", fill=False)
-        get_family(family).prepare(w, cand, problem)
+        get_family(family, job.get("profile")).prepare(w, cand, problem)
         del problem
         torch.cuda.empty_cache()
         return True

@@ -44,6 +44,7 @@ class MeasureSettings:
     seed: int = 0
     min_samples: int | None = None
     rounds: int = 5
+    profile: str | None = None       # the target profile families measure under (None: active)
 
 
 @dataclass

@@ -52,7 +52,7 @@ class InlineRunner:
     def _backend(self, family: str):
         if family not in self._backends:
             from mla_tune.families import get_family
-            self._backends[family] = get_family(family)
+            self._backends[family] = get_family(family, self.settings.profile)
         return self._backends[family]
 
     def measure(self, workload, candidates: Sequence[Candidate],

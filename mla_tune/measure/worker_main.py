@@ -199,7 +199,7 @@ def _measure_message(conn, workload, pairs, backends: dict, settings, profile) -
     entries = []
     for family, cand in pairs:
         if family not in backends:
-            backends[family] = _Guarded(get_family(family), settings.device)
+            backends[family] = _Guarded(get_family(family, settings.profile), settings.device)
         entries.append((backends[family], cand))
 
     done = [0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 from mla_tune.store.records import TrialRecord
 
@@ -20,6 +21,28 @@ def device_key(name: str | None) -> str:
     return (name or "").strip().replace(" ", "_").lower()
 
 
+def run_profile(run: Mapping) -> str:
+    """The target profile a run measured under (`vllm_metax.core.profile`): its record's, else
+    (runs stored before profiles) the one its device implies: metax on a MetaX device."""
+    from vllm_metax.core.device import is_metax_name
+    from vllm_metax.core.profile import METAX, NVIDIA
+    name = run.get("profile")
+    if isinstance(name, str) and name:
+        return name
+    return METAX if is_metax_name(str(run.get("device_name") or "")) else NVIDIA
+
+
+def profile_clause(profile: str) -> tuple[str, list]:
+    """SQL over ResultsStore.trials()'s aliases (r runs) selecting runs measured under `profile`,
+    by `run_profile`'s rule: the run record's `profile`, else its device's."""
+    from vllm_metax.core.device import METAX_NAME_PREFIXES
+    from vllm_metax.core.profile import METAX, NVIDIA
+    metax_name = " or ".join("lower(trim(r.device_name)) like ?" for _ in METAX_NAME_PREFIXES)
+    implied = f"case when {metax_name} then '{METAX}' else '{NVIDIA}' end"
+    return (f"coalesce(json_extract(r.notes, '$.profile'), {implied}) = ?",
+            [f"{p}%" for p in METAX_NAME_PREFIXES] + [profile])
+
+
 @dataclass(frozen=True)
 class TrialFilter:
     """Which trials a report (or an emitted config) covers; empty fields select everything."""
@@ -27,6 +50,7 @@ class TrialFilter:
     device: str | None = None        # "NVIDIA H200" or "NVIDIA_H200"
     model: str | None = None         # model preset name as stored ("deepseek-v3")
     runs: tuple = ()                 # run ids
+    profile: str | None = None       # the target profile the runs measured under
 
     def __post_init__(self):
         from mla_tune.validate import check_int, check_name
@@ -34,6 +58,13 @@ class TrialFilter:
             check_name("--device", self.device)
         if self.model is not None:
             check_name("--model", self.model)
+        if self.profile is not None:
+            from vllm_metax.core.profile import get_profile
+            try:
+                get_profile(self.profile)
+            except ValueError as e:
+                from mla_tune.validate import InputError
+                raise InputError(f"--profile: {e}") from None
         for r in self.runs:
             check_int("run", r, "--run")
 
@@ -49,6 +80,10 @@ class TrialFilter:
         if self.runs:
             clauses.append(f"t.run_id in ({','.join('?' * len(self.runs))})")
             args += [int(r) for r in self.runs]
+        if self.profile:
+            clause, more = profile_clause(self.profile)
+            clauses.append(clause)
+            args += more
         return " and ".join(clauses) or "1=1", args
 
     def describe(self) -> str:
@@ -59,6 +94,8 @@ class TrialFilter:
             parts.append(f"model {self.model!r}")
         if self.runs:
             parts.append("run" + ("s " if len(self.runs) > 1 else " ") + ", ".join(map(str, self.runs)))
+        if self.profile:
+            parts.append(f"profile {self.profile!r}")
         return ", ".join(parts) or "all trials"
 
 

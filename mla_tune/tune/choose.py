@@ -10,8 +10,8 @@ Rules (asv's; docs/tuning.md, "what counts as a difference": a few percent is no
   (family, page size) pair with the smallest weighted total over the buckets (weights from the
   WorkloadMix, uniform by default) wins; its page size stands unless the default page size
   (`default_page_size`, 64) is within `min_ratio` of it, in which case the default page stays.
-* The attention-backend order (FLASHINFER_MLA, TRITON_MLA) ranks the families by their weighted
-  total at the chosen page size; per bucket, each family keeps its own chosen plan parameters
+* The attention-backend order (FLASHINFER_MLA, TRITON_MLA, FLASHMLA: at page 64 only) ranks the
+  families by their weighted total at the chosen page size; per bucket, each family keeps its own chosen plan parameters
   (FlashInfer backend, Triton num_kv_splits) and `best_family` names the fastest of them.
 
 Everything is plain frozen dataclasses: `choose(rows, mix)` returns a `Choice`; its `models` are
@@ -41,13 +41,22 @@ from mla_tune.problem.defaults import DEFAULT_PAGE_SIZE, KERNEL_METRIC
 from mla_tune.problem.workload import WorkloadMix
 from mla_tune.store.records import TrialRecord, as_records
 from mla_tune.tune.verdict import MIN_RATIO, P_THRESHOLD, Measured, decide, min_p_value
-from vllm_metax.core.decisions import FLASHINFER, TRITON
+from vllm_metax.core.choices import FLASHMLA_PAGE_SIZE
+from vllm_metax.core.decisions import FLASHINFER, FLASHMLA, TRITON
 
 METRIC = KERNEL_METRIC            # what winners are chosen by
-# sweep family -> vLLM's attention backend. flashmla is measured (opt-in) but not mapped: the plugin
-# does not serve FLASHMLA on its platform yet, so it must not rank it in the backend order. split
-# is not a backend of its own: FLASHINFER_MLA's decode runs it per bucket (decisions.split_serves)
-ATTENTION_BACKEND = {FLASHINFER: "FLASHINFER_MLA", TRITON: "TRITON_MLA"}
+# sweep family -> vLLM's attention backend (the plugin serves all three). split is not a backend of
+# its own: FLASHINFER_MLA's decode runs it per bucket (decisions.split_serves)
+ATTENTION_BACKEND = {FLASHINFER: "FLASHINFER_MLA", TRITON: "TRITON_MLA", FLASHMLA: "FLASHMLA"}
+# families whose attention backend runs at one KV page size only: FlashMLA's is 64, so FLASHMLA is
+# in an entry's backend order only where the entry's page size is that
+ONLY_PAGE = {FLASHMLA: FLASHMLA_PAGE_SIZE}
+
+
+def backend_order(family_order, page_size: int | None) -> tuple:
+    """The attention backends of `family_order` that run at `page_size`, best first."""
+    return tuple(ATTENTION_BACKEND[f] for f in family_order
+                 if f in ATTENTION_BACKEND and ONLY_PAGE.get(f, page_size) == page_size)
 
 
 @dataclass(frozen=True)
@@ -307,7 +316,7 @@ def _choose_model(device_name, g, rows, mix, p_threshold, min_ratio, default_pag
                                     _lookup_context(per_bucket[bk])))
     return ModelChoice(device_name, model, tp_size_of(model, heads), heads, lora_rank, rope, q_dt, kv_dt,
                        ragged, page, page_reason, family_order,
-                       tuple(ATTENTION_BACKEND[f] for f in family_order if f in ATTENTION_BACKEND),
+                       backend_order(family_order, page),
                        order_reason, tuple(totals), tuple(buckets))
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from mla_tune.tune import choose as choosing
 from mla_tune.problem.workload import WorkloadMix
 from mla_tune.store.records import TrialRecord
-from mla_tune.store.selection import CPU_RUN_KIND, TrialFilter, device_key, select_trials
+from mla_tune.store.selection import CPU_RUN_KIND, TrialFilter, device_key, run_profile, select_trials
 from vllm_metax.core import decisions, tuned_config as tc
 
 CPU_NOTE = ("measured with the CPU torch reference (no GPU): the page size exercises the pipeline; "
@@ -62,7 +62,10 @@ def provenance(device_name: str, runs: list[dict], choice: choosing.Choice, resu
                mix: WorkloadMix | None, notes: list[str]) -> dict:
     """Where a config's numbers come from: device, environment of the runs, rules, date."""
     from mla_tune import __version__
+    from vllm_metax.core.profile import PROVENANCE_KEY
     p = {"device_name": device_name, "kind": choice.kind or _collapse([r.get("kind") for r in runs])}
+    # the target profile the numbers were measured under: what the plugin compares with its own
+    p[PROVENANCE_KEY] = _collapse([run_profile(r) for r in runs])
     for k in RUN_FIELDS:
         p[k] = _collapse([r.get(k) for r in runs])
     p.update({
@@ -168,24 +171,38 @@ def config_from_choice(choice: choosing.Choice, runs: list[dict], results_db: st
 
 def build_tuned_config(store, flt: TrialFilter = TrialFilter(), mix: WorkloadMix | None = None,
                        **choose_kw) -> tc.TunedConfig:
-    """The tuned config of one device from the trials `flt` selects (device picked by pick_device).
+    """The tuned config of one device from the trials `flt` selects (device picked by pick_device;
+    the target profile `flt.profile`, else the only one its trials were measured under).
 
     Every model measured on the device goes into its one file, not only the latest sweep's.
     """
+    import dataclasses
     records = select_trials(store, flt)
     device = pick_device(records, flt.device)
     records = [r for r in records if r.device_name == device]
+    flt = dataclasses.replace(flt, profile=flt.profile or only_profile(store, records, device))
     if mix is not None and mix.weights:     # the config's page size must see every weight
         mix.check_covers({r.stored.bucket[:2] for r in records},
                          f"the buckets measured on {device}")
     choice = choosing.choose(records, mix, device_name=device, **choose_kw)
     run_ids = {r.run_id for r in choosing.latest_trials(records)}
-    prefill = store.records(*TrialFilter(device, flt.model, flt.runs).where(), prefill=True)
+    prefill = store.records(*TrialFilter(device, flt.model, flt.runs, flt.profile).where(), prefill=True)
     run_ids |= {r.run_id for r in choosing.latest_trials(prefill)}
     runs = [r for r in store.runs() if r["id"] in run_ids]
     cfg = config_from_choice(choice, runs, Path(store.path).name, mix)
     return with_prefill(cfg, prefill, **{k: v for k, v in choose_kw.items()
                                          if k in ("p_threshold", "min_ratio")})
+
+
+def only_profile(store, records: list[TrialRecord], device: str) -> str:
+    """The one target profile `records` were measured under (`run_profile`); EmitError naming
+    them where there are several: one config holds one target's choices."""
+    profiles = {r["id"]: run_profile(r) for r in store.runs()}
+    found = sorted({profiles.get(r.run_id, "") for r in records} - {""})
+    if len(found) > 1:
+        raise EmitError(f"the trials of {device} were measured under several profiles "
+                        f"({', '.join(found)}): name one with --profile")
+    return found[0] if found else ""
 
 
 def with_prefill(cfg: tc.TunedConfig, prefill: list, **choose_kw) -> tc.TunedConfig:
@@ -211,12 +228,12 @@ def with_prefill(cfg: tc.TunedConfig, prefill: list, **choose_kw) -> tc.TunedCon
 
 def config_to_emit(source, out_dir: str | Path = "configs", *, store=None,
                    device: str | None = None, model: str | None = None, runs=(),
-                   mix: WorkloadMix | None = None, cpu_ok: bool = False,
+                   mix: WorkloadMix | None = None, cpu_ok: bool = False, profile: str | None = None,
                    **choose_kw) -> tuple[tc.TunedConfig, Path]:
     """The tuned config `emit_config` would write and where, both checked; nothing is written.
 
     `source` is a ResultsStore: the choice is made here from its trials (filtered by device,
-    model and runs). Or it is a `choose.Choice` already made (the sweep's): with `store=` the file
+    model, runs and target profile). Or it is a `choose.Choice` already made (the sweep's): with `store=` the file
     is rebuilt from every trial of the choice's device under the choice's rules, so one device's
     file keeps the models earlier sweeps measured; without a store the choice is written as is.
     """
@@ -226,10 +243,11 @@ def config_to_emit(source, out_dir: str | Path = "configs", *, store=None,
         else:
             rules = dict(p_threshold=source.p_threshold, min_ratio=source.min_ratio,
                          default_page_size=source.default_page_size, metric=source.metric)
-            cfg = build_tuned_config(store, TrialFilter(source.device_name, model, tuple(runs)),
+            cfg = build_tuned_config(store, TrialFilter(source.device_name, model, tuple(runs), profile),
                                      mix, **{**rules, **choose_kw})
     else:
-        cfg = build_tuned_config(source, TrialFilter(device, model, tuple(runs)), mix, **choose_kw)
+        cfg = build_tuned_config(source, TrialFilter(device, model, tuple(runs), profile), mix,
+                                 **choose_kw)
     from mla_tune.validate import is_packaged_configs
     if not cpu_ok and device_key(cfg.device_name) == "cpu" and is_packaged_configs(out_dir):
         raise EmitError(f"not writing the CPU reference's config into the packaged {out_dir} (the "
@@ -271,7 +289,7 @@ def emit_all(store, out_dir: str | Path = "configs", *, model: str | None = None
 def configs_to_emit(store, out_dir: str | Path = "configs", *, model: str | None = None, runs=(),
                     **kw) -> list[tuple[tc.TunedConfig, Path]]:
     """`config_to_emit` for every device measured in the selection."""
-    records = select_trials(store, TrialFilter(None, model, tuple(runs)))
+    records = select_trials(store, TrialFilter(None, model, tuple(runs), kw.get("profile")))
     return [config_to_emit(store, out_dir, device=d, model=model, runs=runs, **kw)
             for d in devices_in(records)]
 

@@ -46,7 +46,7 @@ def replay_sweep(source: str | Path, config: SweepConfig, observer: SweepObserve
     obs = observer or SweepObserver()
     t_start = time.monotonic()
     check_search_settings(config)
-    rows, device_name = _stored_rows(source, device_name)
+    rows, device_name = _stored_rows(source, device_name, config.profile)
     by_workload: dict = {}
     for r in rows:
         by_workload.setdefault(_workload_key_of(r), []).append(r)
@@ -70,13 +70,14 @@ def replay_sweep(source: str | Path, config: SweepConfig, observer: SweepObserve
     return outcome
 
 
-def _stored_rows(source, device_name: str | None) -> tuple[list, str]:
+def _stored_rows(source, device_name: str | None, profile: str | None = None) -> tuple[list, str]:
     """The latest stored trial of each candidate in `source` of one device (the one named, or
-    the only one), and that device's name."""
+    the only one), and that device's name; measured under `profile`, where given."""
     from mla_tune.store.results import ResultsStore
+    from mla_tune.store.selection import profile_clause
     from mla_tune.tune.choose import latest_trials
     with ResultsStore(source, create=False) as store:
-        rows = latest_trials(store.trials())
+        rows = latest_trials(store.trials(*(profile_clause(profile) if profile else ("1=1", ()))))
     devices = sorted({r["device_name"] for r in rows})
     if device_name is None:
         if len(devices) > 1:

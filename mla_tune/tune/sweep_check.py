@@ -7,7 +7,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from mla_tune.tune.buckets import default_db, detect_device, journal_path_for
-from mla_tune.tune.sweep_config import SweepConfig, SweepError, SweepInputError
+from mla_tune.tune.sweep_config import SweepConfig, SweepError, SweepInputError, sweep_profile
+from vllm_metax.core.profile import get_profile
 from mla_tune.tune.sweep_plan import resolve_families
 
 
@@ -35,6 +36,11 @@ def check_sweep_config(config: SweepConfig, families: bool = True) -> SweepConfi
     db = Path(config.db) if config.db is not None else default_db(device)
     emit = config.emit if config.emit is not None else device.startswith("cuda")
     check_search_settings(config)
+    if config.profile is not None:
+        try:
+            get_profile(config.profile)
+        except ValueError as e:
+            raise v.InputError(f"--profile: {e}") from None
     v.check_name("--name", config.name)
     v.check_float("timeout", config.timeout_s, "--timeout")
     v.check_float("time_budget", config.time_budget_s, "--time-budget")
@@ -98,7 +104,7 @@ def check_storage(config: SweepConfig) -> None:
 
 def check_families(config: SweepConfig) -> tuple[dict, dict]:
     """resolve_families for `config` (device resolved); SweepError when no family can run."""
-    backends, skipped = resolve_families(config.families, config.device)
+    backends, skipped = resolve_families(config.families, config.device, sweep_profile(config))
     if not backends:
         why = "; ".join(f"{f}: {r}" for f, r in skipped.items())
         raise SweepError(f"no kernel family can run on {config.device} ({why})")

@@ -14,11 +14,25 @@ from mla_tune.problem.defaults import SWEEP_PAGE_SIZES
 from mla_tune.problem.workload import WorkloadMix
 from mla_tune.tune.search import GRID_MAX, PATIENCE, SearchPolicy
 from mla_tune.tune.verdict import MIN_RATIO, P_THRESHOLD
+from vllm_metax.core.profile import NVIDIA, PROFILES, Profile, active_profile, get_profile
 
-# flashmla: opt-in (--family flashmla) until the plugin serves FLASHMLA; split is served by
-# FLASHINFER_MLA's decode in the buckets it wins
-GPU_FAMILIES = ("flashinfer", "triton", "split")
+# A GPU sweep's default families are its profile's (`vllm_metax.core.profile.Profile.sweep_families`):
+# on NVIDIA flashinfer, triton and split (served by FLASHINFER_MLA's decode in the buckets it wins;
+# flashmla opt-in), on MetaX flashmla first (the vendor's baseline) and the same three.
+GPU_FAMILIES = PROFILES[NVIDIA].sweep_families
 CPU_FAMILIES = ("reference",)
+
+
+def sweep_profile(config) -> Profile:
+    """The target profile a sweep measures under: --profile, else the active one
+    ($VLLM_METAX_PROFILE, else the device's)."""
+    return get_profile(config.profile) if config.profile else active_profile()
+
+
+def default_families(device: str, profile: Profile) -> tuple:
+    """The families a sweep measures when none is named: the profile's on a GPU, else the CPU
+    reference."""
+    return tuple(profile.sweep_families) if str(device).startswith("cuda") else CPU_FAMILIES
 
 
 class SweepError(Exception):
@@ -31,8 +45,8 @@ class SweepInputError(SweepError, ValueError):
 
 @dataclass
 class SweepConfig:
-    """What to sweep and how. `families=None` picks by device (GPU: flashinfer + triton; CPU: the
-    reference); `time_budget_s=0` and `max_trials=None` mean no limit; `journal=None` puts the
+    """What to sweep and how. `families=None` picks by device (GPU: the profile's families; CPU:
+    the reference); `time_budget_s=0` and `max_trials=None` mean no limit; `journal=None` puts the
     optuna study next to the DB (False: keep it in memory); `db=None` is default_db(device) and
     `emit=None` emits on a GPU only (the CPU reference is not a serving device)."""
 
@@ -67,6 +81,7 @@ class SweepConfig:
     worker_count: int = 1
     role: str = "single"                # single | worker (measures only) | final (after workers)
     study_tag: str = ""                 # set once per --remeasure launch: fresh studies for it
+    profile: str | None = None          # the target profile (vllm_metax.core.profile); None: active
 
     def policy(self, deadline: float | None) -> SearchPolicy:
         return SearchPolicy(self.mode, self.grid_max, self.max_trials, deadline, self.patience,

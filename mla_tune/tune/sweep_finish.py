@@ -14,7 +14,7 @@ def finish_sweep(outcome: SweepOutcome, config: SweepConfig, store, device_name:
     outcome.choice) and, where the config says so, emit the tuned config (outcome.emitted or
     outcome.emit_note)."""
     plan = outcome.plan
-    outcome.rows = rows_for(store, [p.workload_id for p in plan.buckets], device_name)
+    outcome.rows = rows_for(store, [p.workload_id for p in plan.buckets], device_name, plan.profile)
     outcome.choice = choose_winners(outcome.rows, config, device_name)
     if config.emit and outcome.choice is not None:
         outcome.emitted, outcome.emit_note = emit_tuned_config(outcome, config, store)
@@ -24,14 +24,17 @@ def finish_sweep(outcome: SweepOutcome, config: SweepConfig, store, device_name:
                              f"in {config.db}")
 
 
-def rows_for(store, workload_ids: list, device_name: str) -> list:
-    """The stored trial rows of these workloads on this device."""
+def rows_for(store, workload_ids: list, device_name: str, profile: str = "") -> list:
+    """The stored trial rows of these workloads on this device (measured under `profile`, where
+    given)."""
+    from mla_tune.store.selection import profile_clause
+    clause, more = profile_clause(profile) if profile else ("1=1", [])
     rows = []
     ids = sorted(set(i for i in workload_ids if i is not None))
     for k in range(0, len(ids), 500):
         chunk = ids[k:k + 500]
-        rows += store.trials(f"t.workload_id in ({','.join('?' * len(chunk))}) and r.device_name = ?",
-                             [*chunk, device_name])
+        rows += store.trials(f"t.workload_id in ({','.join('?' * len(chunk))}) and r.device_name = ? "
+                             f"and {clause}", [*chunk, device_name, *more])
     return rows
 
 
@@ -56,7 +59,8 @@ def emit_tuned_config(outcome: SweepOutcome, config: SweepConfig, store=None) ->
         return None, "mla_tune.tune.emit has no emit_config: no tuned config written"
     try:
         # config.emit is True here: for the CPU reference that was asked for explicitly
-        path = fn(outcome.choice, config.configs_dir, store=store, mix=config.mix, cpu_ok=True)
+        path = fn(outcome.choice, config.configs_dir, store=store, mix=config.mix, cpu_ok=True,
+                  profile=outcome.plan.profile or None)
     except Exception as e:  # noqa: BLE001 - the trials are stored; the config can be emitted later
         return None, (f"no tuned config written ({type(e).__name__}: {e}); the trials are stored: "
                       f"`mla-tune emit --db {config.db}` writes it later")

@@ -34,7 +34,7 @@ class Measurer:
     def _run(self) -> int:
         if self.run_id is None:     # a rerun that measures nothing adds no run record
             from mla_tune.measure.environment import capture_environment
-            env = capture_environment(self.plan.kind, self.config.command)
+            env = capture_environment(self.plan.kind, self.config.command, self.plan.profile or None)
             if self.config.role == "worker" or os.environ.get("CUDA_VISIBLE_DEVICES"):
                 # workers of one host differ by GPU: their run records say which
                 env["cuda_visible_devices"] = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -48,7 +48,8 @@ class Measurer:
 
     def evaluator(self, p: PlannedBucket, policy: SearchPolicy):
         """The search's evaluate(candidates) for bucket p; JIT time extends policy.deadline."""
-        cache = {} if self.config.remeasure else _cached(self.store, p.workload_id, self.device_name)
+        cache = {} if self.config.remeasure else _cached(self.store, p.workload_id, self.device_name,
+                                                          self.plan.profile)
         best: list = [None]
 
         def evaluate(cands: list[Candidate], claims: list[str] | None = None) -> list[Evaluation]:
@@ -164,10 +165,16 @@ def note_best(best: list, ev: Evaluation) -> None:
         best[0] = ev
 
 
-def _cached(store, workload_id: int, device_name: str) -> dict:
-    """candidate key -> latest trial row of this workload on this device."""
+def _cached(store, workload_id: int, device_name: str, profile: str = "") -> dict:
+    """candidate key -> latest trial row of this workload on this device, measured under
+    `profile` (one key may run another kernel under another target's profile)."""
+    from mla_tune.store.selection import profile_clause
+    where, args = "t.workload_id = ? and r.device_name = ?", [workload_id, device_name]
+    if profile:
+        clause, more = profile_clause(profile)
+        where, args = f"{where} and {clause}", args + more
     out = {}
-    for r in store.trials("t.workload_id = ? and r.device_name = ?", [workload_id, device_name]):
+    for r in store.trials(where, args):
         out[r["candidate"]] = r
     return out
 

@@ -18,7 +18,9 @@ from mla_tune.families.base import Candidate, CandidateInvalid
 from mla_tune.problem.workload import ProblemError, Workload
 from mla_tune.tune.buckets import Bucket, default_db, detect_device, journal_path_for
 from mla_tune.tune.search_space import SearchSpace
-from mla_tune.tune.sweep_config import CPU_FAMILIES, GPU_FAMILIES, SweepConfig, SweepInputError
+from mla_tune.tune.sweep_config import SweepConfig, SweepInputError, default_families, sweep_profile
+from vllm_metax.core.choices import KNOBS
+from vllm_metax.core.profile import active_profile, get_profile
 
 CPU_REFERENCE_NOTE = (
     "No CUDA device here (torch.cuda.is_available() is False), so this sweep measures the CPU "
@@ -54,25 +56,32 @@ class SweepPlan:
     replay: bool = False
     storage: str = ""              # a shared RDB storage, password hidden ("" for a journal file)
     db_uid: str = ""               # with a journal file: the results DB its studies belong to
+    profile: str = ""              # the target profile the families are limited to
 
     @property
     def planned_trials(self) -> int:
         return sum(p.budget for p in self.buckets)
 
 
-def resolve_families(requested: Sequence[str] | None, device: str) -> tuple[dict, dict]:
-    """(available family -> backend, skipped family -> reason). Unknown names raise
-    SweepInputError; `None` picks by device (GPU_FAMILIES on a GPU, CPU_FAMILIES without)."""
+def resolve_families(requested: Sequence[str] | None, device: str,
+                     profile=None) -> tuple[dict, dict]:
+    """(available family -> backend, skipped family -> reason), each family limited to
+    `profile`'s target (None: the active profile). Unknown names raise SweepInputError; `None`
+    picks by device (the profile's families on a GPU, CPU_FAMILIES without); a named family the
+    profile's target does not run is skipped, saying so."""
     from mla_tune.families import family_names, get_family
-    names = list(requested) if requested else list(
-        GPU_FAMILIES if device.startswith("cuda") else CPU_FAMILIES)
+    prof = get_profile(profile) if profile is not None else active_profile()
+    names = list(requested) if requested else list(default_families(device, prof))
     unknown = [n for n in names if n not in family_names()]
     if unknown:
         raise SweepInputError(f"unknown kernel family {', '.join(map(repr, unknown))}; known: "
                               f"{', '.join(family_names())}")
     available, skipped = {}, {}
     for n in dict.fromkeys(names):
-        backend = get_family(n)
+        if n in KNOBS and n not in prof.families:
+            skipped[n] = f"the {prof.name} profile's target does not run {n} (--profile)"
+            continue
+        backend = get_family(n, prof.name)
         try:
             a = backend.available(device)
         except Exception as e:  # a family that cannot even say is a family that cannot run
@@ -148,12 +157,13 @@ def plan_sweep(config: SweepConfig, store=None, families: tuple | None = None) -
     """Resolve the device and families (`families`: what resolve_families already answered)
     and build every bucket's search space (nothing runs)."""
     device = config.device or detect_device()
-    backends, skipped = families or resolve_families(config.families, device)
+    profile = sweep_profile(config)
+    backends, skipped = families or resolve_families(config.families, device, profile)
     kind = "gpu" if device.startswith("cuda") else "cpu-reference"
     note = CPU_REFERENCE_NOTE if kind == "cpu-reference" and "reference" in backends else ""
     if device.startswith("cuda") and "reference" in backends:
         note = "Measuring the torch reference on the GPU: an oracle, not a serving kernel."
-    refused = refusals(store, device) if store is not None and not config.remeasure else {}
+    refused = refusals(store, device, profile.name) if store is not None and not config.remeasure else {}
     planned = []
     for i, b in enumerate(config.buckets):
         planned.append(plan_bucket(b, space_for(b, backends, config.page_sizes, refused), config,
@@ -169,7 +179,8 @@ def plan_sweep(config: SweepConfig, store=None, families: tuple | None = None) -
     elif config.journal is not False:
         journal = Path(config.journal) if config.journal else journal_path_for(db)
     plan = SweepPlan(device, kind, list(backends), skipped, planned, note, db, journal,
-                     storage=storage, db_uid=store.db_uid if journal is not None and store is not None else "")
+                     storage=storage, db_uid=store.db_uid if journal is not None and store is not None else "",
+                     profile=profile.name)
     return plan, {"backends": backends, "refused": refused}
 
 
@@ -187,13 +198,18 @@ def device_name_of(device: str) -> str:
     return detect().name if device.startswith("cuda") else "cpu"
 
 
-def refusals(store, device: str) -> dict:
+def refusals(store, device: str, profile: str | None = None) -> dict:
     """unsupported_key -> (workload label, first line of the refusal) of every candidate this
-    device refused in an earlier sweep of the store."""
+    device refused in an earlier sweep of the store (under `profile`, where given: a refusal of
+    one target's kernel says nothing of another's)."""
+    from mla_tune.store.selection import profile_clause
     out = {}
     name = device_name_of(device)
-    for r in store.trials("r.device_name = ? and t.status = 'invalid' and t.invalid_reason = 'unsupported'",
-                          [name]):
+    where, args = "r.device_name = ? and t.status = 'invalid' and t.invalid_reason = 'unsupported'", [name]
+    if profile:
+        clause, more = profile_clause(profile)
+        where, args = f"{where} and {clause}", args + more
+    for r in store.trials(where, args):
         try:
             w = Workload.from_row(r)
         except ProblemError:     # a row another version wrote: its refusal is not learnt

@@ -15,7 +15,7 @@ from dataclasses import replace
 from mla_tune.tune.buckets import default_space, measure_settings
 from mla_tune.tune.search import SearchOutcome, search
 from mla_tune.tune.sweep_check import check_families, check_sweep_config
-from mla_tune.tune.sweep_config import SweepConfig, SweepError
+from mla_tune.tune.sweep_config import SweepConfig, SweepError, sweep_profile
 from mla_tune.tune.sweep_finish import finish_sweep
 from mla_tune.tune.sweep_measure import Measurer
 from mla_tune.tune.sweep_outcome import BucketOutcome, SweepObserver, SweepOutcome
@@ -61,7 +61,8 @@ class _LiveSweep:
         tag_remeasure(config)
         d = default_space(config.device)
         settings = config.settings or measure_settings(config.device, d.samples, d.warmup)
-        self.config, self.settings = config, replace(settings, device=config.device)
+        self.config, self.settings = config, replace(settings, device=config.device,
+                                                     profile=sweep_profile(config).name)
         t_checked = time.monotonic()
         self.early = EarlyStart(config, self.settings)
         self.store = self.rdb = self.storage = self.heartbeat = self.triton_prebuild = None
@@ -112,7 +113,8 @@ class _LiveSweep:
             # split family's: per heads, pipe and partials), on a pool
             from mla_tune.measure.jit_prebuild import start_triton_prebuild, triton_jobs
             self.triton_prebuild = start_triton_prebuild(triton_jobs(
-                (p.bucket.workload, p.space.candidates) for p in plan.buckets if len(p.space)))
+                ((p.bucket.workload, p.space.candidates) for p in plan.buckets if len(p.space)),
+                plan.profile or None))
         self.device_name = device_name_of(plan.device)
         for p in plan.buckets:
             w = p.bucket.workload

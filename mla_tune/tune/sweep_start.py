@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from mla_tune.tune.sweep_config import GPU_FAMILIES, SweepConfig
+from mla_tune.tune.sweep_config import SweepConfig, default_families, sweep_profile
 
 
 class CeilingsProbe:
@@ -74,9 +74,9 @@ class EarlyStart:
         self._thread = None
         if not str(config.device).startswith("cuda"):
             return
-        self.runner = make_runner(settings, config.isolation, config.timeout_s,
-                                  list(config.families or GPU_FAMILIES))
-        if "flashinfer" in (config.families or GPU_FAMILIES):
+        families = config.families or default_families(config.device, sweep_profile(config))
+        self.runner = make_runner(settings, config.isolation, config.timeout_s, list(families))
+        if "flashinfer" in families:
             from mla_tune.measure.jit_prebuild import start_prebuild
             self.prebuild = start_prebuild([b.workload for b in config.buckets])
         if getattr(self.runner, "isolated", False):

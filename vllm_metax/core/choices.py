@@ -271,7 +271,7 @@ def _positive_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
-def family_choice(family: str, params) -> FlashInferChoice | TritonChoice | SplitChoice | FA3Choice | None:
+def family_choice(family: str, params) -> FlashInferChoice | TritonChoice | SplitChoice | FA3Choice | FlashMLAChoice | None:
     """A stored `params` dict (a tuned config's, or a measured candidate's plan parameters) as
     its family's typed choice; None when it says nothing usable. Lenient where the plugin can
     still serve: any FlashInfer backend string (the device rule decides), an unknown kv_chunk
@@ -292,8 +292,8 @@ def family_choice(family: str, params) -> FlashInferChoice | TritonChoice | Spli
         if params.get("rule") == VLLM_RULE:
             return TritonChoice(n if _positive_int(n) else None, True, variant)
         return TritonChoice(n, False, variant) if _positive_int(n) else None
-    if family in (SPLIT, FA3):
-        backend = SPLIT_BACKEND if family == SPLIT else FA3_BACKEND
+    if family in (SPLIT, FA3, FLASHMLA):
+        backend = {SPLIT: SPLIT_BACKEND, FA3: FA3_BACKEND, FLASHMLA: FLASHMLA_BACKEND}[family]
         try:
             return check_params(family, {"backend": backend, **params}, family)
         except ChoiceError:
