@@ -47,8 +47,9 @@ def register() -> str | None:
 
 
 def register_attention_backends() -> None:
-    """vllm.general_plugins entry point: point FLASHINFER_MLA and TRITON_MLA at our backends, only
-    when our platform is the active one (elsewhere vLLM's own backends must stay untouched).
+    """vllm.general_plugins entry point: point FLASHINFER_MLA, TRITON_MLA and FLASHMLA at our
+    backends, only when our platform is the active one (elsewhere vLLM's own backends must stay
+    untouched).
 
     Idempotent; the platform also calls the registration itself before it selects a backend.
     """

@@ -22,6 +22,7 @@ from mla_tune.tune.verdict import MIN_RATIO
 from mla_tune.tune.search import SearchMode as Mode
 from mla_tune.tune.sweep_config import CPU_FAMILIES, GPU_FAMILIES
 from mla_tune.validate import FLOAT, INT, PathOption
+from vllm_metax.core.profile import METAX, PROFILES
 
 EPILOG = ("Exit codes: 0 done; 1 nothing could be measured (no kernel family runs here, or no "
           "valid trial); 2 bad input (flags, files, DB); 130 interrupted (finished trials are "
@@ -221,9 +222,10 @@ Q_DTYPE = typer.Option("bfloat16", "--q-dtype")
 KV_DTYPE = typer.Option("bfloat16", "--kv-dtype")
 PAGE_SIZE = typer.Option(None, "--page-size", help="KV page sizes (powers of two, 1-256); repeat "
                          f"(default {', '.join(map(str, SWEEP_PAGE_SIZES))})")
-FAMILY = typer.Option(None, "--family", help=f"kernel families; repeat (default: the profile's: "
-                      f"GPU {', '.join(GPU_FAMILIES)}, on metax flashmla too; CPU "
-                      f"{', '.join(CPU_FAMILIES)}; opt-in: flashmla)")
+FAMILY = typer.Option(None, "--family", help=f"kernel families; repeat (default: GPU "
+                      f"{', '.join(GPU_FAMILIES)}, --profile metax: "
+                      f"{', '.join(PROFILES[METAX].sweep_families)}; CPU {', '.join(CPU_FAMILIES)}; "
+                      "opt-in: flashmla)")
 PROFILE = profile_option("limit every family to what that target runs (metax: FlashInfer fa2 "
                          "through the flat API, no TMA or PDL split pipes, the vendor's Triton "
                          "launch beside vLLM's, FlashMLA at page 64); recorded with the results "

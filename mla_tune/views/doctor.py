@@ -2,7 +2,7 @@
 
 Which device it sees, whether the platform plugin would activate and why, which MLA attention
 backends and FlashInfer backend values are usable here, and which tuned config it would load (or
-why none). Nothing here imports vLLM: the checks read package metadata and the plugin's own
+why none), and the target profile it runs (and whether the config was tuned under another). Nothing here imports vLLM: the checks read package metadata and the plugin's own
 vllm-free modules, so the doctor also runs where vLLM is broken.
 """
 
@@ -60,11 +60,12 @@ class Doctor:
         tuned = Table("Tuned config", [Column("model", justify="left"), Column("tp"),
                                        Column("dims", justify="left"), Column("page size"),
                                        Column("backend order", justify="left"), Column("buckets"),
-                                       Column("split-KV buckets")],
+                                       Column("split-KV buckets"), Column("not on this profile")],
                       caption=f"{t.get('path') or 'no file'}: {t.get('reason', '')}")
         for e in t.get("entries", []):
             tuned.add(e["model"], e["tp_size"], e["dims"], e["page_size"],
-                      " > ".join(e["backend_order"]), e["buckets"], e.get("split_buckets", 0))
+                      " > ".join(e["backend_order"]), e["buckets"], e.get("split_buckets", 0),
+                      e.get("unservable", 0))
         return [summary, backends, fi, tuned]
 
     def render(self, fmt: str | OutputFormat) -> str | list:
@@ -152,18 +153,31 @@ def _attention_backends(dev, flashinfer_ok: tuple[bool, str], order: list[str]) 
                 "needs " + " and ".join(n for n, ok in (("triton", has_triton), ("vllm", has_vllm)) if not ok)
             out.append(Check(name, OK if has_triton and has_vllm else NO, why))
         elif name == "FLASHMLA":
-            built = _vllm_has_file("vllm/_flashmla_C")
-            # vllm.v1.attention.ops.flashmla loads the library only under vLLM's CUDA platform
-            # (current_platform.is_cuda()); vllm_metax's platform is out-of-tree, so there
-            # vLLM's FLASHMLA reports itself unavailable and selection falls through to the next
-            out.append(Check(name, NO,
-                             "vLLM's compiled FlashMLA is installed, but vLLM loads it only on its own "
-                             "CUDA platform, so on vllm_metax's platform FLASHMLA is skipped at "
-                             "selection; `mla-tune sweep --family flashmla` measures it" if built
-                             else "vLLM's compiled FlashMLA (vllm._flashmla_C) is not installed"))
+            out.append(_flashmla_check())
         else:
             out.append(Check(name, WARN, "not checked by the doctor"))
     return out
+
+
+def _flashmla_check() -> Check:
+    """FLASHMLA: the plugin's backend over its FlashMLA op (vLLM's library on Hopper, MetaX's
+    flash_mla package on a MetaX GPU), at KV block 64 only."""
+    from vllm_metax.ops import flashmla as op
+    library, why = op.flashmla_library()
+    if library is None:
+        return Check("FLASHMLA", NO, why)
+    where = "vLLM's FlashMLA library" if library == op.VLLM_LIBRARY else "the flash_mla package"
+    return Check("FLASHMLA", OK, f"vllm_metax's FlashMLA backend over {where} (KV block {op.PAGE_SIZE})")
+
+
+def _profile_check(config) -> Check:
+    """The target profile the plugin runs (and why), and a config tuned under another one."""
+    from vllm_metax.core.profile import config_mismatch, profile_source
+    prof, why = profile_source()
+    mismatch = config_mismatch(config, prof) if config is not None else None
+    if mismatch:
+        return Check("profile", WARN, f"{prof.name} ({why}); {mismatch}")
+    return Check("profile", OK, f"{prof.name} ({why}): {prof.target}")
 
 
 def _flashinfer_backends(probe: bool) -> list[Check]:
@@ -197,12 +211,14 @@ def _flashinfer_backends(probe: bool) -> list[Check]:
 
 def _tuned_config(device_name: str, dims) -> tuple[dict, list[str] | None]:
     from vllm_metax.core import serving, tuned_config as tc
+    from vllm_metax.core.profile import active_profile, config_profile, unservable_choices
 
     res = tc.resolve_tuned_config(device_name)      # strict mode raises TunedConfigError
     info = {"device_name": device_name, "file_name": tc.config_filename(device_name),
             "path": str(res.path) if res.path else None, "reason": res.reason,
             "folders": [f"{why}: {folder}" for folder, why in tc.search_folders()],
-            "strict": tc.strict_mode(), "entries": []}
+            "strict": tc.strict_mode(), "entries": [],
+            "profile": config_profile(res.config) if res.config is not None else None}
     order = None
     if res.config is not None:
         for m in res.config.models:
@@ -212,7 +228,9 @@ def _tuned_config(device_name: str, dims) -> tuple[dict, list[str] | None]:
                 "dims": f"H{d.num_heads} ckv{d.kv_lora_rank} kpe{d.qk_rope_head_dim} {d.q_dtype}/{d.kv_dtype}",
                 "backend_order": list(m.backend_order), "buckets": len(m.buckets),
                 # buckets whose decode FLASHINFER_MLA runs with the split-KV Triton kernel
-                "split_buckets": serving.split_buckets(m)})
+                "split_buckets": serving.split_buckets(m),
+                # choices the active profile's target cannot run: served with the device default
+                "unservable": len(unservable_choices(m, active_profile()))})
         if dims is not None:
             entry = serving.entry_for(res.config, dims).entry
             info["entry_for_model"] = entry is not None
@@ -239,7 +257,8 @@ def diagnose(model: str | None = None, tp_size: int = 1, probe: bool = False) ->
     import vllm_metax
     from vllm_metax.core.device import FORCE_ENV, detect_device
     from vllm_metax.ops.flashinfer_mla import flashinfer_available
-    from vllm_metax.core.tuned_config import FOLDER_ENV, STRICT_ENV
+    from vllm_metax.core.profile import PROFILE_ENV
+    from vllm_metax.core.tuned_config import FOLDER_ENV, STRICT_ENV, resolve_tuned_config
 
     dims = model_dims(model, tp_size)
     dev = detect_device()
@@ -247,9 +266,10 @@ def diagnose(model: str | None = None, tp_size: int = 1, probe: bool = False) ->
     device = {"name": dev.name, "source": dev.source, "is_metax": dev.is_metax,
               "sm_count": dev.sm_count,
               "capability": ".".join(map(str, dev.capability)) if dev.capability else None}
-    env = ", ".join(f"{k}={os.environ[k]}" for k in (FORCE_ENV, FOLDER_ENV, STRICT_ENV) if k in os.environ)
+    names = (FORCE_ENV, FOLDER_ENV, STRICT_ENV, PROFILE_ENV)
+    env = ", ".join(f"{k}={os.environ[k]}" for k in names if k in os.environ)
     checks = [_entry_point_check(), _clash_check(), _vllm_check(), _compiled_ops_check(dev),
-              Check("environment", OK, env or f"none of {FORCE_ENV}, {FOLDER_ENV}, {STRICT_ENV} set")]
+              Check("environment", OK, env or f"none of {', '.join(names)} set")]
     fi = flashinfer_available()
     checks.append(Check("flashinfer", OK if fi[0] else NO, fi[1]))
     from vllm_metax.ops.flashinfer_prefill import prefill_available
@@ -258,6 +278,7 @@ def diagnose(model: str | None = None, tp_size: int = 1, probe: bool = False) ->
                         pf[1] if pf[0] else f"{pf[1]}: vLLM's torch prefill (slow) instead"))
 
     tuned, tuned_order = _tuned_config(dev.name, dims)
+    checks.append(_profile_check(resolve_tuned_config(dev.name).config if tuned["path"] else None))
     from vllm_metax.core.serving import mla_backend_order
     order, _ = mla_backend_order(tuned_order)
     if dims is not None:

@@ -54,6 +54,12 @@ _FLAT_FALLBACK_BACKENDS = ("auto", "fa2", "fa3")
 
 WORKSPACE_BYTES = 128 << 20      # FlashInfer's recommended float workspace for MLA
 
+def _profile_api() -> str | None:
+    """The FlashInfer API form the active target profile plans through (None: as installed)."""
+    from vllm_metax.core.profile import active_profile
+    return active_profile().flashinfer_api
+
+
 class FlashInferUnavailable(RuntimeError):
     """FlashInfer (or its MLA wrapper) cannot be imported here; the message says why."""
 
@@ -230,7 +236,8 @@ class MLADecodeKernel:
     `workspace` is the float workspace (see make_workspace); `backend` one of accepted_backends();
     `use_cuda_graph` with `graph_buffers` (GraphBuffers for one batch size) makes plan() copy the
     metadata into fixed device buffers so a captured run() stays valid; `api` forces API_FLAT or
-    API_KEYWORD (tests; 0.7 accepts both) instead of the detected form.
+    API_KEYWORD (tests; 0.7 accepts both) instead of the active profile's form (metax: flat,
+    `vllm_metax.core.profile`), else the detected one.
 
     `fast_replan` (default: on unless VLLM_METAX_FAST_REPLAN=0) lets a plan() whose arguments
     other than the metadata equal the previous plan's skip FlashInfer's Python validation on the
@@ -250,7 +257,9 @@ class MLADecodeKernel:
             raise ValueError(f"api must be one of {API_FORMS}, got {api!r}")
         if api == API_KEYWORD and self._api_info.form != API_KEYWORD:
             raise ValueError(f"flashinfer {self._api_info.version} has no keyword MLA API")
-        self.api = api or self._api_info.form
+        # the target profile's API form where it names one (metax: the flat 0.2.x form), else
+        # the installed one
+        self.api = api or _profile_api() or self._api_info.form
         self.backend = backend
         self.use_cuda_graph = use_cuda_graph
         if use_cuda_graph and graph_buffers is None:
