@@ -224,3 +224,61 @@ def test_a_rule_source_in_another_shape_is_imported_instead(monkeypatch, tmp_pat
     assert fam.rule_from_source() is None
     src.write_text("def other(n, sm):\n    return 1\n")
     assert fam.rule_from_source() is None
+
+
+_VENDOR_CHILD = textwrap.dedent("""
+    import json
+    from mla_tune.families import Candidate, get_family
+    from mla_tune.measure.trial import MeasureSettings, check_correctness
+    from mla_tune.problem.workload import Workload
+    from vllm_metax.backend import triton_launch
+
+    launches = []
+    stage1 = triton_launch._stage1
+
+    class Recording:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launches.append({k: kw[k] for k in ("BLOCK_N", "BLOCK_DMODEL", "BLOCK_DPE", "BLOCK_H",
+                                                    "num_stages", "num_warps", "NUM_KV_SPLITS")})
+                launches[-1]["grid"] = list(grid)
+                return stage1[grid](*args, **kw)
+            return launch
+
+    triton_launch._stage1 = Recording()
+    b = get_family("triton", "metax")
+    def wl(h, bs, ctx, **kw):
+        return Workload(h, 512, 64, 192 ** -0.5, bs, ctx, q_dtype="float16", kv_dtype="float16", **kw)
+    cases = [(wl(16, 2, 40), 16, None), (wl(16, 3, 100, ragged="uniform-random", seed=1), 16, 4),
+             (wl(32, 2, 70, q_len=2), 64, 2)]
+    out = {"cases": []}
+    for w, page, n in cases:
+        c = (b.default_candidate(w, page) if n is None else
+             Candidate("triton", "triton", page, {"num_kv_splits": n, "variant": "metax"}))
+        err = check_correctness(b, w, c, MeasureSettings(), seed=7)
+        out["cases"].append([w.label(), c.key, err])
+    out["launches"] = launches
+    print("RESULT " + json.dumps(out))
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_the_vendor_launch_runs_vllms_kernels_with_block_16_one_stage_under_the_interpreter():
+    """The "metax" variant: vLLM's own stage-1 and merge kernels launched with the vendor's
+    settings (vllm_metax.backend.triton_launch), correct against the torch reference."""
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    env.pop("VLLM_METAX_PROFILE", None)
+    proc = subprocess.run([sys.executable, "-c", _VENDOR_CHILD], env=env, capture_output=True,
+                          text=True, timeout=300)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert out["cases"][0][1].endswith(",rule=vllm,variant=metax")       # the profile's default
+    for label, key, err in out["cases"]:
+        assert "variant=metax" in key and err < 5e-3, (label, key, err)
+    assert len(out["launches"]) >= 3
+    for launch in out["launches"]:
+        assert (launch["BLOCK_N"], launch["num_stages"], launch["num_warps"]) == (16, 1, 4)
+        assert (launch["BLOCK_DMODEL"], launch["BLOCK_DPE"], launch["BLOCK_H"]) == (512, 64, 16)
+    assert [ln["grid"][2] for ln in out["launches"]][-2:] == [2, 2]      # num_kv_splits programs
