@@ -177,3 +177,14 @@ def test_flashmla_is_in_the_backend_order_at_page_64_only():
         "FLASHMLA", "FLASHINFER_MLA", "TRITON_MLA")
     assert choosing.backend_order(("flashmla", "flashinfer", "triton"), 16) == (
         "FLASHINFER_MLA", "TRITON_MLA")
+
+
+def test_bench_measures_and_records_under_its_profile(tmp_path):
+    from mla_tune.measure.trial import MeasureSettings
+    from mla_tune.tune.bench import run_bench
+    w = Workload(16, 512, 64, 192 ** -0.5, 1, 64)
+    settings = MeasureSettings(device="cpu", samples=2, warmup=0, profile="metax")
+    out = run_bench([Candidate.parse("reference/torch/p16")], [w], settings, 1, str(tmp_path / "b.db"), None)
+    assert [r["status"] for r in out.rows] == ["ok"]
+    with ResultsStore(tmp_path / "b.db") as store:
+        assert [run_profile(r) for r in store.runs()] == ["metax"]

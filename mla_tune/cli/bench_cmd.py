@@ -9,7 +9,8 @@ from typing import List, Optional
 
 import typer
 
-from mla_tune.cli.app import UserError, app, err_console, given, print_view
+from mla_tune.cli.app import (ProfileName, UserError, app, err_console, given, print_view,
+                              profile_option, profile_value)
 from mla_tune.views.render import OutputFormat
 from mla_tune.validate import INT, PathOption
 
@@ -60,6 +61,10 @@ DRY_RUN = typer.Option(False, "--dry-run", help="Check the flags and print what 
                        "and where it would be stored; measure nothing")
 
 
+PROFILE = profile_option("prepare each candidate as that target runs it; one it cannot run is "
+                         "stored as refused")
+
+
 @app.command("bench", help=HELP, short_help="Measure given candidates directly, no search.",
              epilog="Exit codes: 0 measured; 2 bad input (nothing is written then).")
 def bench(
@@ -69,7 +74,7 @@ def bench(
     samples: Optional[int] = SAMPLES, rounds: int = ROUNDS, warmup: int = WARMUP,
     plan_samples: int = PLAN_SAMPLES, device: Optional[Device] = DEVICE, check: bool = CHECK,
     ceilings: bool = CEILINGS, db: Optional[Path] = DB, no_store: bool = NO_STORE,
-    format: OutputFormat = FORMAT, dry_run: bool = DRY_RUN,
+    format: OutputFormat = FORMAT, dry_run: bool = DRY_RUN, profile: Optional[ProfileName] = PROFILE,
 ):
     from mla_tune.measure.trial import MeasureSettings
     from mla_tune.tune.bench import plan_bench
@@ -89,7 +94,7 @@ def bench(
     if dry_run:
         return print_view(_dry_run_view(plan, format))
     settings = MeasureSettings(device=plan.device, warmup=warmup, samples=plan.samples,
-                               plan_samples=plan_samples, check=check)
+                               plan_samples=plan_samples, check=check, profile=profile_value(profile))
     outcome = _measure(plan, settings, ceilings, "mla-tune bench " + " ".join(candidates))
     print_view(render_bench(outcome, format))
     if plan.db is not None:

@@ -136,13 +136,13 @@ def run_bench(candidates, workloads, settings, rounds: int, db: str | None, ceil
     for c in candidates:
         if c.family not in families:
             try:
-                families[c.family] = get_family(c.family)
+                families[c.family] = get_family(c.family, settings.profile)
             except KeyError as e:
                 raise InputError(str(e).strip("'\"")) from None
     avail = {f: b.available(settings.device) for f, b in families.items()}
     store = ResultsStore(db) if db else None
     env = capture_environment(GPU_RUN_KIND if settings.device.startswith("cuda") else CPU_RUN_KIND,
-                              command)
+                              command, settings.profile)
     env.update(ceilings or {})
     run_id = store.add_run(env) if store else None
     out = BenchOutcome(settings.device, ceilings)
