@@ -88,8 +88,8 @@ class FA3MLAFamily:
             kernel.schedule(seq_lens, cu_q, qlen, max_k, q_dt)
 
         def run():
-            kernel.run(problem.q_nope, problem.q_pe, problem.kv_cache, problem.block_table, seq_lens,
-                       cu_q, qlen, max_k, out)
+            kernel.run(problem.q_nope, problem.q_pe, problem.ckv_cache, problem.kpe_cache,
+                       problem.block_table, seq_lens, cu_q, qlen, max_k, out)
             return out
 
         t0 = time.perf_counter()

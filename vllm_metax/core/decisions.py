@@ -23,8 +23,8 @@ from typing import Sequence
 
 # the typed choices, their knobs and the params <-> choice parsing: vllm_metax.core.choices (re-exported)
 from vllm_metax.core.choices import (  # noqa: F401
-    FLASHINFER, FLASHMLA, SPLIT, TRITON, TRITON_BACKEND, VLLM_RULE, FlashInferChoice, FlashMLAChoice,
-    SplitChoice, TritonChoice, family_choice, kv_chunk_factor,
+    FA3, FLASHINFER, FLASHMLA, SPLIT, TRITON, TRITON_BACKEND, VLLM_RULE, FA3Choice, FlashInferChoice,
+    FlashMLAChoice, SplitChoice, TritonChoice, family_choice, kv_chunk_factor,
 )
 from vllm_metax.core.tuned_config import PREFILL_BACKENDS, ModelDims
 # FLASHINFER_MLA's decode runs a bucket with the split kernel only where the sweep measured it at
@@ -159,10 +159,21 @@ def split_serves(bucket) -> "SplitChoice | None":
     bucket names split as its best family, and split measured at least SPLIT_MIN_GAIN times
     faster than the bucket's FlashInfer choice (both times from the same sweep). None: run
     FlashInfer (no split choice, no FlashInfer time to compare, or too small a gain)."""
-    if bucket is None or bucket.best_family != SPLIT:
+    return _side_serves(bucket, SPLIT)
+
+
+def fa3_serves(bucket) -> "FA3Choice | None":
+    """vLLM's FA3 MLA kernel's choice where FLASHINFER_MLA's decode should run it in this bucket:
+    the same rule as `split_serves` (best family, at least SPLIT_MIN_GAIN times faster than the
+    bucket's FlashInfer choice in the same sweep)."""
+    return _side_serves(bucket, FA3)
+
+
+def _side_serves(bucket, family: str):
+    if bucket is None or bucket.best_family != family:
         return None
-    sc, fc = bucket.families.get(SPLIT), bucket.families.get(FLASHINFER)
-    choice = family_choice(SPLIT, sc.params) if sc is not None else None
+    sc, fc = bucket.families.get(family), bucket.families.get(FLASHINFER)
+    choice = family_choice(family, sc.params) if sc is not None else None
     if choice is None or fc is None or not sc.time_us or not fc.time_us:
         return None
     return choice if fc.time_us >= SPLIT_MIN_GAIN * sc.time_us else None
@@ -175,7 +186,7 @@ def bucket_choice(bucket, family: str) -> FlashInferChoice | TritonChoice | None
 
 
 __all__ = ["AUTO", "FALLBACK_BACKEND", "FLASHINFER", "FLASHMLA", "FlashInferBackends", "FlashInferChoice",
-           "SPLIT", "SPLIT_MIN_GAIN", "SplitChoice", "TRITON", "split_serves", "TritonChoice", "VLLM_RULE", "bucket_choice",
+           "FA3", "FA3Choice", "fa3_serves", "SPLIT", "SPLIT_MIN_GAIN", "SplitChoice", "TRITON", "split_serves", "TritonChoice", "VLLM_RULE", "bucket_choice",
            "bucket_context", "device_flashinfer_backends", "device_prefill_backends", "dtype_name",
            "family_choice", "flashinfer_backends", "kv_chunk_factor", "model_key",
            "prefill_backend", "prefill_backends", "prefill_statistic", "unservable_prefill"]
