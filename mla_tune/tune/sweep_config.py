@@ -15,9 +15,10 @@ from mla_tune.problem.workload import WorkloadMix
 from mla_tune.tune.search import GRID_MAX, PATIENCE, SearchPolicy
 from mla_tune.tune.verdict import MIN_RATIO, P_THRESHOLD
 
-# flashmla: opt-in (--family flashmla) until the plugin serves FLASHMLA; split is served by
-# FLASHINFER_MLA's decode in the buckets it wins
-GPU_FAMILIES = ("flashinfer", "triton", "split")
+# flashmla: opt-in (--family flashmla) until the plugin serves FLASHMLA; split and fa3_mla (vLLM's
+# FA3 MLA kernel, Hopper only: refused with its reason elsewhere) are served by FLASHINFER_MLA's
+# decode in the buckets they win
+GPU_FAMILIES = ("flashinfer", "triton", "split", "fa3_mla")
 CPU_FAMILIES = ("reference",)
 
 
