@@ -69,9 +69,9 @@ def test_not_available_off_hopper_without_the_library_or_without_a_gpu(monkeypat
         a = get_family("fa3_mla").available("cuda")
         assert not a.ok and "CUDA" in a.reason
         assert not get_family("fa3_mla").available("cpu").ok
-    monkeypatch.setattr(op, "_loaded", None)
-    monkeypatch.setattr(op, "_has_op", lambda: False)
-    monkeypatch.setattr(op, "library_path", lambda: None)
+    monkeypatch.setattr(op._LIBRARY, "loaded", None)
+    monkeypatch.setattr(op._LIBRARY, "has_ops", lambda: False)
+    monkeypatch.setattr(op._LIBRARY, "path", lambda: None)
     ok, why = op.fa3_available(capability=(9, 0))
     assert not ok and "_vllm_fa3_C" in why and "not installed" in why
 

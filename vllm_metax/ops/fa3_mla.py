@@ -31,11 +31,9 @@ one dtype, page (block) size a multiple of 16, head dims 512 + 64. Where the lib
 
 from __future__ import annotations
 
-import importlib.util
-import threading
-from pathlib import Path
-
 import torch
+
+from vllm_metax.ops.vllm_library import VllmLibrary
 
 LIBRARY_GLOB = "_vllm_fa3_C*.so"
 OP_NAMESPACE = "_vllm_fa3_C"
@@ -45,54 +43,12 @@ PAGE_MULTIPLE = 16           # vLLM's FLASH_ATTN_MLA: kernel block sizes Multipl
 SCHEDULES = ("aot", "none")
 GRAPH_SPLITS = 32            # vLLM's flash_attn_max_num_splits_for_cuda_graph: the bound in graphs
 
-_lock = threading.Lock()
-_loaded: tuple[bool, str] | None = None
+_LIBRARY = VllmLibrary("vllm_flash_attn", LIBRARY_GLOB, OP_NAMESPACE, ("fwd", "get_scheduler_metadata"),
+                       "vllm's FA3 library (vllm/vllm_flash_attn/_vllm_fa3_C*.so)")
 
 
-def library_path() -> Path | None:
-    """vllm's `vllm_flash_attn/_vllm_fa3_C` library, found without importing vllm (None if absent)."""
-    try:
-        spec = importlib.util.find_spec("vllm")
-    except (ImportError, ValueError):
-        return None
-    for d in (spec.submodule_search_locations or []) if spec is not None else []:
-        found = sorted((Path(d) / "vllm_flash_attn").glob(LIBRARY_GLOB))
-        if found:
-            return found[0]
-    return None
-
-
-def _has_op() -> bool:
-    try:
-        ns = getattr(torch.ops, OP_NAMESPACE)
-        getattr(ns, "fwd")
-        getattr(ns, "get_scheduler_metadata")
-        return True
-    except (AttributeError, RuntimeError):
-        return False
-
-
-def load_library() -> tuple[bool, str]:
-    """Load the FA3 ops once per process: (loaded, why not). Never raises."""
-    global _loaded
-    with _lock:
-        if _loaded is not None:
-            return _loaded
-        if _has_op():                      # vllm (or someone) loaded it already
-            _loaded = (True, "")
-            return _loaded
-        path = library_path()
-        if path is None:
-            _loaded = (False, "vllm's FA3 library (vllm/vllm_flash_attn/_vllm_fa3_C*.so) is not installed")
-            return _loaded
-        try:
-            torch.ops.load_library(str(path))
-        except Exception as e:  # a library built for another torch/CUDA: unavailable, not a crash
-            _loaded = (False, f"cannot load {path.name}: {type(e).__name__}: {str(e)[:300]}")
-            return _loaded
-        _loaded = (True, "") if _has_op() else (
-            False, f"{path.name} loaded but registers no {OP_NAMESPACE}::fwd")
-        return _loaded
+library_path = _LIBRARY.path      # the library beside the installed vllm (None if absent)
+load_library = _LIBRARY.load      # load its ops once per process: (loaded, why not); never raises
 
 
 def fa3_available(device=None, capability: tuple | None = None) -> tuple[bool, str]:
