@@ -49,7 +49,7 @@ def bucket_points(dev: DeviceReport, m) -> list[BucketPoint]:
             continue
         fam = b.best_family
         fi = b.families.get("flashinfer")
-        if fam in ("split", "fa3_mla") and fi is not None and fi.time_us and \
+        if fam == "split" and fi is not None and fi.time_us and \
                 fi.time_us < SPLIT_MIN_GAIN * b.families[fam].time_us:
             fam = "flashinfer"
         v = b.families[fam]

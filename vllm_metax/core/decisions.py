@@ -163,10 +163,20 @@ def split_serves(bucket) -> "SplitChoice | None":
 
 
 def fa3_serves(bucket) -> "FA3Choice | None":
-    """vLLM's FA3 MLA kernel's choice where FLASHINFER_MLA's decode should run it in this bucket:
-    the same rule as `split_serves` (best family, at least SPLIT_MIN_GAIN times faster than the
-    bucket's FlashInfer choice in the same sweep)."""
-    return _side_serves(bucket, FA3)
+    """vLLM's FA3 MLA kernel's choice where FLASHINFER_MLA's decode should run it in this bucket.
+    FA3 is vLLM's own default on Hopper, so the rule is the other way round from the split
+    kernel's: where the sweep measured FA3 in the bucket, it serves unless the bucket's FlashInfer
+    choice measured at least SPLIT_MIN_GAIN times faster (the split kernel, where it serves,
+    comes first). None: no FA3 choice or time, or FlashInfer clearly faster."""
+    if bucket is None:
+        return None
+    sc, fc = bucket.families.get(FA3), bucket.families.get(FLASHINFER)
+    choice = family_choice(FA3, sc.params) if sc is not None else None
+    if choice is None or not sc.time_us:
+        return None
+    if fc is not None and fc.time_us and sc.time_us >= SPLIT_MIN_GAIN * fc.time_us:
+        return None
+    return choice
 
 
 def _side_serves(bucket, family: str):
