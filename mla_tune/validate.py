@@ -179,26 +179,24 @@ def own_kind(description: str):
     return mark
 
 
-@own_kind('a PNG')
-def is_png(path: Path) -> bool:
+def _starts_with(path: Path, magic: bytes) -> bool:
     if not Path(path).is_file():      # a FIFO would block the read
         return False
     try:
         with open(path, "rb") as f:
-            return f.read(8) == b"\x89PNG\r\n\x1a\n"
+            return f.read(len(magic)) == magic
     except OSError:
         return False
+
+
+@own_kind('a PNG')
+def is_png(path: Path) -> bool:
+    return _starts_with(path, b"\x89PNG\r\n\x1a\n")
 
 
 @own_kind('a SQLite file')
 def is_sqlite(path: Path) -> bool:
-    if not Path(path).is_file():      # a FIFO would block the read
-        return False
-    try:
-        with open(path, "rb") as f:
-            return f.read(16) == b"SQLite format 3\x00"
-    except OSError:
-        return False
+    return _starts_with(path, b"SQLite format 3\x00")
 
 
 @own_kind('an optuna journal')

@@ -6,8 +6,9 @@ and the split-KV Triton decode with the file's knobs wherever `decisions.split_s
 on-device check is taken as passed here: the kernel itself is checked in
 tests/test_split_decode_kernel.py and tests/test_gpu_split.py).
 
-Two stored sweeps: a temporary copy of the shipped results.db (the H200 sweep behind
-configs/device_name=NVIDIA_H200.json: 96 buckets, 28 of them keeping vLLM's Triton rule) and a
+Two stored sweeps: a temporary copy of the shipped results.db (the H200 and H100 sweeps behind every
+shipped config, configs/device_name=*.json: 96 buckets each; the H200's keeps vLLM's Triton rule in
+28) and a
 small sweep written through ResultsStore in which fa2 beats the tuner's fa3 baseline in some
 buckets and Triton's tuned count beats vLLM's rule in some.
 """
@@ -36,6 +37,11 @@ pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parent.parent
 LAYER = "model.layers.0.self_attn.attn"
 H200 = DeviceInfo("NVIDIA H200", "torch", False, 132, (9, 0))
+H100 = DeviceInfo("NVIDIA H100 80GB HBM3", "torch", False, 132, (9, 0))
+# every config the project ships, with what its 16-head entry serves by the split kernel (batch,
+# splits) and how many of its buckets that is: anchors against a silent change of the rule
+SHIPPED = {"NVIDIA_H200": (H200, [(1, 128), (2, 64)], 12),
+           "NVIDIA_H100_80GB_HBM3": (H100, [(1, 128), (2, 64)], 12)}
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +50,13 @@ def model_root(tmp_path_factory):
 
 
 @pytest.fixture
-def plugin(monkeypatch, tmp_path):
-    """The plugin on a pretend H200, FlashInfer's wrapper replaced by the recording kernel."""
+def plugin(monkeypatch, tmp_path, request):
+    """The plugin on a pretend H200 (or the device a test is parametrized with), FlashInfer's
+    wrapper replaced by the recording kernel."""
     import vllm_metax.backend.triton_mla as tm
 
-    ps.install_recording_plugin(monkeypatch, H200, tm)
+    device = SHIPPED[request.param][0] if hasattr(request, "param") else H200
+    ps.install_recording_plugin(monkeypatch, device, tm)
     monkeypatch.setenv(tc.FOLDER_ENV, str(tmp_path / "configs"))
     tc.clear_cache()
     yield tmp_path / "configs"
@@ -114,16 +122,28 @@ def _check_every_bucket(entry: dict, fi, tr, page: int, flashinfer_expected, spl
 
 # ---------------------------------------------------------------- the shipped H200 sweep
 
-def test_emit_of_the_shipped_sweep_is_served_bucket_for_bucket(plugin, model_root, tmp_path, monkeypatch):
+def test_every_shipped_config_is_tested_here_and_packaged():
+    files = sorted(p.stem.removeprefix("device_name=") for p in (ROOT / "configs").glob("device_name=*.json"))
+    assert files == sorted(SHIPPED)
+    for name in files:       # the plugin ships the same files (its packaged folder)
+        assert (ROOT / "vllm_metax" / "configs" / f"device_name={name}.json").read_bytes() == \
+            (ROOT / "configs" / f"device_name={name}.json").read_bytes()
+
+
+@pytest.mark.parametrize("plugin", sorted(SHIPPED), indirect=True)
+def test_emit_of_the_shipped_sweep_is_served_bucket_for_bucket(plugin, model_root, tmp_path, monkeypatch,
+                                                               request):
     from vllm_metax.ops import split_decode
+    name = request.node.callspec.params["plugin"]
+    device, split_anchor, split_count = SHIPPED[name]
     monkeypatch.setattr(split_decode, "self_check", lambda kernel, dtype, device: None)
     db = tmp_path / "results.db"
     shutil.copy(ROOT / "results.db", db)
     with ResultsStore(db, create=False) as store:
-        path = emit_config(store, plugin, device=H200.name)
+        path = emit_config(store, plugin, device=device.name)
     data = json.loads(path.read_text())
     # the file emit writes today is the one shipped (same choices in every bucket)
-    shipped = json.loads((ROOT / "configs" / "device_name=NVIDIA_H200.json").read_text())
+    shipped = json.loads((ROOT / "configs" / f"device_name={name}.json").read_text())
     assert [[b["families"] for b in m["buckets"]] for m in data["models"]] == \
         [[b["families"] for b in m["buckets"]] for m in shipped["models"]]
     rule_buckets, split_buckets = 0, 0
@@ -158,8 +178,8 @@ def test_emit_of_the_shipped_sweep_is_served_bucket_for_bucket(plugin, model_roo
             if tuned is not None:     # the graph's count cuts each request as its bucket's count did
                 assert splits_for(ctx, SERVED_BLOCK_N, served_splits) == \
                     splits_for(ctx, SERVED_BLOCK_N, tuned.num_splits), (batch, ctx)
-        if entry["dims"]["num_heads"] == 16:
-            assert sorted({(b, n) for b, _, n in seen["split"]}) == [(1, 128), (2, 64)]
+        if entry["dims"]["num_heads"] == 16 and split_anchor is not None:
+            assert sorted({(b, n) for b, _, n in seen["split"]}) == split_anchor
         assert len(seen["triton"]) == len(entry["buckets"])
         rule_buckets += seen["triton"].count(None)
         assert any(n is not None for n in seen["triton"])
@@ -170,7 +190,8 @@ def test_emit_of_the_shipped_sweep_is_served_bucket_for_bucket(plugin, model_roo
     # the split kernel serves the 16-head buckets of batch 1 and 2 (most of their buckets: one
     # kernel per captured graph), with 128 and 64 splits (the count each of their longer contexts
     # won; a short request uses as many 64-token splits as it has, the count its bucket won)
-    assert split_buckets == 12
+    if split_count is not None:
+        assert split_buckets == split_count
 
 
 # ---------------------------------------------------------------- a sweep with mixed winners

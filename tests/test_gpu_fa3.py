@@ -94,3 +94,114 @@ def test_measure_times_a_graph_captured_candidate(fam):
     assert len(ks) == 10 and all(t > 0 for t in ks)
     assert r.max_rel_error < 2e-2
     assert r.samples.method not in (timing.METHOD_EVENTS, timing.METHOD_WALL), r.samples.note
+
+
+# ---------------------------------------------------------------- served by FLASHINFER_MLA's builder
+
+import os  # noqa: E402
+
+import plugin_support as ps  # noqa: E402
+from vllm_metax.core import decisions, tuned_config as tc  # noqa: E402
+
+TOL = 2e-2
+
+
+def _entry(params, batches=(1, 2, 8)):
+    dims = tc.ModelDims(ps.NUM_HEADS, ps.KV_LORA_RANK, ps.ROPE_DIM, "bfloat16", "bfloat16")
+    buckets = [tc.Bucket(b, c, 1, {"flashinfer": tc.FamilyChoice({"backend": "fa3"}, time_us=30.0),
+                                   "fa3_mla": tc.FamilyChoice(dict(params), time_us=20.0)}, "fa3_mla")
+               for b in batches for c in (256, 4096)]
+    return tc.ModelEntry(dims, 64, ["FLASHINFER_MLA", "TRITON_MLA"], buckets)
+
+
+@pytest.fixture(scope="module")
+def model_root(tmp_path_factory):
+    os.environ.setdefault("VLLM_METAX_FORCE", "1")
+    tc.clear_cache()
+    return ps.make_vllm_config(tmp_path_factory.mktemp("model"))
+
+
+def _builder(base, params, cudagraph):
+    from vllm.config import CacheConfig, CompilationConfig, VllmConfig
+
+    from vllm_metax.backend.plan_choice import PlanChoice
+    vc = VllmConfig(model_config=base.model_config, cache_config=CacheConfig(block_size=64),
+                    compilation_config=CompilationConfig(
+                        cudagraph_mode="FULL_AND_PIECEWISE" if cudagraph else "PIECEWISE",
+                        cudagraph_capture_sizes=[1, 2, 4, 8]))
+    builder = ps.make_builder(vc, device="cuda")
+    builder.choice = PlanChoice(_entry(params), decisions.FlashInferBackends(("fa3", "fa2"), "fa3"))
+    return builder, ps.make_impl(vc)
+
+
+def _inputs(rows, num_pages, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(rows, ps.NUM_HEADS, 576, device="cuda", generator=g).to(torch.bfloat16)
+    kv = torch.randn(num_pages, 64, 576, device="cuda", generator=g).to(torch.bfloat16)
+    return q, kv
+
+
+def _reference(q, kv, bt, lens):
+    return mla_decode_reference(q[..., :512], q[..., 512:], kv[..., :512], kv[..., 512:], bt, lens,
+                                ps.softmax_scale())
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("params", [{"backend": "fa3", "num_splits": 0},
+                                    {"backend": "fa3", "num_splits": 8, "schedule": "none"}])
+def test_flashinfer_mla_serves_a_tuned_fa3_bucket_eagerly(fam, model_root, params):
+    builder, impl = _builder(model_root, params, cudagraph=False)
+    for seed, seq_lens in ((1, [1, 300, 4096]), (2, [5000, 64]), (3, [700] * 16)):
+        bt, lens, common, num_pages = ps.ragged_batch(seq_lens, 64, device="cuda", seed=seed)
+        md = builder.build(0, common)
+        assert md.decode.backend == decisions.FA3 and md.decode.paged is None
+        q, kv = _inputs(len(seq_lens), num_pages, seed)
+        out, lse = impl.forward_mqa((q[..., :512], q[..., 512:]), kv, md, None)
+        assert lse is None and relative_error(out, _reference(q, kv, bt, lens)) < TOL, seed
+    assert builder.choice.fa3_enabled and len(builder._fa3_kernels) == 1
+
+
+@pytest.mark.vllm
+def test_fa3_under_full_cudagraph_capture_and_replay(fam, model_root):
+    builder, impl = _builder(model_root, {"backend": "fa3", "num_splits": 0}, cudagraph=True)
+    batch, num_pages, width = 8, 900, 96
+    static_bt = torch.zeros(batch + 4, width, dtype=torch.int32, device="cuda")
+    static_lens = torch.zeros(batch + 4, dtype=torch.int32, device="cuda")
+    static_q = torch.zeros(batch, ps.NUM_HEADS, 576, dtype=torch.bfloat16, device="cuda")
+    static_kv = torch.zeros(num_pages, 64, 576, dtype=torch.bfloat16, device="cuda")
+
+    def step(seq_lens, seed):
+        bt, lens, common, _ = ps.ragged_batch(seq_lens, 64, num_pages=num_pages, seed=seed, device="cuda")
+        static_bt.zero_()
+        static_bt[:batch, :bt.shape[1]].copy_(bt[:batch])
+        static_lens[:batch].copy_(lens.to("cuda"))
+        common.block_table_tensor = static_bt[:batch]
+        common.seq_lens = static_lens[:batch]
+        md = builder.build(0, common)
+        q, kv = _inputs(batch, num_pages, seed)
+        static_q.copy_(q)
+        static_kv.copy_(kv)
+        return md, static_bt[:batch].clone(), lens
+
+    def forward(md):
+        return impl.forward_mqa((static_q[..., :512], static_q[..., 512:]), static_kv, md, None)[0]
+
+    md, bt, lens = step([100, 7, 3000, 64, 1, 512, 2047, 900], seed=1)
+    assert md.decode.cuda_graph and md.decode.backend == decisions.FA3
+    assert md.decode.kernel.kernel.num_splits == 32        # vLLM's bound in graphs for FA3's heuristic
+    eager = forward(md)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = forward(md)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = _reference(static_q, static_kv, bt, lens)
+    assert relative_error(eager, ref) < TOL and relative_error(captured, ref) < TOL
+    for seed, seq_lens in ((2, [4096, 4096, 1, 1, 70, 800, 33, 1000]), (3, [5] * 8),
+                           (4, [2000, 10, 10, 10, 10, 10, 10, 5000])):
+        md2, bt2, lens2 = step(seq_lens, seed)
+        assert md2.decode.backend == decisions.FA3 and md2.decode.kernel.kernel is md.decode.kernel.kernel
+        graph.replay()
+        torch.cuda.synchronize()
+        assert relative_error(captured, _reference(static_q, static_kv, bt2, lens2)) < TOL, seed

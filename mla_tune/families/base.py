@@ -84,6 +84,16 @@ def refuse_outside_profile(candidate: Candidate, profile) -> None:
         raise CandidateInvalid("unsupported", f"{candidate.key}: {why} (profile {profile.name})")
 
 
+def typed_choice(candidate: Candidate):
+    """The candidate's typed choice by the plugin's one rule (`vllm_metax.core.choices`); a knob
+    the family does not take is CandidateInvalid("unsupported"), the measurement's refusal."""
+    from vllm_metax.core.choices import ChoiceError, candidate_choice
+    try:
+        return candidate_choice(candidate.family, candidate.backend, candidate.params, candidate.key)
+    except ChoiceError as e:
+        raise CandidateInvalid("unsupported", str(e)) from None
+
+
 @dataclass
 class Prepared:
     """A planned candidate over one problem instance.

@@ -17,10 +17,10 @@ import time
 
 import torch
 
-from mla_tune.families.base import Availability, Candidate, CandidateInvalid, Prepared
+from mla_tune.families.base import Availability, Candidate, CandidateInvalid, Prepared, typed_choice
 from mla_tune.problem.instance import torch_dtype
 from mla_tune.problem.workload import Workload
-from vllm_metax.core.choices import FA3 as FAMILY, FA3_BACKEND as BACKEND, ChoiceError, candidate_choice
+from vllm_metax.core.choices import FA3 as FAMILY, FA3_BACKEND as BACKEND
 
 # the candidates per page: FA3's heuristic (vLLM's eager call), vLLM's CUDA-graph bound (32) and
 # a few fixed bounds between; with the in-launch schedule only the heuristic
@@ -61,10 +61,7 @@ class FA3MLAFamily:
 
     def prepare(self, workload: Workload, candidate: Candidate, problem) -> Prepared:
         op = _op()
-        try:
-            choice = candidate_choice(FAMILY, candidate.backend, candidate.params, candidate.key)
-        except ChoiceError as e:
-            raise CandidateInvalid("unsupported", str(e)) from None
+        choice = typed_choice(candidate)
         q_dt, kv_dt = torch_dtype(workload.q_dtype), torch_dtype(workload.kv_dtype)
         why = op.check_shapes(workload.kv_lora_rank, workload.qk_rope_head_dim, candidate.page_size,
                               q_dt, kv_dt)
@@ -88,8 +85,8 @@ class FA3MLAFamily:
             kernel.schedule(seq_lens, cu_q, qlen, max_k, q_dt)
 
         def run():
-            kernel.run(problem.q_nope, problem.q_pe, problem.kv_cache, problem.block_table, seq_lens,
-                       cu_q, qlen, max_k, out)
+            kernel.run(problem.q_nope, problem.q_pe, problem.ckv_cache, problem.kpe_cache,
+                       problem.block_table, seq_lens, cu_q, qlen, max_k, out)
             return out
 
         t0 = time.perf_counter()

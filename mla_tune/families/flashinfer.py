@@ -44,11 +44,11 @@ import time
 import torch
 
 from mla_tune.families.base import (Availability, Candidate, CandidateInvalid, Prepared,
-                                   refuse_outside_profile)
+                                   refuse_outside_profile, typed_choice)
 from mla_tune.problem.defaults import DEFAULT_PAGE_SIZE
 from mla_tune.problem.workload import Workload
 from mla_tune.problem.instance import torch_dtype
-from vllm_metax.core.choices import KV_CHUNKS, ChoiceError, candidate_choice
+from vllm_metax.core.choices import KV_CHUNKS
 
 FAMILY = "flashinfer"
 CHUNKED_BACKENDS = ("fa2", "fa3")     # the backends whose schedule the plugin computes itself
@@ -124,10 +124,7 @@ class FlashInferFamily:
     def prepare(self, workload: Workload, candidate: Candidate, problem) -> Prepared:
         """Plan the candidate over `problem` (first plan JIT-compiles: `compile_s`)."""
         op = _op()
-        try:
-            choice = candidate_choice(FAMILY, candidate.backend, candidate.params, candidate.key)
-        except ChoiceError as e:
-            raise CandidateInvalid("unsupported", str(e)) from None
+        choice = typed_choice(candidate)
         refuse_outside_profile(candidate, self.profile)
         kv_chunk, factor = choice.kv_chunk, choice.kv_chunk_factor
         try:

@@ -34,12 +34,11 @@ import time
 import torch
 
 from mla_tune.families.base import (Availability, Candidate, CandidateInvalid, Prepared,
-                                   refuse_outside_profile)
+                                   refuse_outside_profile, typed_choice)
 from mla_tune.problem.defaults import DEFAULT_PAGE_SIZE
 from mla_tune.problem.workload import Workload
 from vllm_metax.core.choices import SPLIT as FAMILY
 from vllm_metax.core.choices import SPLIT_BACKEND as BACKEND
-from vllm_metax.core.choices import ChoiceError, candidate_choice
 from vllm_metax.core.split_facts import SERVED_PIPE   # its candidates carry no `pipe` knob
 
 WAVE = 132                 # programs of one wave on the H200 the default is written for
@@ -146,10 +145,7 @@ class SplitFamily:
 
     def prepare(self, workload: Workload, candidate: Candidate, problem) -> Prepared:
         op = _op()
-        try:
-            choice = candidate_choice(FAMILY, candidate.backend, candidate.params, candidate.key)
-        except ChoiceError as e:
-            raise CandidateInvalid("unsupported", str(e)) from None
+        choice = typed_choice(candidate)
         if not self._servable(workload):
             raise CandidateInvalid("unsupported", "the split kernel decodes q_len 1 only")
         refuse_outside_profile(candidate, self.profile)

@@ -17,8 +17,10 @@ from mla_tune.tune.verdict import MIN_RATIO, P_THRESHOLD
 from vllm_metax.core.profile import NVIDIA, PROFILES, Profile, active_profile, get_profile
 
 # A GPU sweep's default families are its profile's (`vllm_metax.core.profile.Profile.sweep_families`):
-# on NVIDIA flashinfer, triton and split (served by FLASHINFER_MLA's decode in the buckets it wins;
-# flashmla opt-in), on MetaX flashmla first (the vendor's baseline) and the same three.
+# on NVIDIA flashinfer, triton, split and fa3_mla (vLLM's FA3 MLA kernel, Hopper only: refused with
+# its reason elsewhere; split and fa3_mla are served by FLASHINFER_MLA's decode in the buckets they
+# win; flashmla opt-in), on MetaX flashmla first (the vendor's baseline), then flashinfer, triton
+# and split.
 GPU_FAMILIES = PROFILES[NVIDIA].sweep_families
 CPU_FAMILIES = ("reference",)
 

@@ -55,7 +55,8 @@ def _params_text(p: dict, family: str = "") -> str:
     from vllm_metax.core.tuned_config import SPLIT_BACKEND
     backend = p.get("backend")
     knobs = [f"{k}={v}" for k, v in p.items() if k not in ("backend", "rule")]
-    one = backend == family or (family == "split" and backend == SPLIT_BACKEND)
+    one = backend == family or (family == "split" and backend == SPLIT_BACKEND) or \
+        (family == "fa3_mla" and backend == "fa3")
     head = [str(backend)] if backend is not None and not one else []
     return ", ".join(head + knobs) or "-"
 
@@ -127,23 +128,24 @@ class Served:
 
 def served_kernel(entry, bucket) -> Served:
     """The kernel a decode step of `bucket` runs under `entry`, by the plugin's rules
-    (`vllm_metax.core.decisions`): FLASHINFER_MLA runs the split-KV kernel where `split_serves` says,
-    else its FlashInfer choice; TRITON_MLA its split count or vLLM's rule; FLASHMLA FlashMLA."""
+    (`vllm_metax.core.decisions`): FLASHINFER_MLA runs the split-KV kernel where `split_serves` says
+    and vLLM's FA3 MLA kernel where `fa3_serves` says, else its FlashInfer choice; TRITON_MLA its split count or vLLM's rule; FLASHMLA FlashMLA."""
     from vllm_metax.core import decisions as d
     backend = entry.backend_order[0] if entry.backend_order else None
     if bucket is None:
         return Served(backend, None, {}, "no tuned bucket: the plugin's defaults")
     if backend == "FLASHINFER_MLA":
-        split = d.split_serves(bucket)
-        if split is not None:
-            return Served(backend, d.SPLIT, split.to_params(),
-                          f">= {d.SPLIT_MIN_GAIN:g}x faster than the bucket's FlashInfer choice")
+        for family, serves in ((d.SPLIT, d.split_serves), (d.FA3, d.fa3_serves)):
+            side = serves(bucket)
+            if side is not None:
+                return Served(backend, family, side.to_params(),
+                              f">= {d.SPLIT_MIN_GAIN:g}x faster than the bucket's FlashInfer choice")
         fc = d.bucket_choice(bucket, d.FLASHINFER)
         if fc is None:
             return Served(backend, d.FLASHINFER, {}, "no FlashInfer choice: the device default")
         note = "planned as the device default" if fc.backend == d.AUTO else ""
-        if bucket.best_family == d.SPLIT:
-            note = f"split measured faster, by less than {d.SPLIT_MIN_GAIN:g}x"
+        if bucket.best_family in (d.SPLIT, d.FA3):
+            note = f"{bucket.best_family} measured faster, by less than {d.SPLIT_MIN_GAIN:g}x"
         return Served(backend, d.FLASHINFER, fc.to_params(), note)
     if backend == "TRITON_MLA":
         tc = d.bucket_choice(bucket, d.TRITON)

@@ -54,7 +54,7 @@ from vllm_metax.ops.flashinfer_mla import (
     device_workspace,
     flashinfer_available,
 )
-from vllm_metax.ops import split_decode
+from vllm_metax.ops import fa3_mla, split_decode
 from vllm_metax.ops.paged_metadata import PagedMetadata, build_paged_metadata
 
 logger = get_logger(__name__)
@@ -132,6 +132,13 @@ class FlashInferMLAMetadataBuilder(HostLengthsBuilder, MLACommonMetadataBuilder[
         # graph: a capture must find the same choice its replays will make
         for choice in self.choice.split_choices():
             self._split_kernel(choice)
+        # vLLM's FA3 MLA kernel where the config serves it: its scheduler metadata buffer holds
+        # the largest batch a step or a captured graph can have (vLLM's builder sizes it the same)
+        self._fa3_kernels: dict[tuple, fa3_mla.FA3MLADecode | None] = {}
+        self._fa3_max_batch = max(vllm_config.scheduler_config.max_num_seqs, self.max_graph_tokens)
+        for choice in self.choice.fa3_choices():
+            for graph in (False, True) if self.full_cudagraph else (False,):
+                self._fa3_kernel(choice, graph)
 
     def _use_graph(self, num_decodes: int, num_decode_tokens: int) -> bool:
         common = self._common
@@ -174,11 +181,16 @@ class FlashInferMLAMetadataBuilder(HostLengthsBuilder, MLACommonMetadataBuilder[
         graph = self._use_graph(num_decodes, num_decode_tokens)
         context = decisions.bucket_context(seq_lens)
         step = self._split_step(num_decodes, context, q_len, graph, block_table_tensor, seq_lens_device)
+        side = decisions.SPLIT
+        if step is None:
+            step = self._fa3_step(num_decodes, context, q_len, graph, block_table_tensor,
+                                  seq_lens_device, query_start_loc_device, int(seq_lens.max()))
+            side = decisions.FA3
         if step is not None:
             return FlashInferMLADecodeMetadata(
                 block_table=block_table_tensor, seq_lens=seq_lens_device,
-                dcp_tot_seq_lens=dcp_tot_seq_lens_device, kernel=step, backend=decisions.SPLIT,
-                paged=None, num_rows=num_decodes, q_len=1, sm_scale=self.sm_scale,
+                dcp_tot_seq_lens=dcp_tot_seq_lens_device, kernel=step, backend=side,
+                paged=None, num_rows=num_decodes * q_len, q_len=q_len, sm_scale=self.sm_scale,
                 page_size=self.page_size, return_lse=False, cuda_graph=graph)
         backend, kv_chunk = self.choice.step(num_decodes, context, q_len, graph)
         block_table = block_table_tensor[:num_decodes]
@@ -259,6 +271,51 @@ class FlashInferMLAMetadataBuilder(HostLengthsBuilder, MLACommonMetadataBuilder[
                                       f"pipe={choice.pipe}: {why}")
             kernel = None
         self._split_kernels[key] = kernel
+        return kernel
+
+
+    # ------------------------------------------------------------ vLLM's FA3 MLA kernel
+
+    def _fa3_step(self, num_decodes: int, context: int, q_len: int, graph: bool,
+                  block_table_tensor: torch.Tensor, seq_lens_device: torch.Tensor,
+                  query_start_loc_device: torch.Tensor, max_seq_len: int) -> fa3_mla.FA3Step | None:
+        """FA3's step where the tuned config serves it here (no decode LSE: FA3's is base e and
+        only decode context parallelism asks for it, which this backend does not run)."""
+        if self.plan_lse:
+            return None
+        choice = self.choice.fa3_for(num_decodes, context, q_len, graph)
+        kernel = self._fa3_kernel(choice, graph) if choice is not None else None
+        if kernel is None:
+            return None
+        return fa3_mla.FA3Step(kernel, block_table_tensor[:num_decodes], seq_lens_device[:num_decodes],
+                               query_start_loc_device[:num_decodes + 1], q_len, max_seq_len, self.q_dtype)
+
+    def _fa3_kernel(self, choice: decisions.FA3Choice, graph: bool) -> fa3_mla.FA3MLADecode | None:
+        """The op of these knobs, made once (before any capture). Under CUDA graphs FA3's own
+        split heuristic (num_splits 0) would size its buffers at capture: there the bound is
+        vLLM's, 32 (`flash_attn_max_num_splits_for_cuda_graph`), as vLLM's FLASH_ATTN_MLA does."""
+        splits = choice.num_splits or (fa3_mla.GRAPH_SPLITS if graph else 0)
+        key = (splits, choice.schedule)     # one op (and metadata buffer) per knob set
+        if key in self._fa3_kernels:
+            return self._fa3_kernels[key]
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            self.choice.disable_fa3("first needed inside a CUDA-graph capture")
+            return None
+        kernel, why = None, None
+        try:
+            ok, why = fa3_mla.fa3_available(self.device)
+            why = why if not ok else fa3_mla.check_shapes(self.head_dim_ckv, self.head_dim_kpe,
+                                                          self.page_size, self.q_dtype, self.kv_dtype)
+            if why is None:
+                kernel = fa3_mla.FA3MLADecode(self.sm_scale, self.num_heads, self.page_size, splits,
+                                              choice.schedule, max_batch=self._fa3_max_batch,
+                                              device=self.device)
+        except Exception as e:  # noqa: BLE001 - a config this device cannot run must not crash vLLM
+            why = f"{type(e).__name__}: {e}"
+        if why:
+            self.choice.disable_fa3(f"num_splits={choice.num_splits}, schedule={choice.schedule}: {why}")
+            kernel = None
+        self._fa3_kernels[key] = kernel
         return kernel
 
 

@@ -1,6 +1,6 @@
 """Which kernel plans each decode step of FLASHINFER_MLA (vllm-free): the FlashInfer backend value
-and KV chunking of the nearest tuned bucket, or the split-KV Triton kernel where the tuned config
-serves it; a captured CUDA graph fixes its choice per batch size. The backend's metadata builder
+and KV chunking of the nearest tuned bucket, or the split-KV Triton kernel or vLLM's FA3 MLA kernel
+where the tuned config serves them; a captured CUDA graph fixes its choice per batch size. The backend's metadata builder
 asks once a step; `bench/plan_cost.py` times it."""
 
 from __future__ import annotations
@@ -29,6 +29,11 @@ class PlanChoice:
         # bucket -> the split kernel's knobs, where it serves that bucket (decided once, per file)
         self._splits: dict[int, decisions.SplitChoice] = {} if entry is None else {
             id(b): c for b in entry.buckets if b.q_len == 1 and (c := decisions.split_serves(b)) is not None}
+        # bucket -> vLLM's FA3 MLA kernel's knobs, where it serves that bucket (any q_len)
+        self._fa3: dict[int, decisions.FA3Choice] = {} if entry is None else {
+            id(b): c for b in entry.buckets if (c := decisions.fa3_serves(b)) is not None}
+        self._graph_fa3: dict = {}
+        self.fa3_enabled = True
         self._found: tuple = (None, None)     # the last step's (lookup key, bucket): one lookup a step
         self._warn_unservable()
 
@@ -58,7 +63,9 @@ class PlanChoice:
         served = collections.Counter()
         for b in self.entry.buckets:
             split = self._splits.get(id(b)) if b.q_len == 1 and self.split_enabled else None
-            served["split-KV Triton" if split is not None else f"FlashInfer {self.for_bucket(b)}"] += 1
+            fa3 = self._fa3.get(id(b)) if self.fa3_enabled else None
+            served["split-KV Triton" if split is not None else "vLLM FA3" if fa3 is not None
+                   else f"FlashInfer {self.for_bucket(b)}"] += 1
         split_batches = sorted({b.batch_size for b in self.entry.buckets if id(b) in self._splits})
         where = f" (split at batch {', '.join(map(str, split_batches))})" if split_batches else ""
         return (", ".join(f"{k} in {n}" for k, n in served.most_common())
@@ -121,6 +128,34 @@ class PlanChoice:
             return None
         return choice
 
+    def fa3_for(self, batch_size: int, context_len: int, q_len: int = 1,
+                graph: bool = False) -> decisions.FA3Choice | None:
+        """vLLM's FA3 kernel's knobs where this step should run it instead of FlashInfer
+        (`decisions.fa3_serves` of the nearest tuned bucket), else None. A captured graph fixes
+        its kernel for every context: FA3 there only where it serves most buckets of the nearest
+        tuned batch size (and q_len), with the knobs most of those name."""
+        if not self._fa3 or not self.fa3_enabled:
+            return None
+        if graph:
+            key = (batch_size, q_len)
+            if key not in self._graph_fa3:
+                self._graph_fa3[key] = self._graph_vote(self._fa3, batch_size, q_len)
+            return self._graph_fa3[key]
+        found = self._lookup(batch_size, context_len, q_len)
+        return self._fa3.get(id(found.bucket)) if found is not None else None
+
+    def fa3_choices(self) -> list:
+        """Every FA3 choice the entry may serve (distinct knobs, in bucket order)."""
+        return list(dict.fromkeys(self._fa3.values())) if self.fa3_enabled else []
+
+    def disable_fa3(self, reason: str) -> None:
+        """vLLM's FA3 kernel cannot run here: FlashInfer plans those steps from now on."""
+        if self.fa3_enabled:
+            logger.warning("vllm_metax MLA: the tuned config's vLLM FA3 MLA decode cannot run here "
+                           "(%s); FlashInfer decodes those steps", reason)
+        self.fa3_enabled = False
+        self._graph_fa3.clear()
+
     def _lookup(self, batch_size: int, context_len: int, q_len: int):
         """`entry.lookup`, remembered for the last key: a step asks for the split kernel and then
         for the FlashInfer plan with the same key."""
@@ -130,11 +165,18 @@ class PlanChoice:
         return self._found[1]
 
     def _split_graph_choice(self, batch_size: int) -> decisions.SplitChoice | None:
-        found = self.entry.lookup(batch_size, 1, 1)
+        return self._graph_vote(self._splits, batch_size, 1)
+
+    def _graph_vote(self, served_in: dict, batch_size: int, q_len: int):
+        """A captured graph's side-kernel knobs: those of `served_in` (bucket id -> choice) where
+        it serves most buckets of the nearest tuned batch size, the knobs most of those name
+        (ties: the longest context's); None where it serves half or fewer."""
+        found = self.entry.lookup(batch_size, 1, q_len)
         if found is None:
             return None
-        at_b = [x for x in self.entry.buckets if x.batch_size == found.bucket.batch_size and x.q_len == 1]
-        served = [(x.context_len, c) for x in at_b if (c := self._splits.get(id(x))) is not None]
+        at_b = [x for x in self.entry.buckets
+                if x.batch_size == found.bucket.batch_size and x.q_len == found.bucket.q_len]
+        served = [(x.context_len, c) for x in at_b if (c := served_in.get(id(x))) is not None]
         if 2 * len(served) <= len(at_b):
             return None
         votes = collections.Counter(c for _, c in served)

@@ -23,9 +23,9 @@ from typing import Sequence
 
 # the typed choices, their knobs and the params <-> choice parsing: vllm_metax.core.choices (re-exported)
 from vllm_metax.core.choices import (  # noqa: F401
-    DEFAULT_TRITON_VARIANT, FLASHINFER, FLASHMLA, SPLIT, TRITON, TRITON_BACKEND, TRITON_VARIANTS,
-    VLLM_RULE, FlashInferChoice, FlashMLAChoice, SplitChoice, TritonChoice, family_choice,
-    kv_chunk_factor,
+    DEFAULT_TRITON_VARIANT, FA3, FLASHINFER, FLASHMLA, SPLIT, TRITON, TRITON_BACKEND,
+    TRITON_VARIANTS, VLLM_RULE, FA3Choice, FlashInferChoice, FlashMLAChoice, SplitChoice,
+    TritonChoice, family_choice, kv_chunk_factor,
 )
 from vllm_metax.core.profile import Profile, active_profile, get_profile, why_unservable
 from vllm_metax.core.tuned_config import PREFILL_BACKENDS, ModelDims
@@ -179,13 +179,35 @@ def split_serves(bucket, profile=None) -> "SplitChoice | None":
     faster than the bucket's FlashInfer choice (both times from the same sweep). None: run
     FlashInfer (no split choice, no FlashInfer time to compare, too small a gain, or a pipe
     `profile` (default: the active one) cannot run)."""
-    if bucket is None or bucket.best_family != SPLIT:
+    return _side_serves(bucket, SPLIT, profile)
+
+
+def fa3_serves(bucket, profile=None) -> "FA3Choice | None":
+    """vLLM's FA3 MLA kernel's choice where FLASHINFER_MLA's decode should run it in this bucket.
+    FA3 is vLLM's own default on Hopper, so the rule is the other way round from the split
+    kernel's: where the sweep measured FA3 in the bucket, it serves unless the bucket's FlashInfer
+    choice measured at least SPLIT_MIN_GAIN times faster (the split kernel, where it serves,
+    comes first). None: no FA3 choice or time, FlashInfer clearly faster, or a target `profile`
+    (default: the active one) without vLLM's FA3 (metax)."""
+    if bucket is None:
         return None
-    sc, fc = bucket.families.get(SPLIT), bucket.families.get(FLASHINFER)
-    choice = family_choice(SPLIT, sc.params) if sc is not None else None
+    sc, fc = bucket.families.get(FA3), bucket.families.get(FLASHINFER)
+    choice = family_choice(FA3, sc.params) if sc is not None else None
+    if choice is None or not sc.time_us or why_unservable(FA3, sc.params, _profile(profile)):
+        return None
+    if fc is not None and fc.time_us and sc.time_us >= SPLIT_MIN_GAIN * fc.time_us:
+        return None
+    return choice
+
+
+def _side_serves(bucket, family: str, profile=None):
+    if bucket is None or bucket.best_family != family:
+        return None
+    sc, fc = bucket.families.get(family), bucket.families.get(FLASHINFER)
+    choice = family_choice(family, sc.params) if sc is not None else None
     if choice is None or fc is None or not sc.time_us or not fc.time_us:
         return None
-    if why_unservable(SPLIT, sc.params, _profile(profile)):
+    if why_unservable(family, sc.params, _profile(profile)):
         return None
     return choice if fc.time_us >= SPLIT_MIN_GAIN * sc.time_us else None
 
@@ -196,8 +218,9 @@ def bucket_choice(bucket, family: str) -> FlashInferChoice | TritonChoice | None
     return family_choice(family, fc.params) if fc is not None else None
 
 
-__all__ = ["AUTO", "DEFAULT_TRITON_VARIANT", "FALLBACK_BACKEND", "FLASHINFER", "FLASHMLA", "FlashInferBackends", "FlashInferChoice",
-           "SPLIT", "SPLIT_MIN_GAIN", "SplitChoice", "TRITON", "TRITON_VARIANTS", "split_serves", "TritonChoice", "VLLM_RULE", "bucket_choice",
+__all__ = ["AUTO", "DEFAULT_TRITON_VARIANT", "FALLBACK_BACKEND", "FLASHINFER", "FLASHMLA", "FlashInferBackends",
+           "FlashInferChoice", "FA3", "FA3Choice", "fa3_serves", "SPLIT", "SPLIT_MIN_GAIN", "SplitChoice",
+           "TRITON", "TRITON_VARIANTS", "split_serves", "TritonChoice", "VLLM_RULE", "bucket_choice",
            "bucket_context", "device_flashinfer_backends", "device_prefill_backends", "dtype_name",
            "family_choice", "flashinfer_backends", "kv_chunk_factor", "model_key",
            "prefill_backend", "prefill_backends", "prefill_statistic", "unservable_prefill"]

@@ -31,11 +31,9 @@ one dtype, page (block) size a multiple of 16, head dims 512 + 64. Where the lib
 
 from __future__ import annotations
 
-import importlib.util
-import threading
-from pathlib import Path
-
 import torch
+
+from vllm_metax.ops.vllm_library import VllmLibrary
 
 LIBRARY_GLOB = "_vllm_fa3_C*.so"
 OP_NAMESPACE = "_vllm_fa3_C"
@@ -43,55 +41,14 @@ HEAD_DIM_V = 512             # kv_lora_rank
 ROPE_DIM = 64                # qk_rope_head_dim
 PAGE_MULTIPLE = 16           # vLLM's FLASH_ATTN_MLA: kernel block sizes MultipleOf(16)
 SCHEDULES = ("aot", "none")
+GRAPH_SPLITS = 32            # vLLM's flash_attn_max_num_splits_for_cuda_graph: the bound in graphs
 
-_lock = threading.Lock()
-_loaded: tuple[bool, str] | None = None
-
-
-def library_path() -> Path | None:
-    """vllm's `vllm_flash_attn/_vllm_fa3_C` library, found without importing vllm (None if absent)."""
-    try:
-        spec = importlib.util.find_spec("vllm")
-    except (ImportError, ValueError):
-        return None
-    for d in (spec.submodule_search_locations or []) if spec is not None else []:
-        found = sorted((Path(d) / "vllm_flash_attn").glob(LIBRARY_GLOB))
-        if found:
-            return found[0]
-    return None
+_LIBRARY = VllmLibrary("vllm_flash_attn", LIBRARY_GLOB, OP_NAMESPACE, ("fwd", "get_scheduler_metadata"),
+                       "vllm's FA3 library (vllm/vllm_flash_attn/_vllm_fa3_C*.so)")
 
 
-def _has_op() -> bool:
-    try:
-        ns = getattr(torch.ops, OP_NAMESPACE)
-        getattr(ns, "fwd")
-        getattr(ns, "get_scheduler_metadata")
-        return True
-    except (AttributeError, RuntimeError):
-        return False
-
-
-def load_library() -> tuple[bool, str]:
-    """Load the FA3 ops once per process: (loaded, why not). Never raises."""
-    global _loaded
-    with _lock:
-        if _loaded is not None:
-            return _loaded
-        if _has_op():                      # vllm (or someone) loaded it already
-            _loaded = (True, "")
-            return _loaded
-        path = library_path()
-        if path is None:
-            _loaded = (False, "vllm's FA3 library (vllm/vllm_flash_attn/_vllm_fa3_C*.so) is not installed")
-            return _loaded
-        try:
-            torch.ops.load_library(str(path))
-        except Exception as e:  # a library built for another torch/CUDA: unavailable, not a crash
-            _loaded = (False, f"cannot load {path.name}: {type(e).__name__}: {str(e)[:300]}")
-            return _loaded
-        _loaded = (True, "") if _has_op() else (
-            False, f"{path.name} loaded but registers no {OP_NAMESPACE}::fwd")
-        return _loaded
+library_path = _LIBRARY.path      # the library beside the installed vllm (None if absent)
+load_library = _LIBRARY.load      # load its ops once per process: (loaded, why not); never raises
 
 
 def fa3_available(device=None, capability: tuple | None = None) -> tuple[bool, str]:
@@ -168,15 +125,15 @@ class FA3MLADecode:
         self.metadata = md
         return md
 
-    def run(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
-            block_table: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
-            max_seqlen_q: int, max_seqlen_k: int, out: torch.Tensor | None = None,
-            return_lse: bool = False):
-        """q_nope [T, H, 512], q_pe [T, H, 64], kv_cache [pages, page, 576] (vLLM's layout),
+    def run(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor,
+            kpe_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+            cu_seqlens_q: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+            out: torch.Tensor | None = None, return_lse: bool = False):
+        """q_nope [T, H, 512], q_pe [T, H, 64]; ckv_cache [pages, page, 512] and kpe_cache
+        [pages, page, 64], the latent and rope columns of vLLM's packed cache (views);
         block_table int32 [B, max_pages], seq_lens int32 [B], cu_seqlens_q int32 [B + 1];
         out [T, H, 512] or None. Returns out, or (out, lse [H, T]) with `return_lse`."""
-        kv = kv_cache.unsqueeze(-2)
-        k_pe, kv_c = kv[..., HEAD_DIM_V:], kv[..., :HEAD_DIM_V]
+        k_pe, kv_c = kpe_cache.unsqueeze(-2), ckv_cache.unsqueeze(-2)
         if q_pe.stride(-1) != 1:
             q_pe = q_pe.contiguous()
         o, lse, _, _ = self._fwd(
@@ -187,5 +144,23 @@ class FA3MLADecode:
         return (o, lse) if return_lse else o
 
 
-__all__ = ["FA3MLADecode", "HEAD_DIM_V", "PAGE_MULTIPLE", "ROPE_DIM", "SCHEDULES", "check_shapes",
+class FA3Step:
+    """One decode step served by FA3 (the plugin's FLASHINFER_MLA builder makes it where the tuned
+    config serves vLLM's FA3 MLA kernel): the step's tensors and its scheduler metadata, computed
+    once at build time; every layer calls `run` like FlashInfer's planned kernel."""
+
+    def __init__(self, kernel: FA3MLADecode, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                 cu_seqlens_q: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, dtype: torch.dtype):
+        self.kernel = kernel
+        self.block_table, self.seq_lens, self.cu_seqlens_q = block_table, seq_lens, cu_seqlens_q
+        self.max_seqlen_q, self.max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+        kernel.schedule(seq_lens, cu_seqlens_q, self.max_seqlen_q, self.max_seqlen_k, dtype)
+
+    def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, return_lse: bool = False):
+        return self.kernel.run(q_nope, q_pe, ckv_cache, kpe_cache, self.block_table, self.seq_lens,
+                               self.cu_seqlens_q, self.max_seqlen_q, self.max_seqlen_k, out,
+                               return_lse)
+
+
+__all__ = ["FA3MLADecode", "FA3Step", "GRAPH_SPLITS", "HEAD_DIM_V", "PAGE_MULTIPLE", "ROPE_DIM", "SCHEDULES", "check_shapes",
            "fa3_available", "library_path", "load_library", "metadata_size"]

@@ -34,13 +34,10 @@ Where neither can run, `flashmla_available()` says so and FLASHMLA is not chosen
 
 from __future__ import annotations
 
-import importlib.util
-import threading
-from pathlib import Path
-
 import torch
 
 from vllm_metax.core.tuned_config import FLASHMLA_PAGE_SIZE as PAGE_SIZE   # FlashMLA's only KV block size
+from vllm_metax.ops.vllm_library import VllmLibrary
 
 HEAD_DIM = 576                 # kv_lora_rank + qk_rope_head_dim
 HEAD_DIM_V = 512               # kv_lora_rank
@@ -49,52 +46,12 @@ OP_NAMESPACE = "_flashmla_C"
 VLLM_LIBRARY = "vllm"          # vllm/_flashmla_C: torch.ops._flashmla_C.dense_decode_fwd
 VENDOR_LIBRARY = "flash_mla"   # the flash_mla package (MetaX's build): FlashMLA 1.0's interface
 
-_lock = threading.Lock()
-_loaded: tuple[bool, str] | None = None
+_LIBRARY = VllmLibrary("", LIBRARY_GLOB, OP_NAMESPACE, ("dense_decode_fwd",),
+                       "vllm's FlashMLA library (vllm/_flashmla_C*.so)")
 
 
-def library_path() -> Path | None:
-    """vllm's `_flashmla_C` shared library, found without importing vllm (None if absent)."""
-    try:
-        spec = importlib.util.find_spec("vllm")
-    except (ImportError, ValueError):
-        return None
-    for d in (spec.submodule_search_locations or []) if spec is not None else []:
-        found = sorted(Path(d).glob(LIBRARY_GLOB))
-        if found:
-            return found[0]
-    return None
-
-
-def _has_op() -> bool:
-    try:
-        getattr(getattr(torch.ops, OP_NAMESPACE), "dense_decode_fwd")
-        return True
-    except (AttributeError, RuntimeError):
-        return False
-
-
-def load_library() -> tuple[bool, str]:
-    """Load the FlashMLA ops once per process: (loaded, why not). Never raises."""
-    global _loaded
-    with _lock:
-        if _loaded is not None:
-            return _loaded
-        if _has_op():                      # vllm (or someone) loaded it already
-            _loaded = (True, "")
-            return _loaded
-        path = library_path()
-        if path is None:
-            _loaded = (False, "vllm's FlashMLA library (vllm/_flashmla_C*.so) is not installed")
-            return _loaded
-        try:
-            torch.ops.load_library(str(path))
-        except Exception as e:  # a library built for another torch/CUDA: unavailable, not a crash
-            _loaded = (False, f"cannot load {path.name}: {type(e).__name__}: {str(e)[:300]}")
-            return _loaded
-        _loaded = (True, "") if _has_op() else (
-            False, f"{path.name} loaded but registers no {OP_NAMESPACE}::dense_decode_fwd")
-        return _loaded
+library_path = _LIBRARY.path      # the library beside the installed vllm (None if absent)
+load_library = _LIBRARY.load      # load its ops once per process: (loaded, why not); never raises
 
 
 def vendor_interface():
