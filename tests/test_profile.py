@@ -237,3 +237,13 @@ def test_the_vendor_launch_facts():
     assert head_tiles(None, 288, 256) == (256, 32)
     assert head_tiles(m, 320, 256) == (256, 64) and head_tiles(None, 320, 256) == (256, 64)
     assert head_tiles(m, 400, 320) == (512, 128)           # the general rule: powers of two
+
+
+def test_vllms_fa3_is_not_served_on_the_metax_target(on):
+    bucket = tc.Bucket(1, 4096, 1, {"fa3_mla": tc.FamilyChoice({"backend": "fa3", "num_splits": 0}, 10.0),
+                                    "flashinfer": tc.FamilyChoice({"backend": "fa3"}, 12.0)}, "fa3_mla")
+    on(HOPPER)
+    assert decisions.fa3_serves(bucket) == choices.FA3Choice(0)
+    assert decisions.fa3_serves(bucket, "metax") is None          # FlashInfer fa2 decodes it
+    on(METAX_DEV)
+    assert decisions.fa3_serves(bucket) is None
