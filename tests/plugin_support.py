@@ -180,6 +180,18 @@ def ragged_batch(seq_lens, page_size, q_len=1, extra_rows=0, num_pages=None, see
     return block_table.to(device), lens, common, num_pages
 
 
+def build_decode(builder, seq_lens, page_size, q_len=1, extra_rows=2, seed=0):
+    """A builder's `_build_decode` called with what vLLM's MLA build() passes for a decode batch
+    of `seq_lens` (`ragged_batch`); (metadata, block table, lengths, pages in the cache)."""
+    bt, lens, common, num_pages = ragged_batch(seq_lens, page_size, q_len, extra_rows, seed=seed)
+    n = len(seq_lens)
+    md = builder._build_decode(
+        block_table_tensor=bt[:n], seq_lens_device=lens, max_seq_len=max(seq_lens),
+        query_start_loc_cpu=common.query_start_loc_cpu, query_start_loc_device=common.query_start_loc,
+        num_decode_tokens=n * q_len, max_query_len=q_len, dcp_tot_seq_lens_device=None)
+    return md, bt, lens, num_pages
+
+
 def install_recording_plugin(monkeypatch, device, *more_modules):
     """The plugin on a pretend `device` (a DeviceInfo) with FlashInfer's wrapper replaced by
     RecordingKernel and no decode workspace; `more_modules` also see the pretend device.

@@ -72,13 +72,7 @@ def _tuned(tmp_path, monkeypatch, choices, device=H200.name):
 
 def _decode(builder, seq_lens, q_len=1, extra_rows=3, seed=0):
     """Call _build_decode with the arguments vLLM's MLA build() passes for a decode batch."""
-    bt, lens, common, num_pages = ps.ragged_batch(seq_lens, PAGE, q_len, extra_rows, seed=seed)
-    n = len(seq_lens)
-    md = builder._build_decode(
-        block_table_tensor=bt[:n], seq_lens_device=lens, max_seq_len=max(seq_lens),
-        query_start_loc_cpu=common.query_start_loc_cpu, query_start_loc_device=common.query_start_loc,
-        num_decode_tokens=n * q_len, max_query_len=q_len, dcp_tot_seq_lens_device=None)
-    return md, bt, lens, num_pages
+    return ps.build_decode(builder, seq_lens, PAGE, q_len, extra_rows, seed)
 
 
 def _qkv(rows, num_pages, seed=1):

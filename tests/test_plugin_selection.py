@@ -231,12 +231,16 @@ def test_registration_points_both_enums_at_the_plugin(platform):
     assert E.TRITON_MLA.get_class().get_name() == "TRITON_MLA"
 
 
-def test_vllms_own_flashmla_is_unavailable_on_the_platform_even_with_its_library_installed(
-        platform, base_config):
-    """What `mla-tune doctor` says of FLASHMLA: vLLM loads vllm._flashmla_C only under its CUDA
-    platform, so on MetaxPlatform an explicit FLASHMLA is refused and an automatic choice skips it."""
+def test_flashmla_is_the_plugins_and_refused_where_its_op_cannot_run(platform, base_config):
+    """FLASHMLA is the plugin's backend over its FlashMLA op (vLLM's own loads vllm._flashmla_C
+    only under vLLM's CUDA platform); on this GPU-less host the op cannot run, so an explicit
+    FLASHMLA is refused with the op's reason and an automatic choice skips it
+    (tests/test_flashmla_backend.py serves it)."""
     from vllm_metax.ops import flashmla as op
+    from vllm_metax.platform import FLASHMLA_CLASS
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum as E
     assert op.library_path() is not None                 # the vllm extra ships the library
-    with pytest.raises(ValueError, match="(?i)flashmla"):
+    with pytest.raises(ValueError, match="FLASHMLA.*FlashMLA needs a CUDA device"):
         _select(platform, base_config, "FLASHMLA")
+    assert E.FLASHMLA.get_path() == FLASHMLA_CLASS
     assert _select(platform, base_config) == FLASHINFER_MLA_CLASS

@@ -47,12 +47,7 @@ def _write(tmp_path, monkeypatch, device, tuned_profile, buckets, order=("FLASHI
 
 
 def _decode(builder, seq_lens):
-    bt, lens, common, _ = ps.ragged_batch(seq_lens, PAGE)
-    n = len(seq_lens)
-    return builder._build_decode(
-        block_table_tensor=bt[:n], seq_lens_device=lens, max_seq_len=max(seq_lens),
-        query_start_loc_cpu=common.query_start_loc_cpu, query_start_loc_device=common.query_start_loc,
-        num_decode_tokens=n, max_query_len=1, dcp_tot_seq_lens_device=None)
+    return ps.build_decode(builder, seq_lens, PAGE)[0]
 
 
 def _mismatch_warnings(caplog):

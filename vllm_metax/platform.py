@@ -23,7 +23,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_b
 from vllm_metax.backend import served_entry
 from vllm_metax.core.device import FORCE_ENV, detect_device
 from vllm_metax.core.log import PARENT as LOG_PARENT
-from vllm_metax.core.profile import PROFILE_ENV
+from vllm_metax.core.profile import PROFILE_ENV, profile_source
 from vllm_metax.core.serving import mla_backend_order
 from vllm_metax.core.tuned_config import FOLDER_ENV, PACKAGED_ENV, STRICT_ENV
 
@@ -250,6 +250,8 @@ class MetaxPlatform(Platform):
     @classmethod
     def check_and_update_config(cls, vllm_config: "VllmConfig") -> None:
         register_backends()
+        target, why = profile_source()
+        logger.info_once("vllm_metax: target profile %s (%s)", target.name, why)
         parallel_config = vllm_config.parallel_config
         if parallel_config.worker_cls == "auto":
             parallel_config.worker_cls = WORKER_CLASS

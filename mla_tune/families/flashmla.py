@@ -38,6 +38,12 @@ def _op():
 class FlashMLAFamily:
     family = FAMILY
 
+    def __init__(self, profile=None):
+        """`profile`: the target profile (None: the active one), whose FlashMLA page size (64 on
+        both targets) is the family's one page."""
+        from vllm_metax.core.profile import active_profile, get_profile
+        self.profile = get_profile(profile) if profile is not None else active_profile()
+
     def available(self, device: str) -> Availability:
         if not str(device).startswith("cuda"):
             return Availability(False, "FlashMLA needs a CUDA device")
@@ -50,7 +56,7 @@ class FlashMLAFamily:
         return Availability(True, f"FlashMLA dense decode ({where})")
 
     def space(self, workload: Workload, page_sizes: list[int]) -> list[Candidate]:
-        page = FLASHMLA_PAGE_SIZE
+        page = self.profile.flashmla_page_size
         return [Candidate(self.family, BACKEND, page)] if page in page_sizes else []
 
     def default_candidate(self, workload: Workload, page_size: int = FLASHMLA_PAGE_SIZE) -> Candidate:

@@ -38,12 +38,12 @@ from vllm.platforms.interface import DeviceCapability
 from vllm.v1.attention.backend import (
     AttentionCGSupport,
     AttentionLayer,
-    AttentionType,
     MultipleOf,
 )
 
 from vllm_metax.backend import served_entry
 from vllm_metax.backend.builder import HostLengthsBuilder
+from vllm_metax.backend.impl_features import FeatureCheckedImpl
 from vllm_metax.backend.plan_choice import PlanChoice
 from vllm_metax.core import decisions
 from vllm_metax.core.log import get_logger, log_once
@@ -390,7 +390,7 @@ class FlashInferMLABackend(MLACommonBackend):
         return "; ".join(reasons) if reasons else None
 
 
-class FlashInferMLAImpl(MLACommonImpl[FlashInferMLAMetadata]):
+class FlashInferMLAImpl(FeatureCheckedImpl, MLACommonImpl[FlashInferMLAMetadata]):
     can_return_lse_for_decode: bool = True
     lse_base_on_e: bool = False        # FlashInfer's MLA LSE is base 2 (both API forms)
     # Context parallelism has never run through this backend (DCP needs the sharded block table
@@ -398,23 +398,8 @@ class FlashInferMLAImpl(MLACommonImpl[FlashInferMLAMetadata]):
     # "DCP not supported" / "PCP not supported" rather than serving unverified output.
     supports_dcp: bool = False
     supports_pcp: bool = False
-
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
-                 alibi_slopes: list[float] | None, sliding_window: int | None, kv_cache_dtype: str,
-                 logits_soft_cap: float | None, attn_type: str,
-                 kv_sharing_target_layer_name: str | None, **mla_args) -> None:
-        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
-                         kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name,
-                         **mla_args)
-        unsupported = [name for name, v in (("alibi_slopes", alibi_slopes),
-                                            ("sliding_window", sliding_window),
-                                            ("logits_soft_cap", logits_soft_cap)) if v]
-        if unsupported:
-            raise NotImplementedError(f"FLASHINFER_MLA does not support {', '.join(unsupported)}")
-        if attn_type != AttentionType.DECODER:
-            raise NotImplementedError("FLASHINFER_MLA implements decoder self-attention only")
-        if kv_cache_dtype not in FlashInferMLABackend.supported_kv_cache_dtypes:
-            raise NotImplementedError(f"FLASHINFER_MLA does not support kv_cache_dtype {kv_cache_dtype}")
+    backend_name = "FLASHINFER_MLA"                  # what FeatureCheckedImpl refuses names
+    kv_cache_dtypes = FlashInferMLABackend.supported_kv_cache_dtypes
 
     def forward_mqa(self, q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                     kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: FlashInferMLAMetadata,

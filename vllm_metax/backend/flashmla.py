@@ -34,13 +34,14 @@ from vllm.model_executor.layers.attention.mla_attention import (
     QueryLenSupport,
 )
 from vllm.platforms.interface import DeviceCapability
-from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer, AttentionType
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer
 from vllm.v1.attention.backends.mla.flashmla import FlashMLABackend
 from vllm.v1.attention.backends.utils import (
     reshape_attn_output_for_spec_decode,
     reshape_query_for_spec_decode,
 )
 
+from vllm_metax.backend.impl_features import FeatureCheckedImpl
 from vllm_metax.core.log import get_logger, log_once
 from vllm_metax.ops import flashmla as op
 
@@ -102,53 +103,6 @@ class MetaxFlashMLAMetadataBuilder(MLACommonMetadataBuilder[MetaxFlashMLAMetadat
                                            q_len=q_len)
 
 
-class MetaxFlashMLAImpl(MLACommonImpl[MetaxFlashMLAMetadata]):
-    can_return_lse_for_decode: bool = True
-    # context parallelism has never run through this backend: vLLM's selector refuses it
-    supports_dcp: bool = False
-    supports_pcp: bool = False
-
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
-                 alibi_slopes: list[float] | None, sliding_window: int | None, kv_cache_dtype: str,
-                 logits_soft_cap: float | None, attn_type: str,
-                 kv_sharing_target_layer_name: str | None, **mla_args) -> None:
-        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
-                         kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name,
-                         **mla_args)
-        unsupported = [name for name, v in (("alibi_slopes", alibi_slopes),
-                                            ("sliding_window", sliding_window),
-                                            ("logits_soft_cap", logits_soft_cap)) if v]
-        if unsupported:
-            raise NotImplementedError(f"FLASHMLA does not support {', '.join(unsupported)}")
-        if attn_type != AttentionType.DECODER:
-            raise NotImplementedError("FLASHMLA implements decoder self-attention only")
-        if kv_cache_dtype not in MetaxFlashMLABackend.supported_kv_cache_dtypes:
-            raise NotImplementedError(f"FLASHMLA does not support kv_cache_dtype {kv_cache_dtype}")
-
-    def forward_mqa(self, q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-                    kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: MetaxFlashMLAMetadata,
-                    layer: AttentionLayer) -> tuple[torch.Tensor, torch.Tensor | None]:
-        decode = attn_metadata.decode
-        assert decode is not None and decode.kernel is not None, "decode step was not planned"
-        if decode.kernel.softmax_scale != self.scale:
-            raise ValueError(f"the step was planned with softmax scale {decode.kernel.softmax_scale}, "
-                             f"this layer's scale is {self.scale}")
-        if kv_c_and_k_pe_cache.shape[1] != op.PAGE_SIZE:
-            raise ValueError(f"FLASHMLA needs KV block size {op.PAGE_SIZE}, the cache pages hold "
-                             f"{kv_c_and_k_pe_cache.shape[1]}")
-        if isinstance(q, tuple):
-            q = torch.cat(q, dim=-1)
-        num_decodes = decode.block_table.shape[0]
-        q = reshape_query_for_spec_decode(q, num_decodes)          # [B, q_len, H, 576]
-        o, lse = decode.kernel.run(q, kv_c_and_k_pe_cache, decode.block_table, decode.seq_lens)
-        o = reshape_attn_output_for_spec_decode(o)                  # [B * q_len, H, 512]
-        if self.need_to_return_lse_for_decode:
-            # FlashMLA's LSE is [B, H, q_len]; its consumers take [tokens, H]
-            b, h, s = lse.shape
-            lse = lse.permute(0, 2, 1).reshape(b * s, h).contiguous()
-        return o, lse
-
-
 class MetaxFlashMLABackend(FlashMLABackend):
     """FLASHMLA (vLLM's name, block size 64, head sizes) over the plugin's FlashMLA op."""
 
@@ -175,3 +129,35 @@ class MetaxFlashMLABackend(FlashMLABackend):
             return "sparse FlashMLA is not served by the plugin (FLASHMLA_SPARSE is vLLM's)"
         ok, why = op.flashmla_available()
         return None if ok else why
+
+
+class MetaxFlashMLAImpl(FeatureCheckedImpl, MLACommonImpl[MetaxFlashMLAMetadata]):
+    can_return_lse_for_decode: bool = True
+    # context parallelism has never run through this backend: vLLM's selector refuses it
+    supports_dcp: bool = False
+    supports_pcp: bool = False
+    backend_name = "FLASHMLA"                        # what FeatureCheckedImpl refuses names
+    kv_cache_dtypes = MetaxFlashMLABackend.supported_kv_cache_dtypes
+
+    def forward_mqa(self, q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+                    kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: MetaxFlashMLAMetadata,
+                    layer: AttentionLayer) -> tuple[torch.Tensor, torch.Tensor | None]:
+        decode = attn_metadata.decode
+        assert decode is not None and decode.kernel is not None, "decode step was not planned"
+        if decode.kernel.softmax_scale != self.scale:
+            raise ValueError(f"the step was planned with softmax scale {decode.kernel.softmax_scale}, "
+                             f"this layer's scale is {self.scale}")
+        if kv_c_and_k_pe_cache.shape[1] != op.PAGE_SIZE:
+            raise ValueError(f"FLASHMLA needs KV block size {op.PAGE_SIZE}, the cache pages hold "
+                             f"{kv_c_and_k_pe_cache.shape[1]}")
+        if isinstance(q, tuple):
+            q = torch.cat(q, dim=-1)
+        num_decodes = decode.block_table.shape[0]
+        q = reshape_query_for_spec_decode(q, num_decodes)          # [B, q_len, H, 576]
+        o, lse = decode.kernel.run(q, kv_c_and_k_pe_cache, decode.block_table, decode.seq_lens)
+        o = reshape_attn_output_for_spec_decode(o)                  # [B * q_len, H, 512]
+        if self.need_to_return_lse_for_decode:
+            # FlashMLA's LSE is [B, H, q_len]; its consumers take [tokens, H]
+            b, h, s = lse.shape
+            lse = lse.permute(0, 2, 1).reshape(b * s, h).contiguous()
+        return o, lse
