@@ -118,3 +118,23 @@ def test_doctor_strict_mode_reports_a_bad_file_in_one_line(metax, monkeypatch):
 def test_doctor_unknown_model_is_a_user_error(host):
     res = _doctor("--model", "no-such-model")
     assert res.exit_code == 2 and "unknown model" in res.output
+
+
+def test_doctor_shows_the_profile_and_a_config_tuned_under_another(metax, monkeypatch):
+    from vllm_metax.core.profile import PROFILE_ENV
+    monkeypatch.delenv(PROFILE_ENV, raising=False)
+    rep = _json(_doctor("--format", "json"))
+    checks = {c["what"]: c for c in rep["checks"]}
+    assert checks["profile"]["status"] == "ok" and checks["profile"]["detail"].startswith(
+        "metax (detected: MetaX C500 is a MetaX device (via pymxsml))")
+    # no config for the model: the profile's own order, FLASHMLA first
+    assert [b["what"] for b in rep["attention_backends"]][0] == "FLASHMLA"
+    cfg = tc.read_tuned_config(metax / "device_name=MetaX_C500.json")
+    cfg.provenance["profile"] = "nvidia"
+    tc.write_tuned_config(cfg, metax)
+    monkeypatch.setenv(PROFILE_ENV, "metax")
+    rep = _json(_doctor("--format", "json"))
+    checks = {c["what"]: c for c in rep["checks"]}
+    assert checks["profile"]["status"] == "warn"
+    assert "'nvidia' profile" in checks["profile"]["detail"] and "$VLLM_METAX_PROFILE=metax" in checks["profile"]["detail"]
+    assert rep["tuned_config"]["profile"] == "nvidia"
