@@ -148,3 +148,15 @@ def test_the_impl_launches_the_metadatas_variant(monkeypatch):
     assert o.shape == (2, 16, 512)
     assert seen == [("metax", 8, (2, 16, 8, 513), True)]
     assert tm._VARIANT.get() == "vllm"                        # nothing leaks past the call
+
+
+def test_an_entry_of_one_launch_runs_it_everywhere_even_with_vllms_split_rule(tmp_path, monkeypatch):
+    import vllm_metax.backend.triton_mla as tm
+    from vllm_metax.core import device as device_mod
+    monkeypatch.setattr(device_mod, "detect_device", lambda: HOPPER)
+    rule = {"num_kv_splits": 2, "rule": "vllm", "variant": "metax"}
+    _write(tmp_path, monkeypatch, HOPPER.name, "metax", [tc.Bucket(1, 1024, 1, {"triton": tc.FamilyChoice(rule)})],
+           order=("TRITON_MLA",))
+    tuned = tm.TunedSplits.load(DIMS, HOPPER.name)
+    assert tuned.max_splits is None                          # vLLM's split rule everywhere
+    assert tuned.launch(64, 100_000) == tuned.launch(1, 1024) == "metax"

@@ -167,11 +167,11 @@ class TunedSplits:
         return decisions.bucket_choice(found.bucket, decisions.TRITON)
 
     def launch(self, batch_size: int, context_len: int, q_len: int = 1) -> str:
-        """The launch variant for this decode batch: the nearest bucket's, else the profile's
-        default (also where the entry names one launch only, without a lookup)."""
+        """The launch variant for this decode batch: the entry's where it names one launch only
+        (no lookup), else the nearest bucket's, else (a miss) the profile's default."""
         if not self.variants:
             return self.default_variant
-        if len(self.variants) == 1 and self.max_splits is not None:
+        if len(self.variants) == 1:            # the entry was tuned with one launch throughout
             return next(iter(self.variants))
         key = (batch_size, context_len, q_len)
         if self._launch_memo is None or self._launch_memo[0] != key:
