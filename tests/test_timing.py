@@ -183,8 +183,15 @@ def test_gpu_warm_up_is_once_per_batch(monkeypatch):
                           fill=lambda: fills.append(1)) == timing.WARM_FILLS
     # until the asked-for time has passed: more rounds, each one synchronised
     syncs.clear()
-    assert timing.warm_up([FakeTimer("a")], min_s=0.02, fill=lambda: time.sleep(0.001)) >= 2 * timing.WARM_FILLS - 1
-    assert len(syncs) >= 2
+    clock = [0.0]                            # a fake clock: each fill takes 1 ms, whatever the load
+
+    def fill():
+        clock[0] += 0.001
+    with monkeypatch.context() as m:
+        m.setattr(timing.time, "perf_counter", lambda: clock[0])
+        # 16 fills (16 ms) do not reach 20 ms: a second synchronised round, then done
+        n = timing.warm_up([FakeTimer("a")], min_s=0.02, fill=fill)
+    assert n == 2 * timing.WARM_FILLS and len(syncs) == 2
     assert timing.warm_up([]) == 0
     # the interleaved batch builds its timers without the per-candidate warm-up
     made = []
