@@ -184,7 +184,7 @@ class FlashInferMLAMetadataBuilder(HostLengthsBuilder, MLACommonMetadataBuilder[
         side = decisions.SPLIT
         if step is None:
             step = self._fa3_step(num_decodes, context, q_len, graph, block_table_tensor,
-                                  seq_lens_device, query_start_loc_device, int(seq_lens.max()))
+                                  seq_lens_device, query_start_loc_device, seq_lens)
             side = decisions.FA3
         if step is not None:
             return FlashInferMLADecodeMetadata(
@@ -278,7 +278,7 @@ class FlashInferMLAMetadataBuilder(HostLengthsBuilder, MLACommonMetadataBuilder[
 
     def _fa3_step(self, num_decodes: int, context: int, q_len: int, graph: bool,
                   block_table_tensor: torch.Tensor, seq_lens_device: torch.Tensor,
-                  query_start_loc_device: torch.Tensor, max_seq_len: int) -> fa3_mla.FA3Step | None:
+                  query_start_loc_device: torch.Tensor, seq_lens: np.ndarray) -> fa3_mla.FA3Step | None:
         """FA3's step where the tuned config serves it here (no decode LSE: FA3's is base e and
         only decode context parallelism asks for it, which this backend does not run)."""
         if self.plan_lse:
@@ -288,7 +288,8 @@ class FlashInferMLAMetadataBuilder(HostLengthsBuilder, MLACommonMetadataBuilder[
         if kernel is None:
             return None
         return fa3_mla.FA3Step(kernel, block_table_tensor[:num_decodes], seq_lens_device[:num_decodes],
-                               query_start_loc_device[:num_decodes + 1], q_len, max_seq_len, self.q_dtype)
+                               query_start_loc_device[:num_decodes + 1], q_len, int(seq_lens.max()),
+                               self.q_dtype)
 
     def _fa3_kernel(self, choice: decisions.FA3Choice, graph: bool) -> fa3_mla.FA3MLADecode | None:
         """The op of these knobs, made once (before any capture). Under CUDA graphs FA3's own

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_metax.ops.vllm_library import VllmLibrary
+from vllm_metax.ops.vllm_library import VllmLibrary, hopper_reason
 
 LIBRARY_GLOB = "_vllm_fa3_C*.so"
 OP_NAMESPACE = "_vllm_fa3_C"
@@ -54,13 +54,9 @@ load_library = _LIBRARY.load      # load its ops once per process: (loaded, why 
 def fa3_available(device=None, capability: tuple | None = None) -> tuple[bool, str]:
     """(vLLM's FA3 MLA decode can run here, why not). `capability` overrides the device's (tests);
     the library is only loaded once a CUDA device qualifies."""
-    if capability is None:
-        if not torch.cuda.is_available():
-            return False, "vLLM's FA3 needs a CUDA device (torch sees none)"
-        capability = tuple(torch.cuda.get_device_capability(device))
-    if capability[0] != 9:
-        return False, (f"vLLM's FA3 kernels are built for Hopper (sm_90a); this device is compute "
-                       f"capability {capability[0]}.{capability[1]}")
+    why = hopper_reason("vLLM's FA3", "vLLM's FA3 kernels", device, capability)
+    if why:
+        return False, why
     return load_library()
 
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from vllm_metax.core.tuned_config import FLASHMLA_PAGE_SIZE as PAGE_SIZE   # FlashMLA's only KV block size
-from vllm_metax.ops.vllm_library import VllmLibrary
+from vllm_metax.ops.vllm_library import VllmLibrary, hopper_reason
 
 HEAD_DIM = 576                 # kv_lora_rank + qk_rope_head_dim
 HEAD_DIM_V = 512               # kv_lora_rank
@@ -81,13 +81,9 @@ def flashmla_library(device=None, capability: tuple | None = None) -> tuple[str 
     if _on_metax():
         found, why = vendor_interface()
         return (VENDOR_LIBRARY, "") if found else (None, f"MetaX device: {why}")
-    if capability is None:
-        if not torch.cuda.is_available():
-            return None, "FlashMLA needs a CUDA device (torch sees none)"
-        capability = tuple(torch.cuda.get_device_capability(device))
-    if capability[0] != 9:
-        return None, (f"FlashMLA's dense decode kernels are built for Hopper (sm_90a); this device "
-                      f"is compute capability {capability[0]}.{capability[1]}")
+    why = hopper_reason("FlashMLA", "FlashMLA's dense decode kernels", device, capability)
+    if why:
+        return None, why
     ok, why = load_library()
     if ok:
         return VLLM_LIBRARY, ""

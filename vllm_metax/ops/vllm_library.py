@@ -13,6 +13,19 @@ from pathlib import Path
 import torch
 
 
+def hopper_reason(name: str, kernels: str, device=None, capability: tuple | None = None) -> str | None:
+    """Why `name`'s `kernels` (a Hopper-only build, sm_90a) cannot run on this device, or None;
+    `capability` overrides the device's (tests)."""
+    if capability is None:
+        if not torch.cuda.is_available():
+            return f"{name} needs a CUDA device (torch sees none)"
+        capability = tuple(torch.cuda.get_device_capability(device))
+    if capability[0] != 9:
+        return (f"{kernels} are built for Hopper (sm_90a); this device is compute capability "
+                f"{capability[0]}.{capability[1]}")
+    return None
+
+
 class VllmLibrary:
     def __init__(self, subdir: str, glob: str, namespace: str, ops: tuple[str, ...], what: str):
         self.subdir, self.glob, self.namespace, self.ops, self.what = subdir, glob, namespace, ops, what
