@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (#15 item 3): the full default sweep (DeepSeek-V3 TP1+TP8, 96 uniform buckets
+# One device call on the lent GPU (H200 or H100; #15 item 3): the full default sweep (DeepSeek-V3 TP1+TP8, 96 uniform buckets
 # plus 8 zipf buckets, every candidate correctness-gated through the real kernels), timed from a
 # fresh DB (JIT included when the machine is cold), then bench/tuned_vs_auto.py on the DB and
 # config it wrote. Everything lands in $OUT: sweep.txt (its last lines: the `time:` split and
@@ -38,13 +38,16 @@ if [ "${PREFILL:-0}" = 1 ]; then
   python3 -m mla_tune emit --db "$OUT/results.db" --out "$OUT/configs" > "$OUT/emit.txt" 2>&1
   echo "emit rc=$?"; tail -3 "$OUT/emit.txt"
 fi
-# the device tool brings back no file with '=' in its name: a copy under a plain name
-cp "$OUT/configs/device_name=NVIDIA_H200.json" "$OUT/tuned_config_h200.json" 2>/dev/null
+# the device tool brings back no file with '=' in its name: a copy under a plain name (h200, h100)
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+short=$(echo "$gpu" | grep -oiE 'H[0-9]{3}' | head -1 | tr 'H' 'h'); short=${short:-gpu}
+cfg=$(ls "$OUT"/configs/device_name=*.json 2>/dev/null | head -1)
+[ -n "$cfg" ] && cp "$cfg" "$OUT/tuned_config_$short.json"
 
 echo "== tuned vs auto ($(left) s left)"
 if [ "${TUNED_VS_AUTO:-1}" != 0 ] && [ "$(left)" -gt 60 ]; then
   timeout $(( $(left) - 10 )) python3 bench/tuned_vs_auto.py --db "$OUT/results.db" \
-    --config "$OUT/configs/device_name=NVIDIA_H200.json" --out "$OUT" \
+    --config "$cfg" --out "$OUT" --name "tuned_vs_auto_$short" \
     --budget-s $(( $(left) - 50 )) > "$OUT/tuned_vs_auto.txt" 2>&1
   echo "tuned_vs_auto rc=$?"
   tail -25 "$OUT/tuned_vs_auto.txt"

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One device call (carry .carry, .whl and .fa3; the tree without its DBs and bench/results/, see
+# bench/results/README.md): vLLM's FA3 library unpacked beside vllm, the whole `pytest -m gpu`
+# suite, then the default sweep with its config and bench/tuned_vs_auto.py (bench/tools/h200_sweep.sh)
+# in what is left of TOTAL_S (default 585 s). PYTEST_S caps the tests (default 270 s).
+set -u
+start=$(date +%s)
+total=${TOTAL_S:-585}
+left() { echo $(( total - ($(date +%s) - start) )); }
+source bench/tools/device-setup.sh
+if [ -f .fa3/_vllm_fa3_C.abi3.so.xz ]; then
+  d=$(python3 -c "import importlib.util as u, os; print(os.path.join(os.path.dirname(u.find_spec('vllm').origin), 'vllm_flash_attn'))")
+  [ -f "$d/_vllm_fa3_C.abi3.so" ] || xz -dc .fa3/_vllm_fa3_C.abi3.so.xz > "$d/_vllm_fa3_C.abi3.so"
+  echo "fa3 library: $d/_vllm_fa3_C.abi3.so"
+fi
+echo "== pytest -m gpu ($(left) s left)"
+timeout ${PYTEST_S:-270} python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="" -rsx \
+  --durations=15 tests/ > "$OUT/pytest_gpu.txt" 2>&1
+echo "pytest rc=$?" | tee -a "$OUT/pytest_gpu.txt"
+grep -E "passed|failed|error" "$OUT/pytest_gpu.txt" | tail -5
+grep -E "^(FAILED|ERROR)" "$OUT/pytest_gpu.txt" | head -20
+[ "${SWEEP:-1}" = 1 ] && bash bench/tools/h200_sweep.sh "$(( $(left) - 5 ))"
+echo "all done in $(( $(date +%s) - start )) s"
