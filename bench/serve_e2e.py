@@ -35,7 +35,8 @@ TUNED_PAGE = 32
 RUNS = {
     # name: (attention backend, cuda graphs, tuned config, small context workspace); tuned config:
     # False (none), "fa2" (write_fa2_config), "shipped" (the packaged configs/ folder, as a user
-    # gets it: on the H200 its 16-head buckets of batch 1-2 decode with the split-KV kernel)
+    # gets it: on the H200 its 16-head buckets of batch 1-2 decode with the split-KV kernel), "env"
+    # (the folder $VLLM_METAX_MLA_CONFIG_FOLDER names); attention backend None: the platform's choice
     "flashinfer_eager": ("FLASHINFER_MLA", False, False, False),
     "flashinfer_graphs": ("FLASHINFER_MLA", True, False, False),
     "triton_eager": ("TRITON_MLA", False, False, False),
@@ -44,6 +45,12 @@ RUNS = {
     "flashinfer_eager_smallws": ("FLASHINFER_MLA", False, False, True),
     "shipped_split_eager": ("FLASHINFER_MLA", False, "shipped", False),
     "shipped_split_graphs": ("FLASHINFER_MLA", True, "shipped", False),
+    # the MetaX profile (#36, bench/tools/metax_profile_run.sh): the backend the config's order picks
+    # (None: the platform decides) from the caller's $VLLM_METAX_MLA_CONFIG_FOLDER ("env"), and the
+    # vendor's first MLA backend, FLASHMLA (KV block 64)
+    "metax_tuned_eager": (None, False, "env", False),
+    "metax_tuned_graphs": (None, True, "env", False),
+    "flashmla_eager": ("FLASHMLA", False, False, False),
 }
 # decode batches of at most 2 in the shipped-config runs: the buckets its split kernel serves
 MAX_SEQS = {"shipped_split_eager": 2, "shipped_split_graphs": 2}
@@ -194,6 +201,10 @@ def run_engine(name: str, model_dir: Path, out_json: Path) -> None:
         from vllm_metax.core import tuned_config as tc
         os.environ.pop(tc.FOLDER_ENV, None)      # the packaged folder, nothing else
         record["config_folder"] = str(tc.PACKAGED_FOLDER)
+    elif tuned == "env":
+        from vllm_metax.core import tuned_config as tc
+        record["config_folder"] = os.environ.get(tc.FOLDER_ENV)
+        record["profile"] = os.environ.get("VLLM_METAX_PROFILE")
     if small_ws:
         from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadataBuilder
         MLACommonMetadataBuilder.determine_chunked_prefill_workspace_size = staticmethod(lambda cfg: 128)
@@ -244,6 +255,7 @@ def run_engine(name: str, model_dir: Path, out_json: Path) -> None:
     record["startup_s"] = round(time.perf_counter() - t0, 1)
     cache = llm.llm_engine.vllm_config.cache_config
     record["block_size"] = cache.block_size
+    record["attention_backend_chosen"] = str(getattr(getattr(llm.llm_engine.vllm_config, "attention_config", None), "backend", None))
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], sp, use_tqdm=False)

@@ -1,0 +1,233 @@
+"""What a MetaX-profile tuned config buys against the vendor plugin's own default (issue #36).
+
+    # on the GPU, with VLLM_METAX_PROFILE=metax and FlashInfer 0.2.6 (bench/tools/metax_profile_run.sh)
+    python3 bench/metax_vs_vendor.py --db metax.db --config configs/device_name=X.json --out $OUT --name metax_vs_vendor_h100
+
+The vendor's vLLM-metax platform tries FLASHMLA first (dense FlashMLA, KV block forced to 64), then
+TRITON_MLA (vLLM's Triton MLA decode with the vendor's hard-coded launch: BLOCK 16, one stage, no
+512+64 head split; `vllm_metax.core.triton_facts`); FLASHINFER_MLA is commented out. So a MetaX
+user's baseline is FlashMLA at block 64 where the `flash_mla` package loads, else that Triton.
+
+For every decode bucket of `--db` (q_len 1, uniform and ragged), one interleaved measurement through
+the tuner's harness (`measure_interleaved`: correctness gate against the torch reference, CUDA-graph
+replays, cold L2) of:
+
+* tuned: what the plugin serves under the metax profile from `--config`: the entry's first backend
+  that runs here decides. FLASHMLA: FlashMLA every step; TRITON_MLA: the nearest bucket's Triton
+  choice (split count, launch); FLASHINFER_MLA: what its decode plans for the batch
+  (`tuned_vs_auto.served_candidate`: the split kernel, FlashMLA, or FlashInfer fa2 and its KV
+  chunking);
+* vendor: FlashMLA at page 64, the vendor's first MLA backend (where FlashMLA loads);
+* vendor_triton: vLLM's Triton kernels with the vendor's launch and vLLM's split rule at block 16,
+  what the vendor serves where FlashMLA is absent;
+* fa2_auto: FlashInfer fa2 at page 64 through FlashInfer's own plan() every step.
+
+Geomeans (all, uniform, ragged, 16 and 128 heads) of each baseline's time over tuned's. NVIDIA
+silicon stands in for the MetaX GPU: the profile limits the kernels to what the target runs, the
+timings are the stand-in's. Writes <out>/<name>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tuned_vs_auto import _gmean, say, served_candidate, stored_workloads  # noqa: E402
+
+from mla_tune.problem.defaults import KERNEL_METRIC  # noqa: E402
+
+os.environ.setdefault("VLLM_METAX_PROFILE", "metax")
+
+COLUMNS = ("tuned", "vendor", "vendor_triton", "fa2_auto")
+VENDOR_TRITON_PAGE = 16      # vLLM's default KV block size, which the vendor's TRITON_MLA keeps
+FLASHMLA_PAGE = 64
+GROUPS = {"all": lambda r: True, "uniform": lambda r: r["lengths"] == "uniform",
+          "ragged": lambda r: r["lengths"] != "uniform",
+          "16 heads": lambda r: r["heads"] == 16, "128 heads": lambda r: r["heads"] == 128}
+
+
+def tuned_candidate(entry, families: dict, backends, workload):
+    """The candidate the plugin serves for `workload` under the metax profile: the entry's first
+    backend that can run here decides (as the platform's backend order does)."""
+    from mla_tune.families.base import Candidate
+    from vllm_metax.backend.plan_choice import PlanChoice
+    from vllm_metax.core import decisions
+    from vllm_metax.core.serving import mla_backend_order
+    from vllm_metax.core.tuned_config import FLASHMLA_BACKEND, TRITON_BACKEND
+    order, _ = mla_backend_order(entry.backend_order if entry is not None else None)
+    runnable = [b for b in order if b != "FLASHMLA" or families["flashmla_ok"]]
+    first = runnable[0] if runnable else "TRITON_MLA"
+    if first == "FLASHMLA":
+        return Candidate("flashmla", FLASHMLA_BACKEND, FLASHMLA_PAGE, {})
+    if first == "TRITON_MLA":
+        context = decisions.bucket_context(workload.seq_lens)
+        found = entry.lookup(workload.batch_size, context, workload.q_len) if entry is not None else None
+        choice = decisions.bucket_choice(found.bucket, decisions.TRITON) if found is not None else None
+        if choice is None:
+            return families["triton"].default_candidate(workload, VENDOR_TRITON_PAGE)
+        params = choice.to_params()
+        params.pop("backend", None)
+        return Candidate("triton", TRITON_BACKEND, entry.page_size, params)
+    page = entry.page_size if entry is not None else FLASHMLA_PAGE
+    return served_candidate(PlanChoice(entry, backends), page, workload)
+
+
+def measure_all(args) -> dict:
+    import torch
+
+    from mla_tune.families.base import Candidate
+    from mla_tune.families.flashinfer import FlashInferFamily
+    from mla_tune.families.flashmla import FlashMLAFamily
+    from mla_tune.families.split import SplitFamily
+    from mla_tune.families.triton_mla import TritonMLAFamily
+    from mla_tune.measure.environment import capture_environment
+    from mla_tune.measure.timing import default_pool_bytes
+    from mla_tune.measure.trial import MeasureSettings, measure_interleaved
+    from vllm_metax.core import decisions, serving
+    from vllm_metax.core.profile import active_profile
+    from vllm_metax.core.tuned_config import read_tuned_config
+
+    env = capture_environment("gpu", " ".join(sys.argv))
+    prof = active_profile()
+    cfg = read_tuned_config(args.config)
+    backends = decisions.device_flashinfer_backends()
+    say(f"device {env['device_name']}, torch {env['torch']}, flashinfer {env['flashinfer']}, profile "
+        f"{prof.name}; FlashInfer backends {backends.allowed}; config {args.config} ({len(cfg.models)} entries)")
+    fi, auto_fi, tr, fm = FlashInferFamily(), FlashInferFamily(fast_replan=False), TritonMLAFamily(), FlashMLAFamily()
+    fm_ok = fm.available("cuda")
+    say(f"FlashMLA: {'yes' if fm_ok.ok else 'no'} ({fm_ok.reason})")
+    families = {"flashinfer": fi, "triton": tr, "flashmla": fm, decisions.SPLIT: SplitFamily(),
+                "flashmla_ok": fm_ok.ok}
+    settings = MeasureSettings(device="cuda", warmup=args.warmup, samples=args.samples,
+                               min_pool_bytes=default_pool_bytes("cuda"), check=True)
+    doc = {"environment": env, "profile": prof.name, "config": str(args.config), "settings": vars(args),
+           "rows": [], "skipped": []}
+    workloads = stored_workloads(args.db)
+    say(f"{len(workloads)} decode buckets in {args.db}")
+    t_start = time.perf_counter()
+    for i, w in enumerate(workloads):
+        if time.perf_counter() - t_start > args.budget_s:
+            doc["skipped"].append(w.label())
+            continue
+        dims = decisions.model_key(w.num_heads, w.kv_lora_rank, w.qk_rope_head_dim, w.q_dtype, w.kv_dtype)
+        entry = serving.entry_for(cfg, dims).entry
+        tuned = tuned_candidate(entry, families, backends, w)
+        entries = [(families.get(tuned.family, fi), tuned),
+                   (fm, Candidate("flashmla", fm.default_candidate(w).backend, FLASHMLA_PAGE, {})) if fm_ok.ok else None,
+                   (tr, tr.default_candidate(w, VENDOR_TRITON_PAGE)),
+                   (auto_fi, Candidate("flashinfer", "fa2", FLASHMLA_PAGE))]
+        names = [n for n, e in zip(COLUMNS, entries) if e is not None]
+        try:
+            results = measure_interleaved([e for e in entries if e is not None], w, settings, rounds=args.rounds)
+        except Exception as e:  # noqa: BLE001 - a shape that cannot be set up is data too
+            say(f"[{i + 1}/{len(workloads)}] {w.label()}: FAILED {type(e).__name__}: {e}")
+            doc["skipped"].append(w.label())
+            torch.cuda.empty_cache()
+            continue
+        row = {"workload": w.label(), "heads": w.num_heads, "batch": w.batch_size, "context": w.context_len,
+               "lengths": w.ragged, "tuned": tuned.key, "in_config": entry is not None}
+        for name, r in zip(names, results):
+            ks = r.samples.get(KERNEL_METRIC, []) if r.status == "ok" else []
+            row[f"{name}_us"] = statistics.median(ks) if ks else None
+            row[f"{name}_samples"] = ks
+            row[f"{name}_status"] = r.status if r.status == "ok" else f"{r.invalid_reason}: {(r.message or '')[:200]}"
+            row[f"{name}_candidate"] = r.candidate.key
+        doc["rows"].append(row)
+        say(f"[{i + 1}/{len(workloads)}] {w.label():<28} tuned {tuned.key:<40} " + "  ".join(
+            f"{n} {row[f'{n}_us']:.1f}" if row.get(f"{n}_us") else f"{n} -" for n in names))
+        (Path(args.out) / f"{args.name}.json").write_text(json.dumps(doc, indent=1, default=str))
+        del results
+        torch.cuda.empty_cache()
+    return doc
+
+
+def baseline_us(row: dict) -> float | None:
+    """The vendor's default for this bucket: FlashMLA where it ran, else its Triton."""
+    return row.get("vendor_us") or row.get("vendor_triton_us")
+
+
+def summarize(doc: dict) -> dict:
+    rows = [r for r in doc["rows"] if r.get("tuned_us") and baseline_us(r)]
+    s = {"buckets": len(rows), "skipped": len(doc["skipped"]),
+         "counts": {k: sum(1 for r in rows if f(r)) for k, f in GROUPS.items()}}
+    for name in ("vendor_default", *COLUMNS[1:]):
+        key = baseline_us if name == "vendor_default" else (lambda r, n=name: r.get(f"{n}_us"))
+        s[f"over_{name}"] = {k: _gmean([key(r) / r["tuned_us"] for r in rows if f(r) and key(r)])
+                             for k, f in GROUPS.items()}
+    ratios = [(r["workload"], baseline_us(r) / r["tuned_us"]) for r in rows]
+    s["slower_than_vendor"] = [w for w, x in ratios if x < 0.97]
+    s["faster_than_vendor"] = [w for w, x in ratios if x > 1.03]
+    return s
+
+
+def render(doc: dict, s: dict) -> str:
+    env = doc["environment"]
+    f = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"   # noqa: E731
+    lines = [f"# MetaX profile: tuned vs the vendor plugin's default ({env['device_name']} standing in)", "",
+             f"`{env.get('command', '')}`", "",
+             f"NVIDIA silicon stands in for the MetaX GPU: the `{doc['profile']}` profile limits every "
+             "kernel to what the target runs (FlashInfer fa2 through the flat API, no TMA/PDL, FlashMLA "
+             "dense at page 64, the vendor's Triton launch); the times are this GPU's. torch "
+             f"{env['torch']}, flashinfer {env['flashinfer']}, config `{doc['config']}`. "
+             f"{s['buckets']} buckets measured, {s['skipped']} skipped (time budget).", "",
+             "vendor default = FlashMLA at block 64 where it ran, else vLLM's Triton with the vendor's launch "
+             "at block 16. Each cell: the baseline's time over tuned's (geomean; > 1: tuned faster).", "",
+             "| group | buckets | vs vendor default | vs FlashMLA p64 | vs vendor Triton p16 | vs FlashInfer fa2 plan() p64 |",
+             "|---|---|---|---|---|---|"]
+    for k in GROUPS:
+        lines.append(f"| {k} | {s['counts'][k]} | {f(s['over_vendor_default'][k], 3)}x | "
+                     f"{f(s['over_vendor'][k], 3)}x | {f(s['over_vendor_triton'][k], 2)}x | "
+                     f"{f(s['over_fa2_auto'][k], 3)}x |")
+    lines += ["", f"Tuned slower than the vendor default beyond 3%: {len(s['slower_than_vendor'])} buckets"
+              + (f" ({', '.join(s['slower_than_vendor'])})" if s['slower_than_vendor'] else "")
+              + f"; faster beyond 3%: {len(s['faster_than_vendor'])}.", "",
+              "| bucket | lengths | tuned candidate | tuned us | FlashMLA p64 us | vendor Triton us | fa2 plan() us "
+              "| vs vendor default |", "|---|---|---|---|---|---|---|---|"]
+    for r in doc["rows"]:
+        t, b = r.get("tuned_us"), baseline_us(r)
+        lines.append(f"| {r['workload']} | {r['lengths']} | {r['tuned']} | {f(t, 1)} | {f(r.get('vendor_us'), 1)} | "
+                     f"{f(r.get('vendor_triton_us'), 1)} | {f(r.get('fa2_auto_us'), 1)} | "
+                     f"{f(b / t if t and b else None)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--db", default="results.db", help="results DB whose decode workloads are measured")
+    ap.add_argument("--config", required=False, help="the metax-profile tuned config")
+    ap.add_argument("--out", default=".", help="folder for the .json/.md")
+    ap.add_argument("--name", default="metax_vs_vendor")
+    ap.add_argument("--samples", type=int, default=15)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--budget-s", type=float, default=120.0, help="start no new bucket after this")
+    ap.add_argument("--analyze", help="re-summarize a JSON written earlier (no GPU)")
+    args = ap.parse_args()
+    if not args.analyze:
+        import torch
+        if not torch.cuda.is_available():
+            ap.error("needs a CUDA GPU, and torch sees none here: run it on the GPU machine")
+        if not args.config:
+            ap.error("--config: the metax-profile tuned config to compare")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = json.loads(Path(args.analyze).read_text()) if args.analyze else measure_all(args)
+    s = summarize(doc)
+    doc["summary"] = s
+    (out / f"{args.name}.json").write_text(json.dumps(doc, indent=1, default=str))
+    text = render(doc, s)
+    (out / f"{args.name}.md").write_text(text)
+    print(text.split("| bucket |")[0])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Issue #36 on the lent GPU in one call: the MetaX profile end to end with flashinfer-python
+# 0.2.6.post1 (the flat, fa2-only API MetaX's vendor build speaks) in place of 0.7, vLLM's FlashMLA
+# library as the vendor's baseline: the sweep (--profile metax), its config, bench/metax_vs_vendor.py
+# against the vendor's default order (16 heads per rank, DeepSeek-V3 at TP8, unless SWEEP_ARGS
+# says otherwise), and vLLM's engine serving the tiny DeepSeek-V2 with that
+# config (greedy tokens teacher-forced against a float32 forward, beside TRITON_MLA and FLASHMLA).
+#   here, once: the .fi026 wheel (bench/tools/h200_flashinfer026.sh says how), and
+#     xz -9 -c .venv/lib/python3*/site-packages/vllm/_flashmla_C.abi3.so > .ops/_flashmla_C.abi3.so.xz
+#   there (carry .carry/vllm.tar.xz .carry/vllm.version .carry/wheels .whl .ops .fi026; the tree
+#     without its DBs and bench/results/):  TOTAL_S=585 bash bench/tools/metax_profile_run.sh
+set -u
+start=$(date +%s)
+total=${TOTAL_S:-585}
+left() { echo $(( total - ($(date +%s) - start) )); }
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/site /tmp/fiws026
+if [ ! -d /tmp/site/vllm ]; then
+  tar -C /tmp/site -xJf .carry/vllm.tar.xz
+  v=$(cat .carry/vllm.version); mkdir -p /tmp/site/vllm-$v.dist-info
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\n' "$v" > /tmp/site/vllm-$v.dist-info/METADATA
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/wheels/*.whl .whl/*.whl .fi026/*.whl
+  xz -dc .ops/_C_stable_libtorch.abi3.so.xz > /tmp/site/vllm/_C_stable_libtorch.abi3.so
+  xz -dc .ops/_flashmla_C.abi3.so.xz > /tmp/site/vllm/_flashmla_C.abi3.so
+fi
+python3 - <<'PY'
+import pathlib, tomllib
+p = tomllib.loads(pathlib.Path("pyproject.toml").read_text())["project"]
+d = pathlib.Path("/tmp/site") / f"{p['name'].replace('-', '_')}-0.0.0.dist-info"
+d.mkdir(exist_ok=True)
+(d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {p['name']}\nVersion: 0.0.0\n")
+(d / "entry_points.txt").write_text("".join(f"[{g}]\n" + "".join(f"{k} = {v}\n" for k, v in items.items())
+                                            for g, items in p.get("entry-points", {}).items()))
+PY
+export PYTHONPATH=/tmp/site:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fiws026 PYTHONPYCACHEPREFIX=/tmp/pycache
+export PATH="$(dirname "$(command -v python3)"):$PATH" MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
+export VLLM_METAX_FORCE=1 VLLM_METAX_PROFILE=metax
+if ! ldconfig -p 2>/dev/null | grep -q 'libcuda.so '; then
+  mkdir -p /tmp/cudastub
+  [ -f /tmp/cudastub/libcuda.so ] || echo "" | gcc -shared -Wl,-soname,libcuda.so.1 -o /tmp/cudastub/libcuda.so -x c -
+  export LIBRARY_PATH=/tmp/cudastub${LIBRARY_PATH:+:$LIBRARY_PATH}
+fi
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+short=$(echo "$gpu" | grep -oiE 'H[0-9]{3}' | head -1 | tr 'H' 'h'); short=${short:-gpu}
+python3 -c "
+import flashinfer, torch
+from vllm_metax.core.profile import active_profile
+from vllm_metax.ops import flashmla
+print('metax run:', torch.cuda.get_device_name(0), 'flashinfer', flashinfer.__version__, flashinfer.__file__)
+print('profile', active_profile().name, '| FlashMLA', flashmla.flashmla_available())" 2>&1 | tail -3
+echo "setup $(( $(date +%s) - start )) s"
+W=/tmp/metax; rm -rf $W; mkdir -p $W/configs
+echo "== sweep --profile metax ($(left) s left)"
+/usr/bin/time -f "sweep wall %e s" timeout ${SWEEP_S:-210} python3 -m mla_tune sweep --profile metax \
+  --db $W/metax.db --configs-dir $W/configs --time-budget ${SWEEP_BUDGET:-150} ${SWEEP_ARGS:---tp 8} -q > "$OUT/metax_sweep.txt" 2>&1
+echo "sweep rc=$?"; tail -8 "$OUT/metax_sweep.txt"
+python3 -c "import sqlite3, sys; sqlite3.connect(sys.argv[1]).execute('pragma wal_checkpoint(truncate)')" $W/metax.db
+python3 -m mla_tune emit --db $W/metax.db --out $W/configs > "$OUT/metax_emit.txt" 2>&1
+echo "emit rc=$?"; tail -4 "$OUT/metax_emit.txt"
+cp $W/metax.db "$OUT/metax_$short.db"
+cfg=$(ls $W/configs/device_name=*.json 2>/dev/null | head -1)
+[ -n "$cfg" ] && cp "$cfg" "$OUT/metax_config_$short.json"
+if [ -n "$cfg" ] && [ "$(left)" -gt 60 ]; then
+  echo "== metax_vs_vendor ($(left) s left)"
+  timeout $(( $(left) - 8 )) python3 bench/metax_vs_vendor.py --db $W/metax.db --config "$cfg" --out "$OUT" \
+    --name metax_vs_vendor_$short --budget-s ${VS_BUDGET:-70} > "$OUT/metax_vs_vendor.txt" 2>&1
+  echo "metax_vs_vendor rc=$?"; tail -14 "$OUT/metax_vs_vendor.txt"
+fi
+if [ -n "$cfg" ] && [ "$(left)" -gt 120 ]; then
+  echo "== engine: metax_tuned_eager,triton_eager,flashmla_eager ($(left) s left)"
+  VLLM_METAX_MLA_CONFIG_FOLDER=$W/configs timeout $(( $(left) - 10 )) python3 bench/serve_e2e.py --out "$OUT" \
+    --runs ${E2E_RUNS:-metax_tuned_eager,triton_eager,flashmla_eager} --timeout 200 > "$OUT/metax_e2e.txt" 2>&1
+  echo "serve_e2e rc=$?"; grep -E "PASS|FAIL|tokens|backend" "$OUT/metax_e2e.txt" | tail -12
+  grep -hE "vllm_metax|Using .* backend" /tmp/serve_e2e/runs/*.log 2>/dev/null | cut -c1-300 | sort | uniq -c | sort -rn | head -30
+  tar -C /tmp/serve_e2e/runs -czf "$OUT/metax_e2e_logs.tgz" . 2>/dev/null
+fi
+echo "done in $(( $(date +%s) - start )) s"
