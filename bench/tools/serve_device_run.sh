@@ -8,6 +8,9 @@
 #   MODELS=h16    serve_bench's models; SETUPS=tuned,untuned,triton16,vllm_default; SERVE=0 skips it
 #   CONFIG=DIR    the tuned setup's config folder (default: /tmp/tuned when a sweep made one, else
 #                 the packaged configs)
+#   TVA=1         bench/tuned_vs_auto.py on /tmp/work/results.db and that config first (TVA_BUDGET s)
+#   PREFILL_AFTER=1  after the servers, the prefill sweep into /tmp/work/results.db and the config
+#                 emitted again (decode + prefill), both into $OUT
 set -u
 start=$(date +%s)
 total=${TOTAL_S:-585}
@@ -38,6 +41,14 @@ if [ "${SWEEP:-0}" = 1 ]; then
 fi
 cfg=${CONFIG:-}
 [ -z "$cfg" ] && ls /tmp/tuned/device_name=*.json >/dev/null 2>&1 && cfg=/tmp/tuned
+short=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oiE 'H[0-9]{3}' | head -1 | tr 'H' 'h')
+if [ "${TVA:-0}" = 1 ] && [ -n "$cfg" ] && [ -f $W/results.db ]; then
+  echo "== tuned_vs_auto ($(left) s left)"
+  timeout $(( ${TVA_BUDGET:-110} + 40 )) python3 bench/tuned_vs_auto.py --db $W/results.db \
+    --config "$(ls $cfg/device_name=*.json | head -1)" --out $OUT --name tuned_vs_auto_${short:-gpu} \
+    --budget-s ${TVA_BUDGET:-110} --samples 15 --rounds 3 > $W/tuned_vs_auto.txt 2>&1
+  echo "tuned_vs_auto rc=$?"; grep -A14 "^| group" $W/tuned_vs_auto.txt | head -22
+fi
 if [ "${SERVE:-1}" = 1 ]; then
   echo "== serve_bench ($(left) s left), config folder: ${cfg:-packaged}"
   timeout $(( $(left) - 25 )) python3 bench/serve_bench.py --out $W/serve --models ${MODELS:-h16} \
@@ -47,5 +58,16 @@ if [ "${SERVE:-1}" = 1 ]; then
   cp $W/serve/serve_bench.json $W/serve/serve_bench.md $OUT/ 2>/dev/null
 fi
 pkill -INT -f "vllm.entrypoints.cli.main serve" 2>/dev/null; sleep 2; pkill -KILL -f "vllm.entrypoints.cli.main serve" 2>/dev/null
+if [ "${PREFILL_AFTER:-0}" = 1 ] && [ -f $W/results.db ] && [ "$(left)" -gt 90 ]; then
+  echo "== prefill-sweep ($(left) s left)"
+  /usr/bin/time -f "prefill-sweep wall %e s" timeout $(( $(left) - 40 )) python3 -m mla_tune prefill-sweep \
+    --db $W/results.db > $W/prefill_sweep.txt 2>&1
+  echo "prefill-sweep rc=$?"; tail -3 $W/prefill_sweep.txt
+  python3 -c "import sqlite3, sys; sqlite3.connect(sys.argv[1]).execute('pragma wal_checkpoint(truncate)')" $W/results.db
+  mkdir -p /tmp/tuned_pf && python3 -m mla_tune emit --db $W/results.db --out /tmp/tuned_pf > $W/emit_pf.txt 2>&1
+  echo "emit rc=$?"; tail -3 $W/emit_pf.txt
+  cp $W/results.db $OUT/results.db
+  for f in /tmp/tuned_pf/device_name=*.json; do cp "$f" "$OUT/tuned_config_prefill.json"; done
+fi
 tar -C $W -czf $OUT/logs.tgz --exclude results.db $(cd $W && ls -d *.txt serve/*.log 2>/dev/null)
 echo "done in $(( $(date +%s) - start )) s"
