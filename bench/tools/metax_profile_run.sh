@@ -9,20 +9,24 @@
 #     xz -9 -c .venv/lib/python3*/site-packages/vllm/_flashmla_C.abi3.so > .ops/_flashmla_C.abi3.so.xz
 #   there (carry .carry/vllm.tar.xz .carry/vllm.version .carry/wheels .whl .ops .fi026; the tree
 #     without its DBs and bench/results/):  TOTAL_S=585 bash bench/tools/metax_profile_run.sh
+#   or after bench/tools/gpu_suite_sweep.sh in the same call (carry .carry .whl .fa3 .m026: .m026 holds
+#     FlashInfer 0.2.6 without its CUTLASS headers and the FlashMLA library, 2.8 MB; no vLLM
+#     compiled ops fit, so the engine runs are left out)
 set -u
 start=$(date +%s)
 total=${TOTAL_S:-585}
 left() { echo $(( total - ($(date +%s) - start) )); }
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/site /tmp/fiws026
-if [ ! -d /tmp/site/vllm ]; then
-  tar -C /tmp/site -xJf .carry/vllm.tar.xz
-  v=$(cat .carry/vllm.version); mkdir -p /tmp/site/vllm-$v.dist-info
-  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\n' "$v" > /tmp/site/vllm-$v.dist-info/METADATA
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/wheels/*.whl .whl/*.whl .fi026/*.whl
-  xz -dc .ops/_C_stable_libtorch.abi3.so.xz > /tmp/site/vllm/_C_stable_libtorch.abi3.so
-  xz -dc .ops/_flashmla_C.abi3.so.xz > /tmp/site/vllm/_flashmla_C.abi3.so
-fi
-python3 - <<'PY'
+if [ -f .carry/flashinfer.tar.xz ]; then
+  source bench/tools/device-setup.sh > /dev/null     # vLLM, the wheels, the project (FlashInfer 0.7 beneath)
+else                                                 # no FlashInfer 0.7 carried: vLLM and the wheels alone
+  if [ ! -d /tmp/site/vllm ]; then
+    tar -C /tmp/site -xJf .carry/vllm.tar.xz
+    v=$(cat .carry/vllm.version); mkdir -p /tmp/site/vllm-$v.dist-info
+    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\n' "$v" > /tmp/site/vllm-$v.dist-info/METADATA
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/wheels/*.whl .whl/*.whl
+  fi
+  python3 - <<'PY'
 import pathlib, tomllib
 p = tomllib.loads(pathlib.Path("pyproject.toml").read_text())["project"]
 d = pathlib.Path("/tmp/site") / f"{p['name'].replace('-', '_')}-0.0.0.dist-info"
@@ -31,14 +35,32 @@ d.mkdir(exist_ok=True)
 (d / "entry_points.txt").write_text("".join(f"[{g}]\n" + "".join(f"{k} = {v}\n" for k, v in items.items())
                                             for g, items in p.get("entry-points", {}).items()))
 PY
-export PYTHONPATH=/tmp/site:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fiws026 PYTHONPYCACHEPREFIX=/tmp/pycache
-export PATH="$(dirname "$(command -v python3)"):$PATH" MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
-export VLLM_METAX_FORCE=1 VLLM_METAX_PROFILE=metax
-if ! ldconfig -p 2>/dev/null | grep -q 'libcuda.so '; then
-  mkdir -p /tmp/cudastub
-  [ -f /tmp/cudastub/libcuda.so ] || echo "" | gcc -shared -Wl,-soname,libcuda.so.1 -o /tmp/cudastub/libcuda.so -x c -
-  export LIBRARY_PATH=/tmp/cudastub${LIBRARY_PATH:+:$LIBRARY_PATH}
+  export PYTHONPATH=/tmp/site:$PWD PYTHONPYCACHEPREFIX=/tmp/pycache
+  export PATH="$(dirname "$(command -v python3)"):$PATH" MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
+  if ! ldconfig -p 2>/dev/null | grep -q 'libcuda.so '; then
+    mkdir -p /tmp/cudastub
+    [ -f /tmp/cudastub/libcuda.so ] || echo "" | gcc -shared -Wl,-soname,libcuda.so.1 -o /tmp/cudastub/libcuda.so -x c -
+    export LIBRARY_PATH=/tmp/cudastub${LIBRARY_PATH:+:$LIBRARY_PATH}
+  fi
 fi
+# FlashInfer 0.2.6.post1 in /tmp/fi026, first on the path: .m026's trimmed copy (no CUTLASS headers,
+# which only its sm90 kernels include: fa2's MLA decode and prefill do not), else the .fi026 wheel
+if [ ! -d /tmp/fi026/flashinfer ]; then
+  mkdir -p /tmp/fi026
+  if [ -f .m026/flashinfer026.tar.xz ]; then
+    tar -C /tmp/fi026 -xJf .m026/flashinfer026.tar.xz
+    mkdir -p /tmp/fi026/flashinfer/data/cutlass/include /tmp/fi026/flashinfer/data/cutlass/tools/util/include
+  else
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fi026 .fi026/*.whl
+  fi
+fi
+for f in .m026/_flashmla_C.abi3.so.xz .ops/_flashmla_C.abi3.so.xz; do
+  [ -f "$f" ] && [ ! -f /tmp/site/vllm/_flashmla_C.abi3.so ] && xz -dc "$f" > /tmp/site/vllm/_flashmla_C.abi3.so
+done
+[ -f .ops/_C_stable_libtorch.abi3.so.xz ] && [ ! -f /tmp/site/vllm/_C_stable_libtorch.abi3.so ] && \
+  xz -dc .ops/_C_stable_libtorch.abi3.so.xz > /tmp/site/vllm/_C_stable_libtorch.abi3.so
+export PYTHONPATH=/tmp/fi026:$PYTHONPATH FLASHINFER_WORKSPACE_BASE=/tmp/fiws026
+export VLLM_METAX_FORCE=1 VLLM_METAX_PROFILE=metax
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 short=$(echo "$gpu" | grep -oiE 'H[0-9]{3}' | head -1 | tr 'H' 'h'); short=${short:-gpu}
 python3 -c "
@@ -65,7 +87,7 @@ if [ -n "$cfg" ] && [ "$(left)" -gt 60 ]; then
     --name metax_vs_vendor_$short --budget-s ${VS_BUDGET:-70} > "$OUT/metax_vs_vendor.txt" 2>&1
   echo "metax_vs_vendor rc=$?"; tail -14 "$OUT/metax_vs_vendor.txt"
 fi
-if [ -n "$cfg" ] && [ "$(left)" -gt 120 ]; then
+if [ -n "$cfg" ] && [ "$(left)" -gt 120 ] && [ -f /tmp/site/vllm/_C_stable_libtorch.abi3.so ]; then
   echo "== engine: metax_tuned_eager,triton_eager,flashmla_eager ($(left) s left)"
   VLLM_METAX_MLA_CONFIG_FOLDER=$W/configs timeout $(( $(left) - 10 )) python3 bench/serve_e2e.py --out "$OUT" \
     --runs ${E2E_RUNS:-metax_tuned_eager,triton_eager,flashmla_eager} --timeout 200 > "$OUT/metax_e2e.txt" 2>&1
