@@ -78,17 +78,21 @@ def stored_workloads(db: str):
 
 def served_candidate(choice, page_size: int, workload):
     """The candidate the plugin plans for this batch: the split kernel where PlanChoice.split_for
-    serves it, vLLM's FA3 where PlanChoice.fa3_for does, else PlanChoice.step, on its real lengths."""
+    serves it, FlashMLA where PlanChoice.flashmla_for does (KV block 64 only), vLLM's FA3 where
+    PlanChoice.fa3_for does, else PlanChoice.step, on its real lengths."""
     from mla_tune.families.base import Candidate
     from vllm_metax.core import decisions
-    from vllm_metax.core.tuned_config import KV_CHUNKS
+    from vllm_metax.core.tuned_config import FLASHMLA_PAGE_SIZE, KV_CHUNKS
     context = decisions.bucket_context(workload.seq_lens)
-    split = choice.split_for(workload.batch_size, context, workload.q_len)
-    side = (decisions.SPLIT, split) if split is not None else (
-        decisions.FA3, choice.fa3_for(workload.batch_size, context, workload.q_len))
-    if side[1] is not None:
-        params = side[1].to_params()       # the tuned pipe too (written only where not t64)
-        return Candidate(side[0], params.pop("backend"), page_size, params)
+    b, q = workload.batch_size, workload.q_len
+    family, served = decisions.SPLIT, choice.split_for(b, context, q)
+    if served is None and page_size == FLASHMLA_PAGE_SIZE:
+        family, served = decisions.FLASHMLA, choice.flashmla_for(b, context, q)
+    if served is None:
+        family, served = decisions.FA3, choice.fa3_for(b, context, q)
+    if served is not None:
+        params = served.to_params()        # the tuned pipe too (written only where not t64)
+        return Candidate(family, params.pop("backend"), page_size, params)
     backend, factor = choice.step(workload.batch_size, context, workload.q_len)
     params = {}
     if factor is not None:

@@ -1,7 +1,8 @@
 """Shared set-up for the vllm_metax plugin tests: a DeepSeek-shaped model directory, a VllmConfig
 with the plugin as vLLM's current platform, the layer a metadata builder reads, vLLM's common
-attention metadata for a ragged decode batch, and a recording FlashInfer stand-in that computes
-with the torch reference from exactly the CSR metadata it was planned with.
+attention metadata for a ragged decode batch, a recording FlashInfer stand-in that computes
+with the torch reference from exactly the CSR metadata it was planned with, and a stand-in for
+MetaX's `flash_mla` package (FlashMLA 1.0's interface) that does the same.
 
 Everything here runs with the real vllm==0.33.0; no GPU and no FlashInfer are needed.
 """
@@ -13,6 +14,7 @@ import math
 import os
 import sys
 from pathlib import Path
+import types
 from types import SimpleNamespace
 
 import torch
@@ -257,6 +259,36 @@ class RecordingKernel:
             out.copy_(res)
             res = out
         return (res, lse_e / math.log(2)) if return_lse else res
+
+
+class FakeFlashMLA:
+    """The flash_mla package's interface (FlashMLA 1.0: get_mla_metadata,
+    flash_mla_with_kvcache), recording calls and computing with the torch reference."""
+
+    def __init__(self):
+        self.metadata_calls, self.fwd_calls = [], []
+        self.module = types.ModuleType("flash_mla")
+        self.module.get_mla_metadata = self.get_mla_metadata
+        self.module.flash_mla_with_kvcache = self.flash_mla_with_kvcache
+
+    def get_mla_metadata(self, cache_seqlens, num_q_tokens_per_head_k, num_heads_k):
+        self.metadata_calls.append((cache_seqlens.tolist(), num_q_tokens_per_head_k, num_heads_k))
+        return (torch.full((4, 8), len(self.metadata_calls), dtype=torch.int32),
+                torch.zeros(cache_seqlens.shape[0] + 1, dtype=torch.int32))
+
+    def flash_mla_with_kvcache(self, q, k_cache, block_table, cache_seqlens, head_dim_v,
+                               tile_scheduler_metadata, num_splits, softmax_scale=None, causal=False):
+        self.fwd_calls.append(dict(q_shape=tuple(q.shape), k_shape=tuple(k_cache.shape),
+                                   block_table=block_table, seq_lens=cache_seqlens.tolist(),
+                                   head_dim_v=head_dim_v, tsm=int(tile_scheduler_metadata[0, 0]),
+                                   scale=softmax_scale, causal=causal))
+        b, s_q, h, d = q.shape
+        kv = k_cache.squeeze(-2)
+        rows = q.reshape(b * s_q, h, d)
+        out, lse = mla_decode_reference(rows[..., :head_dim_v], rows[..., head_dim_v:],
+                                        kv[..., :head_dim_v], kv[..., head_dim_v:], block_table,
+                                        cache_seqlens, softmax_scale, q_len=s_q, return_lse=True)
+        return out.reshape(b, s_q, h, head_dim_v), lse.reshape(b, s_q, h).permute(0, 2, 1)
 
 
 def engine_core_probe(vllm_config, queue) -> None:

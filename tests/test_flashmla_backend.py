@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import logging
 import sys
-import types
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 import plugin_support as ps
+from plugin_support import FakeFlashMLA
 from mla_tune.problem.reference import mla_decode_reference, relative_error
 from vllm_metax.core import profile
 from vllm_metax.core import tuned_config as tc
@@ -30,36 +30,6 @@ PAGE = 64
 METAX = DeviceInfo("MetaX C500", "pymxsml", True, 104, (8, 0))
 HOPPER = DeviceInfo("Test GPU 9000", "torch", False, 132, (9, 0))
 DIMS = tc.ModelDims(ps.NUM_HEADS, ps.KV_LORA_RANK, ps.ROPE_DIM, "bfloat16", "bfloat16")
-
-
-class FakeFlashMLA:
-    """The flash_mla package's interface (FlashMLA 1.0: get_mla_metadata,
-    flash_mla_with_kvcache), recording calls and computing with the torch reference."""
-
-    def __init__(self):
-        self.metadata_calls, self.fwd_calls = [], []
-        self.module = types.ModuleType("flash_mla")
-        self.module.get_mla_metadata = self.get_mla_metadata
-        self.module.flash_mla_with_kvcache = self.flash_mla_with_kvcache
-
-    def get_mla_metadata(self, cache_seqlens, num_q_tokens_per_head_k, num_heads_k):
-        self.metadata_calls.append((cache_seqlens.tolist(), num_q_tokens_per_head_k, num_heads_k))
-        return (torch.full((4, 8), len(self.metadata_calls), dtype=torch.int32),
-                torch.zeros(cache_seqlens.shape[0] + 1, dtype=torch.int32))
-
-    def flash_mla_with_kvcache(self, q, k_cache, block_table, cache_seqlens, head_dim_v,
-                               tile_scheduler_metadata, num_splits, softmax_scale=None, causal=False):
-        self.fwd_calls.append(dict(q_shape=tuple(q.shape), k_shape=tuple(k_cache.shape),
-                                   block_table=block_table, seq_lens=cache_seqlens.tolist(),
-                                   head_dim_v=head_dim_v, tsm=int(tile_scheduler_metadata[0, 0]),
-                                   scale=softmax_scale, causal=causal))
-        b, s_q, h, d = q.shape
-        kv = k_cache.squeeze(-2)
-        rows = q.reshape(b * s_q, h, d)
-        out, lse = mla_decode_reference(rows[..., :head_dim_v], rows[..., head_dim_v:],
-                                        kv[..., :head_dim_v], kv[..., head_dim_v:], block_table,
-                                        cache_seqlens, softmax_scale, q_len=s_q, return_lse=True)
-        return out.reshape(b, s_q, h, head_dim_v), lse.reshape(b, s_q, h).permute(0, 2, 1)
 
 
 @pytest.fixture

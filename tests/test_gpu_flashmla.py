@@ -1,7 +1,8 @@
 """FlashMLA's dense decode (vllm/_flashmla_C, loaded by vllm_metax.ops.flashmla without importing
 vllm) through the "flashmla" family on a Hopper GPU: correct against the torch reference at 16 and
 128 heads (DeepSeek-V3 TP8/TP1), uniform and ragged lengths, q_len 2 (causal); a new step's
-schedule lands in the tensors a captured graph replays; timed through the tool's measure path."""
+schedule lands in the tensors a captured graph replays; timed through the tool's measure path;
+served per bucket by FLASHINFER_MLA's builder and impl (eagerly and under a full CUDA graph)."""
 
 from __future__ import annotations
 
@@ -71,3 +72,133 @@ def test_measure_times_a_graph_captured_candidate(fm):
     assert len(ks) == 10 and all(t > 0 for t in ks)
     assert r.max_rel_error < 2e-2
     assert r.samples.method not in (timing.METHOD_EVENTS, timing.METHOD_WALL), r.samples.note
+
+
+# ---------------------------------------------------------------- served by FLASHINFER_MLA's builder
+
+import os  # noqa: E402
+
+import plugin_support as ps  # noqa: E402
+from vllm_metax.core import decisions, tuned_config as tc  # noqa: E402
+
+TOL = 2e-2
+
+
+def _entry(batches=(1, 2, 8)):
+    """Every bucket FlashMLA's, 1.5x faster than FlashInfer's choice (`decisions.flashmla_serves`)."""
+    dims = tc.ModelDims(ps.NUM_HEADS, ps.KV_LORA_RANK, ps.ROPE_DIM, "bfloat16", "bfloat16")
+    buckets = [tc.Bucket(b, c, 1, {"flashinfer": tc.FamilyChoice({"backend": "fa3"}, time_us=30.0),
+                                   "flashmla": tc.FamilyChoice({"backend": "flashmla"}, time_us=20.0)},
+                         "flashmla")
+               for b in batches for c in (256, 4096)]
+    return tc.ModelEntry(dims, 64, ["FLASHINFER_MLA", "TRITON_MLA"], buckets)
+
+
+@pytest.fixture(scope="module")
+def model_root(tmp_path_factory):
+    os.environ.setdefault("VLLM_METAX_FORCE", "1")
+    tc.clear_cache()
+    return ps.make_vllm_config(tmp_path_factory.mktemp("model"))
+
+
+def _builder(base, monkeypatch, cudagraph):
+    """FLASHINFER_MLA's builder and impl on this GPU, serving `_entry()` (its FlashMLA ops are
+    made with the builder, so the entry is what the builder finds, not swapped in after)."""
+    from vllm.config import CacheConfig, CompilationConfig, VllmConfig
+
+    import vllm_metax.backend.flashinfer_mla as fb
+    vc = VllmConfig(model_config=base.model_config, cache_config=CacheConfig(block_size=64),
+                    compilation_config=CompilationConfig(
+                        cudagraph_mode="FULL_AND_PIECEWISE" if cudagraph else "PIECEWISE",
+                        cudagraph_capture_sizes=[1, 2, 4, 8]))
+    monkeypatch.setattr(fb, "served_entry", lambda *a, **kw: _entry())
+    builder = ps.make_builder(vc, device="cuda")
+    assert builder.choice.serves_flashmla(), "FlashMLA was turned off: see the warning above"
+    return builder, ps.make_impl(vc)
+
+
+def _inputs(rows, num_pages, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(rows, ps.NUM_HEADS, 576, device="cuda", generator=g).to(torch.bfloat16)
+    kv = torch.randn(num_pages, 64, 576, device="cuda", generator=g).to(torch.bfloat16)
+    return q, kv
+
+
+def _reference(q, kv, bt, lens, q_len=1):
+    return mla_decode_reference(q[..., :512], q[..., 512:], kv[..., :512], kv[..., 512:], bt, lens,
+                                ps.softmax_scale(), q_len)
+
+
+@pytest.mark.vllm
+def test_flashinfer_mla_serves_a_tuned_flashmla_bucket_eagerly(fm, model_root, monkeypatch):
+    from vllm_metax.ops.flashmla import FlashMLAStep
+    builder, impl = _builder(model_root, monkeypatch, cudagraph=False)
+    for seed, seq_lens in ((1, [1, 300, 4096]), (2, [5000, 64]), (3, [700] * 16)):
+        bt, lens, common, num_pages = ps.ragged_batch(seq_lens, 64, device="cuda", seed=seed)
+        md = builder.build(0, common)
+        assert md.decode.backend == decisions.FLASHMLA and isinstance(md.decode.kernel, FlashMLAStep)
+        q, kv = _inputs(len(seq_lens), num_pages, seed)
+        out, lse = impl.forward_mqa((q[..., :512], q[..., 512:]), kv, md, None)
+        later, _ = impl.forward_mqa(q, kv, md, None)          # the next layer: the step's schedule
+        ref = _reference(q, kv, bt, lens)
+        assert lse is None and relative_error(out, ref) < TOL, seed
+        assert relative_error(later, ref) < TOL, seed
+    # q_len 2 (speculative decode): causal, FlashMLA's own output copied
+    bt, lens, common, num_pages = ps.ragged_batch([700, 33, 2000], 64, q_len=2, device="cuda", seed=4)
+    md = builder.build(0, common)
+    assert md.decode.backend == decisions.FLASHMLA and md.decode.q_len == 2
+    q, kv = _inputs(6, num_pages, 4)
+    out, _ = impl.forward_mqa(q, kv, md, None)
+    assert relative_error(out, _reference(q, kv, bt, lens, q_len=2)) < TOL
+    assert builder.choice.flashmla_enabled
+
+
+@pytest.mark.vllm
+def test_flashmla_bucket_under_full_cudagraph_capture_and_replay(fm, model_root, monkeypatch):
+    builder, impl = _builder(model_root, monkeypatch, cudagraph=True)
+    batch, num_pages, width = 8, 900, 96
+    static_bt = torch.zeros(batch + 4, width, dtype=torch.int32, device="cuda")
+    static_lens = torch.zeros(batch + 4, dtype=torch.int32, device="cuda")
+    static_q = torch.zeros(batch, ps.NUM_HEADS, 576, dtype=torch.bfloat16, device="cuda")
+    static_kv = torch.zeros(num_pages, 64, 576, dtype=torch.bfloat16, device="cuda")
+
+    def step(seq_lens, seed):
+        bt, lens, common, _ = ps.ragged_batch(seq_lens, 64, num_pages=num_pages, seed=seed, device="cuda")
+        static_bt.zero_()
+        static_bt[:batch, :bt.shape[1]].copy_(bt[:batch])
+        static_lens[:batch].copy_(lens.to("cuda"))
+        common.block_table_tensor = static_bt[:batch]
+        common.seq_lens = static_lens[:batch]
+        md = builder.build(0, common)
+        q, kv = _inputs(batch, num_pages, seed)
+        static_q.copy_(q)
+        static_kv.copy_(kv)
+        return md, static_bt[:batch].clone(), lens
+
+    def forward(md):
+        """Two layers, as a step runs them: the first schedules, the second reuses it."""
+        impl.forward_mqa((static_q[..., :512], static_q[..., 512:]), static_kv, md, None)
+        return impl.forward_mqa((static_q[..., :512], static_q[..., 512:]), static_kv, md, None)[0]
+
+    lens1 = [100, 7, 3000, 64, 1, 512, 2047, 900]
+    md, bt, lens = step(lens1, seed=1)
+    assert md.decode.cuda_graph and md.decode.backend == decisions.FLASHMLA
+    eager = forward(md)
+    torch.cuda.synchronize()
+    ref = _reference(static_q, static_kv, bt, lens)
+    assert relative_error(eager, ref) < TOL
+    # vLLM builds a step's metadata right before capturing it: the capture schedules in the graph
+    md, bt, lens = step(lens1, seed=1)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = forward(md)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert relative_error(captured, ref) < TOL
+    for seed, seq_lens in ((2, [4096, 4096, 1, 1, 70, 800, 33, 1000]), (3, [5] * 8),
+                           (4, [2000, 10, 10, 10, 10, 10, 10, 5000])):
+        md2, bt2, lens2 = step(seq_lens, seed)
+        assert md2.decode.backend == decisions.FLASHMLA and md2.decode.kernel.kernel is md.decode.kernel.kernel
+        graph.replay()
+        torch.cuda.synchronize()
+        assert relative_error(captured, _reference(static_q, static_kv, bt2, lens2)) < TOL, seed

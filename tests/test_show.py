@@ -156,3 +156,35 @@ def test_lookup_keeps_flashinfer_when_split_wins_by_less_than_the_plugins_margin
     (hit,) = json.loads(_show(cfg_path, "--lookup", "1,1024", "-f", "json").stdout)["lookup"]
     assert hit["best_family"] == "split" and hit["served"]["family"] == "flashinfer"
     assert "less than" in hit["served"]["note"]
+
+
+def _with_flashmla(cfg_path, fm_us, fi_us=20.0, page=None):
+    """The fixture's config with FlashMLA as best family at batch 8, context 4096 (and the
+    entry's page size set to `page`)."""
+    data = json.loads(cfg_path.read_text())
+    if page is not None:
+        data["models"][0]["global"]["page_size"] = page
+    for b in data["models"][0]["buckets"]:
+        if (b["batch_size"], b["context_len"]) == (8, 4096):
+            b["families"]["flashinfer"].update(time_us=fi_us)
+            b["families"]["flashmla"] = {"params": {"backend": "flashmla"}, "time_us": fm_us,
+                                         "default_time_us": fm_us, "significant": False}
+            b["best_family"] = "flashmla"
+    cfg_path.write_text(json.dumps(data))
+    return cfg_path
+
+
+def test_lookup_names_flashmla_where_flashinfer_mla_serves_it_per_bucket(cfg_path):
+    _with_flashmla(cfg_path, fm_us=10.0)            # 2x faster than FlashInfer's choice
+    (hit,) = json.loads(_show(cfg_path, "--lookup", "8,4096", "-f", "json").stdout)["lookup"]
+    assert hit["served"]["attention_backend"] == "FLASHINFER_MLA"
+    assert hit["served"]["family"] == "flashmla" and hit["served"]["params"] == {"backend": "flashmla"}
+    table = _show(cfg_path, "--lookup", "8,4096").stdout
+    assert "FLASHINFER_MLA: flashmla" in " ".join(table.split())
+
+
+@pytest.mark.parametrize("fm_us, page", [(20.0 / 1.04, None), (10.0, 16)])
+def test_lookup_keeps_flashinfer_where_flashmla_wins_by_too_little_or_the_page_is_not_64(cfg_path, fm_us, page):
+    _with_flashmla(cfg_path, fm_us=fm_us, page=page)
+    (hit,) = json.loads(_show(cfg_path, "--lookup", "8,4096", "-f", "json").stdout)["lookup"]
+    assert hit["best_family"] == "flashmla" and hit["served"]["family"] == "flashinfer"

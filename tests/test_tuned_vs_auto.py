@@ -72,6 +72,25 @@ def test_the_tuned_candidate_is_the_split_kernel_where_the_plugin_serves_it(benc
     assert bench.served_candidate(PlanChoice(entry(17.0, splits=4), hopper), 64, w600).family == "flashinfer"
 
 
+
+@pytest.mark.vllm
+def test_the_tuned_candidate_is_flashmla_where_the_plugin_serves_it_at_page_64(bench, monkeypatch):
+    pytest.importorskip("vllm")
+    from mla_tune.problem.workload import model_preset, workload_for
+    from vllm_metax.backend.plan_choice import PlanChoice
+    from vllm_metax.core import profile
+    monkeypatch.setenv(profile.PROFILE_ENV, "nvidia")
+    w = workload_for(model_preset("deepseek-v3"), 8, 2, 4096)
+    dims = decisions.model_key(w.num_heads, w.kv_lora_rank, w.qk_rope_head_dim, w.q_dtype, w.kv_dtype)
+    hopper = decisions.flashinfer_backends(False, (9, 0))
+    fams = {"flashinfer": tc.FamilyChoice({"backend": "fa3"}, time_us=20.0),
+            "flashmla": tc.FamilyChoice({"backend": "flashmla"}, time_us=10.0),
+            "fa3_mla": tc.FamilyChoice({"backend": "fa3", "num_splits": 0}, time_us=15.0)}
+    for page, key in ((64, "flashmla/flashmla/p64"), (16, "fa3_mla/fa3/p16/num_splits=0")):
+        entry = tc.ModelEntry(dims, page, ["FLASHINFER_MLA"], [tc.Bucket(2, 4096, 1, fams, "flashmla")])
+        assert bench.served_candidate(PlanChoice(entry, hopper), page, w).key == key
+
+
 def _row(heads, batch, ctx, tuned, auto, vllm, lengths="uniform"):
     kv = batch * ctx
     return {"workload": f"H{heads} B{batch} L{ctx}", "heads": heads, "batch": batch, "context": ctx,

@@ -128,23 +128,25 @@ class Served:
 
 def served_kernel(entry, bucket) -> Served:
     """The kernel a decode step of `bucket` runs under `entry`, by the plugin's rules
-    (`vllm_metax.core.decisions`): FLASHINFER_MLA runs the split-KV kernel where `split_serves` says
-    and vLLM's FA3 MLA kernel where `fa3_serves` says, else its FlashInfer choice; TRITON_MLA its split count or vLLM's rule; FLASHMLA FlashMLA."""
+    (`vllm_metax.core.decisions`): FLASHINFER_MLA runs the first kernel `side_kernel` names (the
+    split-KV kernel, FlashMLA, vLLM's FA3 MLA kernel), else its FlashInfer choice; TRITON_MLA its
+    split count or vLLM's rule; FLASHMLA FlashMLA."""
     from vllm_metax.core import decisions as d
     backend = entry.backend_order[0] if entry.backend_order else None
     if bucket is None:
         return Served(backend, None, {}, "no tuned bucket: the plugin's defaults")
     if backend == "FLASHINFER_MLA":
-        for family, serves in ((d.SPLIT, d.split_serves), (d.FA3, d.fa3_serves)):
-            side = serves(bucket)
-            if side is not None:
-                return Served(backend, family, side.to_params(),
-                              f">= {d.SPLIT_MIN_GAIN:g}x faster than the bucket's FlashInfer choice")
+        side = d.side_kernel(bucket, page_size=entry.page_size)
+        if side is not None:
+            family, choice = side
+            return Served(backend, family, choice.to_params(),
+                          f"the bucket's FlashInfer choice not {d.SPLIT_MIN_GAIN:g}x faster" if family == d.FA3 else
+                          f">= {d.SPLIT_MIN_GAIN:g}x faster than the bucket's FlashInfer choice")
         fc = d.bucket_choice(bucket, d.FLASHINFER)
         if fc is None:
             return Served(backend, d.FLASHINFER, {}, "no FlashInfer choice: the device default")
         note = "planned as the device default" if fc.backend == d.AUTO else ""
-        if bucket.best_family in (d.SPLIT, d.FA3):
+        if bucket.best_family in (d.SPLIT, d.FLASHMLA, d.FA3):
             note = f"{bucket.best_family} measured faster, by less than {d.SPLIT_MIN_GAIN:g}x"
         return Served(backend, d.FLASHINFER, fc.to_params(), note)
     if backend == "TRITON_MLA":

@@ -9,9 +9,10 @@ page metadata through `vllm_metax.ops.paged_metadata.build_paged_metadata` and p
 `vllm_metax.ops.flashinfer_mla.MLADecodeKernel` (the op the tuner measures). After a step's first
 plan the op re-plans through FlashInfer's compiled MLAPlan only, and the metadata is strided: the
 block table itself is the page list, so nothing is launched on the device to build it. Which FlashInfer
-backend value (or the split-KV kernel) plans the step comes from this device's tuned config (per
-batch/context bucket, `vllm_metax.backend.plan_choice`), loaded once per process; every layer of
-the step then runs that plan.
+backend value plans the step, or which kernel runs it instead (the split-KV kernel, FlashMLA through
+`vllm_metax.backend.flashmla_buckets`, vLLM's FA3 MLA kernel: the first that serves the bucket,
+`decisions.side_kernel`), comes from this device's tuned config (per batch/context bucket,
+`vllm_metax.backend.plan_choice`), loaded once per process; every layer of the step then runs it.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from vllm.v1.attention.backend import (
 
 from vllm_metax.backend import served_entry
 from vllm_metax.backend.builder import HostLengthsBuilder
+from vllm_metax.backend.flashmla_buckets import FlashMLABuckets
 from vllm_metax.backend.impl_features import FeatureCheckedImpl
 from vllm_metax.backend.plan_choice import PlanChoice
 from vllm_metax.core import decisions
@@ -139,6 +141,9 @@ class FlashInferMLAMetadataBuilder(HostLengthsBuilder, MLACommonMetadataBuilder[
         for choice in self.choice.fa3_choices():
             for graph in (False, True) if self.full_cudagraph else (False,):
                 self._fa3_kernel(choice, graph)
+        self._flashmla = FlashMLABuckets(self.choice, self.device, self.sm_scale, self.num_heads,
+                                         self.head_dim_ckv, self.head_dim_kpe, page, self.q_dtype,
+                                         self.kv_dtype, self.full_cudagraph)
 
     def _use_graph(self, num_decodes: int, num_decode_tokens: int) -> bool:
         common = self._common
@@ -180,8 +185,13 @@ class FlashInferMLAMetadataBuilder(HostLengthsBuilder, MLACommonMetadataBuilder[
                               dtype=np.int32)
         graph = self._use_graph(num_decodes, num_decode_tokens)
         context = decisions.bucket_context(seq_lens)
-        step = self._split_step(num_decodes, context, q_len, graph, block_table_tensor, seq_lens_device)
+        # the side kernels in `decisions.side_kernel`'s order; none returns the decode LSE
         side = decisions.SPLIT
+        step = self._split_step(num_decodes, context, q_len, graph, block_table_tensor, seq_lens_device)
+        if step is None and not self.plan_lse:
+            side = decisions.FLASHMLA
+            step = self._flashmla.step(num_decodes, context, q_len, graph, block_table_tensor,
+                                       seq_lens_device)
         if step is None:
             step = self._fa3_step(num_decodes, context, q_len, graph, block_table_tensor,
                                   seq_lens_device, query_start_loc_device, seq_lens)

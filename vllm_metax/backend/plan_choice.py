@@ -1,7 +1,8 @@
 """Which kernel plans each decode step of FLASHINFER_MLA (vllm-free): the FlashInfer backend value
-and KV chunking of the nearest tuned bucket, or the split-KV Triton kernel or vLLM's FA3 MLA kernel
-where the tuned config serves them; a captured CUDA graph fixes its choice per batch size. The backend's metadata builder
-asks once a step; `bench/plan_cost.py` times it."""
+and KV chunking of the nearest tuned bucket, or the split-KV Triton kernel, FlashMLA or vLLM's FA3
+MLA kernel where the tuned config serves them (`decisions.side_kernel`: the builder asks in that
+order, so a step runs the first that serves and can run); a captured CUDA graph fixes its choice per
+batch size. The backend's metadata builder asks once a step; `bench/plan_cost.py` times it."""
 
 from __future__ import annotations
 
@@ -34,6 +35,12 @@ class PlanChoice:
             id(b): c for b in entry.buckets if (c := decisions.fa3_serves(b)) is not None}
         self._graph_fa3: dict = {}
         self.fa3_enabled = True
+        # bucket -> FlashMLA's choice, where it serves that bucket (any q_len; the builder checks
+        # the KV block size, 64, and that a FlashMLA library runs here)
+        self._flashmla: dict[int, decisions.FlashMLAChoice] = {} if entry is None else {
+            id(b): c for b in entry.buckets if (c := decisions.flashmla_serves(b)) is not None}
+        self._graph_flashmla: dict = {}
+        self.flashmla_enabled = True
         self._found: tuple = (None, None)     # the last step's (lookup key, bucket): one lookup a step
         self._warn_unservable()
 
@@ -60,16 +67,22 @@ class PlanChoice:
         """Which kernel decodes which tuned buckets (for the server log)."""
         if self.entry is None:
             return f"FlashInfer {self.default} every step (untuned)"
-        served = collections.Counter()
-        for b in self.entry.buckets:
-            split = self._splits.get(id(b)) if b.q_len == 1 and self.split_enabled else None
-            fa3 = self._fa3.get(id(b)) if self.fa3_enabled else None
-            served["split-KV Triton" if split is not None else "vLLM FA3" if fa3 is not None
-                   else f"FlashInfer {self.for_bucket(b)}"] += 1
+        served = collections.Counter(self._served_name(b) for b in self.entry.buckets)
         split_batches = sorted({b.batch_size for b in self.entry.buckets if id(b) in self._splits})
         where = f" (split at batch {', '.join(map(str, split_batches))})" if split_batches else ""
         return (", ".join(f"{k} in {n}" for k, n in served.most_common())
                 + f" of {len(self.entry.buckets)} tuned buckets{where}; the nearest bucket decides each step")
+
+    def _served_name(self, b) -> str:
+        """The kernel a step of bucket `b` runs, for people (the builder's order: split, FlashMLA,
+        FA3, FlashInfer; a kernel turned off is skipped)."""
+        if b.q_len == 1 and self.split_enabled and id(b) in self._splits:
+            return "split-KV Triton"
+        if self.flashmla_enabled and id(b) in self._flashmla:
+            return "FlashMLA"
+        if self.fa3_enabled and id(b) in self._fa3:
+            return "vLLM FA3"
+        return f"FlashInfer {self.for_bucket(b)}"
 
     def for_bucket(self, bucket) -> str:
         return self.backends.serve(decisions.bucket_choice(bucket, decisions.FLASHINFER))
@@ -134,15 +147,47 @@ class PlanChoice:
         (`decisions.fa3_serves` of the nearest tuned bucket), else None. A captured graph fixes
         its kernel for every context: FA3 there only where it serves most buckets of the nearest
         tuned batch size (and q_len), with the knobs most of those name."""
-        if not self._fa3 or not self.fa3_enabled:
+        if not self.fa3_enabled:
+            return None
+        return self._side_for(self._fa3, self._graph_fa3, batch_size, context_len, q_len, graph)
+
+    def flashmla_for(self, batch_size: int, context_len: int, q_len: int = 1,
+                     graph: bool = False) -> decisions.FlashMLAChoice | None:
+        """FlashMLA's choice where this step should run it instead of FlashInfer
+        (`decisions.flashmla_serves` of the nearest tuned bucket), else None. A captured graph
+        fixes its kernel for every context: FlashMLA there only where it serves most buckets of
+        the nearest tuned batch size (and q_len)."""
+        if not self.flashmla_enabled:
+            return None
+        return self._side_for(self._flashmla, self._graph_flashmla, batch_size, context_len, q_len, graph)
+
+    def serves_flashmla(self) -> bool:
+        """FlashMLA serves some bucket of the entry (and has not been turned off)."""
+        return self.flashmla_enabled and bool(self._flashmla)
+
+    def disable_flashmla(self, reason: str) -> None:
+        """FlashMLA cannot run here: those steps run the next kernel that serves them from now on
+        (vLLM's FA3 where it serves the bucket, else FlashInfer)."""
+        if self.flashmla_enabled and self._flashmla:
+            logger.warning("vllm_metax MLA: the tuned config's FlashMLA decode buckets cannot run "
+                           "here (%s); those steps run FlashInfer (or vLLM's FA3 where it serves the bucket)",
+                           reason)
+        self.flashmla_enabled = False
+        self._graph_flashmla.clear()
+
+    def _side_for(self, served_in: dict, graph_cache: dict, batch_size: int, context_len: int,
+                  q_len: int, graph: bool):
+        """The choice of `served_in` (bucket id -> choice) for one step: the nearest bucket's, or
+        in a captured graph its batch size's vote (`_graph_vote`, remembered in `graph_cache`)."""
+        if not served_in:
             return None
         if graph:
             key = (batch_size, q_len)
-            if key not in self._graph_fa3:
-                self._graph_fa3[key] = self._graph_vote(self._fa3, batch_size, q_len)
-            return self._graph_fa3[key]
+            if key not in graph_cache:
+                graph_cache[key] = self._graph_vote(served_in, batch_size, q_len)
+            return graph_cache[key]
         found = self._lookup(batch_size, context_len, q_len)
-        return self._fa3.get(id(found.bucket)) if found is not None else None
+        return served_in.get(id(found.bucket)) if found is not None else None
 
     def fa3_choices(self) -> list:
         """Every FA3 choice the entry may serve (distinct knobs, in bucket order)."""

@@ -11,6 +11,9 @@ Both sides import this module, so they cannot drift apart:
 * what each kernel family's stored parameters mean (`FlashInferChoice` with its KV chunking,
   `TritonChoice`, `SplitChoice`; defined in `vllm_metax.core.choices`, re-exported here), "keep vLLM's
   rule" included, read by the plugin and written by `mla-tune emit`;
+* which kernel FLASHINFER_MLA's decode runs in a tuned bucket instead of FlashInfer, first that
+  serves: the split kernel (`split_serves`, q_len 1 only), FlashMLA (`flashmla_serves`), vLLM's FA3
+  (`fa3_serves`); `side_kernel` applies that order;
 * the MLA prefill backend (`prefill_statistic`, `prefill_backend`): the lookup statistic of one
   prefill plan (total query tokens, mean KV tokens per request) and the FlashInfer ragged-prefill
   backend that plan runs, from the same per-device allowed set as decode.
@@ -186,9 +189,9 @@ def fa3_serves(bucket, profile=None) -> "FA3Choice | None":
     """vLLM's FA3 MLA kernel's choice where FLASHINFER_MLA's decode should run it in this bucket.
     FA3 is vLLM's own default on Hopper, so the rule is the other way round from the split
     kernel's: where the sweep measured FA3 in the bucket, it serves unless the bucket's FlashInfer
-    choice measured at least SPLIT_MIN_GAIN times faster (the split kernel, where it serves,
-    comes first). None: no FA3 choice or time, FlashInfer clearly faster, or a target `profile`
-    (default: the active one) without vLLM's FA3 (metax)."""
+    choice measured at least SPLIT_MIN_GAIN times faster (the split kernel and FlashMLA, where
+    they serve, come first: `side_kernel`). None: no FA3 choice or time, FlashInfer clearly
+    faster, or a target `profile` (default: the active one) without vLLM's FA3 (metax)."""
     if bucket is None:
         return None
     sc, fc = bucket.families.get(FA3), bucket.families.get(FLASHINFER)
@@ -198,6 +201,33 @@ def fa3_serves(bucket, profile=None) -> "FA3Choice | None":
     if fc is not None and fc.time_us and sc.time_us >= SPLIT_MIN_GAIN * fc.time_us:
         return None
     return choice
+
+
+def flashmla_serves(bucket, profile=None, page_size: int | None = None) -> "FlashMLAChoice | None":
+    """FlashMLA's choice where FLASHINFER_MLA's decode should run it in this bucket, by the split
+    kernel's rule: the bucket names flashmla as its best family, measured at least SPLIT_MIN_GAIN
+    times faster than the bucket's FlashInfer choice, under a `profile` (default: the active one)
+    that runs it. `page_size`: the entry's KV block size, None where the caller checks the
+    cache's own (FlashMLA runs at the profile's `flashmla_page_size`, 64, only)."""
+    prof = _profile(profile)
+    if page_size is not None and page_size != prof.flashmla_page_size:
+        return None
+    return _side_serves(bucket, FLASHMLA, prof)
+
+
+def side_kernel(bucket, profile=None, page_size: int | None = None) -> tuple | None:
+    """(family, choice) of the kernel FLASHINFER_MLA's decode runs in this bucket instead of
+    FlashInfer, the first that serves: the split kernel (q_len 1), FlashMLA, vLLM's FA3; None:
+    FlashInfer. The plugin keeps the order per step and falls to the next where one cannot run."""
+    if bucket is None:
+        return None
+    for family, serves in ((SPLIT, split_serves), (FLASHMLA, flashmla_serves), (FA3, fa3_serves)):
+        if family == SPLIT and bucket.q_len != 1:
+            continue
+        choice = serves(bucket, profile, page_size) if family == FLASHMLA else serves(bucket, profile)
+        if choice is not None:
+            return family, choice
+    return None
 
 
 def _side_serves(bucket, family: str, profile=None):
@@ -219,7 +249,8 @@ def bucket_choice(bucket, family: str) -> FlashInferChoice | TritonChoice | None
 
 
 __all__ = ["AUTO", "DEFAULT_TRITON_VARIANT", "FALLBACK_BACKEND", "FLASHINFER", "FLASHMLA", "FlashInferBackends",
-           "FlashInferChoice", "FA3", "FA3Choice", "fa3_serves", "SPLIT", "SPLIT_MIN_GAIN", "SplitChoice",
+           "FlashInferChoice", "FlashMLAChoice", "FA3", "FA3Choice", "fa3_serves", "flashmla_serves",
+           "side_kernel", "SPLIT", "SPLIT_MIN_GAIN", "SplitChoice",
            "TRITON", "TRITON_VARIANTS", "split_serves", "TritonChoice", "VLLM_RULE", "bucket_choice",
            "bucket_context", "device_flashinfer_backends", "device_prefill_backends", "dtype_name",
            "family_choice", "flashinfer_backends", "kv_chunk_factor", "model_key",

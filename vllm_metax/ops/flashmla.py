@@ -16,7 +16,10 @@ The schedule: with `tile_scheduler_metadata = None` the op first computes the sp
 the GPU from `cache_seqlens` (one small kernel) and returns it; a later call with the same
 sequence lengths passes it back and only attends. A decode step therefore schedules once (its
 first layer) and every other layer reuses the schedule, as vLLM's backend does with a fresh
-FlashMLASchedMeta per step. `FlashMLADecode.new_step()` forgets the schedule.
+FlashMLASchedMeta per step. `FlashMLADecode.new_step()` forgets the schedule. `FlashMLAStep` is one
+such step inside FLASHINFER_MLA (the buckets a tuned config gives FlashMLA there): it takes
+FlashInfer's split q and cache columns and hands FlashMLA the packed ones (`packed_cache`, no copy
+of the cache).
 
 Constraints (FlashMLA's): page (KV block) size 64, head dim 576 (kv_lora_rank 512 + rope 64),
 head_dim_v 512, q and KV of one 16-bit dtype, Hopper (compute capability 9.x: the dense kernels
@@ -189,6 +192,58 @@ class FlashMLADecode:
         self._stale = False
 
 
-__all__ = ["FlashMLADecode", "HEAD_DIM", "HEAD_DIM_V", "PAGE_SIZE", "VENDOR_LIBRARY", "VLLM_LIBRARY",
+def packed_cache(ckv_cache: torch.Tensor, kpe_cache: torch.Tensor) -> torch.Tensor:
+    """vLLM's packed MLA cache [pages, page, 576] whose latent and rope columns `ckv_cache`
+    [pages, page, 512] and `kpe_cache` [pages, page, 64] are (views, as FLASHINFER_MLA's impl
+    slices them), without a copy; ValueError where they are not two column ranges of one tensor."""
+    rope = HEAD_DIM - HEAD_DIM_V
+    same_rows = (ckv_cache.shape[:-1] == kpe_cache.shape[:-1] and ckv_cache.stride() == kpe_cache.stride()
+                 and ckv_cache.untyped_storage().data_ptr() == kpe_cache.untyped_storage().data_ptr())
+    if (not same_rows or ckv_cache.shape[-1] != HEAD_DIM_V or kpe_cache.shape[-1] != rope
+            or ckv_cache.stride(-1) != 1 or ckv_cache.stride(-2) < HEAD_DIM
+            or kpe_cache.storage_offset() != ckv_cache.storage_offset() + HEAD_DIM_V):
+        raise ValueError(f"FlashMLA reads one packed [pages, page, {HEAD_DIM}] cache; got latent "
+                         f"{tuple(ckv_cache.shape)} and rope {tuple(kpe_cache.shape)} columns that are "
+                         "not views of one")
+    return ckv_cache.as_strided((*ckv_cache.shape[:-1], HEAD_DIM), ckv_cache.stride())
+
+
+class FlashMLAStep:
+    """One decode step served by FlashMLA inside FLASHINFER_MLA (the plugin's builder makes it
+    where the tuned config serves FlashMLA in the step's bucket): the step's block table and
+    sequence lengths. Making it marks the op's schedule stale, so the step's first layer
+    schedules and every later layer reuses it; `run` takes FlashInfer's planned kernel's
+    arguments."""
+
+    def __init__(self, kernel: FlashMLADecode, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                 q_len: int):
+        self.kernel, self.block_table, self.seq_lens = kernel, block_table, seq_lens
+        self.q_len = int(q_len)
+        kernel.new_step()
+
+    def run(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor,
+            kpe_cache: torch.Tensor, out: torch.Tensor | None = None, return_lse: bool = False):
+        """q_nope [T, H, 512] and q_pe [T, H, 64] (T = batch x q_len); ckv_cache and kpe_cache the
+        columns of one packed cache (`packed_cache`); out [T, H, 512] or None. Returns the
+        output [T, H, 512]. No LSE: FLASHINFER_MLA serves FlashMLA only where none is asked for."""
+        if return_lse:
+            raise ValueError("FlashMLA inside FLASHINFER_MLA returns no decode LSE")
+        rows, heads = q_nope.shape[0], q_nope.shape[1]
+        batch = self.block_table.shape[0]
+        if rows != batch * self.q_len:
+            raise ValueError(f"FlashMLA step of {batch} requests x q_len {self.q_len}; got {rows} rows")
+        q = torch.cat((q_nope, q_pe), dim=-1).view(batch, self.q_len, heads, HEAD_DIM)
+        # FlashMLA writes a given output at q_len 1 only (it refuses a [B, q_len, H, 512] one
+        # above): there its own output is copied, as the tuner's flashmla family does
+        direct = out is not None and out.is_contiguous() and self.q_len == 1
+        o, _ = self.kernel.run(q, packed_cache(ckv_cache, kpe_cache), self.block_table, self.seq_lens,
+                               out=out.view(batch, self.q_len, heads, HEAD_DIM_V) if direct else None)
+        o = o.reshape(rows, heads, HEAD_DIM_V)
+        if out is not None and not direct:
+            return out.copy_(o)
+        return out if direct else o
+
+
+__all__ = ["FlashMLADecode", "FlashMLAStep", "packed_cache", "HEAD_DIM", "HEAD_DIM_V", "PAGE_SIZE", "VENDOR_LIBRARY", "VLLM_LIBRARY",
            "check_shapes", "flashmla_available", "flashmla_library", "library_path", "load_library",
            "vendor_interface"]
