@@ -44,8 +44,6 @@ from tuned_vs_auto import _gmean, say, served_candidate, stored_workloads  # noq
 
 from mla_tune.problem.defaults import KERNEL_METRIC  # noqa: E402
 
-os.environ.setdefault("VLLM_METAX_PROFILE", "metax")
-
 COLUMNS = ("tuned", "vendor", "vendor_triton", "fa2_auto")
 VENDOR_TRITON_PAGE = 16      # vLLM's default KV block size, which the vendor's TRITON_MLA keeps
 FLASHMLA_PAGE = 64
@@ -217,6 +215,7 @@ def main() -> int:
             ap.error("needs a CUDA GPU, and torch sees none here: run it on the GPU machine")
         if not args.config:
             ap.error("--config: the metax-profile tuned config to compare")
+        os.environ.setdefault("VLLM_METAX_PROFILE", "metax")      # the profile the comparison is about
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     doc = json.loads(Path(args.analyze).read_text()) if args.analyze else measure_all(args)
