@@ -88,6 +88,7 @@ def test_doctor_on_a_simulated_metax_host(metax):
     assert rep["tuned_config"]["path"] == str(metax / "device_name=MetaX_C500.json")
     assert rep["tuned_config"]["entries"][0]["page_size"] == 32
     assert (rep["tuned_config"]["entries"][0]["buckets"], rep["tuned_config"]["entries"][0]["split_buckets"]) == (2, 1)
+    assert rep["tuned_config"]["entries"][0]["side_buckets"] == {"split-KV": 1, "FlashMLA": 0, "vLLM FA3": 0}
     # the tuned order decides for deepseek-v3 at TP 8 (16 heads per rank)
     assert [b["what"] for b in rep["attention_backends"]][:2] == ["TRITON_MLA", "FLASHINFER_MLA"]
     fi = {b["what"]: b for b in rep["flashinfer_backends"]}

@@ -60,11 +60,13 @@ class Doctor:
         tuned = Table("Tuned config", [Column("model", justify="left"), Column("tp"),
                                        Column("dims", justify="left"), Column("page size"),
                                        Column("backend order", justify="left"), Column("buckets"),
-                                       Column("split-KV buckets"), Column("not on this profile")],
+                                       Column("split-KV / FlashMLA / FA3 buckets"),
+                                       Column("not on this profile")],
                       caption=f"{t.get('path') or 'no file'}: {t.get('reason', '')}")
         for e in t.get("entries", []):
             tuned.add(e["model"], e["tp_size"], e["dims"], e["page_size"],
-                      " > ".join(e["backend_order"]), e["buckets"], e.get("split_buckets", 0),
+                      " > ".join(e["backend_order"]), e["buckets"],
+                      " / ".join(str(n) for n in e.get("side_buckets", {}).values()) or e.get("split_buckets", 0),
                       e.get("unservable", 0))
         return [summary, backends, fi, tuned]
 
@@ -229,6 +231,8 @@ def _tuned_config(device_name: str, dims) -> tuple[dict, list[str] | None]:
                 "backend_order": list(m.backend_order), "buckets": len(m.buckets),
                 # buckets whose decode FLASHINFER_MLA runs with the split-KV Triton kernel
                 "split_buckets": serving.split_buckets(m),
+                # per kernel, buckets FLASHINFER_MLA's decode runs it in instead of FlashInfer
+                "side_buckets": serving.side_buckets(m),
                 # choices the active profile's target cannot run: served with the device default
                 "unservable": len(unservable_choices(m, active_profile()))})
         if dims is not None:

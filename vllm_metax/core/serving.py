@@ -67,6 +67,21 @@ def split_buckets(entry: ModelEntry) -> int:
     return sum(decisions.split_serves(b) is not None for b in entry.buckets if b.q_len == 1)
 
 
+SIDE_KERNEL_NAMES = {decisions.SPLIT: "split-KV", decisions.FLASHMLA: "FlashMLA", decisions.FA3: "vLLM FA3"}
+
+
+def side_buckets(entry: ModelEntry, profile=None) -> dict[str, int]:
+    """Per kernel that FLASHINFER_MLA's decode runs instead of FlashInfer (split-KV, FlashMLA,
+    vLLM FA3), how many of the entry's buckets it serves (`decisions.side_kernel` at the entry's
+    page size; the rest plan FlashInfer)."""
+    counts = dict.fromkeys(SIDE_KERNEL_NAMES.values(), 0)
+    for b in entry.buckets:
+        side = decisions.side_kernel(b, profile, entry.page_size)
+        if side is not None:
+            counts[SIDE_KERNEL_NAMES[side[0]]] += 1
+    return counts
+
+
 def describe_dims(dims: ModelDims) -> str:
     """A model key for people: heads, ranks, dtypes."""
     return (f"{dims.num_heads} heads, kv_lora_rank {dims.kv_lora_rank}, rope {dims.qk_rope_head_dim}, "
@@ -78,5 +93,10 @@ def describe_entry(entry: ModelEntry) -> str:
     who = f"{entry.model} TP{entry.tp_size}" if entry.model else "no model named"
     return (f"{describe_dims(entry.dims)} ({who}): KV page size {entry.page_size}, backend order "
             f"{' > '.join(entry.backend_order) or 'default'}, {len(entry.buckets)} decode buckets "
-            f"({split_buckets(entry)} served by the split-KV kernel), {len(entry.prefill)} prefill "
-            "buckets")
+            f"({_side_text(entry)}), {len(entry.prefill)} prefill buckets")
+
+
+def _side_text(entry: ModelEntry) -> str:
+    counts = side_buckets(entry)
+    rest = len(entry.buckets) - sum(counts.values())
+    return ", ".join([f"{name} in {n}" for name, n in counts.items() if n] + [f"FlashInfer in {rest}"])
