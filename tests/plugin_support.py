@@ -182,10 +182,10 @@ def ragged_batch(seq_lens, page_size, q_len=1, extra_rows=0, num_pages=None, see
     return block_table.to(device), lens, common, num_pages
 
 
-def build_decode(builder, seq_lens, page_size, q_len=1, extra_rows=2, seed=0):
+def build_decode(builder, seq_lens, page_size, q_len=1, extra_rows=2, seed=0, device="cpu"):
     """A builder's `_build_decode` called with what vLLM's MLA build() passes for a decode batch
     of `seq_lens` (`ragged_batch`); (metadata, block table, lengths, pages in the cache)."""
-    bt, lens, common, num_pages = ragged_batch(seq_lens, page_size, q_len, extra_rows, seed=seed)
+    bt, lens, common, num_pages = ragged_batch(seq_lens, page_size, q_len, extra_rows, seed=seed, device=device)
     n = len(seq_lens)
     md = builder._build_decode(
         block_table_tensor=bt[:n], seq_lens_device=lens, max_seq_len=max(seq_lens),

@@ -6,6 +6,8 @@ served per bucket by FLASHINFER_MLA's builder and impl (eagerly and under a full
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -144,11 +146,12 @@ def test_flashinfer_mla_serves_a_tuned_flashmla_bucket_eagerly(fm, model_root, m
         assert lse is None and relative_error(out, ref) < TOL, seed
         assert relative_error(later, ref) < TOL, seed
     # q_len 2 (speculative decode): causal, FlashMLA's own output copied
-    bt, lens, common, num_pages = ps.ragged_batch([700, 33, 2000], 64, q_len=2, device="cuda", seed=4)
-    md = builder.build(0, common)
-    assert md.decode.backend == decisions.FLASHMLA and md.decode.q_len == 2
+    # (built as vLLM's MLA build() builds a decode batch: with no speculative config, build() itself
+    # would count 2-token requests as prefills)
+    md, bt, lens, num_pages = ps.build_decode(builder, [700, 33, 2000], 64, q_len=2, seed=4, device="cuda")
+    assert md.backend == decisions.FLASHMLA and md.q_len == 2
     q, kv = _inputs(6, num_pages, 4)
-    out, _ = impl.forward_mqa(q, kv, md, None)
+    out, _ = impl.forward_mqa(q, kv, types.SimpleNamespace(decode=md), None)
     assert relative_error(out, _reference(q, kv, bt, lens, q_len=2)) < TOL
     assert builder.choice.flashmla_enabled
 

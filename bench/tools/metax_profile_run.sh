@@ -12,6 +12,7 @@
 #   or after bench/tools/gpu_suite_sweep.sh in the same call (carry .carry .whl .fa3 .m026: .m026 holds
 #     FlashInfer 0.2.6 without its CUTLASS headers and the FlashMLA library, 2.8 MB; no vLLM
 #     compiled ops fit, so the engine runs are left out)
+#   METAX_DB=F METAX_CONFIG=F: no sweep, that DB and config instead (PYTEST_FILES: GPU tests first)
 set -u
 start=$(date +%s)
 total=${TOTAL_S:-585}
@@ -71,6 +72,12 @@ print('metax run:', torch.cuda.get_device_name(0), 'flashinfer', flashinfer.__ve
 print('profile', active_profile().name, '| FlashMLA', flashmla.flashmla_available())" 2>&1 | tail -3
 echo "setup $(( $(date +%s) - start )) s"
 W=/tmp/metax; rm -rf $W; mkdir -p $W/configs
+if [ -n "${METAX_DB:-}" ]; then     # a sweep's DB and its config carried in (.mx/): no sweep
+  cp "$METAX_DB" $W/metax.db && cp "$METAX_CONFIG" $W/configs/
+  echo "== metax sweep skipped: $METAX_DB, $METAX_CONFIG"
+  [ -n "${PYTEST_FILES:-}" ] && timeout ${PYTEST_S:-90} python3 -m pytest -q -p no:cacheprovider -o addopts="" -rsx \
+    $PYTEST_FILES > "$OUT/pytest_metax.txt" 2>&1; echo "pytest rc=$?"; tail -4 "$OUT/pytest_metax.txt" 2>/dev/null
+else
 echo "== sweep --profile metax ($(left) s left)"
 /usr/bin/time -f "sweep wall %e s" timeout ${SWEEP_S:-210} python3 -m mla_tune sweep --profile metax \
   --db $W/metax.db --configs-dir $W/configs --time-budget ${SWEEP_BUDGET:-150} ${SWEEP_ARGS:---tp 8} -q > "$OUT/metax_sweep.txt" 2>&1
@@ -79,6 +86,7 @@ python3 -c "import sqlite3, sys; sqlite3.connect(sys.argv[1]).execute('pragma wa
 python3 -m mla_tune emit --db $W/metax.db --out $W/configs > "$OUT/metax_emit.txt" 2>&1
 echo "emit rc=$?"; tail -4 "$OUT/metax_emit.txt"
 cp $W/metax.db "$OUT/metax_$short.db"
+fi
 cfg=$(ls $W/configs/device_name=*.json 2>/dev/null | head -1)
 [ -n "$cfg" ] && cp "$cfg" "$OUT/metax_config_$short.json"
 if [ -n "$cfg" ] && [ "$(left)" -gt 60 ]; then

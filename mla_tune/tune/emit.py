@@ -103,6 +103,39 @@ def _bucket(b: choosing.BucketChoice) -> tc.Bucket:
     return tc.Bucket(b.batch_size, b.lookup_context or b.context_len, b.q_len, fams, best)
 
 
+def served_order(m: choosing.ModelChoice, buckets: list) -> tuple[list, str | None]:
+    """The entry's attention-backend order and, where it differs from the families' ranking, why.
+
+    The families are ranked by their own weighted totals (`choose`), but FLASHINFER_MLA's decode
+    also runs the split kernel, FlashMLA and vLLM's FA3 in the buckets `decisions.side_kernel`
+    gives them: its total is that of what it serves per bucket. Where that beats a backend ranked
+    ahead of it (on a MetaX-profile sweep FlashMLA alone can rank first, while FLASHINFER_MLA
+    serves FlashMLA's buckets and the split kernel's), FLASHINFER_MLA moves ahead of it. `buckets`
+    are `m.buckets` as written (`_bucket`); an incomplete bucket keeps the ranking."""
+    order, fi = list(m.backend_order), choosing.ATTENTION_BACKEND[decisions.FLASHINFER]
+    if fi not in order or order[0] == fi:
+        return order, None
+    served = 0.0
+    for bc, b in zip(m.buckets, buckets):
+        if bc.weight <= 0:
+            continue
+        side = decisions.side_kernel(b, page_size=m.page_size)
+        fc = b.families.get(side[0] if side else decisions.FLASHINFER)
+        if fc is None or not fc.time_us:
+            return order, None
+        served += bc.weight * fc.time_us
+    totals = {choosing.ATTENTION_BACKEND[t.family]: t for t in m.totals if t.page_size == m.page_size
+              and t.family in choosing.ATTENTION_BACKEND and t.complete}
+    ahead = [b for b in order[:order.index(fi)] if b in totals and totals[b].total_us > served]
+    if not ahead:
+        return order, None
+    rest = [b for b in order if b != fi]
+    rest.insert(rest.index(ahead[0]), fi)
+    return rest, (f"FLASHINFER_MLA ahead of {' and '.join(ahead)}: what its decode serves per bucket "
+                  f"(split-KV, FlashMLA, vLLM FA3 or FlashInfer) totals {served:.4g} us, "
+                  f"{ahead[0]} alone {totals[ahead[0]].total_us:.4g} us")
+
+
 def model_entries(choice: choosing.Choice, notes: list[str]) -> list[tc.ModelEntry]:
     """One tuned-config entry per model dims; entries that cannot be written are noted, not written.
 
@@ -142,15 +175,15 @@ def model_entries(choice: choosing.Choice, notes: list[str]) -> list[tc.ModelEnt
             notes.append(f"{label}: same dims as {base.model} "
                          f"({base.reason.split(';')[0]}...), not written")
             continue
-        order = list(m.backend_order)
-        reason = f"{m.page_reason}; {m.order_reason}"
+        buckets = [_bucket(b) for b in m.buckets]
+        order, served_note = served_order(m, buckets)
+        reason = f"{m.page_reason}; {m.order_reason}" + (f"; {served_note}" if served_note else "")
         if m.ragged != "uniform":
             reason += f"; measured with {m.ragged} context lengths"
         if not order:
             order = list(tc.ATTENTION_BACKENDS)
             reason += "; no vLLM attention-backend family measured: backend order not tuned"
-        by_dims[dims] = tc.ModelEntry(dims, int(m.page_size), order,
-                                      [_bucket(b) for b in m.buckets], m.model, m.tp_size, reason)
+        by_dims[dims] = tc.ModelEntry(dims, int(m.page_size), order, buckets, m.model, m.tp_size, reason)
     return list(by_dims.values())
 
 
