@@ -73,7 +73,7 @@ print('profile', active_profile().name, '| FlashMLA', flashmla.flashmla_availabl
 echo "setup $(( $(date +%s) - start )) s"
 W=/tmp/metax; rm -rf $W; mkdir -p $W/configs
 if [ -n "${METAX_DB:-}" ]; then     # a sweep's DB and its config carried in (.mx/): no sweep
-  cp "$METAX_DB" $W/metax.db && cp "$METAX_CONFIG" $W/configs/
+  cp "$METAX_DB" $W/metax.db && cp "$METAX_CONFIG" "$W/configs/device_name=$(echo "$gpu" | tr " " _).json"
   echo "== metax sweep skipped: $METAX_DB, $METAX_CONFIG"
   [ -n "${PYTEST_FILES:-}" ] && timeout ${PYTEST_S:-90} python3 -m pytest -q -p no:cacheprovider -o addopts="" -rsx \
     $PYTEST_FILES > "$OUT/pytest_metax.txt" 2>&1; echo "pytest rc=$?"; tail -4 "$OUT/pytest_metax.txt" 2>/dev/null
