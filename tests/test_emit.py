@@ -169,3 +169,38 @@ def test_cli_emit_bad_input(fx, tmp_path, args, message):
     assert res.exit_code == 2 and message in res.stderr
     assert res.stderr.strip().count("\n") == 0
     assert not (tmp_path / "c").exists()
+
+
+def test_flashinfer_mla_ranks_by_what_its_decode_serves_per_bucket(tmp_path, monkeypatch):
+    """The MetaX-profile sweep of the lent H100 (bench/results/metax_sweep_h100.db): FlashMLA alone
+    has the smallest weighted total, but FLASHINFER_MLA's decode serves the split kernel at batch
+    1-4 and FlashMLA where it wins, so FLASHINFER_MLA goes first (a FLASHMLA-first server would run
+    FlashMLA in every bucket and lose the split kernel's 1.1-2.3x)."""
+    import shutil
+    from pathlib import Path
+
+    from vllm_metax.core import decisions
+    monkeypatch.setenv("VLLM_METAX_PROFILE", "metax")
+    db = tmp_path / "metax.db"
+    shutil.copy(Path(__file__).resolve().parents[1] / "bench" / "results" / "metax_sweep_h100.db", db)
+    with ResultsStore(db, create=False) as s:
+        choice = choosing.choose_from_store(s)
+        cfg = build_tuned_config(s)
+    (m,) = [m for m in choice.models if m.ragged == "uniform"]
+    assert m.backend_order[0] == "FLASHMLA"                  # the families' own ranking
+    (entry,) = cfg.models
+    assert entry.backend_order == ["FLASHINFER_MLA", "FLASHMLA", "TRITON_MLA"]
+    assert "FLASHINFER_MLA ahead of FLASHMLA" in entry.reason
+    served = [decisions.side_kernel(b, page_size=entry.page_size) for b in entry.buckets]
+    kinds = {s[0] if s else decisions.FLASHINFER for s in served}
+    assert kinds == {decisions.SPLIT, decisions.FLASHMLA, decisions.FLASHINFER}
+
+
+def test_an_order_flashinfer_mla_already_leads_is_kept(fx):
+    from mla_tune.tune.emit import _bucket, served_order
+    with ResultsStore(fx.path) as s:
+        choice = choosing.choose_from_store(s, device_name="NVIDIA H200")
+    led = [m for m in choice.models if m.backend_order and m.backend_order[0] == "FLASHINFER_MLA"]
+    assert led
+    for m in led:
+        assert served_order(m, [_bucket(b) for b in m.buckets]) == (list(m.backend_order), None)
