@@ -29,20 +29,14 @@ timings are the stand-in's. Writes <out>/<name>.{json,md}.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tuned_vs_auto import _gmean, say, served_candidate, stored_workloads  # noqa: E402
-
-from mla_tune.problem.defaults import KERNEL_METRIC  # noqa: E402
+from tuned_vs_auto import _gmean, bench_parser, measure_rows, say, served_candidate, write_report  # noqa: E402
 
 COLUMNS = ("tuned", "vendor", "vendor_triton", "fa2_auto")
 VENDOR_TRITON_PAGE = 16      # vLLM's default KV block size, which the vendor's TRITON_MLA keeps
@@ -79,8 +73,6 @@ def tuned_candidate(entry, families: dict, backends, workload):
 
 
 def measure_all(args) -> dict:
-    import torch
-
     from mla_tune.families.base import Candidate
     from mla_tune.families.flashinfer import FlashInferFamily
     from mla_tune.families.flashmla import FlashMLAFamily
@@ -88,7 +80,7 @@ def measure_all(args) -> dict:
     from mla_tune.families.triton_mla import TritonMLAFamily
     from mla_tune.measure.environment import capture_environment
     from mla_tune.measure.timing import default_pool_bytes
-    from mla_tune.measure.trial import MeasureSettings, measure_interleaved
+    from mla_tune.measure.trial import MeasureSettings
     from vllm_metax.core import decisions, serving
     from vllm_metax.core.profile import active_profile
     from vllm_metax.core.tuned_config import read_tuned_config
@@ -108,42 +100,18 @@ def measure_all(args) -> dict:
                                min_pool_bytes=default_pool_bytes("cuda"), check=True)
     doc = {"environment": env, "profile": prof.name, "config": str(args.config), "settings": vars(args),
            "rows": [], "skipped": []}
-    workloads = stored_workloads(args.db)
-    say(f"{len(workloads)} decode buckets in {args.db}")
-    t_start = time.perf_counter()
-    for i, w in enumerate(workloads):
-        if time.perf_counter() - t_start > args.budget_s:
-            doc["skipped"].append(w.label())
-            continue
+    def plan(w):
         dims = decisions.model_key(w.num_heads, w.kv_lora_rank, w.qk_rope_head_dim, w.q_dtype, w.kv_dtype)
         entry = serving.entry_for(cfg, dims).entry
         tuned = tuned_candidate(entry, families, backends, w)
-        entries = [(families.get(tuned.family, fi), tuned),
-                   (fm, Candidate("flashmla", fm.default_candidate(w).backend, FLASHMLA_PAGE, {})) if fm_ok.ok else None,
-                   (tr, tr.default_candidate(w, VENDOR_TRITON_PAGE)),
-                   (auto_fi, Candidate("flashinfer", "fa2", FLASHMLA_PAGE))]
-        names = [n for n, e in zip(COLUMNS, entries) if e is not None]
-        try:
-            results = measure_interleaved([e for e in entries if e is not None], w, settings, rounds=args.rounds)
-        except Exception as e:  # noqa: BLE001 - a shape that cannot be set up is data too
-            say(f"[{i + 1}/{len(workloads)}] {w.label()}: FAILED {type(e).__name__}: {e}")
-            doc["skipped"].append(w.label())
-            torch.cuda.empty_cache()
-            continue
-        row = {"workload": w.label(), "heads": w.num_heads, "batch": w.batch_size, "context": w.context_len,
-               "lengths": w.ragged, "tuned": tuned.key, "in_config": entry is not None}
-        for name, r in zip(names, results):
-            ks = r.samples.get(KERNEL_METRIC, []) if r.status == "ok" else []
-            row[f"{name}_us"] = statistics.median(ks) if ks else None
-            row[f"{name}_samples"] = ks
-            row[f"{name}_status"] = r.status if r.status == "ok" else f"{r.invalid_reason}: {(r.message or '')[:200]}"
-            row[f"{name}_candidate"] = r.candidate.key
-        doc["rows"].append(row)
-        say(f"[{i + 1}/{len(workloads)}] {w.label():<28} tuned {tuned.key:<40} " + "  ".join(
-            f"{n} {row[f'{n}_us']:.1f}" if row.get(f"{n}_us") else f"{n} -" for n in names))
-        (Path(args.out) / f"{args.name}.json").write_text(json.dumps(doc, indent=1, default=str))
-        del results
-        torch.cuda.empty_cache()
+        named = [("tuned", (families.get(tuned.family, fi), tuned))]
+        if fm_ok.ok:
+            named.append(("vendor", (fm, Candidate("flashmla", fm.default_candidate(w).backend, FLASHMLA_PAGE, {}))))
+        named += [("vendor_triton", (tr, tr.default_candidate(w, VENDOR_TRITON_PAGE))),
+                  ("fa2_auto", (auto_fi, Candidate("flashinfer", "fa2", FLASHMLA_PAGE)))]
+        return {"tuned": tuned.key, "in_config": entry is not None}, named
+
+    measure_rows(args, settings, doc, plan)
     return doc
 
 
@@ -198,16 +166,8 @@ def render(doc: dict, s: dict) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--db", default="results.db", help="results DB whose decode workloads are measured")
-    ap.add_argument("--config", required=False, help="the metax-profile tuned config")
-    ap.add_argument("--out", default=".", help="folder for the .json/.md")
-    ap.add_argument("--name", default="metax_vs_vendor")
-    ap.add_argument("--samples", type=int, default=15)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--budget-s", type=float, default=120.0, help="start no new bucket after this")
-    ap.add_argument("--analyze", help="re-summarize a JSON written earlier (no GPU)")
+    ap = bench_parser(__doc__, "metax_vs_vendor", "the metax-profile tuned config", samples=15, rounds=3,
+                      budget_s=120.0)
     args = ap.parse_args()
     if not args.analyze:
         import torch
@@ -216,16 +176,7 @@ def main() -> int:
         if not args.config:
             ap.error("--config: the metax-profile tuned config to compare")
         os.environ.setdefault("VLLM_METAX_PROFILE", "metax")      # the profile the comparison is about
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    doc = json.loads(Path(args.analyze).read_text()) if args.analyze else measure_all(args)
-    s = summarize(doc)
-    doc["summary"] = s
-    (out / f"{args.name}.json").write_text(json.dumps(doc, indent=1, default=str))
-    text = render(doc, s)
-    (out / f"{args.name}.md").write_text(text)
-    print(text.split("| bucket |")[0])
-    return 0
+    return write_report(args, measure_all, summarize, render)
 
 
 if __name__ == "__main__":

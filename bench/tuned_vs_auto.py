@@ -100,17 +100,85 @@ def served_candidate(choice, page_size: int, workload):
     return Candidate("flashinfer", backend, page_size, params)
 
 
-def measure_all(args) -> dict:
+def measure_rows(args, settings, doc: dict, plan) -> None:
+    """For every decode bucket of `args.db` (until `args.budget_s` has passed), one interleaved
+    measurement of what `plan(workload)` names: (extra row fields, [(column, (family,
+    candidate))]). Each bucket adds a row to doc["rows"] (per column: median kernel us, samples,
+    status, candidate) or its label to doc["skipped"]; the JSON is rewritten after every bucket."""
     import torch
 
+    from mla_tune.measure.trial import measure_interleaved
+    workloads = stored_workloads(args.db)
+    say(f"{len(workloads)} decode buckets in {args.db}")
+    t_start = time.perf_counter()
+    for i, w in enumerate(workloads):
+        if time.perf_counter() - t_start > args.budget_s:
+            doc["skipped"].append(w.label())
+            continue
+        extra, named = plan(w)
+        try:
+            results = measure_interleaved([e for _, e in named], w, settings, rounds=args.rounds)
+        except Exception as e:  # noqa: BLE001 - a shape that cannot be set up is data too
+            say(f"[{i + 1}/{len(workloads)}] {w.label()}: FAILED {type(e).__name__}: {e}")
+            doc["skipped"].append(w.label())
+            torch.cuda.empty_cache()
+            continue
+        row = {"workload": w.label(), "heads": w.num_heads, "batch": w.batch_size,
+               "context": w.context_len, "lengths": w.ragged, **extra}
+        for (name, _), r in zip(named, results):
+            ks = r.samples.get(KERNEL_METRIC, []) if r.status == "ok" else []
+            row[f"{name}_us"] = statistics.median(ks) if ks else None
+            row[f"{name}_samples"] = ks
+            row[f"{name}_status"] = r.status if r.status == "ok" else f"{r.invalid_reason}: {(r.message or '')[:200]}"
+            row[f"{name}_candidate"] = r.candidate.key
+        doc["rows"].append(row)
+        say(f"[{i + 1}/{len(workloads)}] {w.label():<28} tuned {row.get('tuned', ''):<40} " + "  ".join(
+            f"{n} {row[f'{n}_us']:.1f}" if row.get(f"{n}_us") else f"{n} - ({row[f'{n}_status']})"
+            for n, _ in named))
+        (Path(args.out) / f"{args.name}.json").write_text(json.dumps(doc, indent=1, default=str))
+        del results
+        torch.cuda.empty_cache()
+
+
+def bench_parser(doc: str, name: str, config_help: str, samples: int, rounds: int, budget_s: float):
+    """The command line these comparisons share (--config's default: none, the caller checks)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--db", default="results.db", help="results DB whose decode workloads are measured")
+    ap.add_argument("--config", help=config_help)
+    ap.add_argument("--out", default=".", help="folder for the .json/.md")
+    ap.add_argument("--name", default=name)
+    ap.add_argument("--samples", type=int, default=samples)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--budget-s", type=float, default=budget_s, help="start no new bucket after this")
+    ap.add_argument("--analyze", help="re-summarize a JSON written earlier (no GPU)")
+    return ap
+
+
+def write_report(args, measure, summarize, render) -> int:
+    """Measure (or re-read --analyze), summarize, write <out>/<name>.{json,md}, print the head."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = json.loads(Path(args.analyze).read_text()) if args.analyze else measure(args)
+    s = summarize(doc)
+    doc["summary"] = s
+    (out / f"{args.name}.json").write_text(json.dumps(doc, indent=1, default=str))
+    text = render(doc, s)
+    (out / f"{args.name}.md").write_text(text)
+    print(text.split("| bucket |")[0])
+    return 0
+
+
+def measure_all(args) -> dict:
     from mla_tune.families.base import Candidate
     from mla_tune.families.fa3_mla import FA3MLAFamily
     from mla_tune.families.flashinfer import FlashInferFamily
+    from mla_tune.families.flashmla import FlashMLAFamily
     from mla_tune.families.split import SplitFamily
     from mla_tune.families.triton_mla import TritonMLAFamily
     from mla_tune.measure.environment import capture_environment
     from mla_tune.measure.timing import default_pool_bytes
-    from mla_tune.measure.trial import MeasureSettings, measure_interleaved
+    from mla_tune.measure.trial import MeasureSettings
     from mla_tune.problem.roofline import measure_ceilings, workload_bytes
     from vllm_metax.backend.plan_choice import PlanChoice
     from vllm_metax.core import decisions, serving
@@ -127,53 +195,26 @@ def measure_all(args) -> dict:
     split_fam, fa3 = SplitFamily(), FA3MLAFamily()
     fa3_ok = fa3.available("cuda")
     say(f"vLLM FA3-MLA column: {'yes' if fa3_ok.ok else 'no'} ({fa3_ok.reason})")
-    by_family = {decisions.SPLIT: split_fam, fa3.family: fa3}
+    by_family = {decisions.SPLIT: split_fam, fa3.family: fa3, decisions.FLASHMLA: FlashMLAFamily()}
     settings = MeasureSettings(device="cuda", warmup=args.warmup, samples=args.samples,
                                min_pool_bytes=default_pool_bytes("cuda"), check=True)
     doc = {"environment": env, "ceilings": ceilings, "config": str(args.config), "settings": vars(args),
            "rows": [], "skipped": []}
-    workloads = stored_workloads(args.db)
-    say(f"{len(workloads)} decode buckets in {args.db}")
-    t_start = time.perf_counter()
-    for i, w in enumerate(workloads):
-        if time.perf_counter() - t_start > args.budget_s:
-            doc["skipped"].append(w.label())
-            continue
+
+    def plan(w):
         dims = decisions.model_key(w.num_heads, w.kv_lora_rank, w.qk_rope_head_dim, w.q_dtype, w.kv_dtype)
         entry = serving.entry_for(cfg, dims).entry
         page = entry.page_size if entry is not None else DEFAULT_PAGE_SIZE
         tuned = served_candidate(PlanChoice(entry, fb), page, w)
-        entries = [(by_family.get(tuned.family, tuned_fi), tuned),
-                   (auto_fi, Candidate("flashinfer", "auto", DEFAULT_PAGE_SIZE)),
-                   (tr, tr.default_candidate(w, DEFAULT_PAGE_SIZE))]
+        named = [("tuned", (by_family.get(tuned.family, tuned_fi), tuned)),
+                 ("auto", (auto_fi, Candidate("flashinfer", "auto", DEFAULT_PAGE_SIZE))),
+                 ("vllm", (tr, tr.default_candidate(w, DEFAULT_PAGE_SIZE)))]
         if fa3_ok.ok:
-            entries.append((fa3, fa3.default_candidate(w, DEFAULT_PAGE_SIZE)))
-        try:
-            results = measure_interleaved(entries, w, settings, rounds=args.rounds)
-        except Exception as e:  # noqa: BLE001 - a shape that cannot be set up is data too
-            say(f"[{i + 1}/{len(workloads)}] {w.label()}: FAILED {type(e).__name__}: {e}")
-            doc["skipped"].append(w.label())
-            torch.cuda.empty_cache()
-            continue
-        row = {"workload": w.label(), "heads": w.num_heads, "batch": w.batch_size,
-               "context": w.context_len, "lengths": w.ragged, "kv_tokens": w.total_kv_tokens,
-               "bytes": workload_bytes(w), "tuned": tuned.key, "in_config": entry is not None}
-        for name, r in zip(COLUMNS, results):
-            ks = r.samples.get(KERNEL_METRIC, []) if r.status == "ok" else []
-            row[f"{name}_us"] = statistics.median(ks) if ks else None
-            row[f"{name}_samples"] = ks
-            row[f"{name}_status"] = r.status if r.status == "ok" else f"{r.invalid_reason}: {(r.message or '')[:200]}"
-            row[f"{name}_candidate"] = r.candidate.key
-        doc["rows"].append(row)
-        t, a, v, f3 = row["tuned_us"], row["auto_us"], row["vllm_us"], row.get("fa3_us")
-        say(f"[{i + 1}/{len(workloads)}] {w.label():<28} tuned {tuned.key:<36} "
-            + (f"{t:7.1f} us  auto {a:7.1f}  vllm {v:7.1f}  x{a / t:.2f} / x{v / t:.2f}"
-               + (f"  fa3 {f3:7.1f} x{f3 / t:.2f}" if f3 else "")
-               if t and a and v else "incomplete: " + "; ".join(
-                   row[f"{n}_status"] for n in COLUMNS if row.get(f"{n}_status", "ok") != "ok")))
-        (Path(args.out) / f"{args.name}.json").write_text(json.dumps(doc, indent=1, default=str))
-        del results
-        torch.cuda.empty_cache()
+            named.append(("fa3", (fa3, fa3.default_candidate(w, DEFAULT_PAGE_SIZE))))
+        return {"kv_tokens": w.total_kv_tokens, "bytes": workload_bytes(w), "tuned": tuned.key,
+                "in_config": entry is not None}, named
+
+    measure_rows(args, settings, doc, plan)
     return doc
 
 
@@ -253,34 +294,14 @@ def render(doc: dict, s: dict) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--db", default="results.db", help="results DB whose decode workloads are measured")
-    ap.add_argument("--config", default="configs/device_name=NVIDIA_H200.json", help="tuned config")
-    ap.add_argument("--out", default=".", help="folder for the .json/.md")
-    ap.add_argument("--name", default="tuned_vs_auto_h200")
-    ap.add_argument("--samples", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--budget-s", type=float, default=300.0, help="start no new bucket after this")
-    ap.add_argument("--analyze", help="re-summarize a JSON written earlier (no GPU)")
+    ap = bench_parser(__doc__, "tuned_vs_auto_h200", "tuned config", samples=20, rounds=4, budget_s=300.0)
     args = ap.parse_args()
+    args.config = args.config or "configs/device_name=NVIDIA_H200.json"
     if not args.analyze:
         import torch
         if not torch.cuda.is_available():
             ap.error("needs a CUDA GPU, and torch sees none here: run it on the GPU machine")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if args.analyze:
-        doc = json.loads(Path(args.analyze).read_text())
-    else:
-        doc = measure_all(args)
-    s = summarize(doc)
-    doc["summary"] = s
-    (out / f"{args.name}.json").write_text(json.dumps(doc, indent=1, default=str))
-    text = render(doc, s)
-    (out / f"{args.name}.md").write_text(text)
-    print(text.split("| bucket |")[0])
-    return 0
+    return write_report(args, measure_all, summarize, render)
 
 
 if __name__ == "__main__":
