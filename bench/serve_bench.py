@@ -12,6 +12,8 @@ Setups:
   vllm_default  vLLM alone, without the plugin: its CUDA platform and its own MLA backend choice
             (FLASH_ATTN_MLA on Hopper, vllm_flash_attn's FA3; vLLM offers it on its CUDA
             platform only); skipped with the reason where the FA3 library does not load
+With VLLM_METAX_PROFILE=metax every plugin setup runs the MetaX profile: `untuned` is then the
+vendor's default (FLASHMLA at block 64, else its Triton), `tuned` the metax-profile config.
 Models (tiny_model.py, made here: DeepSeek attention dims, dense MLP, word-level tokenizer):
   h16   16 heads per rank (DeepSeek-V3 at TP8, V2-Lite), 27 layers (V2-Lite's depth)
   h128  128 heads (V3 at TP1), 27 layers
@@ -46,6 +48,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_model import make_model_dir, model_config  # noqa: E402
 
 MAX_MODEL_LEN = 34816
+# VLLM_METAX_PROFILE=metax (passed on to every server) makes the plugin's setups the MetaX target's:
+# untuned is then the vendor plugin's default order (FLASHMLA at block 64, else its Triton)
+PROFILE_NOTE = {"metax": (" MetaX profile (VLLM_METAX_PROFILE=metax): `untuned` is the vendor plugin's "
+                          "default order, FLASHMLA at block 64, else TRITON_MLA with the vendor's "
+                          "launch; this GPU stands in for the MetaX device.")}
 MODELS = {"h16": {"heads": 16, "layers": 27}, "h128": {"heads": 128, "layers": 27}}
 SETUPS = {
     # name: (extra `vllm serve` arguments, use the tuned config)
@@ -398,7 +405,9 @@ def main(argv=None) -> int:
                 "compile": args.compile, "workloads": {k: list(v) for k, v in workloads.items()},
                 "note": ("Each cell: vLLM's `vllm bench serve` result for that server; times in ms, "
                          "output_throughput in tokens/s; ratios < 1 mean tuned is faster (for "
-                         "throughput, > 1). One run per cell: a difference under ~5% is noise.")}
+                         "throughput, > 1). One run per cell: a difference under ~5% is noise.")
+                        + PROFILE_NOTE.get(os.environ.get("VLLM_METAX_PROFILE", ""), ""),
+                "profile": os.environ.get("VLLM_METAX_PROFILE") or "the device's"}
             path.write_text(json.dumps(data, indent=1))
             (args.out / "serve_bench.md").write_text(report(record, data["meta"]))
     print((args.out / "serve_bench.md").read_text())
