@@ -26,6 +26,10 @@ the first server of a run also gets one plain HTTP /v1/completions request and o
 serve` subprocess. Server logs go to DIR/server_<model>_<setup>.log; results to
 DIR/serve_bench.json (every vLLM result dict) and DIR/serve_bench.md.
 
+--profile: each server also runs with vLLM's torch profiler configured, and after its workloads
+one long request's decode steps are profiled (bench/server_profile.py); the report then says how
+much of a decode step attention takes and what tuned/triton16 would be with attention free.
+
 Compilation: torch.compile off and full CUDA graphs for decode-only steps (`--compilation-config
 {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}`) for every setup alike, so a server starts in
 seconds; --compile keeps vLLM's default (compiled, FULL_AND_PIECEWISE).
@@ -45,6 +49,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from server_profile import bound_lines, profile_decode, profiler_args  # noqa: E402
 from tiny_model import make_model_dir, model_config  # noqa: E402
 
 MAX_MODEL_LEN = 34816
@@ -112,14 +117,14 @@ class Server:
     """One `vllm serve` process group; `stop()` ends it (SIGINT, then SIGKILL)."""
 
     def __init__(self, model_dir: Path, setup: str, port: int, log: Path, env: dict,
-                 compile_: bool):
+                 compile_: bool, extra: list[str] = ()):
         args = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir),
                 "--port", str(port), "--host", "127.0.0.1", "--served-model-name", "tiny",
                 "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "64",
                 "--gpu-memory-utilization", "0.85", "--no-enable-prefix-caching", "--seed", "0"]
         if not compile_:
             args += ["--compilation-config", json.dumps({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})]
-        args += SETUPS[setup][0]
+        args += SETUPS[setup][0] + list(extra)
         self.args, self.port, self.log = args, port, log
         self._f = open(log, "w")
         self.proc = subprocess.Popen(args, stdout=self._f, stderr=subprocess.STDOUT, env=env,
@@ -227,8 +232,9 @@ def run_setup(model: str, setup: str, model_dir: Path, args, empty: Path, port: 
         print(f"[{key}] skipped: {why}", flush=True)
         return
     log = args.out / f"server_{model}_{setup}.log"
+    trace_dir = args.out / f"trace_{model}_{setup}"
     server = Server(model_dir, setup, port, log, server_env(setup, args.config_folder, empty),
-                    args.compile)
+                    args.compile, profiler_args(trace_dir) if args.profile else ())
     rec["command"] = " ".join(server.args[1:])
     try:
         rec["ready_s"] = round(server.wait_ready(args.start_timeout), 1)
@@ -252,6 +258,14 @@ def run_setup(model: str, setup: str, model_dir: Path, args, empty: Path, port: 
                 print(f"[{key}] {name}@{rate}: {s['completed']} done in {time.time() - t0:.1f} s, "
                       f"TPOT p50 {s['p50_tpot_ms']:.2f} ms, TTFT p50 {s['p50_ttft_ms']:.1f} ms, "
                       f"{s['output_throughput']:.0f} tok/s", flush=True)
+        if args.profile:
+            try:
+                vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+                rec["profile"] = profile_decode(port, trace_dir, vocab, prompt_tokens=args.profile_prompt)
+                print(f"[{key}] profile: {rec['profile'].get('per_step_us')} us per decode step", flush=True)
+            except Exception as e:  # noqa: BLE001 - the benchmark's numbers stand without it
+                rec["profile"] = {"error": f"{type(e).__name__}: {e}"}
+                print(f"[{key}] profile FAILED: {rec['profile']['error']}", flush=True)
     except Exception as e:  # noqa: BLE001 - one setup failing must not lose the others
         rec["error"] = f"{type(e).__name__}: {e}"
         print(f"[{key}] FAILED: {rec['error']}", flush=True)
@@ -343,6 +357,10 @@ def report(record: dict, meta: dict) -> str:
                 lines.append(f"- p50 TPOT tuned / {s}, geomean over {len(runs)} workload-rates: {g:.3f}")
         if "tuned" in setups:
             lines += ["", "Goals (p50 TPOT ratios; < 1: tuned faster):", ""] + goals(recs, runs)
+        profiles = {s: r["profile"] for s, r in recs.items() if "profile" in r}
+        if profiles:
+            lines += ["", "Profile (one long request decoding; GPU kernels in vLLM's torch profiler traces):", ""]
+            lines += bound_lines(profiles)
         lines.append("")
     return "\n".join(lines)
 
@@ -361,6 +379,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="small workloads (a smoke run)")
     ap.add_argument("--start-timeout", type=float, default=240)
     ap.add_argument("--port", type=int, default=8471)
+    ap.add_argument("--profile", action="store_true",
+                    help="after each setup's workloads, a torch profile of decode steps (bench/server_profile.py)")
+    ap.add_argument("--profile-prompt", type=int, default=16384, help="the profiled request's prompt tokens")
     args = ap.parse_args(argv)
     # `timeout` sends SIGTERM: unwind, so each server's process group is stopped (they run in
     # sessions of their own, which the device tool would leave running)

@@ -88,7 +88,14 @@ def test_the_report_quotes_tuned_over_each_setup():
     assert "| long@1 | p50_tpot_ms | 2.00 | 4.00 | 0.500 |" in md
     assert "p50 TPOT tuned / triton16, geomean over 2 workload-rates: 0.500" in md
     assert "- vllm_default: no FA3 here" in md
+    assert "Profile" not in md                       # no --profile: no section
     json.dumps(record)
+    step = lambda total, attn: {"steps": 32, "step_kernel_us": total, "attention_share": attn / total,  # noqa: E731
+                                "per_step_us": {"attention": attn, "kv cache write": 0.0, "other": total - attn}}
+    record["h16/tuned"]["profile"] = step(2000.0, 500.0)
+    record["h16/triton16"]["profile"] = step(4000.0, 2500.0)
+    md = sb.report(record, {"device": "X", "date": "d", "note": "n"})
+    assert "tuned/triton16 GPU time per step 0.500; with tuned's attention free it would be 0.375" in md
 
 
 def test_the_preflight_builds_vllms_http_app(model_dir):

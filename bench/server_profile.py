@@ -1,0 +1,172 @@
+"""A torch profile of a running `vllm serve` (issue #35: where a serving goal is missed, say why from
+a profile): the server runs with vLLM's torch profiler configured (`profiler_args`: vLLM's
+--profiler-config, which also opens its /start_profile and /stop_profile endpoints), long-context
+requests are sent, and once every one of them is decoding (its first token streamed) a window of
+decode steps is profiled through those endpoints (`profile_decode`). The traces' GPU kernels are
+then summed (`kernel_summary`): per decode step, how much GPU time the attention decode kernels
+take, how much the KV-cache writes, how much everything else (GEMMs, norms, rotary, sampling).
+
+    python3 bench/serve_bench.py --profile ...      # each setup's server is profiled after its workloads
+
+Kernel names are classified by `ATTENTION` and `CACHE_WRITE` (FlashInfer's MLA kernels, vLLM's
+Triton MLA stages, FA3, FlashMLA, the plugin's split kernel and its merge); the summary lists the
+top kernels by time with their class, so a misclassified name is visible in the results.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+# decode attention kernels: FlashInfer's MLA (fa2 "BatchMLAPagedAttentionKernel", fa3
+# "...Hopper..."), vLLM's Triton MLA (`_fwd_grouped_kernel_stage1`, `_fwd_kernel_stage2`), FA3
+# (`flash::FlashAttnFwdSm90`, its combine), FlashMLA (`flash_fwd_splitkv_mla_kernel`, its combine),
+# the plugin's split-KV decode (`vllm_metax.ops.split_kernels`: tma_kernel, pointer_kernel,
+# merge_kernel) and FlashInfer's merge of partial states
+ATTENTION = re.compile(r"mla|attn|attention|flash|_fwd_(grouped_)?kernel_stage|^(tma|pointer|merge)_kernel$"
+                       r"|merge_?state", re.IGNORECASE)
+CACHE_WRITE = re.compile(r"cache", re.IGNORECASE)        # concat_and_cache_mla: the step's KV write
+
+
+def kernel_class(name: str) -> str:
+    """"kv cache write", "attention" or "other" for a GPU kernel's name."""
+    if CACHE_WRITE.search(name):
+        return "kv cache write"
+    return "attention" if ATTENTION.search(name) else "other"
+
+
+def profiler_args(trace_dir: Path) -> list[str]:
+    """`vllm serve` arguments that configure vLLM's torch profiler to write into `trace_dir`."""
+    cfg = {"profiler": "torch", "torch_profiler_dir": str(Path(trace_dir).resolve()),
+           "torch_profiler_with_stack": False, "torch_profiler_use_gzip": True}
+    return ["--profiler-config", json.dumps(cfg)]
+
+
+def _load(path: Path) -> dict:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def kernel_summary(trace_dir: Path, steps: int | None = None, top: int = 12) -> dict:
+    """The GPU kernels of every trace in `trace_dir` (chrome traces, gzipped or not): total time
+    per class, the top kernels by time, and per decode step where `steps` is given."""
+    files = sorted(Path(trace_dir).glob("*.pt.trace.json*"))
+    by_name: dict = {}
+    for f in files:
+        for e in _load(f).get("traceEvents", []):
+            if e.get("cat") == "kernel" and "dur" in e:
+                t, n = by_name.get(e["name"], (0.0, 0))
+                by_name[e["name"]] = (t + float(e["dur"]), n + 1)
+    per_class: dict = {"attention": 0.0, "kv cache write": 0.0, "other": 0.0}
+    for name, (t, _) in by_name.items():
+        per_class[kernel_class(name)] += t
+    total = sum(per_class.values())
+    out = {"trace_files": len(files), "kernel_launches": sum(n for _, n in by_name.values()),
+           "kernel_us": round(total, 1), "per_class_us": {k: round(v, 1) for k, v in per_class.items()},
+           "attention_share": round(per_class["attention"] / total, 4) if total else None,
+           "top": [{"name": name[:160], "class": kernel_class(name), "us": round(t, 1), "launches": n}
+                   for name, (t, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]]}
+    if steps:
+        out["steps"] = steps
+        out["per_step_us"] = {k: round(v / steps, 2) for k, v in per_class.items()}
+        out["step_kernel_us"] = round(total / steps, 2)
+    return out
+
+
+def _post(port: int, path: str, body: dict | None = None, timeout: float = 120) -> None:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body or {}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        r.read()
+
+
+class _Stream(threading.Thread):
+    """One streaming /v1/completions request; `times` holds when each token arrived."""
+
+    def __init__(self, port: int, prompt: list[int], max_tokens: int):
+        super().__init__(daemon=True)
+        self.body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                     "ignore_eos": True, "stream": True}
+        self.port, self.times, self.error = port, [], None
+
+    def run(self) -> None:
+        try:
+            req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions",
+                                         data=json.dumps(self.body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=600) as r:
+                for line in r:
+                    if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
+                        self.times.append(time.perf_counter())
+        except Exception as e:  # noqa: BLE001 - reported with the profile
+            self.error = f"{type(e).__name__}: {e}"
+
+
+def profile_decode(port: int, trace_dir: Path, vocab: int, prompt_tokens: int = 16384, requests: int = 1,
+                   decode_steps: int = 32, timeout: float = 300) -> dict:
+    """Profile `decode_steps` decode steps of `requests` long requests (`prompt_tokens` token ids
+    each) on the server at `port`; the kernel summary per step, and the streamed TPOT inside the
+    window. Raises TimeoutError where the requests do not reach decode in `timeout` s."""
+    import random
+    rng = random.Random(0)
+    streams = [_Stream(port, [rng.randrange(2, vocab) for _ in range(prompt_tokens)], decode_steps * 4)
+               for _ in range(requests)]
+    for s in streams:
+        s.start()
+    t0 = time.perf_counter()
+    while not all(s.times or s.error for s in streams):
+        if time.perf_counter() - t0 > timeout:
+            raise TimeoutError(f"requests not decoding after {timeout:.0f} s")
+        time.sleep(0.05)
+    errors = [s.error for s in streams if s.error]
+    if errors:
+        raise RuntimeError(f"profiled request failed: {errors[0]}")
+    before = len(list(Path(trace_dir).glob("*")))
+    start_counts = [len(s.times) for s in streams]
+    _post(port, "/start_profile")
+    t_start = time.perf_counter()
+    while min(len(s.times) - c for s, c in zip(streams, start_counts)) < decode_steps:
+        if time.perf_counter() - t_start > timeout or not any(s.is_alive() for s in streams):
+            break
+        time.sleep(0.01)
+    _post(port, "/stop_profile")
+    window = [s.times[c:c + decode_steps] for s, c in zip(streams, start_counts)]
+    steps = min(len(w) for w in window)
+    for s in streams:
+        s.join(timeout=timeout)
+    t1 = time.perf_counter()          # the traces are written after stop: wait for the files
+    while len(list(Path(trace_dir).glob("*.pt.trace.json*"))) == 0 and time.perf_counter() - t1 < 90:
+        time.sleep(0.5)
+    gaps = sorted(b - a for w in window for a, b in zip(w, w[1:]))
+    out = kernel_summary(trace_dir, steps=steps)
+    out.update({"prompt_tokens": prompt_tokens, "requests": requests, "files_before": before,
+                "window_tpot_ms_p50": round(1e3 * gaps[len(gaps) // 2], 3) if gaps else None})
+    return out
+
+
+def bound_lines(profiles: dict, baseline: str = "triton16", tuned: str = "tuned") -> list[str]:
+    """Report lines: per setup, the GPU kernel time of a decode step and attention's part; and
+    what tuned/baseline would be with tuned's attention free (the bound a kernel cannot beat)."""
+    lines = []
+    for setup, p in profiles.items():
+        if not p or "per_step_us" not in p:
+            lines.append(f"- {setup}: no profile ({(p or {}).get('error', 'not run')})")
+            continue
+        ps = p["per_step_us"]
+        lines.append(f"- {setup}: {p['step_kernel_us']:.0f} us of GPU kernels per decode step, attention "
+                     f"{ps['attention']:.0f} us ({100 * (p['attention_share'] or 0):.0f}%), KV-cache writes "
+                     f"{ps['kv cache write']:.0f} us, the rest {ps['other']:.0f} us ({p['steps']} steps; "
+                     f"streamed TPOT p50 in the window {p.get('window_tpot_ms_p50')} ms)")
+    t, b = profiles.get(tuned) or {}, profiles.get(baseline) or {}
+    if "per_step_us" in t and "per_step_us" in b and b["step_kernel_us"]:
+        free = (t["step_kernel_us"] - t["per_step_us"]["attention"]) / b["step_kernel_us"]
+        lines.append(f"- {tuned}/{baseline} GPU time per step {t['step_kernel_us'] / b['step_kernel_us']:.3f}; with "
+                     f"{tuned}'s attention free it would be {free:.3f}: no attention kernel can take "
+                     f"{tuned} below that")
+    return lines

@@ -1,0 +1,109 @@
+"""bench/server_profile.py on the CPU: kernel names classified, a chrome trace summed per decode step,
+the attention-free bound, and `profile_decode`'s protocol against a small HTTP server that streams
+tokens, takes /start_profile and /stop_profile as vLLM's does, and writes a trace on stop."""
+
+from __future__ import annotations
+
+import gzip
+import http.server
+import json
+import threading
+import time
+
+import pytest
+from bench_support import load_bench
+
+
+@pytest.fixture(scope="module")
+def sp():
+    return load_bench("server_profile")
+
+
+@pytest.mark.parametrize("name, cls", [
+    ("void flashinfer::mla::BatchMLAPagedAttentionKernel<KernelTraits<...>>(Params)", "attention"),
+    ("_fwd_grouped_kernel_stage1", "attention"), ("_fwd_kernel_stage2", "attention"),
+    ("void flash::FlashAttnFwdSm90<...>", "attention"), ("flash_fwd_splitkv_mla_kernel", "attention"),
+    ("tma_kernel", "attention"), ("merge_kernel", "attention"),
+    ("void vllm::concat_and_cache_mla_kernel<...>", "kv cache write"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32", "other"), ("void vllm::rms_norm_kernel<...>", "other"),
+    ("triton_poi_fused_rotary_0", "other"),
+])
+def test_kernel_names_are_classified(sp, name, cls):
+    assert sp.kernel_class(name) == cls
+
+
+def _trace(path, kernels):
+    events = [{"ph": "X", "cat": "kernel", "name": n, "ts": i * 10.0, "dur": d} for i, (n, d) in enumerate(kernels)]
+    events += [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 999.0}]   # not a kernel
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+
+
+def test_a_trace_is_summed_per_class_and_step(sp, tmp_path):
+    _trace(tmp_path / "w0.123.pt.trace.json.gz", [("tma_kernel", 30.0), ("merge_kernel", 5.0),
+                                                   ("gemm", 50.0), ("concat_and_cache_mla_kernel", 2.0)] * 4)
+    s = sp.kernel_summary(tmp_path, steps=4)
+    assert s["trace_files"] == 1 and s["kernel_launches"] == 16
+    assert s["per_class_us"] == {"attention": 140.0, "kv cache write": 8.0, "other": 200.0}
+    assert s["per_step_us"] == {"attention": 35.0, "kv cache write": 2.0, "other": 50.0}
+    assert s["step_kernel_us"] == 87.0 and s["attention_share"] == pytest.approx(140 / 348, abs=1e-4)
+    assert s["top"][0] == {"name": "gemm", "class": "other", "us": 200.0, "launches": 4}
+
+
+def test_the_bound_is_tuned_without_attention_over_the_baseline(sp):
+    prof = lambda step, attn: {"steps": 8, "step_kernel_us": step, "attention_share": attn / step,  # noqa: E731
+                                "per_step_us": {"attention": attn, "kv cache write": 1.0, "other": step - attn - 1.0}}
+    lines = sp.bound_lines({"tuned": prof(100.0, 20.0), "triton16": prof(160.0, 80.0), "untuned": {"error": "x"}})
+    assert any(ln.startswith("- untuned: no profile (x)") for ln in lines)
+    assert lines[-1].startswith("- tuned/triton16 GPU time per step 0.625; with tuned's attention free it would be 0.500")
+
+
+class _FakeVllm(http.server.BaseHTTPRequestHandler):
+    """Streams a token every 5 ms after a 0.2 s 'prefill'; records the profile calls; writes a
+    trace with one attention and one other kernel per token streamed while profiling."""
+    trace_dir, calls, profiling = None, [], [False, 0]
+
+    def log_message(self, *a):
+        pass
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+        if self.path in ("/start_profile", "/stop_profile"):
+            type(self).calls.append(self.path)
+            if self.path == "/start_profile":
+                type(self).profiling[:] = [True, 0]
+            else:
+                n = type(self).profiling[1]
+                type(self).profiling[0] = False
+                _trace(self.trace_dir / "rank0.1.pt.trace.json.gz", [("tma_kernel", 10.0), ("gemm", 30.0)] * n)
+            self.send_response(200)
+            self.end_headers()
+            return
+        assert self.path == "/v1/completions" and body["stream"] and len(body["prompt"]) == 64
+        self.send_response(200)
+        self.end_headers()
+        time.sleep(0.2)
+        for i in range(body["max_tokens"]):
+            if type(self).profiling[0]:
+                type(self).profiling[1] += 1
+            self.wfile.write(f'data: {{"choices": [{{"text": "w{i}"}}]}}\n\n'.encode())
+            self.wfile.flush()
+            time.sleep(0.005)
+        self.wfile.write(b"data: [DONE]\n\n")
+
+
+def test_profile_decode_profiles_a_window_of_decode_steps(sp, tmp_path):
+    _FakeVllm.trace_dir, _FakeVllm.calls = tmp_path, []
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeVllm)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        out = sp.profile_decode(srv.server_address[1], tmp_path, vocab=100, prompt_tokens=64, decode_steps=8,
+                                timeout=30)
+    finally:
+        srv.shutdown()
+    assert _FakeVllm.calls == ["/start_profile", "/stop_profile"]
+    assert out["steps"] == 8 and out["trace_files"] == 1
+    launches = out["kernel_launches"] // 2            # tokens streamed while profiling
+    assert launches >= 8
+    assert out["per_class_us"]["attention"] == 10.0 * launches
+    assert 4.0 <= out["window_tpot_ms_p50"] < 100
