@@ -13,6 +13,9 @@
 #     FlashInfer 0.2.6 without its CUTLASS headers and the FlashMLA library, 2.8 MB; no vLLM
 #     compiled ops fit, so the engine runs are left out)
 #   METAX_DB=F METAX_CONFIG=F: no sweep, that DB and config instead (PYTEST_FILES: GPU tests first)
+#   SERVE=1: then bench/serve_bench.py in the profile (tuned, untuned = the vendor's default order,
+#     triton16); needs `vllm serve`'s packages: carry .dev/site.tar.xz .dev/vllm.tar.xz
+#     .dev/_C_stable_libtorch.abi3.so.xz .dev/vllm.version .m026 (and .mx), about 48 MB
 set -u
 start=$(date +%s)
 total=${TOTAL_S:-585}
@@ -21,11 +24,20 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/site /tmp/fiws026
 if [ -f .carry/flashinfer.tar.xz ]; then
   source bench/tools/device-setup.sh > /dev/null     # vLLM, the wheels, the project (FlashInfer 0.7 beneath)
 else                                                 # no FlashInfer 0.7 carried: vLLM and the wheels alone
-  if [ ! -d /tmp/site/vllm ]; then
+  if [ ! -d /tmp/site/vllm ] && [ -f .dev/site.tar.xz ]; then
+    # the serve carry (bench/tools/prepare-serve-carry.sh) without its FlashInfer 0.7: vLLM, every
+    # wheel (the HTTP server's and client's too) and vLLM's compiled ops: `vllm serve` runs
+    src=.dev
+    for a in vllm site; do tar -C /tmp/site -xJf .dev/$a.tar.xz; done
+    xz -dc .dev/_C_stable_libtorch.abi3.so.xz > /tmp/site/vllm/_C_stable_libtorch.abi3.so
+  elif [ ! -d /tmp/site/vllm ]; then
+    src=.carry
     tar -C /tmp/site -xJf .carry/vllm.tar.xz
-    v=$(cat .carry/vllm.version); mkdir -p /tmp/site/vllm-$v.dist-info
-    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\n' "$v" > /tmp/site/vllm-$v.dist-info/METADATA
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/wheels/*.whl .whl/*.whl
+  fi
+  if [ -n "${src:-}" ]; then
+    v=$(cat $src/vllm.version); mkdir -p /tmp/site/vllm-$v.dist-info
+    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\n' "$v" > /tmp/site/vllm-$v.dist-info/METADATA
   fi
   python3 - <<'PY'
 import pathlib, tomllib
@@ -101,6 +113,21 @@ if [ -n "$cfg" ] && [ "$(left)" -gt 120 ] && [ -f /tmp/site/vllm/_C_stable_libto
     --runs ${E2E_RUNS:-metax_tuned_eager,triton_eager,flashmla_eager} --timeout 200 > "$OUT/metax_e2e.txt" 2>&1
   echo "serve_e2e rc=$?"; grep -E "PASS|FAIL|tokens|backend" "$OUT/metax_e2e.txt" | tail -12
   grep -hE "vllm_metax|Using .* backend" /tmp/serve_e2e/runs/*.log 2>/dev/null | cut -c1-300 | sort | uniq -c | sort -rn | head -30
-  tar -C /tmp/serve_e2e/runs -czf "$OUT/metax_e2e_logs.tgz" . 2>/dev/null
+  for f in /tmp/serve_e2e/runs/*.log; do [ -f "$f" ] && cp "$f" "$W/e2e_$(basename "$f")"; done
+  mv "$OUT/serve_e2e.md" "$W/serve_e2e_md.txt" 2>/dev/null
 fi
+if [ "${SERVE:-0}" = 1 ] && [ -n "$cfg" ] && [ "$(left)" -gt 150 ]; then
+  # the serving benchmark in the profile: tuned (this config) vs untuned (the vendor's default order:
+  # FLASHMLA at block 64) vs TRITON_MLA at block 16, under vLLM's own client
+  echo "== serve_bench, metax profile ($(left) s left)"
+  timeout $(( $(left) - 20 )) python3 bench/serve_bench.py --out $W/serve --models ${MODELS:-h16} \
+    --setups ${SETUPS:-tuned,untuned,triton16} --config-folder $W/configs ${SERVE_ARGS:-} > $W/metax_serve.txt 2>&1
+  echo "serve_bench rc=$?"; grep -E "^\[|Traceback|Error" $W/metax_serve.txt | tail -30
+  cp $W/serve/serve_bench.json "$OUT/metax_serve_bench_$short.json" 2>/dev/null
+  cp $W/serve/serve_bench.md "$OUT/metax_serve_bench_$short.md" 2>/dev/null
+  pkill -INT -f "vllm.entrypoints.cli.main serve" 2>/dev/null; sleep 2; pkill -KILL -f "vllm.entrypoints.cli.main serve" 2>/dev/null
+fi
+# at most 8 files come back: the logs go into one archive
+cp $W/*.txt $W/*.log "$OUT/" 2>/dev/null; cp $W/serve/*.log "$OUT/" 2>/dev/null
+(cd "$OUT" && ls *.txt *.log >/dev/null 2>&1 && tar -czf metax_logs.tgz $(ls *.txt *.log 2>/dev/null) && rm -f *.txt *.log)
 echo "done in $(( $(date +%s) - start )) s"
