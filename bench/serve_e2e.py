@@ -255,7 +255,6 @@ def run_engine(name: str, model_dir: Path, out_json: Path) -> None:
     record["startup_s"] = round(time.perf_counter() - t0, 1)
     cache = llm.llm_engine.vllm_config.cache_config
     record["block_size"] = cache.block_size
-    record["attention_backend_chosen"] = str(getattr(getattr(llm.llm_engine.vllm_config, "attention_config", None), "backend", None))
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], sp, use_tqdm=False)

@@ -51,7 +51,6 @@ GOALS = {"tuned_over_auto": 1.10, "small_us": 12.0, "h16_copy_pct": 90.0}
 # issue 37's, against vLLM's FA3-MLA: never slower beyond noise, >= 1.10x geomean at 16 heads,
 # and >= 1.05x FlashInfer auto geomean
 FA3_GOALS = {"noise": 0.97, "h16_over_fa3": 1.10, "over_auto": 1.05}
-COLUMNS = ("tuned", "auto", "vllm", "fa3")
 
 
 def say(msg: str = "") -> None:

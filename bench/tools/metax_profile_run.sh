@@ -23,38 +23,18 @@ left() { echo $(( total - ($(date +%s) - start) )); }
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/site /tmp/fiws026
 if [ -f .carry/flashinfer.tar.xz ]; then
   source bench/tools/device-setup.sh > /dev/null     # vLLM, the wheels, the project (FlashInfer 0.7 beneath)
-else                                                 # no FlashInfer 0.7 carried: vLLM and the wheels alone
-  if [ ! -d /tmp/site/vllm ] && [ -f .dev/site.tar.xz ]; then
-    # the serve carry (bench/tools/prepare-serve-carry.sh) without its FlashInfer 0.7: vLLM, every
-    # wheel (the HTTP server's and client's too) and vLLM's compiled ops: `vllm serve` runs
-    src=.dev
-    for a in vllm site; do tar -C /tmp/site -xJf .dev/$a.tar.xz; done
-    xz -dc .dev/_C_stable_libtorch.abi3.so.xz > /tmp/site/vllm/_C_stable_libtorch.abi3.so
-  elif [ ! -d /tmp/site/vllm ]; then
-    src=.carry
+else                                                 # no FlashInfer 0.7 carried
+  if [ ! -f .dev/site.tar.xz ] && [ ! -f /tmp/site/.serve-env-ok ]; then
+    # .carry's vLLM and wheels alone (without .dev): unpacked here, registered by serve-env.sh
     tar -C /tmp/site -xJf .carry/vllm.tar.xz
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/wheels/*.whl .whl/*.whl
-  fi
-  if [ -n "${src:-}" ]; then
-    v=$(cat $src/vllm.version); mkdir -p /tmp/site/vllm-$v.dist-info
+    v=$(cat .carry/vllm.version); mkdir -p /tmp/site/vllm-$v.dist-info
     printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\n' "$v" > /tmp/site/vllm-$v.dist-info/METADATA
+    touch /tmp/site/.serve-env-ok
   fi
-  python3 - <<'PY'
-import pathlib, tomllib
-p = tomllib.loads(pathlib.Path("pyproject.toml").read_text())["project"]
-d = pathlib.Path("/tmp/site") / f"{p['name'].replace('-', '_')}-0.0.0.dist-info"
-d.mkdir(exist_ok=True)
-(d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {p['name']}\nVersion: 0.0.0\n")
-(d / "entry_points.txt").write_text("".join(f"[{g}]\n" + "".join(f"{k} = {v}\n" for k, v in items.items())
-                                            for g, items in p.get("entry-points", {}).items()))
-PY
-  export PYTHONPATH=/tmp/site:$PWD PYTHONPYCACHEPREFIX=/tmp/pycache
-  export PATH="$(dirname "$(command -v python3)"):$PATH" MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
-  if ! ldconfig -p 2>/dev/null | grep -q 'libcuda.so '; then
-    mkdir -p /tmp/cudastub
-    [ -f /tmp/cudastub/libcuda.so ] || echo "" | gcc -shared -Wl,-soname,libcuda.so.1 -o /tmp/cudastub/libcuda.so -x c -
-    export LIBRARY_PATH=/tmp/cudastub${LIBRARY_PATH:+:$LIBRARY_PATH}
-  fi
+  # .dev (the serve carry without its FlashInfer 0.7: vLLM, every wheel, vLLM's compiled ops, so
+  # `vllm serve` runs) unpacked where carried; the project registered, the environment set
+  source bench/tools/serve-env.sh || exit 3
 fi
 # FlashInfer 0.2.6.post1 in /tmp/fi026, first on the path: .m026's trimmed copy (no CUTLASS headers,
 # which only its sm90 kernels include: fa2's MLA decode and prefill do not), else the .fi026 wheel

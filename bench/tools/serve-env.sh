@@ -7,7 +7,7 @@ if [ ! -f /tmp/site/.serve-env-ok ]; then
     echo "serve-env: no .dev here and a bare machine: carry .dev (bench/tools/prepare-serve-carry.sh)" >&2
     return 3 2>/dev/null || exit 3
   fi
-  for a in flashinfer vllm site; do tar -C /tmp/site -xJf .dev/$a.tar.xz; done
+  for a in flashinfer vllm site; do [ -f .dev/$a.tar.xz ] && tar -C /tmp/site -xJf .dev/$a.tar.xz; done   # FlashInfer: where carried
   xz -dc .dev/_C_stable_libtorch.abi3.so.xz > /tmp/site/vllm/_C_stable_libtorch.abi3.so
   v=$(cat .dev/vllm.version)
   mkdir -p /tmp/site/vllm-$v.dist-info

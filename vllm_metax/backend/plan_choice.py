@@ -127,15 +127,9 @@ class PlanChoice:
         else None. A captured graph fixes
         its kernel for every context: split there only where it serves most buckets of the
         nearest tuned batch size, with the knobs most of those name (ties: the longest context's)."""
-        if not self._splits or q_len != 1 or not self.split_enabled:
+        if q_len != 1 or not self.split_enabled:
             return None
-        if graph:
-            if batch_size not in self._graph_split:
-                self._graph_split[batch_size] = self._split_graph_choice(batch_size)
-            choice = self._graph_split[batch_size]
-        else:
-            found = self._lookup(batch_size, context_len, q_len)
-            choice = self._splits.get(id(found.bucket)) if found is not None else None
+        choice = self._side_for(self._splits, self._graph_split, batch_size, context_len, q_len, graph)
         if choice is None or not split_decode.fits(self.entry.dims.num_heads, batch_size, choice.num_splits,
                                                    choice.pipe):
             return None
@@ -208,9 +202,6 @@ class PlanChoice:
         if self._found[0] != key:
             self._found = (key, None if self.entry is None else self.entry.lookup(*key))
         return self._found[1]
-
-    def _split_graph_choice(self, batch_size: int) -> decisions.SplitChoice | None:
-        return self._graph_vote(self._splits, batch_size, 1)
 
     def _graph_vote(self, served_in: dict, batch_size: int, q_len: int):
         """A captured graph's side-kernel knobs: those of `served_in` (bucket id -> choice) where

@@ -62,9 +62,8 @@ def entry_for(config: TunedConfig, dims: ModelDims, block_size: int | None = Non
 
 
 def split_buckets(entry: ModelEntry) -> int:
-    """The entry's decode buckets whose FLASHINFER_MLA step runs the split-KV kernel
-    (`decisions.split_serves`)."""
-    return sum(decisions.split_serves(b) is not None for b in entry.buckets if b.q_len == 1)
+    """The entry's decode buckets whose FLASHINFER_MLA step runs the split-KV kernel."""
+    return side_buckets(entry)[SIDE_KERNEL_NAMES[decisions.SPLIT]]
 
 
 SIDE_KERNEL_NAMES = {decisions.SPLIT: "split-KV", decisions.FLASHMLA: "FlashMLA", decisions.FA3: "vLLM FA3"}
