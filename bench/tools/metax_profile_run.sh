@@ -12,7 +12,10 @@
 #   or after bench/tools/gpu_suite_sweep.sh in the same call (carry .carry .whl .fa3 .m026: .m026 holds
 #     FlashInfer 0.2.6 without its CUTLASS headers and the FlashMLA library, 2.8 MB; no vLLM
 #     compiled ops fit, so the engine runs are left out)
-#   METAX_DB=F METAX_CONFIG=F: no sweep, that DB and config instead (PYTEST_FILES: GPU tests first)
+#   METAX_DB=F METAX_CONFIG=F: no sweep, that DB and config instead
+#   PYTEST_FILES=...: those GPU tests first, in the profile
+#   VENDOR=0 / ENGINE=0: skip bench/metax_vs_vendor.py / the engine runs (a later call on the warm
+#     machine can then serve alone: SERVE=1 VENDOR=0 ENGINE=0 with the same METAX_DB/METAX_CONFIG)
 #   SERVE=1: then bench/serve_bench.py in the profile (tuned, untuned = the vendor's default order,
 #     triton16); needs `vllm serve`'s packages: carry .dev/site.tar.xz .dev/vllm.tar.xz
 #     .dev/_C_stable_libtorch.abi3.so.xz .dev/vllm.version .m026 (and .mx), about 48 MB
@@ -64,11 +67,13 @@ print('metax run:', torch.cuda.get_device_name(0), 'flashinfer', flashinfer.__ve
 print('profile', active_profile().name, '| FlashMLA', flashmla.flashmla_available())" 2>&1 | tail -3
 echo "setup $(( $(date +%s) - start )) s"
 W=/tmp/metax; rm -rf $W; mkdir -p $W/configs
+if [ -n "${PYTEST_FILES:-}" ]; then    # GPU tests first, in the profile (FlashInfer 0.2.6 on the path)
+  timeout ${PYTEST_S:-90} python3 -m pytest -q -p no:cacheprovider -o addopts="" -rsx \
+    $PYTEST_FILES > "$OUT/pytest_metax.txt" 2>&1; echo "pytest rc=$?"; tail -4 "$OUT/pytest_metax.txt"
+fi
 if [ -n "${METAX_DB:-}" ]; then     # a sweep's DB and its config carried in (.mx/): no sweep
   cp "$METAX_DB" $W/metax.db && cp "$METAX_CONFIG" "$W/configs/device_name=$(echo "$gpu" | tr " " _).json"
   echo "== metax sweep skipped: $METAX_DB, $METAX_CONFIG"
-  [ -n "${PYTEST_FILES:-}" ] && timeout ${PYTEST_S:-90} python3 -m pytest -q -p no:cacheprovider -o addopts="" -rsx \
-    $PYTEST_FILES > "$OUT/pytest_metax.txt" 2>&1; echo "pytest rc=$?"; tail -4 "$OUT/pytest_metax.txt" 2>/dev/null
 else
 echo "== sweep --profile metax ($(left) s left)"
 /usr/bin/time -f "sweep wall %e s" timeout ${SWEEP_S:-210} python3 -m mla_tune sweep --profile metax \
@@ -81,13 +86,13 @@ cp $W/metax.db "$OUT/metax_$short.db"
 fi
 cfg=$(ls $W/configs/device_name=*.json 2>/dev/null | head -1)
 [ -n "$cfg" ] && cp "$cfg" "$OUT/metax_config_$short.json"
-if [ -n "$cfg" ] && [ "$(left)" -gt 60 ]; then
+if [ "${VENDOR:-1}" = 1 ] && [ -n "$cfg" ] && [ "$(left)" -gt 60 ]; then
   echo "== metax_vs_vendor ($(left) s left)"
   timeout $(( $(left) - 8 )) python3 bench/metax_vs_vendor.py --db $W/metax.db --config "$cfg" --out "$OUT" \
     --name metax_vs_vendor_$short --budget-s ${VS_BUDGET:-70} > "$OUT/metax_vs_vendor.txt" 2>&1
   echo "metax_vs_vendor rc=$?"; tail -14 "$OUT/metax_vs_vendor.txt"
 fi
-if [ -n "$cfg" ] && [ "$(left)" -gt 120 ] && [ -f /tmp/site/vllm/_C_stable_libtorch.abi3.so ]; then
+if [ "${ENGINE:-1}" = 1 ] && [ -n "$cfg" ] && [ "$(left)" -gt 120 ] && [ -f /tmp/site/vllm/_C_stable_libtorch.abi3.so ]; then
   echo "== engine: metax_tuned_eager,triton_eager,flashmla_eager ($(left) s left)"
   VLLM_METAX_MLA_CONFIG_FOLDER=$W/configs timeout $(( $(left) - 10 )) python3 bench/serve_e2e.py --out "$OUT" \
     --runs ${E2E_RUNS:-metax_tuned_eager,triton_eager,flashmla_eager} --timeout 200 > "$OUT/metax_e2e.txt" 2>&1

@@ -14,6 +14,9 @@ if [ ! -f /tmp/site/.serve-env-ok ]; then
   printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\n' "$v" > /tmp/site/vllm-$v.dist-info/METADATA
   touch /tmp/site/.serve-env-ok
 fi
+# FlashInfer 0.7 carried into a machine whose /tmp/site was unpacked without it (a MetaX-profile
+# call before this one on the same warm machine)
+[ -f .dev/flashinfer.tar.xz ] && [ ! -d /tmp/site/flashinfer ] && tar -C /tmp/site -xJf .dev/flashinfer.tar.xz
 if [ -f .fa3/_vllm_fa3_C.abi3.so.xz ] && [ ! -f /tmp/site/vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so ]; then
   xz -dc .fa3/_vllm_fa3_C.abi3.so.xz > /tmp/site/vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so
 fi
