@@ -5,6 +5,7 @@ functions that need them.
 Entry points (pyproject.toml):
   vllm.platform_plugins  metax            -> register()
   vllm.general_plugins   metax_attention  -> register_attention_backends()
+  vllm.general_plugins   metax_ops        -> register_custom_ops()
 
 The package is two halves: `core/` and `ops/` never import vLLM (the tuned config, the decisions
 tuner and plugin share, the kernels both run); this module, `platform.py`, `worker.py`,
@@ -58,3 +59,19 @@ def register_attention_backends() -> None:
     from vllm_metax.platform import register_backends
 
     register_backends()
+
+
+def register_custom_ops() -> dict | None:
+    """vllm.general_plugins entry point (every vLLM process, before its model is built): vLLM's
+    compiled kernels for norms, activations and rotary instead of their PyTorch code, only when our
+    platform is the active one (vllm_metax.custom_ops). Returns what each op runs, or None."""
+    if not should_activate()[0]:
+        return None
+    from vllm_metax.core.log import get_logger
+    from vllm_metax.custom_ops import register_cuda_forward, summary
+    from vllm_metax.platform import compiled_ops
+
+    compiled_ops()                          # the kernels loaded first, so they can be found
+    outcome = register_cuda_forward()
+    get_logger(__name__).info(summary(outcome))
+    return outcome

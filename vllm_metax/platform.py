@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from torch.distributed import PrefixStore, ProcessGroup
 
     from vllm.config import VllmConfig
+    from vllm.config.kernel import IrOpPriorityConfig
     from vllm.v1.attention.backend import AttentionBackend
     from vllm.v1.attention.backends.mla.prefill.base import MLAPrefillBackend
     from vllm.v1.attention.backends.mla.prefill.selector import MLAPrefillSelectorConfig
@@ -171,6 +172,21 @@ class MetaxPlatform(Platform):
             logger.warning_once(missing_kernels_message(report))
 
     @classmethod
+    def get_default_ir_op_priority(cls, vllm_config: "VllmConfig") -> "IrOpPriorityConfig":
+        """CudaPlatform's provider order for vLLM's IR ops (rms_norm, fused_add_rms_norm): its
+        compiled `vllm_c` kernels first where they are loaded and inductor does not compile, not
+        the base platform's PyTorch code (vllm_metax.custom_ops)."""
+        from vllm.config.compilation import CompilationMode
+        from vllm.config.kernel import IrOpPriorityConfig
+
+        from vllm_metax.custom_ops import ir_op_priority
+
+        compiled_ops()                      # loaded, so the check below sees the kernels
+        cc = vllm_config.compilation_config
+        using_inductor = cc.backend == "inductor" and cc.mode != CompilationMode.NONE
+        return IrOpPriorityConfig.with_default(["native"], **ir_op_priority(using_inductor))
+
+    @classmethod
     def get_punica_wrapper(cls) -> str:
         return "vllm.lora.punica_wrapper.punica_gpu.PunicaWrapperGPU"
 
@@ -256,6 +272,19 @@ class MetaxPlatform(Platform):
         if parallel_config.worker_cls == "auto":
             parallel_config.worker_cls = WORKER_CLASS
         cls._apply_tuned_block_size(vllm_config)
+        cls._fit_flashinfer_autotune(vllm_config)
+
+    @classmethod
+    def _fit_flashinfer_autotune(cls, vllm_config: "VllmConfig") -> None:
+        """vLLM's warmup autotunes FlashInfer's kernels on capability >= 9.0 through
+        `flashinfer.autotuner.set_autotune_process_group`, which FlashInfer 0.2.x (MetaX's flat
+        build) lacks: the engine would die at start. Off, in one line, where it is missing."""
+        kernel_config = getattr(vllm_config, "kernel_config", None)
+        why = flashinfer_autotune_missing()
+        if kernel_config is None or why is None or kernel_config.enable_flashinfer_autotune is False:
+            return
+        kernel_config.enable_flashinfer_autotune = False
+        logger.info_once("vllm_metax: FlashInfer autotune at warmup off: %s", why)
 
     @classmethod
     def tuned_entry_for_config(cls, vllm_config: "VllmConfig"):
@@ -390,6 +419,26 @@ class MetaxPlatform(Platform):
             return backend.get_path()
         raise ValueError(f"No valid attention backend found for {cls.device_name} with "
                          f"{attn_selector_config!r}. Reasons: {_reasons_str(invalid)}.")
+
+
+@cache
+def flashinfer_autotune_missing() -> str | None:
+    """Why vLLM's FlashInfer autotune cannot run with the FlashInfer installed here (None: it can,
+    or there is no FlashInfer, which vLLM checks itself)."""
+    import importlib.util
+
+    if importlib.util.find_spec("flashinfer") is None:
+        return None
+    try:
+        from flashinfer import autotuner
+    except Exception as e:  # noqa: BLE001 - a broken install: vLLM's own import would fail too
+        return f"flashinfer.autotuner does not import ({type(e).__name__}: {e})"
+    if not hasattr(autotuner, "set_autotune_process_group"):
+        import flashinfer
+
+        return (f"FlashInfer {getattr(flashinfer, '__version__', '?')} has no "
+                "flashinfer.autotuner.set_autotune_process_group, which vLLM 0.33's warmup calls")
+    return None
 
 
 @cache

@@ -1,0 +1,72 @@
+"""vLLM's compiled kernels for norms, activations and rotary on the metax platform, on a real GPU
+with vLLM's real compiled ops (vllm._C_stable_libtorch): each op dispatches to vLLM's CUDA kernel
+(vllm_metax.custom_ops) and agrees with vLLM's PyTorch code. Skips where those ops are not carried."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import plugin_support as ps
+
+pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory):
+    os.environ.setdefault("VLLM_METAX_FORCE", "1")
+    from vllm_metax.platform import compiled_ops
+
+    report = compiled_ops()
+    if "vllm._C_stable_libtorch" not in report.loaded:
+        pytest.skip(f"vLLM's compiled ops are not here: {report.summary()}")
+    ps.ensure_metax_platform()
+    from vllm.config import CompilationConfig, ModelConfig, VllmConfig
+
+    mc = ModelConfig(model=str(ps.model_dir(tmp_path_factory.mktemp("model"))), tokenizer=None,
+                     skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096)
+    return VllmConfig(model_config=mc, compilation_config=CompilationConfig(mode=0))
+
+
+def test_norms_activations_and_rotary_run_vllms_cuda_kernels(config):
+    from vllm import ir
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    from vllm_metax.custom_ops import register_cuda_forward
+
+    outcome = register_cuda_forward()
+    assert outcome["SiluAndMul"] == outcome["RotaryEmbedding"] == "compiled", outcome
+    assert config.kernel_config.ir_op_priority.rms_norm[0] == "vllm_c"
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with set_current_vllm_config(config), config.kernel_config.ir_op_priority.set_priority():
+        assert ir.ops.rms_norm.get_priority()[0] == "vllm_c"
+        act = SiluAndMul()
+        assert act._forward_method.__func__ is SiluAndMul.forward_cuda
+        x = torch.randn(7, 2 * 1408, device="cuda", dtype=torch.bfloat16, generator=g)
+        torch.testing.assert_close(act(x), SiluAndMul.forward_native(x), atol=2e-2, rtol=2e-2)
+
+        norm = RMSNorm(1024, eps=1e-6).to("cuda", torch.bfloat16)
+        h = torch.randn(7, 1024, device="cuda", dtype=torch.bfloat16, generator=g)
+        r = torch.randn(7, 1024, device="cuda", dtype=torch.bfloat16, generator=g)
+        ref = h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+        torch.testing.assert_close(norm(h).float(), ref, atol=3e-2, rtol=3e-2)
+        s = (h.float() + r.float())
+        out, res = norm(h.clone(), r.clone())
+        torch.testing.assert_close(res.float(), s, atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(out.float(), s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6),
+                                   atol=5e-2, rtol=5e-2)
+
+        rope = RotaryEmbedding(64, 64, 4096, 10000.0, False, torch.bfloat16).to("cuda")
+        assert rope._forward_method.__func__ is RotaryEmbedding.forward_cuda
+        pos = torch.arange(7, device="cuda") * 97
+        q = torch.randn(7, 16 * 64, device="cuda", dtype=torch.bfloat16, generator=g)
+        k = torch.randn(7, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+        q_ref, k_ref = rope.forward_native(pos, q.clone(), k.clone())
+        q_out, k_out = rope(pos, q.clone(), k.clone())
+        torch.testing.assert_close(q_out, q_ref, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(k_out, k_ref, atol=2e-2, rtol=2e-2)
