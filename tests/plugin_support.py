@@ -188,7 +188,7 @@ def build_decode(builder, seq_lens, page_size, q_len=1, extra_rows=2, seed=0, de
     bt, lens, common, num_pages = ragged_batch(seq_lens, page_size, q_len, extra_rows, seed=seed, device=device)
     n = len(seq_lens)
     md = builder._build_decode(
-        block_table_tensor=bt[:n], seq_lens_device=lens, max_seq_len=max(seq_lens),
+        block_table_tensor=bt[:n], seq_lens_device=common.seq_lens, max_seq_len=max(seq_lens),
         query_start_loc_cpu=common.query_start_loc_cpu, query_start_loc_device=common.query_start_loc,
         num_decode_tokens=n * q_len, max_query_len=q_len, dcp_tot_seq_lens_device=None)
     return md, bt, lens, num_pages
