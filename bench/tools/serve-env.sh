@@ -2,6 +2,11 @@
 # bench/tools/prepare-serve-carry.sh packed into /tmp/site once per machine, registers this project's
 # entry points (its vLLM platform plugin among them) without installing it, forces the platform.
 mkdir -p /tmp/site /tmp/fiws
+# FlashInfer's JIT cache as an earlier machine packed it (serve_device_run.sh JIT_OUT=1, carried as
+# .fijit/): same paths here, so its kernels are not rebuilt at every fresh machine's server start
+if [ -f .fijit/flashinfer_jit.tar.xz ] && [ ! -f /tmp/fiws/.jit-unpacked ]; then
+  tar -C /tmp/fiws -xJf .fijit/flashinfer_jit.tar.xz && touch /tmp/fiws/.jit-unpacked
+fi
 if [ ! -f /tmp/site/.serve-env-ok ]; then
   if [ ! -d .dev ]; then
     echo "serve-env: no .dev here and a bare machine: carry .dev (bench/tools/prepare-serve-carry.sh)" >&2

@@ -9,6 +9,8 @@
 #   CONFIG=DIR    the tuned setup's config folder (default: /tmp/tuned when a sweep made one, else
 #                 the packaged configs)
 #   TVA=1         bench/tuned_vs_auto.py on /tmp/work/results.db and that config first (TVA_BUDGET s)
+#   JIT_OUT=1     FlashInfer's JIT cache packed into $OUT/flashinfer_jit.tar.xz: carried next time as
+#                 .fijit/flashinfer_jit.tar.xz, serve-env.sh unpacks it (no rebuild at server start)
 #   PREFILL_AFTER=1  after the servers, the prefill sweep into /tmp/work/results.db and the config
 #                 emitted again (decode + prefill), both into $OUT
 set -u
@@ -68,6 +70,11 @@ if [ "${PREFILL_AFTER:-0}" = 1 ] && [ -f $W/results.db ] && [ "$(left)" -gt 90 ]
   echo "emit rc=$?"; tail -3 $W/emit_pf.txt
   cp $W/results.db $OUT/results.db
   for f in /tmp/tuned_pf/device_name=*.json; do cp "$f" "$OUT/tuned_config_prefill.json"; done
+fi
+if [ "${JIT_OUT:-0}" = 1 ] && [ -d /tmp/fiws/.cache ]; then     # for the next machine's .fijit/
+  tar -C /tmp/fiws -cJf $OUT/flashinfer_jit.tar.xz .cache
+  size=$(stat -c %s $OUT/flashinfer_jit.tar.xz); echo "FlashInfer JIT cache: $size bytes"
+  [ "$size" -gt 16000000 ] && { echo "  too big to come back (16 MB a file)"; rm -f $OUT/flashinfer_jit.tar.xz; }
 fi
 tar -C $W -czf $OUT/logs.tgz --exclude results.db $(cd $W && ls -d *.txt serve/*.log 2>/dev/null)
 echo "done in $(( $(date +%s) - start )) s"
