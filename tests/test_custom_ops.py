@@ -181,6 +181,12 @@ def test_rms_norm_runs_the_compiled_kernel_under_the_platforms_priority(tmp_path
         out.copy_((y * weight.float()).to(x.dtype) if weight is not None else y.to(x.dtype))
 
     lib.impl("rms_norm", impl, "CPU")
+    # vllm/kernels/vllm_c.py decides `supported` once, at import, from the platform then current
+    # (`is_cuda_alike()`); another test of this process may have imported it under vLLM's CPU
+    # platform, so take the metax platform's answer, as a server's import has it
+    platform = ensure_metax_platform()
+    import vllm.kernels  # noqa: F401 - registers the vllm_c implementations
+    monkeypatch.setattr(ir.ops.rms_norm.impls["vllm_c"], "supported", platform.is_cuda_alike())
     try:
         config = _vllm_config(tmp_path, mode=0)
         assert config.kernel_config.ir_op_priority.rms_norm == ["vllm_c", "native"]

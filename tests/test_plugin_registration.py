@@ -62,8 +62,10 @@ def test_entry_points_declared_and_importable():
     tomllib = pytest.importorskip("tomllib")             # Python 3.11+
     eps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
     assert eps["vllm.platform_plugins"] == {"metax": "vllm_metax:register"}
-    assert eps["vllm.general_plugins"] == {"metax_attention": "vllm_metax:register_attention_backends"}
+    assert eps["vllm.general_plugins"] == {"metax_attention": "vllm_metax:register_attention_backends",
+                                           "metax_ops": "vllm_metax:register_custom_ops"}
     assert callable(vllm_metax.register) and callable(vllm_metax.register_attention_backends)
+    assert callable(vllm_metax.register_custom_ops)
 
 
 def test_import_is_cheap():
