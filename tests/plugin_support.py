@@ -182,6 +182,71 @@ def ragged_batch(seq_lens, page_size, q_len=1, extra_rows=0, num_pages=None, see
     return block_table.to(device), lens, common, num_pages
 
 
+def side_kernel_entry(family: str, params: dict, batches=(1, 2, 8)):
+    """A tuned entry whose every bucket (`batches` x 256/4096 context) names `family` with
+    `params`, 1.5x faster than FlashInfer's fa3 choice: the buckets FLASHINFER_MLA's decode then
+    serves with that side kernel (split, FA3 or FlashMLA)."""
+    from vllm_metax.core import tuned_config as tc
+
+    dims = tc.ModelDims(NUM_HEADS, KV_LORA_RANK, ROPE_DIM, "bfloat16", "bfloat16")
+    buckets = [tc.Bucket(b, c, 1, {"flashinfer": tc.FamilyChoice({"backend": "fa3"}, time_us=30.0),
+                                   family: tc.FamilyChoice(dict(params), time_us=20.0)}, family)
+               for b in batches for c in (256, 4096)]
+    return tc.ModelEntry(dims, 64, ["FLASHINFER_MLA", "TRITON_MLA"], buckets)
+
+
+def page64_config(base, cudagraph: bool):
+    """`base`'s model at KV page 64, with full CUDA graphs for decode (capture sizes 1-8) or
+    piecewise ones only."""
+    from vllm.config import CacheConfig, CompilationConfig, VllmConfig
+
+    return VllmConfig(model_config=base.model_config, cache_config=CacheConfig(block_size=64),
+                      compilation_config=CompilationConfig(
+                          cudagraph_mode="FULL_AND_PIECEWISE" if cudagraph else "PIECEWISE",
+                          cudagraph_capture_sizes=[1, 2, 4, 8]))
+
+
+def decode_inputs(rows, num_pages, seed, device="cuda"):
+    """A seeded bf16 query (`rows` x NUM_HEADS x 576) and page-64 latent+rope KV cache."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(rows, NUM_HEADS, 576, device=device, generator=g).to(torch.bfloat16)
+    kv = torch.randn(num_pages, 64, 576, device=device, generator=g).to(torch.bfloat16)
+    return q, kv
+
+
+class GraphStep:
+    """vLLM's persistent buffers a captured decode graph reads on every replay (block table,
+    lengths, query, KV cache), for `batch` requests at page 64. Calling it builds one step's
+    metadata with `builder` into those buffers and fills the query and cache (decode_inputs);
+    it returns (metadata, the step's block table, lengths)."""
+
+    def __init__(self, builder, batch=8, num_pages=900, width=96, device="cuda"):
+        self.builder, self.batch, self.num_pages, self.device = builder, batch, num_pages, device
+        self.bt = torch.zeros(batch + 4, width, dtype=torch.int32, device=device)
+        self.lens = torch.zeros(batch + 4, dtype=torch.int32, device=device)
+        self.q = torch.zeros(batch, NUM_HEADS, 576, dtype=torch.bfloat16, device=device)
+        self.kv = torch.zeros(num_pages, 64, 576, dtype=torch.bfloat16, device=device)
+
+    def __call__(self, seq_lens, seed):
+        n = self.batch
+        bt, lens, common, _ = ragged_batch(seq_lens, 64, num_pages=self.num_pages, seed=seed,
+                                           device=self.device)
+        self.bt.zero_()
+        self.bt[:n, :bt.shape[1]].copy_(bt[:n])
+        self.lens[:n].copy_(lens.to(self.device))
+        common.block_table_tensor = self.bt[:n]
+        common.seq_lens = self.lens[:n]
+        md = self.builder.build(0, common)
+        q, kv = decode_inputs(n, self.num_pages, seed, self.device)
+        self.q.copy_(q)
+        self.kv.copy_(kv)
+        return md, self.bt[:n].clone(), lens
+
+    def forward(self, impl, md):
+        """One layer's decode output on the static buffers."""
+        return impl.forward_mqa((self.q[..., :512], self.q[..., 512:]), self.kv, md, None)[0]
+
+
 def build_decode(builder, seq_lens, page_size, q_len=1, extra_rows=2, seed=0, device="cpu"):
     """A builder's `_build_decode` called with what vLLM's MLA build() passes for a decode batch
     of `seq_lens` (`ragged_batch`); (metadata, block table, lengths, pages in the cache)."""

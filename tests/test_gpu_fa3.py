@@ -106,14 +106,6 @@ from vllm_metax.core import decisions, tuned_config as tc  # noqa: E402
 TOL = 2e-2
 
 
-def _entry(params, batches=(1, 2, 8)):
-    dims = tc.ModelDims(ps.NUM_HEADS, ps.KV_LORA_RANK, ps.ROPE_DIM, "bfloat16", "bfloat16")
-    buckets = [tc.Bucket(b, c, 1, {"flashinfer": tc.FamilyChoice({"backend": "fa3"}, time_us=30.0),
-                                   "fa3_mla": tc.FamilyChoice(dict(params), time_us=20.0)}, "fa3_mla")
-               for b in batches for c in (256, 4096)]
-    return tc.ModelEntry(dims, 64, ["FLASHINFER_MLA", "TRITON_MLA"], buckets)
-
-
 @pytest.fixture(scope="module")
 def model_root(tmp_path_factory):
     os.environ.setdefault("VLLM_METAX_FORCE", "1")
@@ -122,23 +114,12 @@ def model_root(tmp_path_factory):
 
 
 def _builder(base, params, cudagraph):
-    from vllm.config import CacheConfig, CompilationConfig, VllmConfig
-
     from vllm_metax.backend.plan_choice import PlanChoice
-    vc = VllmConfig(model_config=base.model_config, cache_config=CacheConfig(block_size=64),
-                    compilation_config=CompilationConfig(
-                        cudagraph_mode="FULL_AND_PIECEWISE" if cudagraph else "PIECEWISE",
-                        cudagraph_capture_sizes=[1, 2, 4, 8]))
+    vc = ps.page64_config(base, cudagraph)
     builder = ps.make_builder(vc, device="cuda")
-    builder.choice = PlanChoice(_entry(params), decisions.FlashInferBackends(("fa3", "fa2"), "fa3"))
+    builder.choice = PlanChoice(ps.side_kernel_entry("fa3_mla", params),
+                                decisions.FlashInferBackends(("fa3", "fa2"), "fa3"))
     return builder, ps.make_impl(vc)
-
-
-def _inputs(rows, num_pages, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(rows, ps.NUM_HEADS, 576, device="cuda", generator=g).to(torch.bfloat16)
-    kv = torch.randn(num_pages, 64, 576, device="cuda", generator=g).to(torch.bfloat16)
-    return q, kv
 
 
 def _reference(q, kv, bt, lens):
@@ -155,7 +136,7 @@ def test_flashinfer_mla_serves_a_tuned_fa3_bucket_eagerly(fam, model_root, param
         bt, lens, common, num_pages = ps.ragged_batch(seq_lens, 64, device="cuda", seed=seed)
         md = builder.build(0, common)
         assert md.decode.backend == decisions.FA3 and md.decode.paged is None
-        q, kv = _inputs(len(seq_lens), num_pages, seed)
+        q, kv = ps.decode_inputs(len(seq_lens), num_pages, seed)
         out, lse = impl.forward_mqa((q[..., :512], q[..., 512:]), kv, md, None)
         assert lse is None and relative_error(out, _reference(q, kv, bt, lens)) < TOL, seed
     assert builder.choice.fa3_enabled and len(builder._fa3_kernels) == 1
@@ -164,27 +145,11 @@ def test_flashinfer_mla_serves_a_tuned_fa3_bucket_eagerly(fam, model_root, param
 @pytest.mark.vllm
 def test_fa3_under_full_cudagraph_capture_and_replay(fam, model_root):
     builder, impl = _builder(model_root, {"backend": "fa3", "num_splits": 0}, cudagraph=True)
-    batch, num_pages, width = 8, 900, 96
-    static_bt = torch.zeros(batch + 4, width, dtype=torch.int32, device="cuda")
-    static_lens = torch.zeros(batch + 4, dtype=torch.int32, device="cuda")
-    static_q = torch.zeros(batch, ps.NUM_HEADS, 576, dtype=torch.bfloat16, device="cuda")
-    static_kv = torch.zeros(num_pages, 64, 576, dtype=torch.bfloat16, device="cuda")
-
-    def step(seq_lens, seed):
-        bt, lens, common, _ = ps.ragged_batch(seq_lens, 64, num_pages=num_pages, seed=seed, device="cuda")
-        static_bt.zero_()
-        static_bt[:batch, :bt.shape[1]].copy_(bt[:batch])
-        static_lens[:batch].copy_(lens.to("cuda"))
-        common.block_table_tensor = static_bt[:batch]
-        common.seq_lens = static_lens[:batch]
-        md = builder.build(0, common)
-        q, kv = _inputs(batch, num_pages, seed)
-        static_q.copy_(q)
-        static_kv.copy_(kv)
-        return md, static_bt[:batch].clone(), lens
+    step = ps.GraphStep(builder)
+    static_q, static_kv = step.q, step.kv
 
     def forward(md):
-        return impl.forward_mqa((static_q[..., :512], static_q[..., 512:]), static_kv, md, None)[0]
+        return step.forward(impl, md)
 
     md, bt, lens = step([100, 7, 3000, 64, 1, 512, 2047, 900], seed=1)
     assert md.decode.cuda_graph and md.decode.backend == decisions.FA3

@@ -86,14 +86,9 @@ from vllm_metax.core import decisions, tuned_config as tc  # noqa: E402
 TOL = 2e-2
 
 
-def _entry(batches=(1, 2, 8)):
+def _entry():
     """Every bucket FlashMLA's, 1.5x faster than FlashInfer's choice (`decisions.flashmla_serves`)."""
-    dims = tc.ModelDims(ps.NUM_HEADS, ps.KV_LORA_RANK, ps.ROPE_DIM, "bfloat16", "bfloat16")
-    buckets = [tc.Bucket(b, c, 1, {"flashinfer": tc.FamilyChoice({"backend": "fa3"}, time_us=30.0),
-                                   "flashmla": tc.FamilyChoice({"backend": "flashmla"}, time_us=20.0)},
-                         "flashmla")
-               for b in batches for c in (256, 4096)]
-    return tc.ModelEntry(dims, 64, ["FLASHINFER_MLA", "TRITON_MLA"], buckets)
+    return ps.side_kernel_entry("flashmla", {"backend": "flashmla"})
 
 
 @pytest.fixture(scope="module")
@@ -106,24 +101,12 @@ def model_root(tmp_path_factory):
 def _builder(base, monkeypatch, cudagraph):
     """FLASHINFER_MLA's builder and impl on this GPU, serving `_entry()` (its FlashMLA ops are
     made with the builder, so the entry is what the builder finds, not swapped in after)."""
-    from vllm.config import CacheConfig, CompilationConfig, VllmConfig
-
     import vllm_metax.backend.flashinfer_mla as fb
-    vc = VllmConfig(model_config=base.model_config, cache_config=CacheConfig(block_size=64),
-                    compilation_config=CompilationConfig(
-                        cudagraph_mode="FULL_AND_PIECEWISE" if cudagraph else "PIECEWISE",
-                        cudagraph_capture_sizes=[1, 2, 4, 8]))
+    vc = ps.page64_config(base, cudagraph)
     monkeypatch.setattr(fb, "served_entry", lambda *a, **kw: _entry())
     builder = ps.make_builder(vc, device="cuda")
     assert builder.choice.serves_flashmla(), "FlashMLA was turned off: see the warning above"
     return builder, ps.make_impl(vc)
-
-
-def _inputs(rows, num_pages, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(rows, ps.NUM_HEADS, 576, device="cuda", generator=g).to(torch.bfloat16)
-    kv = torch.randn(num_pages, 64, 576, device="cuda", generator=g).to(torch.bfloat16)
-    return q, kv
 
 
 def _reference(q, kv, bt, lens, q_len=1):
@@ -139,7 +122,7 @@ def test_flashinfer_mla_serves_a_tuned_flashmla_bucket_eagerly(fm, model_root, m
         bt, lens, common, num_pages = ps.ragged_batch(seq_lens, 64, device="cuda", seed=seed)
         md = builder.build(0, common)
         assert md.decode.backend == decisions.FLASHMLA and isinstance(md.decode.kernel, FlashMLAStep)
-        q, kv = _inputs(len(seq_lens), num_pages, seed)
+        q, kv = ps.decode_inputs(len(seq_lens), num_pages, seed)
         out, lse = impl.forward_mqa((q[..., :512], q[..., 512:]), kv, md, None)
         later, _ = impl.forward_mqa(q, kv, md, None)          # the next layer: the step's schedule
         ref = _reference(q, kv, bt, lens)
@@ -150,7 +133,7 @@ def test_flashinfer_mla_serves_a_tuned_flashmla_bucket_eagerly(fm, model_root, m
     # would count 2-token requests as prefills)
     md, bt, lens, num_pages = ps.build_decode(builder, [700, 33, 2000], 64, q_len=2, seed=4, device="cuda")
     assert md.backend == decisions.FLASHMLA and md.q_len == 2
-    q, kv = _inputs(6, num_pages, 4)
+    q, kv = ps.decode_inputs(6, num_pages, 4)
     out, _ = impl.forward_mqa(q, kv, types.SimpleNamespace(decode=md), None)
     assert relative_error(out, _reference(q, kv, bt, lens, q_len=2)) < TOL
     assert builder.choice.flashmla_enabled
@@ -159,29 +142,13 @@ def test_flashinfer_mla_serves_a_tuned_flashmla_bucket_eagerly(fm, model_root, m
 @pytest.mark.vllm
 def test_flashmla_bucket_under_full_cudagraph_capture_and_replay(fm, model_root, monkeypatch):
     builder, impl = _builder(model_root, monkeypatch, cudagraph=True)
-    batch, num_pages, width = 8, 900, 96
-    static_bt = torch.zeros(batch + 4, width, dtype=torch.int32, device="cuda")
-    static_lens = torch.zeros(batch + 4, dtype=torch.int32, device="cuda")
-    static_q = torch.zeros(batch, ps.NUM_HEADS, 576, dtype=torch.bfloat16, device="cuda")
-    static_kv = torch.zeros(num_pages, 64, 576, dtype=torch.bfloat16, device="cuda")
-
-    def step(seq_lens, seed):
-        bt, lens, common, _ = ps.ragged_batch(seq_lens, 64, num_pages=num_pages, seed=seed, device="cuda")
-        static_bt.zero_()
-        static_bt[:batch, :bt.shape[1]].copy_(bt[:batch])
-        static_lens[:batch].copy_(lens.to("cuda"))
-        common.block_table_tensor = static_bt[:batch]
-        common.seq_lens = static_lens[:batch]
-        md = builder.build(0, common)
-        q, kv = _inputs(batch, num_pages, seed)
-        static_q.copy_(q)
-        static_kv.copy_(kv)
-        return md, static_bt[:batch].clone(), lens
+    step = ps.GraphStep(builder)
+    static_q, static_kv = step.q, step.kv
 
     def forward(md):
         """Two layers, as a step runs them: the first schedules, the second reuses it."""
-        impl.forward_mqa((static_q[..., :512], static_q[..., 512:]), static_kv, md, None)
-        return impl.forward_mqa((static_q[..., :512], static_q[..., 512:]), static_kv, md, None)[0]
+        step.forward(impl, md)
+        return step.forward(impl, md)
 
     lens1 = [100, 7, 3000, 64, 1, 512, 2047, 900]
     md, bt, lens = step(lens1, seed=1)

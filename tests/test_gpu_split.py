@@ -67,17 +67,6 @@ def test_every_pipe_passes_the_plugins_check_at_page_64(heads, pipe):
     assert op.self_check(k, torch.bfloat16, DEVICE, lens=(1, 77, 300, 4100)) is None
 
 
-def _entry(split_params, batches=(1, 2, 8)):
-    dims = tc.ModelDims(ps.NUM_HEADS, ps.KV_LORA_RANK, ps.ROPE_DIM, "bfloat16", "bfloat16")
-    buckets = []
-    for b in batches:
-        for c in (256, 4096):
-            fams = {"flashinfer": tc.FamilyChoice({"backend": "fa3"}, time_us=30.0),
-                    "split": tc.FamilyChoice(dict(split_params), time_us=20.0)}
-            buckets.append(tc.Bucket(b, c, 1, fams, "split"))
-    return tc.ModelEntry(dims, 64, ["FLASHINFER_MLA", "TRITON_MLA"], buckets)
-
-
 @pytest.fixture(scope="module")
 def model_root(tmp_path_factory):
     os.environ.setdefault("VLLM_METAX_FORCE", "1")
@@ -85,26 +74,12 @@ def model_root(tmp_path_factory):
     return ps.make_vllm_config(tmp_path_factory.mktemp("model"))
 
 
-def _config(base, cudagraph=False):
-    from vllm.config import CacheConfig, CompilationConfig, VllmConfig
-    return VllmConfig(model_config=base.model_config, cache_config=CacheConfig(block_size=64),
-                      compilation_config=CompilationConfig(
-                          cudagraph_mode="FULL_AND_PIECEWISE" if cudagraph else "PIECEWISE",
-                          cudagraph_capture_sizes=[1, 2, 4, 8]))
-
-
 def _builder(vc, split_params):
     from vllm_metax.backend.plan_choice import PlanChoice
     builder = ps.make_builder(vc, device=DEVICE)
-    builder.choice = PlanChoice(_entry(split_params), decisions.FlashInferBackends(("fa3", "fa2"), "fa3"))
+    builder.choice = PlanChoice(ps.side_kernel_entry("split", split_params),
+                                decisions.FlashInferBackends(("fa3", "fa2"), "fa3"))
     return builder
-
-
-def _inputs(rows, num_pages, seed):
-    g = torch.Generator(device=DEVICE).manual_seed(seed)
-    q = torch.randn(rows, ps.NUM_HEADS, 576, device=DEVICE, generator=g).to(torch.bfloat16)
-    kv = torch.randn(num_pages, 64, 576, device=DEVICE, generator=g).to(torch.bfloat16)
-    return q, kv
 
 
 def _reference(q, kv, bt, lens):
@@ -114,21 +89,21 @@ def _reference(q, kv, bt, lens):
 
 @pytest.mark.vllm
 def test_flashinfer_mla_serves_a_tuned_split_bucket_eagerly(model_root):
-    vc = _config(model_root)
+    vc = ps.page64_config(model_root, cudagraph=False)
     builder = _builder(vc, {"backend": "triton", "num_splits": 32, "partial": "bfloat16"})
     impl = ps.make_impl(vc)
     for seed, seq_lens in ((1, [1, 300, 4096]), (2, [5000, 64])):
         bt, lens, common, num_pages = ps.ragged_batch(seq_lens, 64, device=DEVICE, seed=seed)
         md = builder.build(0, common)
         assert md.decode.backend == decisions.SPLIT and md.decode.paged is None
-        q, kv = _inputs(len(seq_lens), num_pages, seed)
+        q, kv = ps.decode_inputs(len(seq_lens), num_pages, seed)
         out, lse = impl.forward_mqa((q[..., :512], q[..., 512:]), kv, md, None)
         assert lse is None and relative_error(out, _reference(q, kv, bt, lens)) < TOL
     # batch 8 is tuned to split too; a batch of 16 snaps to it: the same kernel
     bt, lens, common, num_pages = ps.ragged_batch([700] * 16, 64, device=DEVICE, seed=3)
     md = builder.build(0, common)
     assert md.decode.backend == decisions.SPLIT and len(builder._split_kernels) == 1
-    q, kv = _inputs(16, num_pages, 3)
+    q, kv = ps.decode_inputs(16, num_pages, 3)
     out, _ = impl.forward_mqa((q[..., :512], q[..., 512:]), kv, md, None)
     assert relative_error(out, _reference(q, kv, bt, lens)) < TOL
 
@@ -136,32 +111,16 @@ def test_flashinfer_mla_serves_a_tuned_split_bucket_eagerly(model_root):
 @pytest.mark.vllm
 @pytest.mark.parametrize("pipe", ["t64", "t32x4-pdl"])
 def test_split_under_full_cudagraph_capture_and_replay(model_root, pipe):
-    vc = _config(model_root, cudagraph=True)
+    vc = ps.page64_config(model_root, cudagraph=True)
     builder = _builder(vc, {"backend": "triton", "num_splits": 64, "partial": "bfloat16",
                             **({"pipe": pipe} if pipe != "t64" else {})})
     impl = ps.make_impl(vc)
-    batch, num_pages, width = 8, 900, 96
     # vLLM's persistent buffers: the block table and lengths a captured graph reads every replay
-    static_bt = torch.zeros(batch + 4, width, dtype=torch.int32, device=DEVICE)
-    static_lens = torch.zeros(batch + 4, dtype=torch.int32, device=DEVICE)
-    static_q = torch.zeros(batch, ps.NUM_HEADS, 576, dtype=torch.bfloat16, device=DEVICE)
-    static_kv = torch.zeros(num_pages, 64, 576, dtype=torch.bfloat16, device=DEVICE)
-
-    def step(seq_lens, seed):
-        bt, lens, common, _ = ps.ragged_batch(seq_lens, 64, num_pages=num_pages, seed=seed, device=DEVICE)
-        static_bt.zero_()
-        static_bt[:batch, :bt.shape[1]].copy_(bt[:batch])
-        static_lens[:batch].copy_(lens.to(DEVICE))
-        common.block_table_tensor = static_bt[:batch]
-        common.seq_lens = static_lens[:batch]
-        md = builder.build(0, common)
-        q, kv = _inputs(batch, num_pages, seed)
-        static_q.copy_(q)
-        static_kv.copy_(kv)
-        return md, static_bt[:batch].clone(), lens
+    step = ps.GraphStep(builder, device=DEVICE)
+    static_q, static_kv = step.q, step.kv
 
     def forward(md):
-        return impl.forward_mqa((static_q[..., :512], static_q[..., 512:]), static_kv, md, None)[0]
+        return step.forward(impl, md)
 
     md, bt, lens = step([100, 7, 3000, 64, 1, 512, 2047, 900], seed=1)
     assert md.decode.cuda_graph and md.decode.backend == decisions.SPLIT
