@@ -216,6 +216,19 @@ def summarize(result: dict) -> dict:
     return out
 
 
+def log_warnings(rec: dict) -> list[str]:
+    """The plugin's WARNING lines of a setup's server log, each once, without vLLM's prefix: what
+    the server could not do as configured (a tuned kernel that cannot run here, say), which the
+    report puts beside that setup's numbers."""
+    out = []
+    for ln in rec.get("log", []):
+        if " WARNING " in ln and "vllm_metax" in ln:
+            msg = ln.split("] ", 1)[-1].strip()
+            if msg not in out:
+                out.append(msg)
+    return out
+
+
 def log_lines(log: Path) -> list[str]:
     """The plugin's lines of a server log (what the issue asks the log to say)."""
     keys = ("vllm_metax", "attention backend", "Using ")
@@ -332,11 +345,14 @@ def report(record: dict, meta: dict) -> str:
         for s, r in recs.items():
             if "skipped" in r or "error" in r:
                 lines.append(f"- {s}: {r.get('skipped') or 'FAILED: ' + r['error']}")
+            lines += [f"- {s}: the server log warns: {w}" for w in log_warnings(r)
+                      if SETUPS.get(s, ([], True))[1] or "no tuned config" not in w]   # by design
         lines.append("")
         runs = sorted({k for r in recs.values() for k in r.get("runs", {})},
                       key=lambda k: (list(WORKLOADS).index(k.split("@")[0]) if k.split("@")[0] in WORKLOADS else 9, k))
         setups = [s for s in SETUPS if s in recs and recs[s].get("runs")]
-        head = "| workload@rate | metric | " + " | ".join(setups) + " | tuned/" + " | tuned/".join(s for s in setups if s != "tuned") + " |"
+        others = [s for s in setups if s != "tuned"] if "tuned" in setups else []
+        head = "| workload@rate | metric | " + " | ".join(setups + [f"tuned/{s}" for s in others]) + " |"
         lines += [head, "|" + "---|" * (head.count("|") - 1)]
         for k in runs:
             for metric in ("p50_tpot_ms", "p99_tpot_ms", "p50_itl_ms", "p99_itl_ms", "p50_ttft_ms",
@@ -344,8 +360,8 @@ def report(record: dict, meta: dict) -> str:
                 vals = {s: recs[s]["runs"].get(k, {}).get(metric) for s in setups}
                 cells = [f"{v:.2f}" if v is not None else "-" for v in vals.values()]
                 t = vals.get("tuned")
-                rat = [f"{_ratio(t, vals[s]):.3f}" if _ratio(t, vals[s]) else "-" for s in setups if s != "tuned"]
-                lines.append(f"| {k} | {metric} | " + " | ".join(cells) + " | " + " | ".join(rat) + " |")
+                rat = [f"{_ratio(t, vals[s]):.3f}" if _ratio(t, vals[s]) else "-" for s in others]
+                lines.append(f"| {k} | {metric} | " + " | ".join(cells + rat) + " |")
         lines.append("")
         for s in setups:
             if s == "tuned":
@@ -355,8 +371,8 @@ def report(record: dict, meta: dict) -> str:
                 if "tuned" in setups else None
             if g:
                 lines.append(f"- p50 TPOT tuned / {s}, geomean over {len(runs)} workload-rates: {g:.3f}")
-        if "tuned" in setups:
-            lines += ["", "Goals (p50 TPOT ratios; < 1: tuned faster):", ""] + goals(recs, runs)
+        if "tuned" in setups and (met := goals(recs, runs)):
+            lines += ["", "Goals (p50 TPOT ratios; < 1: tuned faster):", ""] + met
         profiles = {s: r["profile"] for s, r in recs.items() if "profile" in r}
         if profiles:
             lines += ["", "Profile (one long request decoding; GPU kernels in vLLM's torch profiler traces):", ""]

@@ -184,15 +184,16 @@ PREFILL_TIMES = {
 }
 
 
-def _store_sweep(db):
-    """A decode bucket and the prefill buckets above, stored as a sweep stores them."""
+def _store_sweep(db, decode: bool = True):
+    """A decode bucket (unless `decode` is false) and the prefill buckets above, stored as a sweep
+    stores them."""
     m = model_preset("deepseek-v2-lite")       # 16 heads, the dims of plugin_support's model
     with ResultsStore(db) as store:
         run = store.add_run({"kind": "gpu", "device_name": DEVICE, "sm_count": 132, "capability": "9.0"})
-        wl = workload_for(m, 1, 8, 4096)
-        wid = store.workload_id(wl, 0, 0)
-        store.add_trial(run, wid, Candidate.parse("flashinfer/fa3/p64"), "ok",
-                        {"kernel_us": _samples(20.0)}, is_default=True)
+        if decode:
+            wid = store.workload_id(workload_for(m, 1, 8, 4096), 0, 0)
+            store.add_trial(run, wid, Candidate.parse("flashinfer/fa3/p64"), "ok",
+                            {"kernel_us": _samples(20.0)}, is_default=True)
         for (causal, q, kv), (fa3, fa2) in PREFILL_TIMES.items():
             w = prefill_workload(m, 1, causal, q, kv)
             pid = store.workload_id(w, w.bytes(), w.flops())
@@ -337,3 +338,27 @@ def test_report_shows_the_prefill_buckets_and_their_verdicts(tmp_path):
                                     "--full"]).stdout
     assert "MLA prefill backend" in summary and "5 prefill buckets; 3 keep the device default" in summary
     assert summary.count("| fa2 |") == 2 and full.count("| fa3 |") == 2 and full.count("| fa2 |") == 3
+
+
+def test_a_db_of_the_prefill_sweep_alone_reports_and_refuses_emit(tmp_path):
+    """`mla-tune prefill-sweep --db new.db` then `mla-tune report --db new.db` (how the H100's
+    prefill sweep came back from the device): the report shows the prefill section; emit, which
+    needs decode buckets, says so in one line and writes nothing."""
+    from mla_tune.cli import app
+    db = tmp_path / "prefill.db"
+    _store_sweep(db, decode=False)
+    run = CliRunner().invoke(app, ["report", "--db", str(db), "--format", "json"])
+    assert run.exit_code == 0, run.output
+    rep = json.loads(run.stdout)
+    assert rep["devices"] == [] and len(rep["prefill"]) == 5
+    for fmt in ("table", "markdown", "csv"):
+        out = CliRunner().invoke(app, ["report", "--db", str(db), "--format", fmt])
+        assert out.exit_code == 0 and "Traceback" not in out.output, out.output
+    assert "5 prefill buckets; 3 keep the device default" in CliRunner().invoke(
+        app, ["report", "--db", str(db), "--format", "markdown"]).stdout
+    out = CliRunner().invoke(app, ["emit", "--db", str(db), "--out", str(tmp_path / "cfg")])
+    assert out.exit_code == 2 and "prefill trials only" in out.output
+    assert not (tmp_path / "cfg").exists() or not list((tmp_path / "cfg").iterdir())
+    # a filter that matches nothing still names what the DB holds
+    out = CliRunner().invoke(app, ["report", "--db", str(db), "--device", "NVIDIA B200"])
+    assert out.exit_code == 2 and "prefill trials only" in out.output

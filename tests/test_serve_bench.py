@@ -89,6 +89,29 @@ def test_the_report_quotes_tuned_over_each_setup():
     assert "p50 TPOT tuned / triton16, geomean over 2 workload-rates: 0.500" in md
     assert "- vllm_default: no FA3 here" in md
     assert "Profile" not in md                       # no --profile: no section
+    assert "the server log warns" not in md
+    # a tuned kernel the server could not run is said beside the numbers, once (the log repeats it)
+    fa3 = ("(EngineCore pid=946) WARNING 12-07 08:14:49 [plan_choice.py:193] vllm_metax MLA: the tuned "
+           "config's vLLM FA3 MLA decode cannot run here (num_splits=32, schedule=aot: not installed); "
+           "FlashInfer decodes those steps")
+    record["h16/tuned"]["log"] = [
+        "(EngineCore pid=946) INFO 12-07 08:14:32 [__init__.py:64] vllm_metax MLA: tuned entry 16 heads",
+        fa3, fa3.replace("08:14:49", "08:15:07"),
+        "(EngineCore pid=946) WARNING 12-07 08:15:07 [kernel_warmup.py:1] not the plugin's"]
+    md = sb.report(record, {"device": "X", "date": "d", "note": "n"})
+    assert md.count("the server log warns") == 1
+    # a setup without a tuned config by design does not list that as a warning
+    record["h16/triton16"]["log"] = ["(EngineCore pid=1) WARNING 12-07 08:18:00 [discovery.py:88] "
+                                     "vllm_metax MLA: no tuned config for 'X' (looked for /x)"]
+    assert sb.report(record, {"device": "X", "date": "d", "note": "n"}).count("the server log warns") == 1
+    # one setup alone (a run cut short): its numbers, no ratio columns, no goals
+    alone = sb.report({"h128/tuned": {"model": "h128", "setup": "tuned", "runs": {"long@1": run(7.0)}}},
+                      {"device": "X", "date": "d", "note": "n"})
+    assert "| workload@rate | metric | tuned |" in alone and "tuned/" not in alone
+    assert "| long@1 | p50_tpot_ms | 7.00 |" in alone and "Goals" not in alone
+    assert ("- tuned: the server log warns: vllm_metax MLA: the tuned config's vLLM FA3 MLA decode "
+            "cannot run here (num_splits=32, schedule=aot: not installed); FlashInfer decodes those "
+            "steps") in md
     json.dumps(record)
     step = lambda total, attn: {"steps": 32, "step_kernel_us": total, "attention_share": attn / total,  # noqa: E731
                                 "per_step_us": {"attention": attn, "kv cache write": 0.0, "other": total - attn}}

@@ -107,6 +107,11 @@ def select_trials(store, flt: TrialFilter = TrialFilter()) -> list[TrialRecord]:
     db = store.db
     if not db["trials"].count:
         raise SelectionError(f"{store.path} holds no trials yet (run `mla-tune sweep` first)")
+    if not store.trials() and store.trials(prefill=True):
+        raise SelectionError(f"no decode trials in {store.path} match {flt.describe()}: it holds "
+                             "prefill trials only (`mla-tune prefill-sweep`), "
+                             "a decode sweep is needed (`mla-tune sweep --db` this file, or "
+                             "`mla-tune merge` it into the DB that holds one)")
     devices = sorted({r[0] for r in db.execute("select distinct device_name from runs r "
                                                "join trials t on t.run_id = r.id")})
     models = sorted({r[0] for r in db.execute("select distinct model from workloads")})

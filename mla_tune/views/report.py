@@ -21,7 +21,7 @@ from mla_tune.views import prefill_view
 from mla_tune.problem.roofline import floor_of, pct_of_floor
 from mla_tune.problem.defaults import DEFAULT_PAGE_SIZE, PLAN_METRIC
 from mla_tune.store.records import StoredWorkload, TrialRecord
-from mla_tune.store.selection import CPU_RUN_KIND, TrialFilter, device_key, select_trials
+from mla_tune.store.selection import CPU_RUN_KIND, SelectionError, TrialFilter, device_key, select_trials
 from mla_tune.tune.verdict import Verdict
 
 CPU_LABEL = "CPU torch reference: timings of the correctness oracle, not of a GPU kernel"
@@ -182,7 +182,13 @@ class Report:
 def build_report(store, flt: TrialFilter = TrialFilter(), mix: WorkloadMix | None = None,
                  **choose_kw) -> Report:
     """The report of the trials `flt` selects; winners by `mla_tune.tune.choose` under `mix`."""
-    records = select_trials(store, flt)
+    prefill = prefill_view.build_prefill(store, flt, **choose_kw)
+    try:
+        records = select_trials(store, flt)
+    except SelectionError:
+        if not prefill:         # a DB of `mla-tune prefill-sweep` alone: its prefill section
+            raise
+        return Report(str(store.path), flt, [], None, prefill, prefill_view.prefill_records(store, flt))
     if mix is not None and mix.weights:
         mix.check_covers({r.stored.bucket[:2] for r in records}, "the selected trials")
     latest = choosing.latest_trials(records)
@@ -205,8 +211,7 @@ def build_report(store, flt: TrialFilter = TrialFilter(), mix: WorkloadMix | Non
         devices.append(dev)
     devices.sort(key=lambda d: (d.is_reference, d.device_name))
     return Report(str(store.path), flt, devices, dict(mix.weights) if mix and mix.weights else None,
-                  prefill_view.build_prefill(store, flt, **choose_kw),
-                  prefill_view.prefill_records(store, flt))
+                  prefill, prefill_view.prefill_records(store, flt))
 
 
 def _workload_views(records: list[TrialRecord], dev: DeviceReport) -> list[WorkloadView]:
