@@ -45,6 +45,56 @@ def silu_kernel():
     lib._destroy()
 
 
+@pytest.fixture(autouse=True)
+def merge_users(monkeypatch):
+    """The MLA modules' `merge_attn_states` bindings, restored after every test (routing rebinds
+    them for the whole process)."""
+    import importlib
+
+    mods = [importlib.import_module(m) for m in custom_ops.MERGE_USERS]
+    for m in mods:
+        monkeypatch.setattr(m, "merge_attn_states", m.merge_attn_states)
+    return mods
+
+
+@pytest.fixture
+def merge_kernel():
+    """A CPU double of vLLM's compiled `_C.merge_attn_states` (the LSE-weighted merge of prefix
+    and suffix attention, in float64) that counts its calls."""
+    lib = torch.library.Library("_C", "FRAGMENT")
+    calls = []
+    lib.define("merge_attn_states(Tensor(a!) output, Tensor(b!)? output_lse, Tensor prefix_output, "
+               "Tensor prefix_lse, Tensor suffix_output, Tensor suffix_lse, "
+               "int? prefill_tokens_with_context, Tensor? output_scale) -> ()")
+
+    def impl(output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse, n, scale):
+        calls.append(tuple(output.shape))
+        out, lse = _merge_reference(prefix_output, prefix_lse, suffix_output, suffix_lse)
+        output.copy_(out.to(output.dtype))
+        if output_lse is not None:
+            output_lse.copy_(lse.to(output_lse.dtype))
+
+    lib.impl("merge_attn_states", impl, "CPU")
+    yield calls
+    lib._destroy()
+
+
+def _merge_reference(po, plse, so, slse):
+    """out = (e^plse po + e^slse so) / (e^plse + e^slse) per token and head; lse its log-normaliser.
+    lse tensors are [heads, tokens], outputs [tokens, heads, dim]."""
+    lse = torch.logaddexp(plse.double(), slse.double())
+    wp = torch.exp(plse.double() - lse).transpose(0, 1).unsqueeze(-1)
+    ws = torch.exp(slse.double() - lse).transpose(0, 1).unsqueeze(-1)
+    return wp * po.double() + ws * so.double(), lse
+
+
+def _merge_inputs(tokens=5, heads=16, dim=128, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(0)
+    po, so = (torch.randn(tokens, heads, dim, generator=g).to(dtype) for _ in range(2))
+    plse, slse = (torch.randn(heads, tokens, generator=g) * 3 for _ in range(2))
+    return po, plse, so, slse
+
+
 def _vllm_config(tmp_path, mode: int):
     ensure_metax_platform()
     from vllm.config import CompilationConfig, ModelConfig, VllmConfig
@@ -160,8 +210,9 @@ def test_the_entry_point_registers_only_where_the_platform_is_active(oot_registr
     with caplog.at_level(logging.INFO):
         outcome = vllm_metax.register_custom_ops()
     assert outcome["SiluAndMul"] == "compiled" and "SiluAndMul" in oot_registry
-    assert "vllm_metax: vLLM's compiled kernels for SiluAndMul, MulAndSilu, GeluAndMul, RotaryEmbedding" \
-        in caplog.text
+    assert outcome["merge_attn_states"] == "compiled"
+    assert ("vllm_metax: vLLM's compiled kernels for SiluAndMul, MulAndSilu, GeluAndMul, RotaryEmbedding, "
+            "merge_attn_states") in caplog.text
 
 
 def test_rms_norm_runs_the_compiled_kernel_under_the_platforms_priority(tmp_path, monkeypatch):
@@ -240,3 +291,69 @@ def test_flashinfer_autotune_is_off_where_flashinfer_lacks_what_vllms_warmup_cal
         assert config.kernel_config.enable_flashinfer_autotune is False
         assert ("vllm_metax: FlashInfer autotune at warmup off: FlashInfer 0.2.6.post1 has no "
                 "flashinfer.autotuner.set_autotune_process_group") in caplog.text
+
+
+def test_the_mla_layers_merge_runs_the_compiled_kernel_where_it_is_registered(merge_users, merge_kernel):
+    """vLLM picks its compiled merge only on CudaPlatform; elsewhere a Triton kernel JIT-compiled
+    at the first long prompt (vLLM's JIT monitor warned of it on every plugin server). The MLA
+    modules' own `merge_attn_states` (what vLLM's MLA prefill calls) now reaches the compiled one."""
+    mla, sparse = merge_users
+    vllm_own = mla.merge_attn_states
+    assert custom_ops.route_merge_attn_states(has=lambda op: True) == "compiled"
+    assert mla.merge_attn_states.__wrapped__ is vllm_own and sparse.merge_attn_states is mla.merge_attn_states
+    po, plse, so, slse = _merge_inputs()
+    out, out_lse = torch.empty_like(po), torch.empty_like(plse)
+    mla.merge_attn_states(output=out, prefix_output=po, prefix_lse=plse, suffix_output=so,
+                          suffix_lse=slse, output_lse=out_lse)
+    assert merge_kernel == [(5, 16, 128)]
+    ref, ref_lse = _merge_reference(po, plse, so, slse)
+    torch.testing.assert_close(out, ref.to(out.dtype))
+    torch.testing.assert_close(out_lse, ref_lse.float())
+    assert custom_ops.route_merge_attn_states(has=lambda op: True) == "compiled"   # idempotent
+    assert mla.merge_attn_states.__wrapped__ is vllm_own
+
+
+@pytest.mark.parametrize("case, compiled", [
+    ("bf16 dim 128", True), ("fp32 dim 100", True), ("fp16 dim 100", False),
+    ("bf16 strides differ", False), ("fp8 out without scale", False), ("fp8 out with scale", True)])
+def test_the_compiled_merge_takes_what_vllms_rule_gives_its_kernel(case, compiled, monkeypatch):
+    """vLLM's rule (merge_attn_states.py): float32/half/bfloat16 inputs with a head size that is a
+    multiple of 4 (float32) or 8; anything else goes to vLLM's own function, which asserts on
+    mismatched strides and on FP8 output without a scale."""
+    from vllm import _custom_ops
+
+    took = []
+    monkeypatch.setattr(_custom_ops, "merge_attn_states", lambda *a: took.append("compiled"))
+    merge = custom_ops.compiled_merge(lambda *a: took.append("vllm's own"))
+    dtype = {"fp32": torch.float32, "fp16": torch.float16}.get(case.split()[0], torch.bfloat16)
+    dim = 100 if "dim 100" in case else 128
+    po, plse, so, slse = _merge_inputs(dim=dim, dtype=dtype)
+    if "strides" in case:
+        so = torch.randn(5, 16, 2 * dim).to(dtype)[..., :dim]
+    out = torch.empty(po.shape, dtype=torch.float8_e4m3fn) if "fp8" in case else torch.empty_like(po)
+    scale = torch.ones(()) if "with scale" in case else None
+    merge(out, po, plse, so, slse, None, None, scale)
+    assert took == ["compiled" if compiled else "vllm's own"]
+
+
+def test_without_the_compiled_merge_vllms_stays(merge_users):
+    mla, sparse = merge_users
+    before = mla.merge_attn_states
+    outcome = custom_ops.route_merge_attn_states(has=lambda op: False)
+    assert outcome == "Triton: torch.ops._C.merge_attn_states not registered"
+    assert mla.merge_attn_states is before and sparse.merge_attn_states is before
+    assert "merge_attn_states (Triton: torch.ops._C.merge_attn_states not registered)" in \
+        custom_ops.summary({"SiluAndMul": "compiled", "merge_attn_states": outcome})
+
+
+def test_a_merge_another_plugin_bound_first_is_kept(merge_users):
+    mla, sparse = merge_users
+
+    def vendor_merge(*a, **k):
+        return None
+
+    mla.merge_attn_states = vendor_merge
+    outcome = custom_ops.route_merge_attn_states(has=lambda op: True)
+    assert outcome == "compiled, except another plugin's merge_attn_states kept in mla_attention"
+    assert mla.merge_attn_states is vendor_merge
+    assert getattr(sparse.merge_attn_states, "_vllm_metax_compiled", False)

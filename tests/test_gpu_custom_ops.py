@@ -70,3 +70,39 @@ def test_norms_activations_and_rotary_run_vllms_cuda_kernels(config):
         q_out, k_out = rope(pos, q.clone(), k.clone())
         torch.testing.assert_close(q_out, q_ref, atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(k_out, k_ref, atol=2e-2, rtol=2e-2)
+
+
+def test_the_mla_layers_merge_runs_vllms_cuda_kernel(config):
+    """The MLA prefill's merge of context and new-token attention through vLLM's compiled
+    `_C.merge_attn_states` (vllm_metax.custom_ops.route_merge_attn_states), agreeing with vLLM's
+    Triton merge (what the platform ran before) and a float64 reference, LSE included."""
+    import importlib
+
+    from vllm_metax.custom_ops import MERGE_USERS, route_merge_attn_states
+
+    users = [importlib.import_module(m) for m in MERGE_USERS]
+    mla = users[0]
+    vllm_own = mla.merge_attn_states
+    try:
+        assert route_merge_attn_states() == "compiled"
+        g = torch.Generator(device="cuda").manual_seed(0)
+        t, h, d = 300, 16, 128
+        po, so = (torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+        plse, slse = (torch.randn(h, t, device="cuda", generator=g) * 3 for _ in range(2))
+        plse[:, :7] = float("-inf")               # tokens whose context chunk saw nothing
+        out, lse = torch.empty_like(po), torch.empty_like(plse)
+        mla.merge_attn_states(output=out, prefix_output=po, prefix_lse=plse, suffix_output=so,
+                              suffix_lse=slse, output_lse=lse)
+        tri, tri_lse = torch.empty_like(po), torch.empty_like(plse)
+        from vllm.v1.attention.ops.triton_merge_attn_states import merge_attn_states as triton_merge
+        triton_merge(tri, po, plse, so, slse, tri_lse)
+        ref_lse = torch.logaddexp(plse.double(), slse.double())
+        wp = torch.exp(plse.double() - ref_lse).transpose(0, 1).unsqueeze(-1)
+        ws = torch.exp(slse.double() - ref_lse).transpose(0, 1).unsqueeze(-1)
+        ref = wp * po.double() + ws * so.double()
+        torch.testing.assert_close(out.double(), ref, atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out, tri, atol=1e-2, rtol=1e-2)
+    finally:
+        for u in users:
+            u.merge_attn_states = vllm_own

@@ -63,15 +63,17 @@ def register_attention_backends() -> None:
 
 def register_custom_ops() -> dict | None:
     """vllm.general_plugins entry point (every vLLM process, before its model is built): vLLM's
-    compiled kernels for norms, activations and rotary instead of their PyTorch code, only when our
-    platform is the active one (vllm_metax.custom_ops). Returns what each op runs, or None."""
+    compiled kernels for norms, activations, rotary and the MLA prefill's merge instead of PyTorch's
+    (or Triton's) code, only when our platform is the active one (vllm_metax.custom_ops). Returns
+    what each op runs, or None."""
     if not should_activate()[0]:
         return None
     from vllm_metax.core.log import get_logger
-    from vllm_metax.custom_ops import register_cuda_forward, summary
+    from vllm_metax.custom_ops import register_cuda_forward, route_merge_attn_states, summary
     from vllm_metax.platform import compiled_ops
 
     compiled_ops()                          # the kernels loaded first, so they can be found
     outcome = register_cuda_forward()
+    outcome["merge_attn_states"] = route_merge_attn_states()
     get_logger(__name__).info(summary(outcome))
     return outcome

@@ -17,7 +17,12 @@ This module gives the platform CUDA's choices wherever the kernels are registere
 - `register_cuda_forward`: for each op in `CUDA_FORWARD` whose kernels are registered, an
   out-of-tree subclass (vLLM's `CustomOp.register_oot`) whose `forward_oot` is vLLM's own
   `forward_cuda`. An op whose kernels are missing keeps PyTorch's code; one that another plugin
-  (MetaX's vLLM-metax) registered first keeps that one.
+  (MetaX's vLLM-metax) registered first keeps that one;
+- `route_merge_attn_states`: the MLA layers' merge of prefix and suffix attention (every prefill
+  chunk with context) through vLLM's compiled `_C.merge_attn_states`, as on CUDA. vLLM takes that
+  kernel only where `current_platform.is_cuda()`, elsewhere a Triton kernel that is JIT-compiled
+  at the first long prompt a server sees (vLLM's JIT monitor: "Triton kernel JIT compilation during
+  inference: merge_attn_states_kernel" on every plugin server of the lent H100, never on vLLM's own).
 """
 
 from __future__ import annotations
@@ -85,6 +90,61 @@ def register_cuda_forward(has=None, loader=_load) -> dict[str, str]:
         sub.name = cls.name     # register_oot renames it; --compilation-config's custom_ops use this
         outcome[name] = "compiled"
     return outcome
+
+
+# vLLM's modules that bound `merge_attn_states` at import: the MLA attention layers
+MERGE_USERS = ("vllm.model_executor.layers.attention.mla_attention",
+               "vllm.model_executor.layers.attention.sparse_mla_attention")
+_MERGE_DTYPES = {"float32": 4, "float16": 8, "bfloat16": 8}   # dtype -> head size multiple
+
+
+def compiled_merge(fallback):
+    """vLLM's `merge_attn_states` as CudaPlatform runs it: the compiled kernel for the dtypes and
+    head sizes it takes (vllm/v1/attention/ops/merge_attn_states.py's rule), `fallback` (vLLM's own
+    function, which asserts on bad input and runs Triton) for everything else."""
+    from vllm import _custom_ops
+
+    def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_lse,
+                          output_lse=None, prefill_tokens_with_context=None, output_scale=None):
+        multiple = _MERGE_DTYPES.get(str(prefix_output.dtype).removeprefix("torch."))
+        if (multiple and prefix_output.shape[2] % multiple == 0
+                and prefix_output.stride(1) == suffix_output.stride(1)
+                and (output_scale is not None or str(output.dtype).removeprefix("torch.") in _MERGE_DTYPES)):
+            return _custom_ops.merge_attn_states(output, prefix_output, prefix_lse, suffix_output,
+                                                 suffix_lse, output_lse, prefill_tokens_with_context,
+                                                 output_scale)
+        return fallback(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse,
+                        prefill_tokens_with_context, output_scale)
+
+    merge_attn_states.__wrapped__ = fallback
+    merge_attn_states._vllm_metax_compiled = True
+    return merge_attn_states
+
+
+def route_merge_attn_states(has=None, modules=MERGE_USERS) -> str:
+    """Point each module of `modules` that calls vLLM's `merge_attn_states` at `compiled_merge`,
+    once per process, where `_C.merge_attn_states` is registered. Returns "compiled" or why vLLM's
+    Triton merge stays; never raises. A module whose name is bound to something else (another
+    plugin's) keeps it."""
+    has = has or has_op
+    if not has("_C.merge_attn_states"):
+        return "Triton: torch.ops._C.merge_attn_states not registered"
+    try:
+        from vllm.v1.attention.ops import merge_attn_states as source
+        original = source.merge_attn_states
+        users = [importlib.import_module(m) for m in modules]
+    except Exception as e:  # noqa: BLE001 - another vLLM build may lay these out differently
+        return f"Triton: {type(e).__name__}: {e}"
+    routed = compiled_merge(original)
+    bound = [u for u in users if getattr(u, "merge_attn_states", None) is original]
+    for u in bound:
+        u.merge_attn_states = routed
+    kept = [u.__name__.rsplit(".", 1)[1] for u in users
+            if not getattr(getattr(u, "merge_attn_states", None), "_vllm_metax_compiled", False)]
+    if not kept:
+        return "compiled"
+    return ("compiled, except " if len(kept) < len(users) else "") + \
+        f"another plugin's merge_attn_states kept in {', '.join(kept)}"
 
 
 def summary(outcome: dict[str, str], priority: dict[str, list[str]] | None = None) -> str:
