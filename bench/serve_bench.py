@@ -306,13 +306,14 @@ NOISE = 0.05          # one run per cell: a p50 TPOT difference under 5% is not 
 LONG_TPOT_GOAL = 0.6  # 16 heads, long context: tuned p50 TPOT <= 0.6x TRITON_MLA at block 16
 
 
-def goals(recs: dict, runs: list[str]) -> list[str]:
-    """The serving issue's goals for one model, from its p50 TPOTs: long-context tuned/triton16,
-    tuned vs untuned (never slower beyond noise), tuned vs vLLM's own default."""
+def goals(recs: dict, runs: list[str], heads: int = 16) -> list[str]:
+    """The serving issue's goals for one model, from its p50 TPOTs: long-context tuned/triton16
+    (set for 16 heads per rank), tuned vs untuned (never slower beyond noise), tuned vs vLLM's own
+    default."""
     def tpot(setup, k):
         return recs.get(setup, {}).get("runs", {}).get(k, {}).get("p50_tpot_ms")
     out = []
-    if "triton16" in recs:
+    if "triton16" in recs and heads == 16:
         long = {k: _ratio(tpot("tuned", k), tpot("triton16", k)) for k in runs if k.startswith("long@")}
         long = {k: v for k, v in long.items() if v}
         if long:
@@ -371,7 +372,7 @@ def report(record: dict, meta: dict) -> str:
                 if "tuned" in setups else None
             if g:
                 lines.append(f"- p50 TPOT tuned / {s}, geomean over {len(runs)} workload-rates: {g:.3f}")
-        if "tuned" in setups and (met := goals(recs, runs)):
+        if "tuned" in setups and (met := goals(recs, runs, MODELS[model]["heads"])):
             lines += ["", "Goals (p50 TPOT ratios; < 1: tuned faster):", ""] + met
         profiles = {s: r["profile"] for s, r in recs.items() if "profile" in r}
         if profiles:

@@ -109,6 +109,11 @@ def test_the_report_quotes_tuned_over_each_setup():
                       {"device": "X", "date": "d", "note": "n"})
     assert "| workload@rate | metric | tuned |" in alone and "tuned/" not in alone
     assert "| long@1 | p50_tpot_ms | 7.00 |" in alone and "Goals" not in alone
+    # the long-context goal is set for 16 heads per rank; 128 heads get the other goals only
+    h128 = {k.replace("h16", "h128"): {**r, "model": "h128"} for k, r in record.items()}
+    md128 = sb.report(h128, {"device": "X", "date": "d", "note": "n"})
+    assert "## h128" in md128 and "tuned / triton16 p50 TPOT <= 0.6" not in md128
+    assert "tuned / triton16 p50 TPOT <= 0.6: met (long@1 0.500, long@4 0.500)" in md
     assert ("- tuned: the server log warns: vllm_metax MLA: the tuned config's vLLM FA3 MLA decode "
             "cannot run here (num_splits=32, schedule=aot: not installed); FlashInfer decodes those "
             "steps") in md
