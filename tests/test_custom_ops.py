@@ -68,6 +68,7 @@ def merge_kernel():
                "int? prefill_tokens_with_context, Tensor? output_scale) -> ()")
 
     def impl(output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse, n, scale):
+        assert prefix_lse.is_contiguous() and suffix_lse.is_contiguous()   # earlier kernels' indexing
         calls.append(tuple(output.shape))
         out, lse = _merge_reference(prefix_output, prefix_lse, suffix_output, suffix_lse)
         output.copy_(out.to(output.dtype))
@@ -302,7 +303,10 @@ def test_the_mla_layers_merge_runs_the_compiled_kernel_where_it_is_registered(me
     assert custom_ops.route_merge_attn_states(has=lambda op: True) == "compiled"
     assert mla.merge_attn_states.__wrapped__ is vllm_own and sparse.merge_attn_states is mla.merge_attn_states
     po, plse, so, slse = _merge_inputs()
-    out, out_lse = torch.empty_like(po), torch.empty_like(plse)
+    # as the plugin's FlashInfer prefill returns them: [tokens, heads] transposed to [heads, tokens]
+    plse, slse = plse.t().contiguous().t(), slse.t().contiguous().t()
+    assert not plse.is_contiguous()
+    out, out_lse = torch.empty_like(po), torch.empty(plse.shape)
     mla.merge_attn_states(output=out, prefix_output=po, prefix_lse=plse, suffix_output=so,
                           suffix_lse=slse, output_lse=out_lse)
     assert merge_kernel == [(5, 16, 128)]
@@ -315,11 +319,13 @@ def test_the_mla_layers_merge_runs_the_compiled_kernel_where_it_is_registered(me
 
 @pytest.mark.parametrize("case, compiled", [
     ("bf16 dim 128", True), ("fp32 dim 100", True), ("fp16 dim 100", False),
-    ("bf16 strides differ", False), ("fp8 out without scale", False), ("fp8 out with scale", True)])
+    ("bf16 strides differ", False), ("fp8 out without scale", False), ("fp8 out with scale", True),
+    ("bf16 strided output_lse", False)])
 def test_the_compiled_merge_takes_what_vllms_rule_gives_its_kernel(case, compiled, monkeypatch):
     """vLLM's rule (merge_attn_states.py): float32/half/bfloat16 inputs with a head size that is a
     multiple of 4 (float32) or 8; anything else goes to vLLM's own function, which asserts on
-    mismatched strides and on FP8 output without a scale."""
+    mismatched strides and on FP8 output without a scale. An output LSE that is a strided view
+    stays with vLLM's function too (earlier compiled kernels write it as contiguous)."""
     from vllm import _custom_ops
 
     took = []
@@ -332,7 +338,8 @@ def test_the_compiled_merge_takes_what_vllms_rule_gives_its_kernel(case, compile
         so = torch.randn(5, 16, 2 * dim).to(dtype)[..., :dim]
     out = torch.empty(po.shape, dtype=torch.float8_e4m3fn) if "fp8" in case else torch.empty_like(po)
     scale = torch.ones(()) if "with scale" in case else None
-    merge(out, po, plse, so, slse, None, None, scale)
+    out_lse = torch.empty(16, 9)[:, 2:7] if "output_lse" in case else None   # a slice, as the
+    merge(out, po, plse, so, slse, out_lse, None, scale)                      # continuation merge
     assert took == ["compiled" if compiled else "vllm's own"]
 
 

@@ -87,13 +87,16 @@ def test_the_mla_layers_merge_runs_vllms_cuda_kernel(config):
         assert route_merge_attn_states() == "compiled"
         g = torch.Generator(device="cuda").manual_seed(0)
         t, h, d = 300, 16, 128
-        po, so = (torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-        plse, slse = (torch.randn(h, t, device="cuda", generator=g) * 3 for _ in range(2))
+        # as vLLM's MLA prefill merges them: outputs sliced to v_head_dim from the 192-wide
+        # q/k head (head stride 192), LSE [heads, tokens] as transposed views of [tokens, heads]
+        po, so = (torch.randn(t, h, 192, device="cuda", dtype=torch.bfloat16, generator=g)[..., :d]
+                  for _ in range(2))
+        plse, slse = ((torch.randn(t, h, device="cuda", generator=g) * 3).t() for _ in range(2))
         plse[:, :7] = float("-inf")               # tokens whose context chunk saw nothing
-        out, lse = torch.empty_like(po), torch.empty_like(plse)
+        out, lse = torch.empty(t, h, d, device="cuda", dtype=torch.bfloat16), torch.empty(h, t, device="cuda")
         mla.merge_attn_states(output=out, prefix_output=po, prefix_lse=plse, suffix_output=so,
                               suffix_lse=slse, output_lse=lse)
-        tri, tri_lse = torch.empty_like(po), torch.empty_like(plse)
+        tri, tri_lse = torch.empty_like(out), torch.empty_like(lse)
         from vllm.v1.attention.ops.triton_merge_attn_states import merge_attn_states as triton_merge
         triton_merge(tri, po, plse, so, slse, tri_lse)
         ref_lse = torch.logaddexp(plse.double(), slse.double())

@@ -101,7 +101,13 @@ _MERGE_DTYPES = {"float32": 4, "float16": 8, "bfloat16": 8}   # dtype -> head si
 def compiled_merge(fallback):
     """vLLM's `merge_attn_states` as CudaPlatform runs it: the compiled kernel for the dtypes and
     head sizes it takes (vllm/v1/attention/ops/merge_attn_states.py's rule), `fallback` (vLLM's own
-    function, which asserts on bad input and runs Triton) for everything else."""
+    function, which asserts on bad input and runs Triton) for everything else.
+
+    The LSE tensors are [heads, tokens]; the plugin's FlashInfer prefill hands them over as
+    transposed views. Earlier versions of the compiled kernel index them as contiguous
+    (`head * num_tokens + token`), so they reach it contiguous (a copy of a few hundred KB at most),
+    and an `output_lse` that is a strided view (the continuation merge writes a slice) keeps
+    vLLM's merge."""
     from vllm import _custom_ops
 
     def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_lse,
@@ -109,10 +115,11 @@ def compiled_merge(fallback):
         multiple = _MERGE_DTYPES.get(str(prefix_output.dtype).removeprefix("torch."))
         if (multiple and prefix_output.shape[2] % multiple == 0
                 and prefix_output.stride(1) == suffix_output.stride(1)
+                and (output_lse is None or output_lse.is_contiguous())
                 and (output_scale is not None or str(output.dtype).removeprefix("torch.") in _MERGE_DTYPES)):
-            return _custom_ops.merge_attn_states(output, prefix_output, prefix_lse, suffix_output,
-                                                 suffix_lse, output_lse, prefill_tokens_with_context,
-                                                 output_scale)
+            return _custom_ops.merge_attn_states(output, prefix_output, prefix_lse.contiguous(),
+                                                 suffix_output, suffix_lse.contiguous(), output_lse,
+                                                 prefill_tokens_with_context, output_scale)
         return fallback(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse,
                         prefill_tokens_with_context, output_scale)
 
