@@ -203,7 +203,8 @@ def test_a_class_this_vllm_lacks_keeps_its_default(oot_registry, monkeypatch):
     assert oot_registry == {}
 
 
-def test_the_entry_point_registers_only_where_the_platform_is_active(oot_registry, monkeypatch, caplog):
+def test_the_entry_point_registers_only_where_the_platform_is_active(oot_registry, monkeypatch, caplog,
+                                                                    merge_kernel):
     monkeypatch.setattr(custom_ops, "has_op", lambda op: True)
     monkeypatch.setattr(vllm_metax, "should_activate", lambda: (False, "not a MetaX device"))
     assert vllm_metax.register_custom_ops() is None and oot_registry == {}
@@ -353,7 +354,7 @@ def test_without_the_compiled_merge_vllms_stays(merge_users):
         custom_ops.summary({"SiluAndMul": "compiled", "merge_attn_states": outcome})
 
 
-def test_a_merge_another_plugin_bound_first_is_kept(merge_users):
+def test_a_merge_another_plugin_bound_first_is_kept(merge_users, merge_kernel):
     mla, sparse = merge_users
 
     def vendor_merge(*a, **k):
@@ -364,3 +365,20 @@ def test_a_merge_another_plugin_bound_first_is_kept(merge_users):
     assert outcome == "compiled, except another plugin's merge_attn_states kept in mla_attention"
     assert mla.merge_attn_states is vendor_merge
     assert getattr(sparse.merge_attn_states, "_vllm_metax_compiled", False)
+
+
+def test_a_merge_kernel_of_another_signature_keeps_vllms_merge(merge_users):
+    """An older `_C.merge_attn_states` (six arguments, contiguous heads only: what another build,
+    MetaX's mcoplib say, may register) is not called with vLLM 0.33's eight."""
+    mla, _ = merge_users
+    before = mla.merge_attn_states
+    lib = torch.library.Library("_C", "FRAGMENT")
+    lib.define("merge_attn_states(Tensor(a!) output, Tensor(b!)? output_lse, Tensor prefix_output, "
+               "Tensor prefix_lse, Tensor suffix_output, Tensor suffix_lse) -> ()")
+    try:
+        outcome = custom_ops.route_merge_attn_states(has=lambda op: True)
+    finally:
+        lib._destroy()
+    assert outcome.startswith("Triton: torch.ops._C.merge_attn_states takes (output, output_lse, "
+                              "prefix_output, prefix_lse, suffix_output, suffix_lse), not vLLM 0.33's")
+    assert mla.merge_attn_states is before

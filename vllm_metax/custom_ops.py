@@ -128,6 +128,24 @@ def compiled_merge(fallback):
     return merge_attn_states
 
 
+MERGE_ARGS = ("output", "output_lse", "prefix_output", "prefix_lse", "suffix_output", "suffix_lse",
+              "prefill_tokens_with_context", "output_scale")
+
+
+def _merge_signature_mismatch() -> str | None:
+    """Why the registered `_C.merge_attn_states` is not the one vLLM 0.33 calls (another build's,
+    MetaX's `mcoplib` say, with the older six-argument kernel that wants contiguous heads), or None."""
+    import torch
+
+    try:
+        names = tuple(a.name for a in torch.ops._C.merge_attn_states.default._schema.arguments)
+    except (AttributeError, RuntimeError) as e:
+        return f"torch.ops._C.merge_attn_states has no readable schema ({e})"
+    if names != MERGE_ARGS:
+        return f"torch.ops._C.merge_attn_states takes ({', '.join(names)}), not vLLM 0.33's arguments"
+    return None
+
+
 def route_merge_attn_states(has=None, modules=MERGE_USERS) -> str:
     """Point each module of `modules` that calls vLLM's `merge_attn_states` at `compiled_merge`,
     once per process, where `_C.merge_attn_states` is registered. Returns "compiled" or why vLLM's
@@ -136,6 +154,8 @@ def route_merge_attn_states(has=None, modules=MERGE_USERS) -> str:
     has = has or has_op
     if not has("_C.merge_attn_states"):
         return "Triton: torch.ops._C.merge_attn_states not registered"
+    if (why := _merge_signature_mismatch()) is not None:
+        return f"Triton: {why}"
     try:
         from vllm.v1.attention.ops import merge_attn_states as source
         original = source.merge_attn_states
