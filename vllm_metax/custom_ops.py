@@ -95,7 +95,6 @@ def register_cuda_forward(has=None, loader=_load) -> dict[str, str]:
 # vLLM's modules that bound `merge_attn_states` at import: the MLA attention layers
 MERGE_USERS = ("vllm.model_executor.layers.attention.mla_attention",
                "vllm.model_executor.layers.attention.sparse_mla_attention")
-_MERGE_DTYPES = {"float32": 4, "float16": 8, "bfloat16": 8}   # dtype -> head size multiple
 
 
 def compiled_merge(fallback):
@@ -108,15 +107,18 @@ def compiled_merge(fallback):
     (`head * num_tokens + token`), so they reach it contiguous (a copy of a few hundred KB at most),
     and an `output_lse` that is a strided view (the continuation merge writes a slice) keeps
     vLLM's merge."""
+    import torch
     from vllm import _custom_ops
+
+    head_multiple = {torch.float32: 4, torch.float16: 8, torch.bfloat16: 8}   # the kernel's dtypes
 
     def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_lse,
                           output_lse=None, prefill_tokens_with_context=None, output_scale=None):
-        multiple = _MERGE_DTYPES.get(str(prefix_output.dtype).removeprefix("torch."))
+        multiple = head_multiple.get(prefix_output.dtype)
         if (multiple and prefix_output.shape[2] % multiple == 0
                 and prefix_output.stride(1) == suffix_output.stride(1)
                 and (output_lse is None or output_lse.is_contiguous())
-                and (output_scale is not None or str(output.dtype).removeprefix("torch.") in _MERGE_DTYPES)):
+                and (output_scale is not None or output.dtype in head_multiple)):
             return _custom_ops.merge_attn_states(output, prefix_output, prefix_lse.contiguous(),
                                                  suffix_output, suffix_lse.contiguous(), output_lse,
                                                  prefill_tokens_with_context, output_scale)

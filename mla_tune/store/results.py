@@ -268,11 +268,22 @@ class ResultsStore:
         rows = self.trials(f"t.claim in ({','.join('?' * len(claims))})", claims)
         return {r["claim"]: r for r in rows}
 
+    @staticmethod
+    def _kind(where: str, prefill: bool) -> str:
+        """`where` narrowed to decode trials, or with `prefill` to the MLA prefill trials (alias w:
+        their workload)."""
+        layouts = ", ".join(f"'{x}'" for x in PREFILL_LAYOUTS)
+        return f"({where}) and {'' if prefill else 'not '}(coalesce(w.ragged, '') in ({layouts}))"
+
+    def trial_count(self, prefill: bool = False) -> int:
+        """How many decode trials (or with `prefill` MLA prefill trials) the DB holds, nothing loaded."""
+        return self.db.execute("select count(*) from trials t join workloads w on t.workload_id = w.id "
+                               f"where {self._kind('1=1', prefill)}").fetchone()[0]
+
     def trials(self, where: str = "1=1", args: Iterable = (), prefill: bool = False) -> list[dict]:
         """Trials joined with their workload and run, with kernel-time statistics derived here:
         decode trials, or with `prefill` the MLA prefill trials (never both: the choices differ)."""
-        layouts = ", ".join(f"'{x}'" for x in PREFILL_LAYOUTS)
-        where = f"({where}) and {'' if prefill else 'not '}(coalesce(w.ragged, '') in ({layouts}))"
+        where = self._kind(where, prefill)
         sql = f"""
             select t.*, w.model, w.num_heads, w.kv_lora_rank, w.qk_rope_head_dim, w.softmax_scale,
                    w.batch_size, w.context_len, w.q_len, w.ragged, w.seed, w.q_dtype, w.kv_dtype,

@@ -107,7 +107,7 @@ def select_trials(store, flt: TrialFilter = TrialFilter()) -> list[TrialRecord]:
     db = store.db
     if not db["trials"].count:
         raise SelectionError(f"{store.path} holds no trials yet (run `mla-tune sweep` first)")
-    if not store.trials() and store.trials(prefill=True):
+    if not store.trial_count() and store.trial_count(prefill=True):
         raise SelectionError(f"no decode trials in {store.path} match {flt.describe()}: it holds "
                              "prefill trials only (`mla-tune prefill-sweep`), "
                              "a decode sweep is needed (`mla-tune sweep --db` this file, or "
