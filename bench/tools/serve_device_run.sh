@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
-# One device call on the lent GPU (carry .dev; .fa3 too where it fits): optionally the default
+# One device call on the lent GPU (carry .dev .fa3 .fijit: 57 MiB in all): optionally the default
 # sweep (decode + prefill) and its emitted config for this GPU, then bench/serve_bench.py
 # (`vllm serve` + `vllm bench serve`). Stays inside TOTAL_S (default 585 s); packs what it made
 # into at most 8 files under $OUT (the device tool's limit).
 #   SWEEP=1       the sweep into $OUT/results.db, config into /tmp/tuned (kept while the machine is warm);
 #   SWEEP=auto    the same, only where no packaged config names this GPU
 #   MODELS=h16    serve_bench's models; SETUPS=tuned,untuned,triton16,vllm_default; SERVE=0 skips it.
-#                 .dev and .fa3 do not fit one call's carry, and tuned needs vLLM's FA3 library
-#                 where its config serves FA3 (vllm_default always does): a first call carrying
-#                 .dev runs SETUPS=untuned,triton16, a second on the warm machine carrying .fa3
-#                 SETUPS=tuned,vllm_default (both results land in one serve_bench.json)
+#                 tuned needs vLLM's FA3 library where its config serves FA3 (vllm_default always
+#                 does): carry .fa3 beside .dev (bench/tools/prepare-serve-carry.sh --fa3). Calls
+#                 chained on a warm machine add their setups to one serve_bench.json
 #   CONFIG=DIR    the tuned setup's config folder (default: /tmp/tuned when a sweep made one, else
 #                 the packaged configs)
 #   TVA=1         bench/tuned_vs_auto.py on /tmp/work/results.db and that config first (TVA_BUDGET s)
