@@ -53,10 +53,16 @@ def _load(path: Path) -> dict:
         return json.load(f)
 
 
-def kernel_summary(trace_dir: Path, steps: int | None = None, top: int = 12) -> dict:
-    """The GPU kernels of every trace in `trace_dir` (chrome traces, gzipped or not): total time
-    per class, the top kernels by time, and per decode step where `steps` is given."""
-    files = sorted(Path(trace_dir).glob("*.pt.trace.json*"))
+def trace_files(trace_dir: Path) -> list[Path]:
+    return sorted(Path(trace_dir).glob("*.pt.trace.json*"))
+
+
+def kernel_summary(trace_dir: Path, steps: int | None = None, top: int = 12,
+                   files: list[Path] | None = None) -> dict:
+    """The GPU kernels of every trace in `trace_dir` (chrome traces, gzipped or not), or of `files`
+    alone: total time per class, the top kernels by time, and per decode step where `steps` is
+    given."""
+    files = trace_files(trace_dir) if files is None else sorted(files)
     by_name: dict = {}
     for f in files:
         for e in _load(f).get("traceEvents", []):
@@ -110,8 +116,9 @@ class _Stream(threading.Thread):
 
 def profile_decode(port: int, trace_dir: Path, vocab: int, prompt_tokens: int = 16384, requests: int = 1,
                    decode_steps: int = 32, timeout: float = 300) -> dict:
-    """Profile `decode_steps` decode steps of `requests` long requests (`prompt_tokens` token ids
-    each) on the server at `port`; the kernel summary per step, and the streamed TPOT inside the
+    """Profile `decode_steps` decode steps of `requests` requests (`prompt_tokens` token ids each,
+    sent at once) on the server at `port`; the kernel summary per step of the traces this profile
+    wrote (a server profiled twice keeps both in `trace_dir`), and the streamed TPOT inside the
     window. Raises TimeoutError where the requests do not reach decode in `timeout` s."""
     import random
     rng = random.Random(0)
@@ -127,7 +134,7 @@ def profile_decode(port: int, trace_dir: Path, vocab: int, prompt_tokens: int = 
     errors = [s.error for s in streams if s.error]
     if errors:
         raise RuntimeError(f"profiled request failed: {errors[0]}")
-    before = len(list(Path(trace_dir).glob("*")))
+    before = set(trace_files(trace_dir))
     start_counts = [len(s.times) for s in streams]
     _post(port, "/start_profile")
     t_start = time.perf_counter()
@@ -141,11 +148,11 @@ def profile_decode(port: int, trace_dir: Path, vocab: int, prompt_tokens: int = 
     for s in streams:
         s.join(timeout=timeout)
     t1 = time.perf_counter()          # the traces are written after stop: wait for the files
-    while len(list(Path(trace_dir).glob("*.pt.trace.json*"))) == 0 and time.perf_counter() - t1 < 90:
+    while not set(trace_files(trace_dir)) - before and time.perf_counter() - t1 < 90:
         time.sleep(0.5)
     gaps = sorted(b - a for w in window for a, b in zip(w, w[1:]))
-    out = kernel_summary(trace_dir, steps=steps)
-    out.update({"prompt_tokens": prompt_tokens, "requests": requests, "files_before": before,
+    out = kernel_summary(trace_dir, steps=steps, files=list(set(trace_files(trace_dir)) - before))
+    out.update({"prompt_tokens": prompt_tokens, "requests": requests, "files_before": len(before),
                 "window_tpot_ms_p50": round(1e3 * gaps[len(gaps) // 2], 3) if gaps else None})
     return out
 

@@ -75,11 +75,13 @@ class _FakeVllm(http.server.BaseHTTPRequestHandler):
             else:
                 n = type(self).profiling[1]
                 type(self).profiling[0] = False
-                _trace(self.trace_dir / "rank0.1.pt.trace.json.gz", [("tma_kernel", 10.0), ("gemm", 30.0)] * n)
+                # vLLM names each stop's trace anew (a timestamp): the call count stands in here
+                _trace(self.trace_dir / f"rank0.{len(type(self).calls)}.pt.trace.json.gz",
+                       [("tma_kernel", 10.0), ("gemm", 30.0)] * n)
             self.send_response(200)
             self.end_headers()
             return
-        assert self.path == "/v1/completions" and body["stream"] and len(body["prompt"]) == 64
+        assert self.path == "/v1/completions" and body["stream"] and len(body["prompt"]) in (64, 32)
         self.send_response(200)
         self.end_headers()
         time.sleep(0.2)
@@ -107,3 +109,25 @@ def test_profile_decode_profiles_a_window_of_decode_steps(sp, tmp_path):
     assert launches >= 8
     assert out["per_class_us"]["attention"] == 10.0 * launches
     assert 4.0 <= out["window_tpot_ms_p50"] < 100
+
+
+def test_a_second_profile_sums_its_own_trace_only(sp, tmp_path):
+    """serve_bench profiles each server twice (one long request, then a batch) into one trace
+    folder: the second summary must not count the first profile's kernels."""
+    _FakeVllm.trace_dir, _FakeVllm.calls = tmp_path, []
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeVllm)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        first = sp.profile_decode(srv.server_address[1], tmp_path, vocab=100, prompt_tokens=64,
+                                  decode_steps=8, timeout=30)
+        batch = sp.profile_decode(srv.server_address[1], tmp_path, vocab=100, prompt_tokens=32,
+                                  requests=3, decode_steps=8, timeout=30)
+    finally:
+        srv.shutdown()
+    assert len(list(tmp_path.glob("*.pt.trace.json.gz"))) == 2
+    assert first["trace_files"] == 1 and batch["trace_files"] == 1 and batch["files_before"] == 1
+    assert batch["requests"] == 3 and batch["steps"] == 8
+    # three streams while profiling: about three tokens a step, each one attention launch here
+    assert batch["per_class_us"]["attention"] == 10.0 * (batch["kernel_launches"] // 2)
+    assert batch["kernel_launches"] // 2 >= 3 * 8 - 3
+    assert first["kernel_launches"] // 2 < 2 * 8 + 8
