@@ -26,9 +26,18 @@ the first server of a run also gets one plain HTTP /v1/completions request and o
 serve` subprocess. Server logs go to DIR/server_<model>_<setup>.log; results to
 DIR/serve_bench.json (every vLLM result dict) and DIR/serve_bench.md.
 
+--repeats N: each workload-rate runs N times on the same server (repeat i with seed i: the same
+prompts and arrival times on every server). A cell is then the median over its repeats, and "beyond
+noise" is tested, not assumed: tuned is slower (or faster) than a setup in a cell only if a
+one-sided Mann-Whitney U test over the repeats' p50 TPOTs gives p < 0.1 (with 3 repeats each: every
+repeat of one slower than every repeat of the other, p = 0.05) and the medians differ by 5% or
+more. With one run per cell the 5% alone decides, which two sessions on the lent H100 showed is not
+enough for the chat workloads (the same server's chat@32 p50 TPOT 3.79 ms in one, 7.42 in the next).
+
 --profile: each server also runs with vLLM's torch profiler configured, and after its workloads
-one long request's decode steps are profiled (bench/server_profile.py); the report then says how
-much of a decode step attention takes and what tuned/triton16 would be with attention free.
+the decode steps of one long request, then of a batch of short ones (chat@32's shape), are
+profiled (bench/server_profile.py); the report then says how much of a decode step attention takes
+and what tuned/triton16 would be with attention free.
 
 Compilation: torch.compile off and full CUDA graphs for decode-only steps (`--compilation-config
 {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}`) for every setup alike, so a server starts in
@@ -49,7 +58,9 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from server_profile import bound_lines, profile_decode, profiler_args  # noqa: E402
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))          # mla_tune, run from a checkout
+from server_profile import bound_lines, profile_decode, profiler_args, restep  # noqa: E402
+from mla_tune.tune.verdict import compare, min_p_value  # noqa: E402
 from tiny_model import make_model_dir, model_config  # noqa: E402
 
 MAX_MODEL_LEN = 34816
@@ -216,6 +227,24 @@ def summarize(result: dict) -> dict:
     return out
 
 
+def median_summary(reps: list[dict]) -> dict:
+    """One cell from its repeats: each metric's median, except `completed` (the fewest) and
+    `failed` (the most), so a repeat that lost requests is not hidden."""
+    import statistics
+    out = {}
+    for k in reps[0]:
+        vals = [r[k] for r in reps if r.get(k) is not None]
+        if not vals:
+            out[k] = None
+        elif k == "completed":
+            out[k] = min(vals)
+        elif k == "failed":
+            out[k] = max(vals)
+        else:
+            out[k] = statistics.median(vals)
+    return out
+
+
 def log_warnings(rec: dict) -> list[str]:
     """The plugin's WARNING lines of a setup's server log, each once, without vLLM's prefix: what
     the server could not do as configured (a tuned kernel that cannot run here, say), which the
@@ -264,21 +293,31 @@ def run_setup(model: str, setup: str, model_dir: Path, args, empty: Path, port: 
             print(f"[{key}] /v1/completions ok; `vllm bench serve` rc={cli.returncode}", flush=True)
         for name, wl in workloads.items():
             for rate in wl[4]:
-                t0 = time.time()
-                res = run_client(bench_args(model_dir, port, wl, rate, 0))
-                s = summarize(res)
-                rec.setdefault("runs", {})[f"{name}@{rate}"] = s
-                print(f"[{key}] {name}@{rate}: {s['completed']} done in {time.time() - t0:.1f} s, "
-                      f"TPOT p50 {s['p50_tpot_ms']:.2f} ms, TTFT p50 {s['p50_ttft_ms']:.1f} ms, "
-                      f"{s['output_throughput']:.0f} tok/s", flush=True)
+                cell, reps = f"{name}@{rate}", []
+                for i in range(args.repeats):
+                    t0 = time.time()
+                    s = summarize(run_client(bench_args(model_dir, port, wl, rate, i)))
+                    reps.append(s)
+                    print(f"[{key}] {cell}{f' #{i}' if args.repeats > 1 else ''}: {s['completed']} done in "
+                          f"{time.time() - t0:.1f} s, TPOT p50 {s['p50_tpot_ms']:.2f} ms, TTFT p50 "
+                          f"{s['p50_ttft_ms']:.1f} ms, {s['output_throughput']:.0f} tok/s", flush=True)
+                rec.setdefault("runs", {})[cell] = median_summary(reps)
+                if len(reps) > 1:
+                    rec.setdefault("repeats", {})[cell] = reps
         if args.profile:
-            try:
-                vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-                rec["profile"] = profile_decode(port, trace_dir, vocab, prompt_tokens=args.profile_prompt)
-                print(f"[{key}] profile: {rec['profile'].get('per_step_us')} us per decode step", flush=True)
-            except Exception as e:  # noqa: BLE001 - the benchmark's numbers stand without it
-                rec["profile"] = {"error": f"{type(e).__name__}: {e}"}
-                print(f"[{key}] profile FAILED: {rec['profile']['error']}", flush=True)
+            vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+            for field, prompt, n in (("profile", args.profile_prompt, 1),
+                                     ("profile_batch", args.profile_batch_prompt, args.profile_batch)):
+                if not n:
+                    continue
+                try:
+                    rec[field] = profile_decode(port, trace_dir, vocab, prompt_tokens=prompt, requests=n,
+                                                layers=MODELS[model]["layers"])
+                    print(f"[{key}] {field} ({n} x {prompt} tokens): {rec[field].get('per_step_us')} us "
+                          "per decode step", flush=True)
+                except Exception as e:  # noqa: BLE001 - the benchmark's numbers stand without it
+                    rec[field] = {"error": f"{type(e).__name__}: {e}"}
+                    print(f"[{key}] {field} FAILED: {rec[field]['error']}", flush=True)
     except Exception as e:  # noqa: BLE001 - one setup failing must not lose the others
         rec["error"] = f"{type(e).__name__}: {e}"
         print(f"[{key}] FAILED: {rec['error']}", flush=True)
@@ -302,8 +341,42 @@ def geomean(xs):
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
 
 
-NOISE = 0.05          # one run per cell: a p50 TPOT difference under 5% is not a verdict
+NOISE = 0.05          # a p50 TPOT difference under 5% is never a verdict
+SERVE_P = 0.1         # with repeats: one-sided Mann-Whitney over the repeats' p50 TPOTs, p below this
 LONG_TPOT_GOAL = 0.6  # 16 heads, long context: tuned p50 TPOT <= 0.6x TRITON_MLA at block 16
+
+
+def tpots(rec: dict, cell: str) -> list[float]:
+    """A setup's p50 TPOT in a cell, one per repeat (one value without repeats)."""
+    reps = rec.get("repeats", {}).get(cell) or [rec.get("runs", {}).get(cell, {})]
+    return [r["p50_tpot_ms"] for r in reps if r.get("p50_tpot_ms")]
+
+
+def testable(n1: int, n2: int) -> bool:
+    """Can repeats of these counts reach p < SERVE_P at all (3 and 3 can: p = 0.05)?"""
+    return min_p_value(n1, n2) < SERVE_P
+
+
+def beyond_noise(slow: list[float], fast: list[float]) -> bool:
+    """Is `fast` faster than `slow` beyond noise? Where the repeats can reach p < SERVE_P: a
+    one-sided Mann-Whitney U test over them and medians at least NOISE apart (mla_tune's verdict
+    rule, at serving's sample counts); otherwise (one run a cell) the NOISE ratio alone."""
+    import statistics
+    if not slow or not fast:
+        return False
+    if testable(len(slow), len(fast)):
+        return compare(slow, fast, p_threshold=SERVE_P, min_ratio=1 + NOISE)[0]
+    return statistics.median(slow) / statistics.median(fast) > 1 + NOISE
+
+
+def noise_rule(recs: dict, setups: list[str], runs: list[str]) -> str:
+    ns = {len(tpots(recs[s], k)) for s in setups for k in runs if s in recs and tpots(recs[s], k)} or {1}
+    if testable(min(ns), min(ns)):
+        n = str(min(ns)) if len(ns) == 1 else f"{min(ns)}-{max(ns)}"
+        return (f"{n} repeats a cell: Mann-Whitney p < {SERVE_P:g} over the repeats and medians "
+                f"{NOISE:.0%} apart")
+    return (f"{'one run' if max(ns) == 1 else 'too few repeats'} a cell: medians {NOISE:.0%} apart, "
+            "which is not enough for the chat workloads")
 
 
 def goals(recs: dict, runs: list[str], heads: int = 16) -> list[str]:
@@ -329,10 +402,13 @@ def goals(recs: dict, runs: list[str], heads: int = 16) -> list[str]:
         if not r:
             out.append(f"- tuned vs {base}: not measured ({recs[base].get('skipped') or recs[base].get('error')})")
             continue
-        slower = {k: v for k, v in r.items() if v > 1 + NOISE}
-        out.append(f"- tuned no slower than {base} beyond {NOISE:.0%} (p50 TPOT, every workload-rate): "
+        slower = {k: v for k, v in r.items() if beyond_noise(tpots(recs["tuned"], k), tpots(recs[base], k))}
+        faster = [k for k in r if beyond_noise(tpots(recs[base], k), tpots(recs["tuned"], k))]
+        out.append(f"- tuned no slower than {base} beyond noise (p50 TPOT, every workload-rate; "
+                   f"{noise_rule(recs, ['tuned', base], list(r))}): "
                    + ("met" if not slower else "NOT met: " + ", ".join(f"{k} {v:.3f}" for k, v in slower.items()))
-                   + f"; faster beyond {NOISE:.0%} in {sum(v < 1 - NOISE for v in r.values())} of {len(r)}")
+                   + f"; faster beyond noise in {len(faster)} of {len(r)}"
+                   + (f" ({', '.join(f'{k} {r[k]:.3f}' for k in faster)})" if faster else ""))
     return out
 
 
@@ -360,6 +436,9 @@ def report(record: dict, meta: dict) -> str:
                            "p99_ttft_ms", "output_throughput"):
                 vals = {s: recs[s]["runs"].get(k, {}).get(metric) for s in setups}
                 cells = [f"{v:.2f}" if v is not None else "-" for v in vals.values()]
+                if metric == "p50_tpot_ms":     # with repeats: the median, then the range
+                    cells = [c + (f" [{min(t):.2f}-{max(t):.2f}]" if len(t := tpots(recs[s], k)) > 1 else "")
+                             for c, s in zip(cells, setups)]
                 t = vals.get("tuned")
                 rat = [f"{_ratio(t, vals[s]):.3f}" if _ratio(t, vals[s]) else "-" for s in others]
                 lines.append(f"| {k} | {metric} | " + " | ".join(cells + rat) + " |")
@@ -374,10 +453,15 @@ def report(record: dict, meta: dict) -> str:
                 lines.append(f"- p50 TPOT tuned / {s}, geomean over {len(runs)} workload-rates: {g:.3f}")
         if "tuned" in setups and (met := goals(recs, runs, MODELS[model]["heads"])):
             lines += ["", "Goals (p50 TPOT ratios; < 1: tuned faster):", ""] + met
-        profiles = {s: r["profile"] for s, r in recs.items() if "profile" in r}
-        if profiles:
-            lines += ["", "Profile (one long request decoding; GPU kernels in vLLM's torch profiler traces):", ""]
-            lines += bound_lines(profiles)
+        for field, what in (("profile", "one long request decoding"),
+                            ("profile_batch", "a batch of short requests decoding together")):
+            profiles = {s: restep(r[field], MODELS[model]["layers"]) for s, r in recs.items() if field in r}
+            if profiles:
+                shape = next((f" ({p['requests']} x {p['prompt_tokens']} prompt tokens)" for p in profiles.values()
+                              if "requests" in p), "")
+                lines += ["", f"Profile, {what}{shape} (GPU kernels in vLLM's torch profiler traces):", ""]
+                lines += bound_lines(profiles, goal=LONG_TPOT_GOAL if field == "profile"
+                                     and MODELS[model]["heads"] == 16 else None)
         lines.append("")
     return "\n".join(lines)
 
@@ -398,7 +482,12 @@ def main(argv=None) -> int:
     ap.add_argument("--port", type=int, default=8471)
     ap.add_argument("--profile", action="store_true",
                     help="after each setup's workloads, a torch profile of decode steps (bench/server_profile.py)")
-    ap.add_argument("--profile-prompt", type=int, default=16384, help="the profiled request's prompt tokens")
+    ap.add_argument("--profile-prompt", type=int, default=16384, help="the profiled long request's prompt tokens")
+    ap.add_argument("--profile-batch", type=int, default=32,
+                    help="requests in the profiled batch (0: no batch profile)")
+    ap.add_argument("--profile-batch-prompt", type=int, default=512, help="their prompt tokens each")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of each workload-rate on the same server (the report tests differences over them)")
     args = ap.parse_args(argv)
     # `timeout` sends SIGTERM: unwind, so each server's process group is stopped (they run in
     # sessions of their own, which the device tool would leave running)
@@ -409,6 +498,10 @@ def main(argv=None) -> int:
     bad = [m for m in models if m not in MODELS] + [s for s in setups if s not in SETUPS]
     if bad:
         print(f"serve_bench: unknown model or setup: {', '.join(bad)}", file=sys.stderr)
+        return 2
+    if args.repeats < 1 or (args.repeats > 1 and not testable(args.repeats, args.repeats)):
+        print(f"serve_bench: --repeats {args.repeats}: 1, or 3 or more (two repeats each cannot reach "
+              f"Mann-Whitney p < {SERVE_P:g})", file=sys.stderr)
         return 2
     pool = QUICK if args.quick else WORKLOADS
     workloads = {w: pool[w] for w in args.workloads.split(",") if w in pool}
@@ -441,9 +534,12 @@ def main(argv=None) -> int:
             data["meta"] = {
                 "device": device, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 "compile": args.compile, "workloads": {k: list(v) for k, v in workloads.items()},
-                "note": ("Each cell: vLLM's `vllm bench serve` result for that server; times in ms, "
-                         "output_throughput in tokens/s; ratios < 1 mean tuned is faster (for "
-                         "throughput, > 1). One run per cell: a difference under ~5% is noise.")
+                "repeats": args.repeats,
+                "note": ("Each cell: vLLM's `vllm bench serve` result for that server"
+                         + (f", the median of {args.repeats} runs (repeat i with seed i), p50 TPOT with "
+                            "its range" if args.repeats > 1 else ", one run") +
+                         "; times in ms, output_throughput in tokens/s; ratios < 1 mean tuned is "
+                         "faster (for throughput, > 1).")
                         + PROFILE_NOTE.get(os.environ.get("VLLM_METAX_PROFILE", ""), ""),
                 "profile": os.environ.get("VLLM_METAX_PROFILE") or "the device's"}
             path.write_text(json.dumps(data, indent=1))

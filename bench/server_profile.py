@@ -57,11 +57,36 @@ def trace_files(trace_dir: Path) -> list[Path]:
     return sorted(Path(trace_dir).glob("*.pt.trace.json*"))
 
 
+def step_fields(summary: dict, streamed: int | None, layers: int | None) -> dict:
+    """Per decode step figures of a kernel summary. The steps are counted in the trace where it
+    can be: every step writes the KV cache once per attention layer (`concat_and_cache_mla`), so
+    KV-cache-write launches / `layers`. The streamed count (tokens the client saw inside the
+    window) undercounts: the trace runs from /start_profile to /stop_profile, a few steps wider
+    (31-35 steps traced for 32 streamed on the lent H100, 2026-12-07)."""
+    traced = round(summary["kv_write_launches"] / layers) if layers and summary.get("kv_write_launches") else None
+    steps = traced or streamed
+    if not steps:
+        return {}
+    pc = summary["per_class_us"]
+    return {"steps": steps, "steps_streamed": streamed, "steps_source": "trace" if traced else "streamed",
+            "per_step_us": {k: round(v / steps, 2) for k, v in pc.items()},
+            "step_kernel_us": round(sum(pc.values()) / steps, 2)}
+
+
+def restep(profile: dict, layers: int) -> dict:
+    """A profile recorded before steps were counted in the trace, with its steps counted from the
+    KV-cache-write launches in its top kernels (where they are there); others unchanged."""
+    if "steps_source" in profile or "per_class_us" not in profile:
+        return profile
+    launches = sum(t["launches"] for t in profile.get("top", []) if t["class"] == "kv cache write")
+    return {**profile, **step_fields({**profile, "kv_write_launches": launches}, profile.get("steps"), layers)}
+
+
 def kernel_summary(trace_dir: Path, steps: int | None = None, top: int = 12,
-                   files: list[Path] | None = None) -> dict:
+                   files: list[Path] | None = None, layers: int | None = None) -> dict:
     """The GPU kernels of every trace in `trace_dir` (chrome traces, gzipped or not), or of `files`
-    alone: total time per class, the top kernels by time, and per decode step where `steps` is
-    given."""
+    alone: total time per class, the top kernels by time, and per decode step where `steps` (the
+    streamed count) or `layers` (to count them in the trace: `step_fields`) is given."""
     files = trace_files(trace_dir) if files is None else sorted(files)
     by_name: dict = {}
     for f in files:
@@ -78,10 +103,8 @@ def kernel_summary(trace_dir: Path, steps: int | None = None, top: int = 12,
            "attention_share": round(per_class["attention"] / total, 4) if total else None,
            "top": [{"name": name[:160], "class": kernel_class(name), "us": round(t, 1), "launches": n}
                    for name, (t, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]]}
-    if steps:
-        out["steps"] = steps
-        out["per_step_us"] = {k: round(v / steps, 2) for k, v in per_class.items()}
-        out["step_kernel_us"] = round(total / steps, 2)
+    out["kv_write_launches"] = sum(n for name, (_, n) in by_name.items() if kernel_class(name) == "kv cache write")
+    out.update(step_fields(out, steps, layers))
     return out
 
 
@@ -115,11 +138,12 @@ class _Stream(threading.Thread):
 
 
 def profile_decode(port: int, trace_dir: Path, vocab: int, prompt_tokens: int = 16384, requests: int = 1,
-                   decode_steps: int = 32, timeout: float = 300) -> dict:
+                   decode_steps: int = 32, timeout: float = 300, layers: int | None = None) -> dict:
     """Profile `decode_steps` decode steps of `requests` requests (`prompt_tokens` token ids each,
     sent at once) on the server at `port`; the kernel summary per step of the traces this profile
     wrote (a server profiled twice keeps both in `trace_dir`), and the streamed TPOT inside the
-    window. Raises TimeoutError where the requests do not reach decode in `timeout` s."""
+    window; with the model's attention `layers`, the steps are counted in the trace. Raises
+    TimeoutError where the requests do not reach decode in `timeout` s."""
     import random
     rng = random.Random(0)
     streams = [_Stream(port, [rng.randrange(2, vocab) for _ in range(prompt_tokens)], decode_steps * 4)
@@ -151,15 +175,17 @@ def profile_decode(port: int, trace_dir: Path, vocab: int, prompt_tokens: int = 
     while not set(trace_files(trace_dir)) - before and time.perf_counter() - t1 < 90:
         time.sleep(0.5)
     gaps = sorted(b - a for w in window for a, b in zip(w, w[1:]))
-    out = kernel_summary(trace_dir, steps=steps, files=list(set(trace_files(trace_dir)) - before))
+    out = kernel_summary(trace_dir, steps=steps, files=list(set(trace_files(trace_dir)) - before), layers=layers)
     out.update({"prompt_tokens": prompt_tokens, "requests": requests, "files_before": len(before),
                 "window_tpot_ms_p50": round(1e3 * gaps[len(gaps) // 2], 3) if gaps else None})
     return out
 
 
-def bound_lines(profiles: dict, baseline: str = "triton16", tuned: str = "tuned") -> list[str]:
-    """Report lines: per setup, the GPU kernel time of a decode step and attention's part; and
-    what tuned/baseline would be with tuned's attention free (the bound a kernel cannot beat)."""
+def bound_lines(profiles: dict, baseline: str = "triton16", tuned: str = "tuned",
+                goal: float | None = None) -> list[str]:
+    """Report lines: per setup, the GPU kernel time of a decode step and attention's part; what
+    tuned/baseline would be with tuned's attention free (the bound a kernel cannot beat); with a
+    `goal` for tuned/baseline, how fast tuned's attention would have to be to meet it."""
     lines = []
     for setup, p in profiles.items():
         if not p or "per_step_us" not in p:
@@ -168,7 +194,9 @@ def bound_lines(profiles: dict, baseline: str = "triton16", tuned: str = "tuned"
         ps = p["per_step_us"]
         lines.append(f"- {setup}: {p['step_kernel_us']:.0f} us of GPU kernels per decode step, attention "
                      f"{ps['attention']:.0f} us ({100 * (p['attention_share'] or 0):.0f}%), KV-cache writes "
-                     f"{ps['kv cache write']:.0f} us, the rest {ps['other']:.0f} us ({p['steps']} steps; "
+                     f"{ps['kv cache write']:.0f} us, the rest {ps['other']:.0f} us ({p['steps']} steps"
+                     + (f" in the trace, {p['steps_streamed']} streamed" if p.get("steps_source") == "trace" else "")
+                     + "; "
                      f"streamed TPOT p50 in the window {p.get('window_tpot_ms_p50')} ms)")
     t, b = profiles.get(tuned) or {}, profiles.get(baseline) or {}
     if "per_step_us" in t and "per_step_us" in b and b["step_kernel_us"]:
@@ -176,4 +204,10 @@ def bound_lines(profiles: dict, baseline: str = "triton16", tuned: str = "tuned"
         lines.append(f"- {tuned}/{baseline} GPU time per step {t['step_kernel_us'] / b['step_kernel_us']:.3f}; with "
                      f"{tuned}'s attention free it would be {free:.3f}: no attention kernel can take "
                      f"{tuned} below that")
+        if goal:
+            need = goal * b["step_kernel_us"] - (t["step_kernel_us"] - t["per_step_us"]["attention"])
+            have = t["per_step_us"]["attention"]
+            lines.append(f"- for {tuned}/{baseline} <= {goal:g}, {tuned}'s attention would have to take <= "
+                         f"{max(need, 0):.0f} us per step; it takes {have:.0f} us"
+                         + (f" ({have / need:.2f}x that)" if need > 0 and have > need else " (met)"))
     return lines

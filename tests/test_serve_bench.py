@@ -133,3 +133,78 @@ def test_the_preflight_builds_vllms_http_app(model_dir):
 
     ps.ensure_metax_platform()          # as the device run forces it (VLLM_METAX_FORCE=1)
     assert sb.preflight(model_dir) > 10
+
+
+def _cell(tpot: float, completed: int = 48, failed: int = 0) -> dict:
+    return {"completed": completed, "failed": failed, "p50_tpot_ms": tpot, "p99_tpot_ms": tpot * 2,
+            "p50_itl_ms": tpot, "p99_itl_ms": tpot, "p50_ttft_ms": 10.0, "p99_ttft_ms": 20.0,
+            "output_throughput": 100.0}
+
+
+def test_a_cell_is_the_median_of_its_repeats_and_keeps_lost_requests():
+    cell = sb.median_summary([_cell(3.0), _cell(9.0, completed=47, failed=1), _cell(4.0)])
+    assert cell["p50_tpot_ms"] == 4.0 and cell["p99_tpot_ms"] == 8.0
+    assert cell["completed"] == 47 and cell["failed"] == 1
+
+
+def _with_repeats(setup: str, cells: dict) -> dict:
+    reps = {k: [_cell(t) for t in ts] for k, ts in cells.items()}
+    return {"model": "h16", "setup": setup, "repeats": reps,
+            "runs": {k: sb.median_summary(r) for k, r in reps.items()}}
+
+
+def test_with_repeats_only_a_tested_difference_is_a_verdict():
+    """chat@32: tuned's median 26% slower, but its repeats overlap untuned's: noise, not a verdict.
+    chat@8: every tuned repeat slower, but by 2%: under the 5% floor. ragged@2: every repeat 10%
+    slower: a verdict. long@1: every tuned repeat about 20% faster: faster beyond noise."""
+    record = {"h16/tuned": _with_repeats("tuned", {"chat@32": [6.35, 3.7, 6.4], "chat@8": [2.04, 2.05, 2.06],
+                                                   "ragged@2": [2.2, 2.21, 2.22], "long@1": [1.6, 1.62, 1.64]}),
+              "h16/untuned": _with_repeats("untuned", {"chat@32": [5.02, 4.6, 7.0], "chat@8": [2.0, 2.01, 2.02],
+                                                       "ragged@2": [2.0, 2.01, 2.02], "long@1": [2.0, 2.02, 2.04]})}
+    md = sb.report(record, {"device": "X", "date": "d", "note": "n"})
+    assert "| chat@32 | p50_tpot_ms | 6.35 [3.70-6.40] | 5.02 [4.60-7.00] | 1.265 |" in md
+    goal = next(ln for ln in md.splitlines() if ln.startswith("- tuned no slower than untuned"))
+    assert "3 repeats a cell: Mann-Whitney p < 0.1" in goal
+    assert "NOT met: ragged@2 1.100" in goal and "chat@32" not in goal.split("; faster")[0]
+    assert "chat@8" not in goal
+    assert goal.endswith("faster beyond noise in 1 of 4 (long@1 0.802)")
+    # one run a cell: the 5% ratio alone, and the report says that is weak
+    single = {k: {**r, "repeats": {}} for k, r in record.items()}
+    goal1 = next(ln for ln in sb.report(single, {"device": "X", "date": "d", "note": "n"}).splitlines()
+                 if ln.startswith("- tuned no slower than untuned"))
+    assert "one run a cell" in goal1 and "chat@32 1.265" in goal1
+
+
+def test_each_repeat_runs_vllms_client_with_its_own_seed(tmp_path, monkeypatch, model_dir):
+    """run_setup with the server and vLLM's client replaced (the real ones need a GPU): repeat i
+    draws with seed i, each cell keeps its repeats and their median."""
+    seeds, tpot = [], iter([5.0, 3.0, 4.0, 2.0, 2.5, 2.2])
+
+    class FakeServer:
+        args = ["python", "-m", "vllm"]
+
+        def __init__(self, model_dir, setup, port, log, env, compile_, extra=()):
+            log.write_text("(EngineCore pid=1) INFO vllm_metax MLA: tuned entry 16 heads\n")
+
+        def wait_ready(self, timeout):
+            return 1.0
+
+        def stop(self):
+            pass
+
+    def fake_client(argv):
+        seeds.append(int(argv[argv.index("--seed") + 1]))
+        return {**_cell(next(tpot)), "duration": 1.0, "mean_tpot_ms": 1.0}
+
+    monkeypatch.setattr(sb, "Server", FakeServer)
+    monkeypatch.setattr(sb, "run_client", fake_client)
+    args = sb.argparse.Namespace(out=tmp_path, start_timeout=5, compile=False, profile=False,
+                                 config_folder=None, repeats=3)
+    record: dict = {}
+    wl = {"chat": sb.WORKLOADS["chat"][:4] + (("8", "32"),)}
+    sb.run_setup("h16", "tuned", model_dir, args, tmp_path / "empty", 8000, False, wl, record)
+    rec = record["h16/tuned"]
+    assert seeds == [0, 1, 2, 0, 1, 2]
+    assert [r["p50_tpot_ms"] for r in rec["repeats"]["chat@8"]] == [5.0, 3.0, 4.0]
+    assert rec["runs"]["chat@8"]["p50_tpot_ms"] == 4.0 and rec["runs"]["chat@32"]["p50_tpot_ms"] == 2.2
+    assert rec["log"] == ["(EngineCore pid=1) INFO vllm_metax MLA: tuned entry 16 heads"]

@@ -50,12 +50,37 @@ def test_a_trace_is_summed_per_class_and_step(sp, tmp_path):
     assert s["top"][0] == {"name": "gemm", "class": "other", "us": 200.0, "launches": 4}
 
 
+def test_steps_are_counted_in_the_trace_where_the_model_layers_are_known(sp, tmp_path):
+    """The trace spans a few more steps than the client counted (35 traced for 32 streamed): with
+    the model's layers the steps come from its KV-cache writes, one per layer per step; a summary
+    stored before that (its top kernels only) is re-stepped to the same figures."""
+    layer = [("tma_kernel", 30.0), ("merge_kernel", 5.0), ("gemm", 50.0), ("concat_and_cache_mla_kernel", 2.0)]
+    _trace(tmp_path / "w0.1.pt.trace.json.gz", layer * 3 * 35)
+    s = sp.kernel_summary(tmp_path, steps=32, layers=3)
+    assert (s["steps"], s["steps_streamed"], s["steps_source"]) == (35, 32, "trace")
+    assert s["per_step_us"] == {"attention": 105.0, "kv cache write": 6.0, "other": 150.0}
+    assert s["step_kernel_us"] == 261.0
+    streamed = sp.kernel_summary(tmp_path, steps=32)           # no layers: the client's count
+    assert (streamed["steps"], streamed["steps_source"]) == (32, "streamed")
+    old = {k: v for k, v in streamed.items() if k not in ("steps_source", "steps_streamed", "kv_write_launches")}
+    assert sp.restep(old, 3)["per_step_us"] == s["per_step_us"]
+    assert sp.restep(s, 99) == s                               # counted already: unchanged
+    # a trace without the KV-cache write (another cache kernel): the streamed count stays
+    _trace(tmp_path / "w0.1.pt.trace.json.gz", layer[:3] * 3 * 35)
+    assert sp.kernel_summary(tmp_path, steps=32, layers=3)["steps_source"] == "streamed"
+
+
 def test_the_bound_is_tuned_without_attention_over_the_baseline(sp):
     prof = lambda step, attn: {"steps": 8, "step_kernel_us": step, "attention_share": attn / step,  # noqa: E731
                                 "per_step_us": {"attention": attn, "kv cache write": 1.0, "other": step - attn - 1.0}}
     lines = sp.bound_lines({"tuned": prof(100.0, 20.0), "triton16": prof(160.0, 80.0), "untuned": {"error": "x"}})
     assert any(ln.startswith("- untuned: no profile (x)") for ln in lines)
     assert lines[-1].startswith("- tuned/triton16 GPU time per step 0.625; with tuned's attention free it would be 0.500")
+    # what the 0.6 goal asks of tuned's attention: 0.6 * 160 - 80 = 16 us, it takes 20 (1.25x)
+    goal = sp.bound_lines({"tuned": prof(100.0, 20.0), "triton16": prof(160.0, 80.0)}, goal=0.6)
+    assert goal[-1] == "- for tuned/triton16 <= 0.6, tuned's attention would have to take <= 16 us per step; it takes 20 us (1.25x that)"
+    met = sp.bound_lines({"tuned": prof(90.0, 10.0), "triton16": prof(160.0, 80.0)}, goal=0.6)
+    assert met[-1].endswith("it takes 10 us (met)")
 
 
 class _FakeVllm(http.server.BaseHTTPRequestHandler):
