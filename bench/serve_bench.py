@@ -266,11 +266,18 @@ def log_lines(log: Path) -> list[str]:
 
 
 def run_setup(model: str, setup: str, model_dir: Path, args, empty: Path, port: int,
-              first: bool, workloads: dict, record: dict) -> None:
+              first: bool, workloads: dict, record: dict, checkpoint=lambda: None) -> None:
+    """One server's workloads (and profiles) into `record`; `checkpoint()` after every cell, so a
+    run cut by a time limit keeps the cells it measured (the setup stays marked `partial`). A
+    setup measured before (a JSON carried on from an earlier call) is kept under `previous`."""
     key = f"{model}/{setup}"
-    rec = record.setdefault(key, {"model": model, "setup": setup})
+    old = record.get(key)
+    rec = record[key] = {"model": model, "setup": setup, "partial": True}
+    if old and (old.get("runs") or old.get("previous")):      # an earlier run with no cells adds nothing
+        rec["previous"] = old if old.get("runs") else old["previous"]
     if setup == "vllm_default" and (why := fa3_available()):
         rec["skipped"] = why
+        rec.pop("partial")
         print(f"[{key}] skipped: {why}", flush=True)
         return
     log = args.out / f"server_{model}_{setup}.log"
@@ -304,6 +311,7 @@ def run_setup(model: str, setup: str, model_dir: Path, args, empty: Path, port: 
                 rec.setdefault("runs", {})[cell] = median_summary(reps)
                 if len(reps) > 1:
                     rec.setdefault("repeats", {})[cell] = reps
+                checkpoint()
         if args.profile:
             vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
             for field, prompt, n in (("profile", args.profile_prompt, 1),
@@ -325,9 +333,12 @@ def run_setup(model: str, setup: str, model_dir: Path, args, empty: Path, port: 
         tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-4:]
         rec["log_tail"] = tail
         print("\n".join(f"    {ln[:300]}" for ln in tail), flush=True)
+    else:
+        rec.pop("partial")
     finally:
         server.stop()
         rec["log"] = log_lines(log)
+        checkpoint()
 
 
 # ---------------------------------------------------------------------------- report
@@ -422,6 +433,9 @@ def report(record: dict, meta: dict) -> str:
         for s, r in recs.items():
             if "skipped" in r or "error" in r:
                 lines.append(f"- {s}: {r.get('skipped') or 'FAILED: ' + r['error']}")
+            elif r.get("partial"):
+                n = len(r.get("runs", {}))
+                lines.append(f"- {s}: partial, cut before it finished ({n} cell{'s' * (n != 1)} measured)")
             lines += [f"- {s}: the server log warns: {w}" for w in log_warnings(r)
                       if SETUPS.get(s, ([], True))[1] or "no tuned config" not in w]   # by design
         lines.append("")
@@ -513,6 +527,22 @@ def main(argv=None) -> int:
     path = args.out / "serve_bench.json"
     data = json.loads(path.read_text()) if path.exists() else {"runs": {}}
     record = data["runs"]
+
+    def checkpoint():
+        data["meta"] = {
+            "device": device, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "compile": args.compile, "workloads": {k: list(v) for k, v in workloads.items()},
+            "repeats": args.repeats,
+            "note": ("Each cell: vLLM's `vllm bench serve` result for that server"
+                     + (f", the median of {args.repeats} runs (repeat i with seed i), p50 TPOT with "
+                        "its range" if args.repeats > 1 else ", one run") +
+                     "; times in ms, output_throughput in tokens/s; ratios < 1 mean tuned is "
+                     "faster (for throughput, > 1).")
+                    + PROFILE_NOTE.get(os.environ.get("VLLM_METAX_PROFILE", ""), ""),
+            "profile": os.environ.get("VLLM_METAX_PROFILE") or "the device's"}
+        path.write_text(json.dumps(data, indent=1))
+        (args.out / "serve_bench.md").write_text(report(record, data["meta"]))
+
     first = True
     for model in models:
         spec = MODELS[model]
@@ -529,21 +559,8 @@ def main(argv=None) -> int:
                       file=sys.stderr, flush=True)
                 return 3
         for setup in setups:
-            run_setup(model, setup, model_dir, args, empty, args.port, first, workloads, record)
+            run_setup(model, setup, model_dir, args, empty, args.port, first, workloads, record, checkpoint)
             first = False
-            data["meta"] = {
-                "device": device, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                "compile": args.compile, "workloads": {k: list(v) for k, v in workloads.items()},
-                "repeats": args.repeats,
-                "note": ("Each cell: vLLM's `vllm bench serve` result for that server"
-                         + (f", the median of {args.repeats} runs (repeat i with seed i), p50 TPOT with "
-                            "its range" if args.repeats > 1 else ", one run") +
-                         "; times in ms, output_throughput in tokens/s; ratios < 1 mean tuned is "
-                         "faster (for throughput, > 1).")
-                        + PROFILE_NOTE.get(os.environ.get("VLLM_METAX_PROFILE", ""), ""),
-                "profile": os.environ.get("VLLM_METAX_PROFILE") or "the device's"}
-            path.write_text(json.dumps(data, indent=1))
-            (args.out / "serve_bench.md").write_text(report(record, data["meta"]))
     print((args.out / "serve_bench.md").read_text())
     return 0
 

@@ -201,10 +201,34 @@ def test_each_repeat_runs_vllms_client_with_its_own_seed(tmp_path, monkeypatch, 
     args = sb.argparse.Namespace(out=tmp_path, start_timeout=5, compile=False, profile=False,
                                  config_folder=None, repeats=3)
     record: dict = {}
+    saved = []
     wl = {"chat": sb.WORKLOADS["chat"][:4] + (("8", "32"),)}
-    sb.run_setup("h16", "tuned", model_dir, args, tmp_path / "empty", 8000, False, wl, record)
+    sb.run_setup("h16", "tuned", model_dir, args, tmp_path / "empty", 8000, False, wl, record,
+                 lambda: saved.append(sorted(record["h16/tuned"].get("runs", {}))))
     rec = record["h16/tuned"]
     assert seeds == [0, 1, 2, 0, 1, 2]
     assert [r["p50_tpot_ms"] for r in rec["repeats"]["chat@8"]] == [5.0, 3.0, 4.0]
     assert rec["runs"]["chat@8"]["p50_tpot_ms"] == 4.0 and rec["runs"]["chat@32"]["p50_tpot_ms"] == 2.2
     assert rec["log"] == ["(EngineCore pid=1) INFO vllm_metax MLA: tuned entry 16 heads"]
+    assert "partial" not in rec and "previous" not in rec
+    assert saved == [["chat@8"], ["chat@32", "chat@8"], ["chat@32", "chat@8"]]   # each cell, then the end
+
+    # the same setup again, cut by the time limit (timeout's SIGTERM: SystemExit) in its second
+    # cell: the first cell is saved and marked partial; the complete run before it is kept
+    tpot = iter([1.0, 1.1, 1.2, 9.0])
+    calls = iter(range(100))
+
+    def cut_client(argv):
+        if next(calls) == 4:
+            raise SystemExit(143)
+        return {**_cell(next(tpot)), "duration": 1.0, "mean_tpot_ms": 1.0}
+
+    monkeypatch.setattr(sb, "run_client", cut_client)
+    with pytest.raises(SystemExit):
+        sb.run_setup("h16", "tuned", model_dir, args, tmp_path / "empty", 8000, False, wl, record,
+                     lambda: saved.append(sorted(record["h16/tuned"].get("runs", {}))))
+    cut = record["h16/tuned"]
+    assert cut["partial"] and list(cut["runs"]) == ["chat@8"] and cut["runs"]["chat@8"]["p50_tpot_ms"] == 1.1
+    assert cut["previous"]["runs"] == rec["runs"] and saved[-1] == ["chat@8"]
+    md = sb.report(record, {"device": "X", "date": "d", "note": "n"})
+    assert "- tuned: partial, cut before it finished (1 cell measured)" in md
