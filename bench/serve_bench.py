@@ -24,7 +24,9 @@ in its own process group with the default multiprocess engine core; the client i
 `vllm bench serve` runs (`vllm.benchmarks.serve.main`), called in this process so vLLM imports once;
 the first server of a run also gets one plain HTTP /v1/completions request and one `vllm bench
 serve` subprocess. Server logs go to DIR/server_<model>_<setup>.log; results to
-DIR/serve_bench.json (every vLLM result dict) and DIR/serve_bench.md.
+DIR/serve_bench.json (every vLLM result dict) and DIR/serve_bench.md, written after every cell: a
+run cut by a time limit keeps what it measured (that setup marked partial), and a setup run again
+(the same DIR, a later call on a warm machine) keeps its earlier record under `previous`.
 
 --repeats N: each workload-rate runs N times on the same server (repeat i with seed i: the same
 prompts and arrival times on every server). A cell is then the median over its repeats, and "beyond
