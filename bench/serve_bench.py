@@ -425,6 +425,16 @@ def goals(recs: dict, runs: list[str], heads: int = 16) -> list[str]:
     return out
 
 
+def cell_order(cell: str) -> tuple:
+    """workload@rate in WORKLOADS' order, the rates by value ("inf" last)."""
+    name, _, rate = cell.partition("@")
+    try:
+        r = float(rate)
+    except ValueError:
+        r = math.inf
+    return (list(WORKLOADS).index(name) if name in WORKLOADS else len(WORKLOADS), name, r)
+
+
 def report(record: dict, meta: dict) -> str:
     lines = [f"# `vllm serve` + `vllm bench serve`: {meta['device']} ({meta['date']})", "",
              meta["note"], ""]
@@ -441,8 +451,7 @@ def report(record: dict, meta: dict) -> str:
             lines += [f"- {s}: the server log warns: {w}" for w in log_warnings(r)
                       if SETUPS.get(s, ([], True))[1] or "no tuned config" not in w]   # by design
         lines.append("")
-        runs = sorted({k for r in recs.values() for k in r.get("runs", {})},
-                      key=lambda k: (list(WORKLOADS).index(k.split("@")[0]) if k.split("@")[0] in WORKLOADS else 9, k))
+        runs = sorted({k for r in recs.values() for k in r.get("runs", {})}, key=cell_order)
         setups = [s for s in SETUPS if s in recs and recs[s].get("runs")]
         others = [s for s in setups if s != "tuned"] if "tuned" in setups else []
         head = "| workload@rate | metric | " + " | ".join(setups + [f"tuned/{s}" for s in others]) + " |"

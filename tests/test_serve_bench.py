@@ -141,6 +141,12 @@ def _cell(tpot: float, completed: int = 48, failed: int = 0) -> dict:
             "output_throughput": 100.0}
 
 
+def test_cells_are_ordered_by_workload_then_rate():
+    cells = ["chat@inf", "chat@32", "long@4", "chat@8", "other@1", "long@1", "long@inf"]
+    assert sorted(cells, key=sb.cell_order) == ["long@1", "long@4", "long@inf", "chat@8", "chat@32",
+                                                 "chat@inf", "other@1"]
+
+
 def test_a_cell_is_the_median_of_its_repeats_and_keeps_lost_requests():
     cell = sb.median_summary([_cell(3.0), _cell(9.0, completed=47, failed=1), _cell(4.0)])
     assert cell["p50_tpot_ms"] == 4.0 and cell["p99_tpot_ms"] == 8.0
