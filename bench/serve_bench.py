@@ -53,6 +53,7 @@ import json
 import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -232,7 +233,6 @@ def summarize(result: dict) -> dict:
 def median_summary(reps: list[dict]) -> dict:
     """One cell from its repeats: each metric's median, except `completed` (the fewest) and
     `failed` (the most), so a repeat that lost requests is not hidden."""
-    import statistics
     out = {}
     for k in reps[0]:
         vals = [r[k] for r in reps if r.get(k) is not None]
@@ -374,7 +374,6 @@ def beyond_noise(slow: list[float], fast: list[float]) -> bool:
     """Is `fast` faster than `slow` beyond noise? Where the repeats can reach p < SERVE_P: a
     one-sided Mann-Whitney U test over them and medians at least NOISE apart (mla_tune's verdict
     rule, at serving's sample counts); otherwise (one run a cell) the NOISE ratio alone."""
-    import statistics
     if not slow or not fast:
         return False
     if testable(len(slow), len(fast)):

@@ -172,10 +172,10 @@ def profile_decode(port: int, trace_dir: Path, vocab: int, prompt_tokens: int = 
     for s in streams:
         s.join(timeout=timeout)
     t1 = time.perf_counter()          # the traces are written after stop: wait for the files
-    while not set(trace_files(trace_dir)) - before and time.perf_counter() - t1 < 90:
+    while not (new := set(trace_files(trace_dir)) - before) and time.perf_counter() - t1 < 90:
         time.sleep(0.5)
     gaps = sorted(b - a for w in window for a, b in zip(w, w[1:]))
-    out = kernel_summary(trace_dir, steps=steps, files=list(set(trace_files(trace_dir)) - before), layers=layers)
+    out = kernel_summary(trace_dir, steps=steps, files=list(new), layers=layers)
     out.update({"prompt_tokens": prompt_tokens, "requests": requests, "files_before": len(before),
                 "window_tpot_ms_p50": round(1e3 * gaps[len(gaps) // 2], 3) if gaps else None})
     return out
@@ -200,12 +200,13 @@ def bound_lines(profiles: dict, baseline: str = "triton16", tuned: str = "tuned"
                      f"streamed TPOT p50 in the window {p.get('window_tpot_ms_p50')} ms)")
     t, b = profiles.get(tuned) or {}, profiles.get(baseline) or {}
     if "per_step_us" in t and "per_step_us" in b and b["step_kernel_us"]:
-        free = (t["step_kernel_us"] - t["per_step_us"]["attention"]) / b["step_kernel_us"]
+        rest = t["step_kernel_us"] - t["per_step_us"]["attention"]      # tuned's step without attention
+        free = rest / b["step_kernel_us"]
         lines.append(f"- {tuned}/{baseline} GPU time per step {t['step_kernel_us'] / b['step_kernel_us']:.3f}; with "
                      f"{tuned}'s attention free it would be {free:.3f}: no attention kernel can take "
                      f"{tuned} below that")
         if goal:
-            need = goal * b["step_kernel_us"] - (t["step_kernel_us"] - t["per_step_us"]["attention"])
+            need = goal * b["step_kernel_us"] - rest
             have = t["per_step_us"]["attention"]
             lines.append(f"- for {tuned}/{baseline} <= {goal:g}, {tuned}'s attention would have to take <= "
                          f"{max(need, 0):.0f} us per step; it takes {have:.0f} us"
