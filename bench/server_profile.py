@@ -208,7 +208,8 @@ def bound_lines(profiles: dict, baseline: str = "triton16", tuned: str = "tuned"
         if goal:
             need = goal * b["step_kernel_us"] - rest
             have = t["per_step_us"]["attention"]
+            verdict = (" (met)" if have <= need else f" ({have / need:.2f}x that)" if need > 0
+                       else f" (out of reach: {tuned}'s step without attention is over the goal)")
             lines.append(f"- for {tuned}/{baseline} <= {goal:g}, {tuned}'s attention would have to take <= "
-                         f"{max(need, 0):.0f} us per step; it takes {have:.0f} us"
-                         + (f" ({have / need:.2f}x that)" if need > 0 and have > need else " (met)"))
+                         f"{max(need, 0):.0f} us per step; it takes {have:.0f} us" + verdict)
     return lines

@@ -81,6 +81,10 @@ def test_the_bound_is_tuned_without_attention_over_the_baseline(sp):
     assert goal[-1] == "- for tuned/triton16 <= 0.6, tuned's attention would have to take <= 16 us per step; it takes 20 us (1.25x that)"
     met = sp.bound_lines({"tuned": prof(90.0, 10.0), "triton16": prof(160.0, 80.0)}, goal=0.6)
     assert met[-1].endswith("it takes 10 us (met)")
+    # tuned's step without attention (90 us) already over 0.5 * 160: no attention time meets it
+    beyond = sp.bound_lines({"tuned": prof(100.0, 10.0), "triton16": prof(160.0, 80.0)}, goal=0.5)
+    assert beyond[-1].endswith("would have to take <= 0 us per step; it takes 10 us (out of reach: "
+                               "tuned's step without attention is over the goal)")
 
 
 class _FakeVllm(http.server.BaseHTTPRequestHandler):
