@@ -36,8 +36,11 @@ repeat of one slower than every repeat of the other, p = 0.05) and the medians d
 more. With one run per cell the 5% alone decides, which two sessions on the lent H100 showed is not
 enough for the chat workloads (the same server's chat@32 p50 TPOT 3.79 ms in one, 7.42 in the next).
 
+--cells long@4,chat@8: only these workload-rates (to repeat the cells a verdict hinges on, say).
+
 --profile: each server also runs with vLLM's torch profiler configured, and after its workloads
-the decode steps of one long request, then of a batch of short ones (chat@32's shape), are
+the decode steps of one long request (--profile-prompt tokens; 0: none), then of a batch
+(--profile-batch requests of --profile-batch-prompt tokens; default chat@32's shape, 32 x 512) are
 profiled (bench/server_profile.py); the report then says how much of a decode step attention takes
 and what tuned/triton16 would be with attention free.
 
@@ -316,7 +319,7 @@ def run_setup(model: str, setup: str, model_dir: Path, args, empty: Path, port: 
                 checkpoint()
         if args.profile:
             vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-            for field, prompt, n in (("profile", args.profile_prompt, 1),
+            for field, prompt, n in (("profile", args.profile_prompt, 1 if args.profile_prompt else 0),
                                      ("profile_batch", args.profile_batch_prompt, args.profile_batch)):
                 if not n:
                     continue
@@ -478,7 +481,7 @@ def report(record: dict, meta: dict) -> str:
         if "tuned" in setups and (met := goals(recs, runs, MODELS[model]["heads"])):
             lines += ["", "Goals (p50 TPOT ratios; < 1: tuned faster):", ""] + met
         for field, what in (("profile", "one long request decoding"),
-                            ("profile_batch", "a batch of short requests decoding together")):
+                            ("profile_batch", "a batch of requests decoding together")):
             profiles = {s: restep(r[field], MODELS[model]["layers"]) for s, r in recs.items() if field in r}
             if profiles:
                 shape = next((f" ({p['requests']} x {p['prompt_tokens']} prompt tokens)" for p in profiles.values()
@@ -488,6 +491,19 @@ def report(record: dict, meta: dict) -> str:
                                      and MODELS[model]["heads"] == 16 else None)
         lines.append("")
     return "\n".join(lines)
+
+
+def select_cells(workloads: dict, cells: str) -> dict | str:
+    """The workloads with only the rates `cells` names ("long@4,chat@8"; empty: all of them), or
+    why `cells` names something they do not have."""
+    wanted = [c.strip() for c in cells.split(",") if c.strip()]
+    if not wanted:
+        return workloads
+    have = [f"{w}@{r}" for w, wl in workloads.items() for r in wl[4]]
+    if bad := [c for c in wanted if c not in have]:
+        return f"no such cell {', '.join(bad)} (these workloads have: {', '.join(have)})"
+    return {w: wl[:4] + (tuple(r for r in wl[4] if f"{w}@{r}" in wanted),)
+            for w, wl in workloads.items() if any(c.startswith(f"{w}@") for c in wanted)}
 
 
 def main(argv=None) -> int:
@@ -506,10 +522,14 @@ def main(argv=None) -> int:
     ap.add_argument("--port", type=int, default=8471)
     ap.add_argument("--profile", action="store_true",
                     help="after each setup's workloads, a torch profile of decode steps (bench/server_profile.py)")
-    ap.add_argument("--profile-prompt", type=int, default=16384, help="the profiled long request's prompt tokens")
+    ap.add_argument("--profile-prompt", type=int, default=16384,
+                    help="the profiled long request's prompt tokens (0: no single-request profile)")
     ap.add_argument("--profile-batch", type=int, default=32,
                     help="requests in the profiled batch (0: no batch profile)")
     ap.add_argument("--profile-batch-prompt", type=int, default=512, help="their prompt tokens each")
+    ap.add_argument("--cells", default="",
+                    help="only these workload@rate cells, e.g. long@4,chat@8 (default: every rate of "
+                         "each workload)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs of each workload-rate on the same server (the report tests differences over them)")
     args = ap.parse_args(argv)
@@ -528,7 +548,10 @@ def main(argv=None) -> int:
               f"Mann-Whitney p < {SERVE_P:g})", file=sys.stderr)
         return 2
     pool = QUICK if args.quick else WORKLOADS
-    workloads = {w: pool[w] for w in args.workloads.split(",") if w in pool}
+    workloads = select_cells({w: pool[w] for w in args.workloads.split(",") if w in pool}, args.cells)
+    if isinstance(workloads, str):
+        print(f"serve_bench: --cells: {workloads}", file=sys.stderr)
+        return 2
     empty = args.out / "no_configs"
     empty.mkdir(exist_ok=True)
     import torch

@@ -238,3 +238,49 @@ def test_each_repeat_runs_vllms_client_with_its_own_seed(tmp_path, monkeypatch, 
     assert cut["previous"]["runs"] == rec["runs"] and saved[-1] == ["chat@8"]
     md = sb.report(record, {"device": "X", "date": "d", "note": "n"})
     assert "- tuned: partial, cut before it finished (1 cell measured)" in md
+
+
+def test_cells_pick_workload_rates_and_unknown_ones_are_refused(tmp_path, capsys):
+    picked = sb.select_cells(dict(sb.WORKLOADS), "long@inf, chat@8,long@4")
+    assert {w: wl[4] for w, wl in picked.items()} == {"long": ("4", "inf"), "chat": ("8",)}
+    assert picked["long"][:4] == sb.WORKLOADS["long"][:4]
+    assert sb.select_cells(dict(sb.WORKLOADS), "") == sb.WORKLOADS
+    why = sb.select_cells(dict(sb.WORKLOADS), "long@4,chat@7")
+    assert isinstance(why, str) and why.startswith("no such cell chat@7 (") and "chat@8" in why
+    # the CLI: one line and exit 2, before any model is made or server started
+    assert sb.main(["--out", str(tmp_path / "o"), "--cells", "ragged@3",
+                    "--model-root", str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("serve_bench: --cells: no such cell ragged@3") and err.count("\n") == 1
+    assert not (tmp_path / "m").exists()
+
+
+def test_profile_prompt_0_profiles_only_the_batch(tmp_path, monkeypatch, model_dir):
+    """--profile-prompt 0 skips the single long request; the batch profile runs with its own shape
+    (4 x 16384: the long workloads' batches at 128 heads)."""
+    calls = []
+
+    class FakeServer:
+        args = ["python", "-m", "vllm"]
+
+        def __init__(self, *a, **k):
+            a[3].write_text("")
+
+        def wait_ready(self, timeout):
+            return 1.0
+
+        def stop(self):
+            pass
+
+    def fake_profile(port, trace_dir, vocab, prompt_tokens, requests, layers):
+        calls.append((prompt_tokens, requests, layers))
+        return {"per_step_us": {"attention": 1.0}, "requests": requests, "prompt_tokens": prompt_tokens}
+
+    monkeypatch.setattr(sb, "Server", FakeServer)
+    monkeypatch.setattr(sb, "profile_decode", fake_profile)
+    args = sb.argparse.Namespace(out=tmp_path, start_timeout=5, compile=False, profile=True, config_folder=None,
+                                 repeats=1, profile_prompt=0, profile_batch=4, profile_batch_prompt=16384)
+    record: dict = {}
+    sb.run_setup("h128", "tuned", model_dir, args, tmp_path / "empty", 8000, False, {}, record)
+    assert calls == [(16384, 4, 27)]
+    assert "profile" not in record["h128/tuned"] and record["h128/tuned"]["profile_batch"]["requests"] == 4
