@@ -37,6 +37,8 @@ more. With one run per cell the 5% alone decides, which two sessions on the lent
 enough for the chat workloads (the same server's chat@32 p50 TPOT 3.79 ms in one, 7.42 in the next).
 
 --cells long@4,chat@8: only these workload-rates (to repeat the cells a verdict hinges on, say).
+`--out RESULTS.json --attach DIR/serve_bench.json` (no servers) adds such a run to a results file
+as a follow-up on the same device and writes RESULTS.md: the run before it stays as measured.
 
 --profile: each server also runs with vLLM's torch profiler configured, and after its workloads
 the decode steps of one long request (--profile-prompt tokens; 0: none), then of a batch
@@ -438,8 +440,8 @@ def cell_order(cell: str) -> tuple:
 
 
 def report(record: dict, meta: dict) -> str:
-    lines = [f"# `vllm serve` + `vllm bench serve`: {meta['device']} ({meta['date']})", "",
-             meta["note"], ""]
+    lines = [f"# {meta.get('title', '`vllm serve` + `vllm bench serve`')}: {meta['device']} ({meta['date']})",
+             "", meta["note"], ""]
     models = sorted({r["model"] for r in record.values()}, key=list(MODELS).index)
     for model in models:
         recs = {r["setup"]: r for r in record.values() if r["model"] == model}
@@ -493,6 +495,31 @@ def report(record: dict, meta: dict) -> str:
     return "\n".join(lines)
 
 
+def render(data: dict) -> str:
+    """A results file's report: its run, then each follow-up run attached to it (`--attach`)."""
+    return "\n\n".join([report(data["runs"], data["meta"])]
+                       + [report(f["runs"], f["meta"]) for f in data.get("followups", [])])
+
+
+def attach(results: Path, run: Path) -> str | None:
+    """Add the run in `run` (a serve_bench.json) to `results` as a follow-up, rewrite `results`
+    and its .md beside it; None, or why not (nothing is written then)."""
+    try:
+        data, new = json.loads(results.read_text()), json.loads(run.read_text())
+    except (OSError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    if not isinstance(new, dict) or not new.get("runs") or "meta" not in new:
+        return f"{run}: no serve_bench run in it"
+    if new["meta"].get("device") != data["meta"].get("device"):
+        return f"{run} ran on {new['meta'].get('device')}, {results} on {data['meta'].get('device')}"
+    new["meta"].setdefault("title", "Follow-up")
+    data.setdefault("followups", []).append({"runs": new["runs"], "meta": new["meta"]})
+    md = render(data)
+    results.write_text(json.dumps(data, indent=1))
+    results.with_suffix(".md").write_text(md)
+    return None
+
+
 def select_cells(workloads: dict, cells: str) -> dict | str:
     """The workloads with only the rates `cells` names ("long@4,chat@8"; empty: all of them), or
     why `cells` names something they do not have."""
@@ -532,7 +559,17 @@ def main(argv=None) -> int:
                          "each workload)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs of each workload-rate on the same server (the report tests differences over them)")
+    ap.add_argument("--attach", type=Path, default=None, metavar="RUN_JSON",
+                    help="no servers: add this run's serve_bench.json to the results file given as "
+                         "--out (a .json) as a follow-up, and write its report beside it")
     args = ap.parse_args(argv)
+    if args.attach:
+        why = attach(args.out, args.attach)
+        if why:
+            print(f"serve_bench: --attach: {why}", file=sys.stderr)
+            return 2
+        print(f"{args.out}: {args.attach} attached; report {args.out.with_suffix('.md')}")
+        return 0
     # `timeout` sends SIGTERM: unwind, so each server's process group is stopped (they run in
     # sessions of their own, which the device tool would leave running)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -284,3 +284,32 @@ def test_profile_prompt_0_profiles_only_the_batch(tmp_path, monkeypatch, model_d
     sb.run_setup("h128", "tuned", model_dir, args, tmp_path / "empty", 8000, False, {}, record)
     assert calls == [(16384, 4, 27)]
     assert "profile" not in record["h128/tuned"] and record["h128/tuned"]["profile_batch"]["requests"] == 4
+
+
+def test_a_follow_up_run_is_attached_and_reported_after_the_run(tmp_path, capsys):
+    meta = {"device": "GPU X", "date": "d1", "note": "survey"}
+    survey = {"runs": {"h16/tuned": {"model": "h16", "setup": "tuned", "runs": {"chat@8": _cell(2.0)}},
+                       "h16/untuned": {"model": "h16", "setup": "untuned", "runs": {"chat@8": _cell(2.5)}}},
+              "meta": meta}
+    results = tmp_path / "serve_bench_x.json"
+    results.write_text(json.dumps(survey))
+    rep = {k: dict(v, runs={"chat@32": _cell(t)}, repeats={"chat@32": [_cell(t - 0.1), _cell(t), _cell(t + 0.1)]})
+           for (k, v), t in zip(survey["runs"].items(), (3.0, 4.0))}
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"runs": rep, "meta": {"device": "GPU X", "date": "d2", "note": "repeats"}}))
+    assert sb.main(["--out", str(results), "--attach", str(run)]) == 0
+    data = json.loads(results.read_text())
+    assert data["runs"] == survey["runs"] and data["followups"][0]["runs"] == rep
+    md = results.with_suffix(".md").read_text()
+    first, second = md.split("# Follow-up: GPU X (d2)")
+    assert "survey" in first and "chat@8" in first and "chat@32" not in first
+    assert "repeats" in second and "| chat@32 | p50_tpot_ms | 3.00 [2.90-3.10] | 4.00 [3.90-4.10] | 0.750 |" in second
+    # another device's run, or a file that is not a run: refused, nothing written
+    before = results.read_text()
+    run.write_text(json.dumps({"runs": rep, "meta": {"device": "GPU Y", "date": "d3", "note": "n"}}))
+    assert sb.main(["--out", str(results), "--attach", str(run)]) == 2
+    run.write_text("{not json")
+    assert sb.main(["--out", str(results), "--attach", str(run)]) == 2
+    assert results.read_text() == before
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and "ran on GPU Y" in err[0] and err[1].startswith("serve_bench: --attach: JSONDecodeError")
