@@ -28,7 +28,11 @@ BASE_CONFIG = {
     "rope_scaling": None, "rms_norm_eps": 1e-6, "hidden_act": "silu",
     "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
 }
-SPECIAL_TOKENS = ("<s>", "</s>", "<unk>")     # ids 0, 1, 2: bos, eos, unk
+# ids 0, 1, 2: bos, eos, unk; bos and eos are DeepSeek-V2/V3's own. Their length matters: vLLM refuses
+# a text prompt longer than max_model_len x the longest vocabulary entry in characters
+# (renderers/params.py, `_text_len_check`), and with "<s>" the longest entry was a 5-character word
+# while each word costs 6 characters with its space: prompts over ~29K of 34,816 tokens were refused.
+SPECIAL_TOKENS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<unk>")
 
 
 def model_config(heads: int = 16, layers: int = 3, vocab_size: int = 2048,
@@ -79,7 +83,7 @@ def write_weights(d: Path, c: dict, seed: int = 20261203, device: str = "cpu") -
 
 
 def write_tokenizer(d: Path, vocab_size: int) -> None:
-    """A word-level fast tokenizer: ids 0-2 are <s>, </s>, <unk>; id i >= 3 is the word `w<i>`."""
+    """A word-level fast tokenizer: ids 0-2 are SPECIAL_TOKENS; id i >= 3 is the word `w<i>`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -88,7 +92,7 @@ def write_tokenizer(d: Path, vocab_size: int) -> None:
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)    # joins words with spaces
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=SPECIAL_TOKENS[0], eos_token=SPECIAL_TOKENS[1],
                                    unk_token="<unk>", model_max_length=1 << 20)
     fast.save_pretrained(str(d))
 

@@ -25,10 +25,13 @@ def model_dir(tmp_path_factory):
     return sb.make_model_dir(d, sb.model_config(16, 2, 4096, sb.MAX_MODEL_LEN + 1024))
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("name", sorted(sb.WORKLOADS))
-def test_each_workload_draws_its_lengths_through_vllms_client(model_dir, name):
+def test_each_workload_draws_its_lengths_through_vllms_client(model_dir, name, seed):
+    """Every repeat's prompts (seed i), drawn by vLLM's client, pass the server's own checks."""
     from vllm.benchmarks.datasets import get_samples
     from vllm.benchmarks.serve import add_cli_args
+    from vllm.renderers.params import TokenizeParams
     from vllm.tokenizers.registry import get_tokenizer
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -36,10 +39,17 @@ def test_each_workload_draws_its_lengths_through_vllms_client(model_dir, name):
     inp, out, ratio, prompts, rates = wl
     parser = FlexibleArgumentParser()
     add_cli_args(parser)
-    args = parser.parse_args(sb.bench_args(model_dir, 8000, wl, rates[0], 0))
+    args = parser.parse_args(sb.bench_args(model_dir, 8000, wl, rates[0], seed))
     assert args.ignore_eos and args.dataset_name == "random" and args.num_prompts == prompts
-    samples = get_samples(args, get_tokenizer(str(model_dir)))
+    tok = get_tokenizer(str(model_dir))
+    samples = get_samples(args, tok)
     assert len(samples) == prompts
+    # the server's text check (vLLM answers 400 Bad Request where it fails: seed 1's longest
+    # prompts did on the lent H100, 2026-12-07, when the longest vocabulary entry was 5 characters)
+    check = TokenizeParams(max_total_tokens=sb.MAX_MODEL_LEN, max_output_tokens=out)
+    for s in samples:
+        assert check._text_len_check(tok, s.prompt) == s.prompt
+        assert len(tok.encode(s.prompt)) <= s.prompt_len + 1          # its BOS at most
     lo, hi = inp * (1 - ratio["input"]), inp * (1 + ratio["input"])
     assert all(lo - 2 <= s.prompt_len <= hi + 2 for s in samples), [s.prompt_len for s in samples]
     assert max(s.prompt_len for s in samples) + out * (1 + ratio["output"]) <= sb.MAX_MODEL_LEN
