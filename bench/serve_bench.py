@@ -426,6 +426,23 @@ def goals(recs: dict, runs: list[str], heads: int = 16) -> list[str]:
                    + ("met" if not slower else "NOT met: " + ", ".join(f"{k} {v:.3f}" for k, v in slower.items()))
                    + f"; faster beyond noise in {len(faster)} of {len(r)}"
                    + (f" ({', '.join(f'{k} {r[k]:.3f}' for k in faster)})" if faster else ""))
+        paired = {k: [a / b for a, b in zip(tpots(recs["tuned"], k), tpots(recs[base], k))] for k in r
+                  if len(tpots(recs["tuned"], k)) == len(tpots(recs[base], k)) > 1}
+        if paired:      # repeat i drew the same prompts and arrivals (seed i) on both servers
+            out.append(f"  - tuned / {base} repeat by repeat (the same seed, prompts and arrivals): "
+                       + "; ".join(f"{k} " + " ".join(f"{x:.3f}" for x in v) for k, v in paired.items()))
+    return out
+
+
+def failures(rec: dict) -> list[str]:
+    """The cells (and repeats) where vLLM's client counted failed requests."""
+    out = []
+    for k in sorted(rec.get("runs", {}), key=cell_order):
+        reps = rec.get("repeats", {}).get(k) or [rec["runs"][k]]
+        for i, r in enumerate(reps):
+            if r.get("failed"):
+                out.append(f"{k}{f' repeat {i}' if len(reps) > 1 else ''}: {r['failed']} of "
+                           f"{r['failed'] + (r.get('completed') or 0)} requests failed")
     return out
 
 
@@ -452,6 +469,8 @@ def report(record: dict, meta: dict) -> str:
             elif r.get("partial"):
                 n = len(r.get("runs", {}))
                 lines.append(f"- {s}: partial, cut before it finished ({n} cell{'s' * (n != 1)} measured)")
+            if failed := failures(r):
+                lines.append(f"- {s}: " + "; ".join(failed))
             lines += [f"- {s}: the server log warns: {w}" for w in log_warnings(r)
                       if SETUPS.get(s, ([], True))[1] or "no tuned config" not in w]   # by design
         lines.append("")

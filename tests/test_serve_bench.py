@@ -183,6 +183,15 @@ def test_with_repeats_only_a_tested_difference_is_a_verdict():
     assert "3 repeats a cell: Mann-Whitney p < 0.1" in goal
     assert "NOT met: ragged@2 1.100" in goal and "chat@32" not in goal.split("; faster")[0]
     assert "chat@8" not in goal
+    # the repeats side by side, seed by seed: chat@32's first repeat 1.265, its second 0.804
+    paired = md.splitlines()[md.splitlines().index(goal) + 1]
+    assert paired.startswith("  - tuned / untuned repeat by repeat (the same seed")
+    assert "chat@32 1.265 0.804 0.914" in paired and "long@1 0.800 0.802 0.804" in paired
+    assert "failed" not in md
+    # a repeat that lost requests is said beside the setup's numbers
+    record["h16/tuned"]["repeats"]["chat@8"][1] = _cell(2.05, completed=46, failed=2)
+    assert "- tuned: chat@8 repeat 1: 2 of 48 requests failed" in sb.report(record, {"device": "X", "date": "d",
+                                                                                    "note": "n"})
     assert goal.endswith("faster beyond noise in 1 of 4 (long@1 0.802)")
     # one run a cell: the 5% ratio alone, and the report says that is weak
     single = {k: {**r, "repeats": {}} for k, r in record.items()}
