@@ -417,7 +417,10 @@ def goals(recs: dict, runs: list[str], heads: int = 16) -> list[str]:
         r = {k: _ratio(tpot("tuned", k), tpot(base, k)) for k in runs}
         r = {k: v for k, v in r.items() if v}
         if not r:
-            out.append(f"- tuned vs {base}: not measured ({recs[base].get('skipped') or recs[base].get('error')})")
+            b = recs[base]
+            why = b.get("skipped") or b.get("error") or ("cut before its first cell" if b.get("partial")
+                                                         else "no cell of both")
+            out.append(f"- tuned vs {base}: not measured ({why})")
             continue
         slower = {k: v for k, v in r.items() if beyond_noise(tpots(recs["tuned"], k), tpots(recs[base], k))}
         faster = [k for k in r if beyond_noise(tpots(recs[base], k), tpots(recs["tuned"], k))]

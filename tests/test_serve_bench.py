@@ -192,6 +192,10 @@ def test_with_repeats_only_a_tested_difference_is_a_verdict():
     record["h16/tuned"]["repeats"]["chat@8"][1] = _cell(2.05, completed=46, failed=2)
     assert "- tuned: chat@8 repeat 1: 2 of 48 requests failed" in sb.report(record, {"device": "X", "date": "d",
                                                                                     "note": "n"})
+    # a setup cut before its first cell is said to be, not compared
+    record["h16/vllm_default"] = {"model": "h16", "setup": "vllm_default", "partial": True}
+    md = sb.report(record, {"device": "X", "date": "d", "note": "n"})
+    assert "- tuned vs vllm_default: not measured (cut before its first cell)" in md
     assert goal.endswith("faster beyond noise in 1 of 4 (long@1 0.802)")
     # one run a cell: the 5% ratio alone, and the report says that is weak
     single = {k: {**r, "repeats": {}} for k, r in record.items()}
