@@ -42,7 +42,7 @@ as a follow-up on the same device and writes RESULTS.md: the run before it stays
 
 --profile: each server also runs with vLLM's torch profiler configured, and after its workloads
 the decode steps of one long request (--profile-prompt tokens; 0: none), then of a batch
-(--profile-batch requests of --profile-batch-prompt tokens; default chat@32's shape, 32 x 512) are
+(--profile-batch requests of --profile-batch-prompt tokens, N or a LO-HI range; default chat@32's shape, 32 x 512) are
 profiled (bench/server_profile.py); the report then says how much of a decode step attention takes
 and what tuned/triton16 would be with attention free.
 
@@ -542,6 +542,18 @@ def attach(results: Path, run: Path) -> str | None:
     return None
 
 
+def prompt_spec(text: str) -> int | tuple[int, int]:
+    """--profile-batch-prompt: N tokens, or LO-HI (a length drawn from that range per request)."""
+    lo, sep, hi = text.partition("-")
+    try:
+        spec = (int(lo), int(hi)) if sep else int(lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: N or LO-HI prompt tokens") from None
+    if min(spec if sep else (spec,)) < 1 or (sep and spec[0] > spec[1]):
+        raise argparse.ArgumentTypeError(f"{text!r}: positive, LO <= HI")
+    return spec
+
+
 def select_cells(workloads: dict, cells: str) -> dict | str:
     """The workloads with only the rates `cells` names ("long@4,chat@8"; empty: all of them), or
     why `cells` names something they do not have."""
@@ -575,7 +587,9 @@ def main(argv=None) -> int:
                     help="the profiled long request's prompt tokens (0: no single-request profile)")
     ap.add_argument("--profile-batch", type=int, default=32,
                     help="requests in the profiled batch (0: no batch profile)")
-    ap.add_argument("--profile-batch-prompt", type=int, default=512, help="their prompt tokens each")
+    ap.add_argument("--profile-batch-prompt", type=prompt_spec, default=512,
+                    help="their prompt tokens each, or LO-HI: each drawn from that range (a ragged "
+                         "batch, e.g. 8192-32768 like the long workloads)")
     ap.add_argument("--cells", default="",
                     help="only these workload@rate cells, e.g. long@4,chat@8 (default: every rate of "
                          "each workload)")

@@ -137,17 +137,28 @@ class _Stream(threading.Thread):
             self.error = f"{type(e).__name__}: {e}"
 
 
-def profile_decode(port: int, trace_dir: Path, vocab: int, prompt_tokens: int = 16384, requests: int = 1,
-                   decode_steps: int = 32, timeout: float = 300, layers: int | None = None) -> dict:
+def prompt_lengths(prompt_tokens: int | tuple[int, int], requests: int, rng) -> list[int]:
+    """Each request's prompt length: `prompt_tokens` each, or drawn uniformly from (lo, hi), a
+    ragged batch like the long workloads' (8K-32K tokens)."""
+    if isinstance(prompt_tokens, int):
+        return [prompt_tokens] * requests
+    lo, hi = prompt_tokens
+    return [rng.randint(lo, hi) for _ in range(requests)]
+
+
+def profile_decode(port: int, trace_dir: Path, vocab: int, prompt_tokens: int | tuple[int, int] = 16384,
+                   requests: int = 1, decode_steps: int = 32, timeout: float = 300,
+                   layers: int | None = None) -> dict:
     """Profile `decode_steps` decode steps of `requests` requests (`prompt_tokens` token ids each,
-    sent at once) on the server at `port`; the kernel summary per step of the traces this profile
-    wrote (a server profiled twice keeps both in `trace_dir`), and the streamed TPOT inside the
-    window; with the model's attention `layers`, the steps are counted in the trace. Raises
-    TimeoutError where the requests do not reach decode in `timeout` s."""
+    or a length drawn from a (lo, hi) range for each; sent at once) on the server at `port`; the
+    kernel summary per step of the traces this profile wrote (a server profiled twice keeps both
+    in `trace_dir`), and the streamed TPOT inside the window; with the model's attention `layers`,
+    the steps are counted in the trace. Raises TimeoutError where the requests do not reach decode
+    in `timeout` s."""
     import random
     rng = random.Random(0)
-    streams = [_Stream(port, [rng.randrange(2, vocab) for _ in range(prompt_tokens)], decode_steps * 4)
-               for _ in range(requests)]
+    lens = prompt_lengths(prompt_tokens, requests, rng)
+    streams = [_Stream(port, [rng.randrange(2, vocab) for _ in range(n)], decode_steps * 4) for n in lens]
     for s in streams:
         s.start()
     t0 = time.perf_counter()
@@ -176,7 +187,8 @@ def profile_decode(port: int, trace_dir: Path, vocab: int, prompt_tokens: int = 
         time.sleep(0.5)
     gaps = sorted(b - a for w in window for a, b in zip(w, w[1:]))
     out = kernel_summary(trace_dir, steps=steps, files=list(new), layers=layers)
-    out.update({"prompt_tokens": prompt_tokens, "requests": requests, "files_before": len(before),
+    shape = prompt_tokens if isinstance(prompt_tokens, int) else "{}-{}".format(*prompt_tokens)
+    out.update({"prompt_tokens": shape, "prompt_lens": lens, "requests": requests, "files_before": len(before),
                 "window_tpot_ms_p50": round(1e3 * gaps[len(gaps) // 2], 3) if gaps else None})
     return out
 

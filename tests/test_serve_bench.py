@@ -336,3 +336,16 @@ def test_a_follow_up_run_is_attached_and_reported_after_the_run(tmp_path, capsys
     assert results.read_text() == before
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and "ran on GPU Y" in err[0] and err[1].startswith("serve_bench: --attach: JSONDecodeError")
+
+
+def test_the_batch_profile_prompt_is_n_or_a_range(tmp_path, capsys):
+    assert sb.prompt_spec("512") == 512 and sb.prompt_spec("8192-32768") == (8192, 32768)
+    for bad in ("32768-8192", "0", "x", "8k-32k"):
+        with pytest.raises(sb.argparse.ArgumentTypeError):
+            sb.prompt_spec(bad)
+    # the CLI: argparse's one-line error and exit 2, no traceback
+    with pytest.raises(SystemExit) as e:
+        sb.main(["--out", str(tmp_path), "--profile-batch-prompt", "32768-8192"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--profile-batch-prompt: '32768-8192': positive, LO <= HI" in err and "Traceback" not in err

@@ -90,7 +90,7 @@ def test_the_bound_is_tuned_without_attention_over_the_baseline(sp):
 class _FakeVllm(http.server.BaseHTTPRequestHandler):
     """Streams a token every 5 ms after a 0.2 s 'prefill'; records the profile calls; writes a
     trace with one attention and one other kernel per token streamed while profiling."""
-    trace_dir, calls, profiling = None, [], [False, 0]
+    trace_dir, calls, profiling, prompts = None, [], [False, 0], []
 
     def log_message(self, *a):
         pass
@@ -110,7 +110,8 @@ class _FakeVllm(http.server.BaseHTTPRequestHandler):
             self.send_response(200)
             self.end_headers()
             return
-        assert self.path == "/v1/completions" and body["stream"] and len(body["prompt"]) in (64, 32)
+        assert self.path == "/v1/completions" and body["stream"]
+        type(self).prompts.append(len(body["prompt"]))
         self.send_response(200)
         self.end_headers()
         time.sleep(0.2)
@@ -160,3 +161,19 @@ def test_a_second_profile_sums_its_own_trace_only(sp, tmp_path):
     assert batch["per_class_us"]["attention"] == 10.0 * (batch["kernel_launches"] // 2)
     assert batch["kernel_launches"] // 2 >= 3 * 8 - 3
     assert first["kernel_launches"] // 2 < 2 * 8 + 8
+
+
+def test_a_ragged_batch_draws_each_prompt_length_from_its_range(sp, tmp_path):
+    """--profile-batch-prompt LO-HI: the long workloads' ragged batches (8K-32K tokens), scaled down."""
+    _FakeVllm.trace_dir, _FakeVllm.calls, _FakeVllm.prompts = tmp_path, [], []
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeVllm)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        out = sp.profile_decode(srv.server_address[1], tmp_path, vocab=100, prompt_tokens=(16, 64),
+                                requests=6, decode_steps=8, timeout=30)
+    finally:
+        srv.shutdown()
+    assert sorted(_FakeVllm.prompts) == sorted(out["prompt_lens"]) and len(out["prompt_lens"]) == 6
+    assert all(16 <= n <= 64 for n in out["prompt_lens"]) and len(set(out["prompt_lens"])) > 1
+    assert out["prompt_tokens"] == "16-64" and out["requests"] == 6 and out["steps"] == 8
+    assert sp.prompt_lengths(512, 3, None) == [512, 512, 512]
