@@ -530,8 +530,9 @@ def attach(results: Path, run: Path) -> str | None:
         data, new = json.loads(results.read_text()), json.loads(run.read_text())
     except (OSError, ValueError) as e:
         return f"{type(e).__name__}: {e}"
-    if not isinstance(new, dict) or not new.get("runs") or "meta" not in new:
-        return f"{run}: no serve_bench run in it"
+    for path, d in ((results, data), (run, new)):
+        if not isinstance(d, dict) or not d.get("runs") or not isinstance(d.get("meta"), dict):
+            return f"{path}: no serve_bench run in it"
     if new["meta"].get("device") != data["meta"].get("device"):
         return f"{run} ran on {new['meta'].get('device')}, {results} on {data['meta'].get('device')}"
     new["meta"].setdefault("title", "Follow-up")

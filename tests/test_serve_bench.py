@@ -336,6 +336,12 @@ def test_a_follow_up_run_is_attached_and_reported_after_the_run(tmp_path, capsys
     assert results.read_text() == before
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and "ran on GPU Y" in err[0] and err[1].startswith("serve_bench: --attach: JSONDecodeError")
+    # a results file that is not one (a list, say) is refused the same way
+    other = tmp_path / "other.json"
+    other.write_text("[1, 2]")
+    assert sb.main(["--out", str(other), "--attach", str(results)]) == 2
+    assert other.read_text() == "[1, 2]"
+    assert capsys.readouterr().err.strip() == f"serve_bench: --attach: {other}: no serve_bench run in it"
 
 
 def test_the_batch_profile_prompt_is_n_or_a_range(tmp_path, capsys):
