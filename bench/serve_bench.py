@@ -364,10 +364,14 @@ SERVE_P = 0.1         # with repeats: one-sided Mann-Whitney over the repeats' p
 LONG_TPOT_GOAL = 0.6  # 16 heads, long context: tuned p50 TPOT <= 0.6x TRITON_MLA at block 16
 
 
+def cell_reps(rec: dict, cell: str) -> list[dict]:
+    """A setup's runs of a cell: its repeats, or its one run (empty where it has none)."""
+    return rec.get("repeats", {}).get(cell) or [rec.get("runs", {}).get(cell, {})]
+
+
 def tpots(rec: dict, cell: str) -> list[float]:
     """A setup's p50 TPOT in a cell, one per repeat (one value without repeats)."""
-    reps = rec.get("repeats", {}).get(cell) or [rec.get("runs", {}).get(cell, {})]
-    return [r["p50_tpot_ms"] for r in reps if r.get("p50_tpot_ms")]
+    return [r["p50_tpot_ms"] for r in cell_reps(rec, cell) if r.get("p50_tpot_ms")]
 
 
 def testable(n1: int, n2: int) -> bool:
@@ -422,15 +426,15 @@ def goals(recs: dict, runs: list[str], heads: int = 16) -> list[str]:
                                                          else "no cell of both")
             out.append(f"- tuned vs {base}: not measured ({why})")
             continue
-        slower = {k: v for k, v in r.items() if beyond_noise(tpots(recs["tuned"], k), tpots(recs[base], k))}
-        faster = [k for k in r if beyond_noise(tpots(recs[base], k), tpots(recs["tuned"], k))]
+        both = {k: (tpots(recs["tuned"], k), tpots(recs[base], k)) for k in r}    # (tuned's, base's)
+        slower = {k: v for k, v in r.items() if beyond_noise(*both[k])}
+        faster = [k for k in r if beyond_noise(*both[k][::-1])]
         out.append(f"- tuned no slower than {base} beyond noise (p50 TPOT, every workload-rate; "
                    f"{noise_rule(recs, ['tuned', base], list(r))}): "
                    + ("met" if not slower else "NOT met: " + ", ".join(f"{k} {v:.3f}" for k, v in slower.items()))
                    + f"; faster beyond noise in {len(faster)} of {len(r)}"
                    + (f" ({', '.join(f'{k} {r[k]:.3f}' for k in faster)})" if faster else ""))
-        paired = {k: [a / b for a, b in zip(tpots(recs["tuned"], k), tpots(recs[base], k))] for k in r
-                  if len(tpots(recs["tuned"], k)) == len(tpots(recs[base], k)) > 1}
+        paired = {k: [a / b for a, b in zip(t, b)] for k, (t, b) in both.items() if len(t) == len(b) > 1}
         if paired:      # repeat i drew the same prompts and arrivals (seed i) on both servers
             out.append(f"  - tuned / {base} repeat by repeat (the same seed, prompts and arrivals): "
                        + "; ".join(f"{k} " + " ".join(f"{x:.3f}" for x in v) for k, v in paired.items()))
@@ -441,7 +445,7 @@ def failures(rec: dict) -> list[str]:
     """The cells (and repeats) where vLLM's client counted failed requests."""
     out = []
     for k in sorted(rec.get("runs", {}), key=cell_order):
-        reps = rec.get("repeats", {}).get(k) or [rec["runs"][k]]
+        reps = cell_reps(rec, k)
         for i, r in enumerate(reps):
             if r.get("failed"):
                 out.append(f"{k}{f' repeat {i}' if len(reps) > 1 else ''}: {r['failed']} of "
@@ -537,22 +541,26 @@ def attach(results: Path, run: Path) -> str | None:
         return f"{run} ran on {new['meta'].get('device')}, {results} on {data['meta'].get('device')}"
     new["meta"].setdefault("title", "Follow-up")
     data.setdefault("followups", []).append({"runs": new["runs"], "meta": new["meta"]})
-    md = render(data)
-    results.write_text(json.dumps(data, indent=1))
-    results.with_suffix(".md").write_text(md)
+    save(results, data)
     return None
+
+
+def save(path: Path, data: dict) -> None:
+    """A results file and its report beside it (the same name, .md)."""
+    md = render(data)
+    path.write_text(json.dumps(data, indent=1))
+    path.with_suffix(".md").write_text(md)
 
 
 def prompt_spec(text: str) -> int | tuple[int, int]:
     """--profile-batch-prompt: N tokens, or LO-HI (a length drawn from that range per request)."""
-    lo, sep, hi = text.partition("-")
     try:
-        spec = (int(lo), int(hi)) if sep else int(lo)
+        lens = tuple(int(x) for x in text.split("-", 1))
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: N or LO-HI prompt tokens") from None
-    if min(spec if sep else (spec,)) < 1 or (sep and spec[0] > spec[1]):
+    if lens[0] < 1 or lens[0] > lens[-1]:
         raise argparse.ArgumentTypeError(f"{text!r}: positive, LO <= HI")
-    return spec
+    return lens if len(lens) == 2 else lens[0]
 
 
 def select_cells(workloads: dict, cells: str) -> dict | str:
@@ -564,8 +572,8 @@ def select_cells(workloads: dict, cells: str) -> dict | str:
     have = [f"{w}@{r}" for w, wl in workloads.items() for r in wl[4]]
     if bad := [c for c in wanted if c not in have]:
         return f"no such cell {', '.join(bad)} (these workloads have: {', '.join(have)})"
-    return {w: wl[:4] + (tuple(r for r in wl[4] if f"{w}@{r}" in wanted),)
-            for w, wl in workloads.items() if any(c.startswith(f"{w}@") for c in wanted)}
+    rates = {w: tuple(r for r in wl[4] if f"{w}@{r}" in wanted) for w, wl in workloads.items()}
+    return {w: workloads[w][:4] + (rs,) for w, rs in rates.items() if rs}
 
 
 def main(argv=None) -> int:
@@ -647,8 +655,7 @@ def main(argv=None) -> int:
                      "faster (for throughput, > 1).")
                     + PROFILE_NOTE.get(os.environ.get("VLLM_METAX_PROFILE", ""), ""),
             "profile": os.environ.get("VLLM_METAX_PROFILE") or "the device's"}
-        path.write_text(json.dumps(data, indent=1))
-        (args.out / "serve_bench.md").write_text(report(record, data["meta"]))
+        save(path, data)
 
     first = True
     for model in models:
