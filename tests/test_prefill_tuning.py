@@ -83,7 +83,7 @@ def test_configs_without_a_prefill_section_stay_valid_and_are_written_as_before(
 
 
 @pytest.mark.parametrize("mutate, message", [
-    (lambda b: {**b, "params": {"backend": "auto"}}, r"params.backend must be one of fa2, fa3 .*got 'auto'"),
+    (lambda b: {**b, "params": {"backend": "auto"}}, r"params.backend must be one of fa2, fa3, vllm_fa3 .*got 'auto'"),
     (lambda b: {**b, "params": {"backend": "fa9"}}, r"params.backend must be one of fa2, fa3"),
     (lambda b: {**b, "params": {"backend": "fa2", "tile": 64}}, r"unknown prefill parameter 'tile'"),
     (lambda b: {**b, "params": "fa2"}, r"field 'params' should be dict"),

@@ -1,14 +1,18 @@
-"""FlashInfer's ragged prefill for MLA as a measurable family, through the plugin's op.
+"""MLA prefill as a measurable family, through the plugin's ops: FlashInfer's ragged prefill and,
+on Hopper, vLLM's FA3 varlen prefill.
 
 Candidates are `flashinfer_prefill/<backend>/p1` (the KV is ragged: contiguous rows per request,
-no pages; the page part of the key is 1) and run exactly what the vLLM plugin's prefill backend
-runs: `vllm_metax.ops.flashinfer_prefill.MLAPrefillKernel.plan` from the index pointers the plugin
+no pages; the page part of the key is 1; the family keeps its first name, under which results.db
+stores its trials) and run exactly what the vLLM plugin's prefill backend runs:
+`vllm_metax.ops.flashinfer_prefill.MLAPrefillKernel.plan` from the index pointers the plugin
 has (the new tokens' from the host, a context chunk's from the device) -> `.run` (with the LSE for
-a context chunk, which vLLM merges).
+a context chunk, which vLLM merges); for `vllm_fa3`, `vllm_metax.ops.fa3_prefill.FA3PrefillKernel`
+(vLLM's own FLASH_ATTN prefill kernel on Hopper, from device index pointers).
 
 The one knob is the backend: what this device may plan for prefill
-(`vllm_metax.core.decisions.prefill_backends`: fa3 and fa2 on Hopper, default fa3; fa2 on MetaX and
-everywhere else), limited to what the installed wrapper accepts. The default candidate is what the
+(`vllm_metax.core.decisions.prefill_backends`: fa3 and fa2 on Hopper, default fa3, plus vllm_fa3
+where vLLM's FA3 library loads; fa2 on MetaX and everywhere else), limited to what the installed
+ops accept. The default candidate is what the
 plugin plans untuned. The chunked-prefill workspace size is not a knob: it changed nothing beyond
 the A/A spread on the H200 (bench/results/prefill_choice_h200.md). A refusal is
 invalid("unsupported") with FlashInfer's message.
@@ -34,10 +38,13 @@ def device_backends():
 class FlashInferPrefillFamily:
     family = FAMILY
 
-    def __init__(self, workspace_bytes: int | None = None, wrapper_cls: type | None = None):
-        """`wrapper_cls` stands in for FlashInfer's ragged wrapper (tests on the CPU)."""
+    def __init__(self, workspace_bytes: int | None = None, wrapper_cls: type | None = None,
+                 fa3_fwd=None):
+        """`wrapper_cls` stands in for FlashInfer's ragged wrapper and `fa3_fwd` for vLLM's FA3
+        forward op (tests on the CPU)."""
         self.workspace_bytes = workspace_bytes
         self.wrapper_cls = wrapper_cls
+        self.fa3_fwd = fa3_fwd
 
     def available(self, device: str) -> Availability:
         if self.wrapper_cls is not None:
@@ -52,9 +59,10 @@ class FlashInferPrefillFamily:
         return Availability(ok, why)
 
     def backends(self) -> tuple:
-        """The prefill backend values the plugin may plan here that the op accepts, its order."""
+        """The prefill backend values the plugin may plan here that an op runs, its order."""
+        from vllm_metax.ops.fa3_prefill import BACKEND as VLLM_FA3
         from vllm_metax.ops.flashinfer_prefill import PREFILL_BACKENDS
-        return tuple(b for b in device_backends().allowed if b in PREFILL_BACKENDS)
+        return tuple(b for b in device_backends().allowed if b in PREFILL_BACKENDS or b == VLLM_FA3)
 
     def space(self, workload: PrefillWorkload) -> list[Candidate]:
         return [Candidate(self.family, b, PAGE) for b in self.backends()]
@@ -73,23 +81,33 @@ class FlashInferPrefillFamily:
         if candidate.params:
             raise CandidateInvalid("unsupported", f"FlashInfer prefill has no knob "
                                    f"{sorted(candidate.params)}; its one choice is the backend")
-        if candidate.backend not in PREFILL_BACKENDS:
+        from vllm_metax.ops.fa3_prefill import BACKEND as VLLM_FA3, FA3PrefillKernel
+        fa3 = candidate.backend == VLLM_FA3
+        if candidate.backend not in PREFILL_BACKENDS and not fa3:
             raise CandidateInvalid("unsupported", f"prefill backend must be one of "
-                                   f"{', '.join(PREFILL_BACKENDS)}, got {candidate.backend!r}")
+                                   f"{', '.join(PREFILL_BACKENDS + (VLLM_FA3,))}, got "
+                                   f"{candidate.backend!r}")
         device = problem.device
-        # one workspace per candidate: interleaved candidates must not share scratch space
-        ws = (torch.empty(16, dtype=torch.uint8) if self.wrapper_cls is not None
-              else make_workspace(device, self.workspace_bytes or WORKSPACE_BYTES))
         try:
-            kernel = MLAPrefillKernel(ws, candidate.backend, wrapper_cls=self.wrapper_cls)
-        except Exception as e:  # noqa: BLE001 - a wrapper that cannot be made here is a refusal
+            if fa3:
+                kernel = FA3PrefillKernel(device, fwd=self.fa3_fwd)
+            else:
+                # one workspace per candidate: interleaved candidates must not share scratch space
+                ws = (torch.empty(16, dtype=torch.uint8) if self.wrapper_cls is not None
+                      else make_workspace(device, self.workspace_bytes or WORKSPACE_BYTES))
+                kernel = MLAPrefillKernel(ws, candidate.backend, wrapper_cls=self.wrapper_cls)
+        except Exception as e:  # noqa: BLE001 - a kernel that cannot be made here is a refusal
             raise CandidateInvalid("unsupported", f"{type(e).__name__}: {e}") from None
         dt = torch_dtype(workload.q_dtype)
         w = workload
+        # vLLM's FA3 reads device index pointers and takes the longest spans from the host, as the
+        # plugin's backend passes them (vLLM's query_start_loc / cu_seq_lens and max lengths)
+        extra = (dict(max_q=w.query_tokens // w.requests, max_kv=w.kv_len, device=device)
+                 if fa3 else {})
 
         def plan():
             kernel.plan(problem.qo_indptr, problem.kv_indptr, w.num_heads, QK_NOPE + QK_ROPE, V_DIM,
-                        w.causal, w.softmax_scale, dt, dt)
+                        w.causal, w.softmax_scale, dt, dt, **extra)
 
         out = torch.empty(w.query_tokens, w.num_heads, V_DIM, dtype=dt, device=device)
         lse = not w.causal            # a context chunk's LSE is what vLLM merges chunks by

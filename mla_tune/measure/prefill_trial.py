@@ -47,8 +47,12 @@ def check_prefill(backend, w: PrefillWorkload, candidate: Candidate, settings: M
     if not err <= tol:
         raise CandidateInvalid("wrong_result", f"relative error {err:.3g} > {tol:g} against the "
                                "torch reference")
-    if lse is not None:      # FlashInfer's LSE is base 2, [tokens, heads]
-        lerr = float((lse[rows].float() * LN2 - ref_l).abs().max())
+    if lse is not None:
+        if getattr(getattr(prepared, "kernel", None), "LSE_FORM", "flashinfer") == "vllm":
+            got_l = lse[:, rows].float().transpose(0, 1)       # vLLM's FA3: [heads, tokens], ln
+        else:
+            got_l = lse[rows].float() * LN2                    # FlashInfer's: [tokens, heads], base 2
+        lerr = float((got_l - ref_l).abs().max())
         if not lerr <= LSE_TOL:
             raise CandidateInvalid("wrong_result", f"LSE off by {lerr:.3g} > {LSE_TOL:g} (natural "
                                    "log) against the torch reference")

@@ -1,6 +1,8 @@
 """MLA prefill for the vllm_metax platform: vLLM's `MLAPrefillBackend` contract over FlashInfer's
-ragged prefill (fa2 on MetaX and Ampere; fa3 on Hopper), registered under vLLM's FLASHINFER prefill
-name, which upstream reserves for Blackwell's cutlass kernel.
+ragged prefill (fa2 on MetaX and Ampere; fa3 on Hopper) and, on Hopper where a tuned prefill
+bucket names it, vLLM's own FA3 varlen prefill (`vllm_fa3`: the kernel of vLLM's FLASH_ATTN
+prefill backend, which vLLM offers only on its own CUDA platform), registered under vLLM's
+FLASHINFER prefill name, which upstream reserves for Blackwell's cutlass kernel.
 
 vLLM's MLA layer calls it for the new tokens of each prefill (causal) and, for prompts that
 continue cached context, once per workspace-sized context chunk (non-causal); it merges the
@@ -29,6 +31,7 @@ from vllm.v1.attention.backends.utils import log2_lse_to_ln
 from vllm_metax.backend import served_entry
 from vllm_metax.core import decisions
 from vllm_metax.core.log import get_logger, log_once
+from vllm_metax.ops.fa3_prefill import BACKEND as VLLM_FA3, FA3PrefillKernel, LSE_VLLM
 from vllm_metax.ops.flashinfer_mla import BackendRefused, device_workspace
 from vllm_metax.ops.flashinfer_prefill import MLAPrefillKernel, prefill_available
 
@@ -80,6 +83,14 @@ def chunk_statistic(chunk) -> tuple[int, int] | None:
     if q is None or kv is None:
         return None
     return decisions.prefill_statistic(q, kv, chunk.cu_seq_lens.shape[0] - 1)
+
+
+def _lse_for_vllm(kernel, lse: torch.Tensor) -> torch.Tensor:
+    """A kernel's LSE as vLLM merges it ([heads, tokens], natural log): vLLM's FA3 writes it so;
+    FlashInfer writes [tokens, heads] in base 2."""
+    if getattr(kernel, "LSE_FORM", None) == LSE_VLLM:
+        return lse
+    return log2_lse_to_ln(lse.transpose(0, 1))
 
 
 class FlashInferMLAPrefillBackend(MLAPrefillBackend):
@@ -147,16 +158,19 @@ class FlashInferMLAPrefillBackend(MLAPrefillBackend):
     def supports_out(self) -> bool:
         return True                 # planned with head_dim_vo = v_head_dim: unpadded output
 
-    def _kernel(self, index: int | None, backend: str, device: torch.device) -> MLAPrefillKernel:
+    def _kernel(self, index: int | None, backend: str, device: torch.device):
         """The plan slot's kernel for `backend` (index None: the new tokens; else a context
         chunk's index), made once per (slot, backend): plans that switch backends from one step
         to the next reuse their wrappers. The slot's kernel is what its run method runs."""
         key = (index, backend)
         kernel = self._kernels.get(key)
         if kernel is None:
-            # every plan slot shares one float workspace, as vLLM's FlashInfer prefill does
-            # (runs are sequential)
-            kernel = self._kernels[key] = MLAPrefillKernel(_workspace(device), backend)
+            if backend == VLLM_FA3:
+                kernel = self._kernels[key] = FA3PrefillKernel(device)
+            else:
+                # every plan slot shares one float workspace, as vLLM's FlashInfer prefill does
+                # (runs are sequential)
+                kernel = self._kernels[key] = MLAPrefillKernel(_workspace(device), backend)
         if index is None:
             self._main = kernel
         else:
@@ -166,12 +180,21 @@ class FlashInferMLAPrefillBackend(MLAPrefillBackend):
         return kernel
 
     def _plan(self, index, qo_indptr, kv_indptr, causal, q_dtype, out_dtype, device,
-              statistic: tuple[int, int] | None = None) -> str:
+              statistic: tuple[int, int] | None = None, fa3_args: tuple | None = None) -> str:
+        """Plan one slot; `fa3_args` (device qo and kv index pointers, longest query and KV span)
+        is what vLLM's FA3 reads where the tuned bucket names it."""
         head_dim_qk = self.qk_nope_head_dim + self.qk_rope_head_dim
         backend = self.backend_for(causal, statistic)
+        if backend == VLLM_FA3 and (fa3_args is None or None in fa3_args):
+            backend = self.backends.default      # FA3 needs the spans vLLM's metadata carries
         while True:
             kernel = self._kernel(index, backend, device)
             try:
+                if backend == VLLM_FA3:
+                    dev_qo, dev_kv, max_q, max_kv = fa3_args
+                    kernel.plan(dev_qo, dev_kv, self.num_heads, head_dim_qk, self.v_head_dim,
+                                causal, self.scale, q_dtype, out_dtype, max_q=max_q, max_kv=max_kv)
+                    return backend
                 with gpu_sync_allowed():    # FlashInfer copies device index pointers to the host
                     kernel.plan(qo_indptr, kv_indptr, self.num_heads, head_dim_qk, self.v_head_dim,
                                 causal, self.scale, q_dtype, out_dtype)
@@ -205,13 +228,16 @@ class FlashInferMLAPrefillBackend(MLAPrefillBackend):
             statistic = decisions.prefill_statistic(total, total, lens.shape[0])
         else:
             qo_indptr = qsl
+        mq = getattr(prefill_metadata, "max_query_len", None)
         self.backend = self._plan(None, qo_indptr, qo_indptr, True, q_dtype, out_dtype, device,
-                                  statistic)
+                                  statistic, (qsl, qsl, mq, mq))
         chunked = prefill_metadata.chunked_context
         if chunked is not None:
             for chunk in chunked.chunks:
                 self._plan(chunk.index, chunk.query_start_loc, chunk.cu_seq_lens, False, q_dtype,
-                           out_dtype, device, chunk_statistic(chunk))
+                           out_dtype, device, chunk_statistic(chunk),
+                           (chunk.query_start_loc, chunk.cu_seq_lens,
+                            getattr(chunk, "max_query_len", None), getattr(chunk, "max_seq_len", None)))
 
     def run_prefill_new_tokens(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                return_softmax_lse: bool, out: torch.Tensor | None = None,
@@ -222,10 +248,11 @@ class FlashInferMLAPrefillBackend(MLAPrefillBackend):
         ret = self._main.run(q, k, v, out=out, return_lse=return_softmax_lse)
         if return_softmax_lse:
             o, lse = ret
-            return o, log2_lse_to_ln(lse.transpose(0, 1))
+            return o, _lse_for_vllm(self._main, lse)
         return ret
 
     def run_prefill_context_chunk(self, chunk, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                   out: torch.Tensor | None = None):
-        o, lse = self._chunks[chunk.index].run(q, k, v, out=out, return_lse=True)
-        return o, log2_lse_to_ln(lse.transpose(0, 1))
+        kernel = self._chunks[chunk.index]
+        o, lse = kernel.run(q, k, v, out=out, return_lse=True)
+        return o, _lse_for_vllm(kernel, lse)

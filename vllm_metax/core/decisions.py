@@ -31,7 +31,7 @@ from vllm_metax.core.choices import (  # noqa: F401
     TritonChoice, family_choice, kv_chunk_factor,
 )
 from vllm_metax.core.profile import Profile, active_profile, get_profile, why_unservable
-from vllm_metax.core.tuned_config import PREFILL_BACKENDS, ModelDims
+from vllm_metax.core.tuned_config import FLASHINFER_PREFILL_BACKENDS, VLLM_FA3_PREFILL, ModelDims
 # FLASHINFER_MLA's decode runs a bucket with the split kernel only where the sweep measured it at
 # least this much faster than the bucket's FlashInfer choice (the choice rule's ratio: a tie
 # or noise keeps FlashInfer)
@@ -93,7 +93,12 @@ def device_prefill_backends(profile=None) -> FlashInferBackends:
     under `profile` (default: the active one)."""
     from vllm_metax.core.device import detect_device
     dev, prof = detect_device(), _profile(profile)
-    return prefill_backends(dev.is_metax or prof.is_metax, dev.capability).limited_to(
+    is_metax = dev.is_metax or prof.is_metax
+    vllm_fa3 = False
+    if not is_metax and dev.capability is not None and dev.capability[0] == 9:
+        from vllm_metax.ops.fa3_mla import fa3_available
+        vllm_fa3 = fa3_available()[0]
+    return prefill_backends(is_metax, dev.capability, vllm_fa3).limited_to(
         prof.flashinfer_backends)
 
 
@@ -135,13 +140,19 @@ def bucket_context(seq_lens: Sequence[int]) -> int:
 
 # ---------------------------------------------------------------- the MLA prefill backend
 
-def prefill_backends(is_metax: bool, capability: tuple | None) -> FlashInferBackends:
-    """The ragged-prefill backend values a device may plan and its untuned default: the decode
-    rule (`flashinfer_backends`: fa3/fa2 on Hopper, default fa3; fa2 only on MetaX, whose
-    FlashInfer build has no fa3, and on every other GPU), limited to fa2/fa3."""
+def prefill_backends(is_metax: bool, capability: tuple | None,
+                     vllm_fa3: bool = False) -> FlashInferBackends:
+    """The MLA prefill backend values a device may plan and its untuned default: FlashInfer's
+    ragged prefill by the decode rule (`flashinfer_backends`: fa3/fa2 on Hopper, default fa3; fa2
+    only on MetaX, whose FlashInfer build has no fa3, and on every other GPU), limited to fa2/fa3,
+    and on Hopper, where vLLM's FA3 library loads (`vllm_fa3`), vLLM's own FA3 varlen prefill
+    (`VLLM_FA3_PREFILL`, what vLLM's FLASH_ATTN prefill backend runs there). The default stays
+    FlashInfer's: vLLM's FA3 serves only the buckets a tuned config gives it."""
     fb = flashinfer_backends(is_metax, capability)
-    return FlashInferBackends(tuple(b for b in fb.allowed if b in PREFILL_BACKENDS), fb.default,
-                              fb.fallback)
+    allowed = tuple(b for b in fb.allowed if b in FLASHINFER_PREFILL_BACKENDS)
+    if vllm_fa3 and not is_metax and capability is not None and capability[0] == 9:
+        allowed += (VLLM_FA3_PREFILL,)
+    return FlashInferBackends(allowed, fb.default, fb.fallback)
 
 
 def prefill_statistic(query_tokens: int, kv_tokens: int, requests: int) -> tuple[int, int]:

@@ -31,7 +31,8 @@ from vllm_metax.core.tuned_config.parse import (  # noqa: F401
     check_device_name, check_page_size, check_params, check_prefill_params, parse_tuned_config,
 )
 from vllm_metax.core.tuned_config.schema import (  # noqa: F401
-    ATTENTION_BACKENDS, DTYPES, FAMILIES, MAX_BATCH, MAX_CONTEXT, MAX_HEAD_DIM, MAX_HEADS, MAX_NAME,
-    MAX_PREFILL_TOKENS, MAX_Q_LEN, PAGE_SIZES, PREFILL_BACKENDS, SCHEMA_VERSION, Bucket, FamilyChoice,
-    Lookup, ModelDims, ModelEntry, PrefillBucket, TunedConfig, TunedConfigError, speedup,
+    ATTENTION_BACKENDS, DTYPES, FAMILIES, FLASHINFER_PREFILL_BACKENDS, MAX_BATCH, MAX_CONTEXT,
+    MAX_HEAD_DIM, MAX_HEADS, MAX_NAME, MAX_PREFILL_TOKENS, MAX_Q_LEN, PAGE_SIZES, PREFILL_BACKENDS,
+    SCHEMA_VERSION, VLLM_FA3_PREFILL, Bucket, FamilyChoice, Lookup, ModelDims, ModelEntry,
+    PrefillBucket, TunedConfig, TunedConfigError, speedup,
 )

@@ -132,7 +132,7 @@ def check_prefill_params(params, where: str) -> dict:
     if params.get("backend") not in PREFILL_BACKENDS:
         shown = params.get("backend")
         raise TunedConfigError(f"{where}: params.backend must be one of "
-                               f"{', '.join(PREFILL_BACKENDS)} (the FlashInfer ragged-prefill "
+                               f"{', '.join(PREFILL_BACKENDS)} (the MLA prefill "
                                f"backends the plugin plans), got {str(shown)[:80]!r}")
     unknown = sorted(set(params) - {"backend"})
     if unknown:

@@ -27,9 +27,11 @@ FAMILIES = tuple(choices.KNOBS)   # flashinfer, triton, flashmla, split
 # What a value may be, for the reader here and for every mla-tune input (mla_tune/validate.py uses
 # these same bounds): a value outside them is refused, never clamped.
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # KV block sizes: powers of two up to vLLM's largest
-# FlashInfer ragged-prefill backend values a prefill bucket may name (the plugin plans prefill with
-# fa2 or fa3 only; "auto" is FlashInfer's policy, never a tuned value).
-PREFILL_BACKENDS = ("fa2", "fa3")
+# MLA prefill backend values a prefill bucket may name: FlashInfer's ragged prefill with fa2 or fa3
+# ("auto" is FlashInfer's policy, never a tuned value) and vLLM's FA3 varlen prefill on Hopper.
+FLASHINFER_PREFILL_BACKENDS = ("fa2", "fa3")
+VLLM_FA3_PREFILL = "vllm_fa3"
+PREFILL_BACKENDS = FLASHINFER_PREFILL_BACKENDS + (VLLM_FA3_PREFILL,)
 MAX_BATCH = 65536              # requests in one decode step
 MAX_CONTEXT = 1 << 22          # KV tokens per request (4M; DeepSeek-V3 serves 160K)
 MAX_PREFILL_TOKENS = 1 << 22   # query / KV tokens of one prefill plan
