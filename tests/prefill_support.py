@@ -49,7 +49,8 @@ def prefill_metadata(q_lens, device, chunk_kv_lens=None, dtype=torch.bfloat16, c
     """The fields of vLLM's MLACommonPrefillMetadata a prefill backend reads, with one context
     chunk whose per-request context lengths are `chunk_kv_lens` (or one chunk per list in
     `chunks`). Each chunk carries vLLM's host fields (token_slice, num_context_tokens,
-    request_slice) beside its device index pointers, as vLLM 0.33.0's ContextChunk does."""
+    request_slice, max_query_len, max_seq_len) beside its device index pointers, as vLLM 0.33.0's
+    ContextChunk does."""
     chunked = None
     if chunk_kv_lens is not None:
         chunks = [chunk_kv_lens]
@@ -57,10 +58,12 @@ def prefill_metadata(q_lens, device, chunk_kv_lens=None, dtype=torch.bfloat16, c
         chunked = SimpleNamespace(chunks=[SimpleNamespace(
             index=i, query_start_loc=indptr(q_lens, device), cu_seq_lens=indptr(kv, device),
             token_slice=slice(0, sum(q_lens)), num_context_tokens=sum(kv),
-            request_slice=slice(0, len(q_lens))) for i, kv in enumerate(chunks)])
+            request_slice=slice(0, len(q_lens)), max_query_len=max(q_lens), max_seq_len=max(kv))
+            for i, kv in enumerate(chunks)])
     return SimpleNamespace(query_start_loc=indptr(q_lens, device),
                            query_lens_cpu=torch.tensor(q_lens, dtype=torch.int32),
-                           q_data_type=dtype, output_dtype=dtype, chunked_context=chunked)
+                           max_query_len=max(q_lens), q_data_type=dtype, output_dtype=dtype,
+                           chunked_context=chunked)
 
 
 def scale() -> float:

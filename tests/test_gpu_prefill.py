@@ -1,7 +1,8 @@
 """The plugin's MLA prefill on a real GPU (run on the H200: pytest -m gpu): FlashInfer's ragged
 prefill through vllm_metax's prefill backend, for the new tokens (causal, ragged requests) and a
 context chunk (non-causal, natural-log LSE as vLLM merges chunks), against a float64 reference and
-against vLLM's own torch prefill on the same tensors; fa2 and, on Hopper, fa3. Then the tuned
+against vLLM's own torch prefill on the same tensors; fa2 and, on Hopper, fa3 and vLLM's FA3
+varlen prefill (vllm_fa3, where vLLM's FA3 library is installed). Then the tuned
 prefill backend: every candidate of the tuner's `flashinfer_prefill` family through the real
 kernel against the tuner's reference, and the plugin planning a tuned config's prefill buckets
 with the real FlashInfer, each plan the backend its bucket names (where the device runs it)."""
@@ -25,6 +26,11 @@ def _backend(value):
         pytest.skip(why)
     if value == "fa3" and torch.cuda.get_device_capability(0)[0] != 9:
         pytest.skip("fa3 needs SM90")
+    if value == "vllm_fa3":
+        from vllm_metax.ops.fa3_prefill import fa3_available
+        ok, why = fa3_available()
+        if not ok:
+            pytest.skip(why)
     from vllm_metax.backend.flashinfer_prefill import FlashInferMLAPrefillBackend
     b = FlashInferMLAPrefillBackend(num_heads=HEADS, scale=scale(), kv_lora_rank=KV_LORA,
                                     qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE,
@@ -41,7 +47,7 @@ def _vllm_torch_prefill():
                                     v_head_dim=V_DIM, vllm_config=None)
 
 
-@pytest.mark.parametrize("value", ["fa2", "fa3"])
+@pytest.mark.parametrize("value", ["fa2", "fa3", "vllm_fa3"])
 def test_new_tokens_and_context_chunk_match_reference(value):
     dev = "cuda"
     b = _backend(value)
@@ -125,12 +131,14 @@ def test_the_plugin_plans_the_tuned_prefill_backend_with_real_flashinfer(tmp_pat
     from vllm_metax.core.device import detect_device
     os.environ.setdefault("VLLM_METAX_FORCE", "1")
     dev = detect_device()
-    here = decisions.prefill_backends(dev.is_metax, dev.capability)
-    # fa2 and fa3 each in a bucket of either kind, whatever bench measured
+    here = decisions.device_prefill_backends()
+    # fa2, fa3 and vllm_fa3 each in a bucket of either kind, whatever bench measured
     buckets = [tc.PrefillBucket(True, 256, 64, {"backend": "fa2"}),
                tc.PrefillBucket(True, 256, 256, {"backend": "fa3"}),
+               tc.PrefillBucket(True, 512, 512, {"backend": "vllm_fa3"}),
                tc.PrefillBucket(False, 256, 16384, {"backend": "fa2"}),
-               tc.PrefillBucket(False, 256, 1024, {"backend": "fa3"})]
+               tc.PrefillBucket(False, 256, 1024, {"backend": "fa3"}),
+               tc.PrefillBucket(False, 512, 4096, {"backend": "vllm_fa3"})]
     dims = tc.ModelDims(HEADS, KV_LORA, ROPE, "bfloat16", "bfloat16")
     decode = [tc.Bucket(8, 4096, 1, {"flashinfer": tc.FamilyChoice({"backend": "fa2"})})]
     tc.write_tuned_config(tc.TunedConfig(dev.name, {"test": True}, [
@@ -142,14 +150,15 @@ def test_the_plugin_plans_the_tuned_prefill_backend_with_real_flashinfer(tmp_pat
         b = FlashInferMLAPrefillBackend(num_heads=HEADS, scale=scale(), kv_lora_rank=KV_LORA,
                                         qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE,
                                         v_head_dim=V_DIM, vllm_config=cfg)
-        assert b.entry is not None and len(b.entry.prefill) == 4
+        assert b.entry is not None and len(b.entry.prefill) == 6
 
         def served(value):
             return value if value in here.allowed else here.default
 
         for q_lens, ctx, new_backend, ctx_backend in (
                 ([16, 48, 64, 128], [8192] * 4, "fa2", "fa2"),     # (256, 64); chunk (256, 8192)
-                ([256], [1000], "fa3", "fa3")):                    # (256, 256); chunk (256, 1000)
+                ([256], [1000], "fa3", "fa3"),                     # (256, 256); chunk (256, 1000)
+                ([512], [4096], "vllm_fa3", "vllm_fa3")):          # (512, 512); chunk (512, 4096)
             md = prefill_metadata(q_lens, "cuda", chunk_kv_lens=ctx)
             b.prepare_metadata(md)
             assert b._main.backend == served(new_backend)
