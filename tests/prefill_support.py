@@ -101,3 +101,30 @@ class RecordingRaggedWrapper:
             out.copy_(o)
             o = out
         return (o, (lse_e / torch.log(torch.tensor(2.0, dtype=torch.float64))).T.float()) if return_lse else o
+
+
+class RecordingFA3Fwd:
+    """Stand-in for vLLM's `torch.ops._vllm_fa3_C.fwd` on the CPU, called with the positional
+    arguments vLLM's flash_attn_varlen_func passes (fa_version=3): records each call's index
+    pointers, spans and mask, computes with the float64 reference from exactly those pointers,
+    and returns the LSE as FA3 does ([heads, tokens], natural log)."""
+
+    def __init__(self):
+        self.calls: list = []
+
+    def __call__(self, q, k, v, k_new, v_new, q_v, out, cu_q, cu_k, cu_k_new, seqused_q, seqused_k,
+                 max_q, max_k, block_table, *rest):
+        softmax_scale, causal = rest[8], rest[9]
+        assert q_v is None and block_table is None and seqused_k is None
+        self.calls.append(dict(cu_q=cu_q.clone(), cu_k=cu_k.clone(), max_q=max_q, max_k=max_k,
+                               causal=causal, scale=softmax_scale))
+        qo, kv = cu_q.tolist(), cu_k.tolist()
+        q_lens = [b - a for a, b in zip(qo, qo[1:])]
+        kv_lens = [b - a for a, b in zip(kv, kv[1:])]
+        assert max(q_lens) <= max_q and max(kv_lens) <= max_k
+        o, lse = reference(q, k, v, q_lens, kv_lens, softmax_scale, causal)
+        o = o.to(q.dtype)
+        if out is not None:
+            out.copy_(o)
+            o = out
+        return o, lse.float(), None, None

@@ -20,7 +20,7 @@ from mla_tune.problem.prefill import (PrefillWorkload, check_rows, make_prefill_
                                       prefill_reference, prefill_workload)
 from mla_tune.problem.workload import ProblemError, custom_model, model_preset, workload_for
 from mla_tune.store.results import ResultsStore
-from prefill_support import RecordingRaggedWrapper, reference
+from prefill_support import RecordingFA3Fwd, RecordingRaggedWrapper, reference
 from vllm_metax.core import decisions, tuned_config as tc
 from vllm_metax.core.device import DeviceInfo
 
@@ -122,6 +122,39 @@ def test_a_wrong_kernel_never_passes_the_gate(family):
         family.wrapper_cls = wrapper
         r = measure_prefill([(family, family.default_candidate(w))], w, settings)[0]
         assert r.status == "invalid" and r.invalid_reason == "wrong_result" and why in r.message
+
+
+def test_vllm_fa3_is_a_candidate_where_its_library_loads_and_passes_the_gate(family, monkeypatch):
+    """vLLM's FA3 varlen prefill (the op's forward replaced by the recording stand-in, which
+    returns FA3's LSE form: [heads, tokens], natural log) is measured beside FlashInfer's values,
+    planned from the device index pointers and the workload's longest spans."""
+    import mla_tune.families.flashinfer_prefill as fp
+    from mla_tune.measure.prefill_trial import measure_prefill
+    monkeypatch.setattr(fp, "device_backends", lambda: decisions.prefill_backends(False, (9, 0), True))
+    fwd = RecordingFA3Fwd()
+    family.fa3_fwd = fwd
+    w = PrefillWorkload(4, 512, 64, 192 ** -0.5, False, 32, 80, 2)     # a context chunk: LSE checked
+    space = family.space(w)
+    assert [c.backend for c in space] == ["fa3", "fa2", "vllm_fa3"]
+    assert family.default_candidate(w).backend == "fa3"               # untuned stays FlashInfer's
+    settings = MeasureSettings(device="cpu", warmup=1, samples=3, plan_samples=1)
+    res = measure_prefill([(family, c) for c in space], w, settings, rounds=1)
+    assert [r.status for r in res] == ["ok"] * 3 and res[2].max_rel_error < 1e-2
+    call = fwd.calls[-1]
+    assert call["cu_q"].tolist() == [0, 16, 32] and call["cu_k"].tolist() == [0, 80, 160]
+    assert (call["max_q"], call["max_k"], call["causal"]) == (16, 80, False)
+
+    class WrongLse(RecordingFA3Fwd):                # an LSE in base 2 where FA3's is natural
+        def __call__(self, *a):
+            o, lse, _, _ = super().__call__(*a)
+            return o, lse / 0.6931471805599453, None, None
+
+    family.fa3_fwd = WrongLse()
+    r = measure_prefill([(family, space[2])], w, settings)[0]
+    assert r.status == "invalid" and r.invalid_reason == "wrong_result"
+    # MetaX and every non-Hopper GPU never offer it
+    monkeypatch.setattr(fp, "device_backends", lambda: decisions.prefill_backends(True, (9, 0), True))
+    assert [c.backend for c in family.space(w)] == ["fa2"]
 
 
 # ---------------------------------------------------------------- the sweep and the store

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import plugin_support as ps
-from prefill_support import (HEADS, KV_LORA, NOPE, ROPE, V_DIM, RecordingRaggedWrapper,
-                             prefill_metadata, ragged, reference, scale)
+from prefill_support import (HEADS, KV_LORA, NOPE, ROPE, V_DIM, RecordingFA3Fwd,
+                             RecordingRaggedWrapper, prefill_metadata, ragged, reference, scale)
 from vllm_metax.core import decisions, tuned_config as tc
 from vllm_metax.core.device import DeviceInfo
 from vllm_metax.core.serving import entry_for
@@ -126,6 +126,16 @@ def test_prefill_backends_per_device():
                            decisions.prefill_backends(False, (8, 0)),    # Ampere
                            decisions.prefill_backends(False, (10, 0))):  # Blackwell: fa2 (no fa3 kernel)
         assert metax_or_other.allowed == ("fa2",) and metax_or_other.default == "fa2"
+
+
+def test_vllm_fa3_prefill_is_offered_on_hopper_only_where_its_library_loads():
+    with_lib = decisions.prefill_backends(False, (9, 0), vllm_fa3=True)
+    assert with_lib.allowed == ("fa3", "fa2", "vllm_fa3") and with_lib.default == "fa3"
+    assert decisions.prefill_backends(False, (9, 0)).allowed == ("fa3", "fa2")
+    for elsewhere in (decisions.prefill_backends(True, (9, 0), True),      # MetaX: no vLLM FA3
+                      decisions.prefill_backends(False, (8, 0), True),
+                      decisions.prefill_backends(False, (10, 0), True)):
+        assert elsewhere.allowed == ("fa2",)
 
 
 def test_prefill_statistic_is_total_query_tokens_and_mean_kv_per_request():
@@ -341,3 +351,84 @@ def test_plans_that_switch_backends_reuse_their_wrappers(plugin, vllm_config, tm
         assert _planned(b)[None][0] == "fa3" and _planned(b)[0][0] == "fa3"
     # one wrapper per (plan slot, backend): new tokens fa2/fa3, chunk 0 fa2/fa3
     assert sorted(w.backend for w in RecordingRaggedWrapper.instances) == ["fa2", "fa2", "fa3", "fa3"]
+
+
+# ---------------------------------------------------------------- vLLM's FA3 prefill (vllm_fa3)
+
+FA3_PREFILL = PREFILL + [tc.PrefillBucket(True, 8192, 8192, {"backend": "vllm_fa3"}, 3000.0, 3600.0,
+                                          True),
+                         tc.PrefillBucket(False, 2048, 65536, {"backend": "vllm_fa3"}, 14000.0,
+                                          16000.0, True)]
+
+
+@pytest.fixture
+def fa3_here(monkeypatch):
+    """vLLM's FA3 library 'loads' here; its forward op is the recording stand-in."""
+    import vllm_metax.backend.flashinfer_prefill as fp
+    import vllm_metax.ops.fa3_mla as fa3_mla
+    from vllm_metax.ops.fa3_prefill import FA3PrefillKernel
+    fwd = RecordingFA3Fwd()
+    monkeypatch.setattr(fa3_mla, "fa3_available", lambda *a, **k: (True, ""))
+    monkeypatch.setattr(fp, "FA3PrefillKernel", lambda device: FA3PrefillKernel(device, fwd=fwd))
+    return fwd
+
+
+def test_a_vllm_fa3_bucket_plans_vllms_fa3_from_vllms_device_pointers(plugin, fa3_here, vllm_config,
+                                                                    tmp_path, monkeypatch):
+    _install(tmp_path, monkeypatch, _cfg(prefill=FA3_PREFILL))
+    b = _backend(vllm_config)
+    assert "vllm_fa3" in b.backends.allowed and "vllm_fa3 in 2" in b.describe()
+    # new tokens: 8192 in one request -> (8192, 8192): vllm_fa3; a chunk of 2048 queries against
+    # 60K context -> nearest (2048, 65536): vllm_fa3; a chunk against 1K -> (256, 1024): fa3
+    md = prefill_metadata([8192], "cpu", chunks=[[60000], [1000]])
+    b.prepare_metadata(md)
+    assert b.backend == "vllm_fa3" and b._main.backend == "vllm_fa3"
+    assert b._chunks[0].backend == "vllm_fa3" and b._chunks[1].wrapper.backend == "fa3"
+    planned = b._main.planned
+    assert planned["cu_q"] is md.query_start_loc and planned["max_q"] == 8192 and planned["causal"]
+    chunk = b._chunks[0].planned
+    assert chunk["cu_kv"] is md.chunked_context.chunks[0].cu_seq_lens and chunk["max_kv"] == 60000
+
+    # and what it computes: new tokens with the LSE and a chunk, in vLLM's form, against the reference
+    q_lens, ctx = [300, 212], [3000, 5000]
+    _install(tmp_path, monkeypatch, _cfg(prefill=[tc.PrefillBucket(True, 512, 256, {"backend": "vllm_fa3"}),
+                                                  tc.PrefillBucket(False, 512, 4000, {"backend": "vllm_fa3"})]))
+    b = _backend(vllm_config)
+    md = prefill_metadata(q_lens, "cpu", chunk_kv_lens=ctx)
+    b.prepare_metadata(md)
+    assert b.backend == "vllm_fa3" and b._chunks[0].backend == "vllm_fa3"
+    q, k, v = ragged(q_lens, seed=1), ragged(q_lens, seed=2), ragged(q_lens, dim=V_DIM, seed=3)
+    o, lse = b.run_prefill_new_tokens(q, k, v, return_softmax_lse=True)
+    ro, rl = reference(q, k, v, q_lens, q_lens, scale(), True)
+    assert torch.allclose(o.double(), ro, atol=2e-2) and lse.shape == (HEADS, sum(q_lens))
+    assert torch.allclose(lse.double(), rl, atol=1e-4)
+    kc, vc = ragged(ctx, seed=4), ragged(ctx, dim=V_DIM, seed=5)
+    co, cl = b.run_prefill_context_chunk(md.chunked_context.chunks[0], q, kc, vc)
+    rco, rcl = reference(q, kc, vc, q_lens, ctx, scale(), False)
+    assert torch.allclose(co.double(), rco, atol=2e-2) and torch.allclose(cl.double(), rcl, atol=1e-4)
+    assert fa3_here.calls[-1]["max_k"] == 5000 and not fa3_here.calls[-1]["causal"]
+
+
+def test_a_vllm_fa3_bucket_without_the_library_warns_once_and_plans_the_default(plugin, vllm_config,
+                                                                              tmp_path, monkeypatch,
+                                                                              caplog):
+    import vllm_metax.ops.fa3_mla as fa3_mla
+    monkeypatch.setattr(fa3_mla, "fa3_available", lambda *a, **k: (False, "not installed"))
+    _install(tmp_path, monkeypatch, _cfg(prefill=FA3_PREFILL))
+    with caplog.at_level(logging.WARNING):
+        layers = [_backend(vllm_config) for _ in range(3)]
+    warned = [r.getMessage() for r in caplog.records if "does not run" in r.getMessage()]
+    assert len(warned) == 1 and "vllm_fa3" in warned[0]
+    b = layers[0]
+    b.prepare_metadata(prefill_metadata([8192], "cpu", chunks=[[60000]]))
+    assert {v[0] for v in _planned(b).values()} == {"fa3"}
+
+
+def test_vllm_metadata_without_spans_plans_flashinfer_not_fa3(plugin, fa3_here, vllm_config, tmp_path,
+                                                             monkeypatch):
+    _install(tmp_path, monkeypatch, _cfg(prefill=FA3_PREFILL))
+    b = _backend(vllm_config)
+    md = prefill_metadata([8192], "cpu")
+    del md.max_query_len                              # FA3 needs the longest span from the host
+    b.prepare_metadata(md)
+    assert b.backend == "fa3" and fa3_here.calls == []
