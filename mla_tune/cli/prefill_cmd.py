@@ -64,7 +64,7 @@ def prefill_sweep(
     if samples < rounds:
         raise UserError(f"--samples {samples} cannot be split over --rounds {rounds}")
     if not torch.cuda.is_available():
-        raise UserError("prefill-sweep measures FlashInfer's prefill kernels: torch sees no CUDA "
+        raise UserError("prefill-sweep measures MLA prefill kernels (FlashInfer's, vLLM's FA3): torch sees no CUDA "
                         "device here")
     settings = MeasureSettings(device="cuda", warmup=warmup, samples=samples)
     config = PrefillSweepConfig(buckets, db, "cuda", settings, rounds, remeasure,
