@@ -424,11 +424,16 @@ def test_a_vllm_fa3_bucket_without_the_library_warns_once_and_plans_the_default(
     assert {v[0] for v in _planned(b).values()} == {"fa3"}
 
 
-def test_vllm_metadata_without_spans_plans_flashinfer_not_fa3(plugin, fa3_here, vllm_config, tmp_path,
-                                                             monkeypatch):
+def test_without_spans_or_in_another_dtype_plans_flashinfer_not_fa3(plugin, fa3_here, vllm_config,
+                                                                    tmp_path, monkeypatch):
     _install(tmp_path, monkeypatch, _cfg(prefill=FA3_PREFILL))
     b = _backend(vllm_config)
     md = prefill_metadata([8192], "cpu")
     del md.max_query_len                              # FA3 needs the longest span from the host
     b.prepare_metadata(md)
     assert b.backend == "fa3" and fa3_here.calls == []
+    md = prefill_metadata([8192], "cpu", dtype=torch.float32)    # FA3 runs bf16/fp16 only
+    b.prepare_metadata(md)
+    assert b.backend == "fa3"
+    b.prepare_metadata(prefill_metadata([8192], "cpu"))
+    assert b.backend == "vllm_fa3"

@@ -185,8 +185,10 @@ class FlashInferMLAPrefillBackend(MLAPrefillBackend):
         is what vLLM's FA3 reads where the tuned bucket names it."""
         head_dim_qk = self.qk_nope_head_dim + self.qk_rope_head_dim
         backend = self.backend_for(causal, statistic)
-        if backend == VLLM_FA3 and (fa3_args is None or None in fa3_args):
-            backend = self.backends.default      # FA3 needs the spans vLLM's metadata carries
+        if backend == VLLM_FA3 and (fa3_args is None or None in fa3_args
+                                    or q_dtype not in (torch.bfloat16, torch.float16)):
+            # FA3 needs the spans vLLM's metadata carries, and runs bf16/fp16 only
+            backend = self.backends.default
         while True:
             kernel = self._kernel(index, backend, device)
             try:
