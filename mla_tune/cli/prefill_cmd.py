@@ -11,9 +11,9 @@ from rich.markup import escape
 from mla_tune.cli.app import UserError, app, console
 from mla_tune.validate import INT, PathOption
 
-HELP = ("Measure the MLA prefill backend (FlashInfer ragged prefill fa2/fa3, through the plugin's "
-        "own op) on prefill buckets and store every trial in --db; `mla-tune emit` then writes the "
-        "tuned config's prefill section.\n\n"
+HELP = ("Measure the MLA prefill backend (FlashInfer ragged prefill fa2/fa3 and, on Hopper, vLLM's "
+        "FA3 varlen prefill vllm_fa3, through the plugin's own ops) on prefill buckets and store "
+        "every trial in --db; `mla-tune emit` then writes the tuned config's prefill section.\n\n"
         "A bucket is a plan the plugin looks up: the new tokens of a step (causal; --new-tokens, "
         "each split over each of --new-requests equal requests) or one context chunk (non-causal; "
         "--chunk-queries x --chunk-kv KV tokens, one request), at the model's heads per rank for "
