@@ -94,6 +94,20 @@ def test_doctor_on_a_simulated_metax_host(metax):
     fi = {b["what"]: b for b in rep["flashinfer_backends"]}
     assert fi["fa2"]["status"] == "ok" and "default" in fi["fa2"]["detail"]
     assert fi["fa3"]["status"] == "no" and fi["auto"]["status"] == "no"
+    # MetaX plans prefill with fa2 only: no fa3, no vLLM FA3
+    prefill = {c["what"]: c for c in rep["checks"]}["MLA prefill"]
+    assert prefill["status"] == "ok" and prefill["detail"].endswith("plans fa2 untuned; a tuned config may choose fa2")
+
+
+def test_doctor_on_hopper_names_vllms_fa3_prefill_where_its_library_loads(host):
+    from vllm_metax.core.device import DeviceInfo
+    import vllm_metax.ops.fa3_mla as fa3_mla
+    host.setattr(device_mod, "detect_device", lambda: DeviceInfo("Test GPU 9000", "torch", False, 132, (9, 0)))
+    for loads, allowed in ((True, "fa3, fa2, vllm_fa3"), (False, "fa3, fa2")):
+        host.setattr(fa3_mla, "fa3_available", lambda *a, loads=loads, **k: (loads, ""))
+        rep = _json(_doctor("--format", "json"))
+        detail = {c["what"]: c for c in rep["checks"]}["MLA prefill"]["detail"]
+        assert detail.endswith(f"plans fa3 untuned; a tuned config may choose {allowed}"), detail
 
 
 def test_doctor_table_and_markdown(metax):

@@ -278,8 +278,14 @@ def diagnose(model: str | None = None, tp_size: int = 1, probe: bool = False) ->
     checks.append(Check("flashinfer", OK if fi[0] else NO, fi[1]))
     from vllm_metax.ops.flashinfer_prefill import prefill_available
     pf = prefill_available()
-    checks.append(Check("MLA prefill", OK if pf[0] else WARN,
-                        pf[1] if pf[0] else f"{pf[1]}: vLLM's torch prefill (slow) instead"))
+    if pf[0]:
+        from vllm_metax.core.decisions import device_prefill_backends
+        pb = device_prefill_backends()
+        pf_detail = (f"{pf[1]}: plans {pb.default} untuned; a tuned config may choose "
+                     f"{', '.join(pb.allowed)}")
+    else:
+        pf_detail = f"{pf[1]}: vLLM's torch prefill (slow) instead"
+    checks.append(Check("MLA prefill", OK if pf[0] else WARN, pf_detail))
 
     tuned, tuned_order = _tuned_config(dev.name, dims)
     checks.append(_profile_check(resolve_tuned_config(dev.name).config if tuned["path"] else None))
