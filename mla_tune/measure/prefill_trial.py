@@ -21,6 +21,7 @@ from mla_tune.measure.trial import TOLERANCE, MeasureSettings, TrialResult, inva
 from mla_tune.problem.defaults import KERNEL_METRIC, PLAN_METRIC
 from mla_tune.problem.prefill import (PrefillWorkload, check_rows, make_prefill_problem,
                                       prefill_reference, relative_error)
+from vllm_metax.ops.flashinfer_prefill import LSE_FLASHINFER, LSE_VLLM
 
 LN2 = math.log(2.0)
 LSE_TOL = 2e-2            # natural-log LSE, absolute (bf16 operands)
@@ -48,7 +49,7 @@ def check_prefill(backend, w: PrefillWorkload, candidate: Candidate, settings: M
         raise CandidateInvalid("wrong_result", f"relative error {err:.3g} > {tol:g} against the "
                                "torch reference")
     if lse is not None:
-        if getattr(getattr(prepared, "kernel", None), "LSE_FORM", "flashinfer") == "vllm":
+        if getattr(getattr(prepared, "kernel", None), "LSE_FORM", LSE_FLASHINFER) == LSE_VLLM:
             got_l = lse[:, rows].float().transpose(0, 1)       # vLLM's FA3: [heads, tokens], ln
         else:
             got_l = lse[rows].float() * LN2                    # FlashInfer's: [tokens, heads], base 2

@@ -31,9 +31,9 @@ from vllm.v1.attention.backends.utils import log2_lse_to_ln
 from vllm_metax.backend import served_entry
 from vllm_metax.core import decisions
 from vllm_metax.core.log import get_logger, log_once
-from vllm_metax.ops.fa3_prefill import BACKEND as VLLM_FA3, FA3PrefillKernel, LSE_VLLM
+from vllm_metax.ops.fa3_prefill import BACKEND as VLLM_FA3, DTYPES as FA3_DTYPES, FA3PrefillKernel
 from vllm_metax.ops.flashinfer_mla import BackendRefused, device_workspace
-from vllm_metax.ops.flashinfer_prefill import MLAPrefillKernel, prefill_available
+from vllm_metax.ops.flashinfer_prefill import LSE_VLLM, MLAPrefillKernel, prefill_available
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -88,7 +88,7 @@ def chunk_statistic(chunk) -> tuple[int, int] | None:
 def _lse_for_vllm(kernel, lse: torch.Tensor) -> torch.Tensor:
     """A kernel's LSE as vLLM merges it ([heads, tokens], natural log): vLLM's FA3 writes it so;
     FlashInfer writes [tokens, heads] in base 2."""
-    if getattr(kernel, "LSE_FORM", None) == LSE_VLLM:
+    if kernel.LSE_FORM == LSE_VLLM:
         return lse
     return log2_lse_to_ln(lse.transpose(0, 1))
 
@@ -186,7 +186,7 @@ class FlashInferMLAPrefillBackend(MLAPrefillBackend):
         head_dim_qk = self.qk_nope_head_dim + self.qk_rope_head_dim
         backend = self.backend_for(causal, statistic)
         if backend == VLLM_FA3 and (fa3_args is None or None in fa3_args
-                                    or q_dtype not in (torch.bfloat16, torch.float16)):
+                                    or q_dtype not in FA3_DTYPES):
             # FA3 needs the spans vLLM's metadata carries, and runs bf16/fp16 only
             backend = self.backends.default
         while True:

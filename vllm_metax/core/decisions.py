@@ -94,12 +94,9 @@ def device_prefill_backends(profile=None) -> FlashInferBackends:
     from vllm_metax.core.device import detect_device
     dev, prof = detect_device(), _profile(profile)
     is_metax = dev.is_metax or prof.is_metax
-    vllm_fa3 = False
-    if not is_metax and dev.capability is not None and dev.capability[0] == 9:
-        from vllm_metax.ops.fa3_mla import fa3_available
-        vllm_fa3 = fa3_available()[0]
-    return prefill_backends(is_metax, dev.capability, vllm_fa3).limited_to(
-        prof.flashinfer_backends)
+    from vllm_metax.ops.fa3_mla import fa3_available    # a Hopper check first: loads only there
+    vllm_fa3 = not is_metax and fa3_available()[0]
+    return prefill_backends(is_metax, dev.capability, vllm_fa3).limited_to(prof.flashinfer_backends)
 
 
 def _profile(profile) -> Profile:

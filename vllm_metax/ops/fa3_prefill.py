@@ -12,10 +12,11 @@ vllm/vllm_flash_attn/flash_attn_interface.py), the call made here. The library i
 
 The kernel object has the plan/run shape of `vllm_metax.ops.flashinfer_prefill.MLAPrefillKernel`
 so the plugin's prefill backend and the tuner's prefill family plan either: `plan` takes the
-index pointers (device or host; what FA3 reads must live on the device, so a host pointer is
-copied there once per plan) and the longest query/KV span (computed from a host pointer when not
-given); `run` attends. The LSE comes back as vLLM merges it ([heads, tokens], natural log,
-`LSE_FORM = "vllm"`), where FlashInfer's is [tokens, heads], base 2.
+index pointers (what FA3 reads must live on the device: with `device`, a host pointer is copied
+there once per plan) and the longest query and KV span, which vLLM's metadata carries on the host
+(`max_query_len`, a context chunk's `max_seq_len`); `run` attends. The LSE comes back as vLLM
+merges it ([heads, tokens], natural log, `LSE_FORM = "vllm"`), where FlashInfer's is [tokens,
+heads], base 2.
 
 Constraints: Hopper with vLLM's FA3 library (`vllm_metax.ops.fa3_mla.fa3_available`), bf16 or
 fp16, q/k head dim 192 and v 128 (DeepSeek's MLA up-projection: the dims the plugin's prefill
@@ -26,19 +27,11 @@ from __future__ import annotations
 
 import torch
 
-from vllm_metax.ops.fa3_mla import OP_NAMESPACE, fa3_available, load_library
+from vllm_metax.core.tuned_config import VLLM_FA3_PREFILL as BACKEND   # the prefill backend value
+from vllm_metax.ops.fa3_mla import OP_NAMESPACE, fa3_available
+from vllm_metax.ops.flashinfer_prefill import LSE_VLLM
 
-BACKEND = "vllm_fa3"          # the prefill backend value (tuned config, tuner candidate)
-LSE_FLASHINFER, LSE_VLLM = "flashinfer", "vllm"
-
-
-def _span(indptr) -> int | None:
-    """The longest segment of a host index pointer; None for a device tensor (a sync)."""
-    if not isinstance(indptr, torch.Tensor) or indptr.device.type != "cpu":
-        return None
-    if indptr.numel() < 2:
-        return 0
-    return int((indptr[1:] - indptr[:-1]).max())
+DTYPES = (torch.bfloat16, torch.float16)      # what FA3's prefill runs
 
 
 class FA3PrefillKernel:
@@ -59,25 +52,19 @@ class FA3PrefillKernel:
 
     def plan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, num_heads: int,
              head_dim_qk: int, head_dim_vo: int, causal: bool, sm_scale: float,
-             q_dtype: torch.dtype, out_dtype: torch.dtype | None = None,
-             max_q: int | None = None, max_kv: int | None = None,
-             device: torch.device | None = None) -> None:
-        """Keep one plan's index pointers (int32, on `device` or where they are) and spans."""
-        if q_dtype not in (torch.bfloat16, torch.float16):
+             q_dtype: torch.dtype, out_dtype: torch.dtype | None = None, *, max_q: int,
+             max_kv: int, device: torch.device | None = None) -> None:
+        """Keep one plan's index pointers (int32, on `device` or where they are) and spans; the
+        head counts and dims are the tensors' own at run time."""
+        if q_dtype not in DTYPES:
             raise ValueError(f"vLLM's FA3 prefill runs bf16 or fp16, not {q_dtype}")
-        max_q = _span(qo_indptr) if max_q is None else int(max_q)
-        max_kv = _span(kv_indptr) if max_kv is None else int(max_kv)
-        if max_q is None or max_kv is None:
-            raise ValueError("FA3 prefill needs the longest query and KV span: pass max_q/max_kv "
-                             "with device index pointers")
 
         def placed(t):
             t = t.to(torch.int32)
             return t.to(device, non_blocking=True) if device is not None else t
 
-        self.planned = dict(cu_q=placed(qo_indptr), cu_kv=placed(kv_indptr), max_q=max(max_q, 1),
-                            max_kv=max(max_kv, 1), causal=bool(causal), sm_scale=float(sm_scale),
-                            num_heads=num_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo)
+        self.planned = dict(cu_q=placed(qo_indptr), cu_kv=placed(kv_indptr), max_q=max(int(max_q), 1),
+                            max_kv=max(int(max_kv), 1), causal=bool(causal), sm_scale=float(sm_scale))
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None,
             return_lse: bool = False):
@@ -93,5 +80,4 @@ class FA3PrefillKernel:
         return (o, lse) if return_lse else o
 
 
-__all__ = ["BACKEND", "FA3PrefillKernel", "LSE_FLASHINFER", "LSE_VLLM", "fa3_available",
-           "load_library"]
+__all__ = ["BACKEND", "DTYPES", "FA3PrefillKernel", "fa3_available"]

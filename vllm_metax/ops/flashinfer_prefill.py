@@ -21,6 +21,9 @@ from vllm_metax.ops.flashinfer_mla import BackendRefused, FlashInferUnavailable,
 logger = get_logger(__name__)
 
 PREFILL_BACKENDS = ("fa2", "fa3", "auto")    # what the ragged wrapper accepts on Hopper / MetaX
+# the LSE form a prefill kernel returns (its LSE_FORM): FlashInfer's [tokens, heads] in base 2, or
+# vLLM's [heads, tokens] in natural log (vllm_metax.ops.fa3_prefill), what vLLM merges chunks by
+LSE_FLASHINFER, LSE_VLLM = "flashinfer", "vllm"
 
 
 @functools.lru_cache(maxsize=1)
@@ -50,6 +53,8 @@ def _plan_params(wrapper_cls: type) -> frozenset:
 
 class MLAPrefillKernel:
     """One ragged prefill wrapper: plan once per step (or per context chunk), run per layer."""
+
+    LSE_FORM = LSE_FLASHINFER
 
     def __init__(self, workspace: torch.Tensor, backend: str = "fa2", wrapper_cls: type | None = None):
         self.wrapper_cls = wrapper_cls or ragged_wrapper_cls()
