@@ -1,4 +1,7 @@
 import importlib.util
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +18,28 @@ HAS_CUDA = _has_cuda()
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
 
+def pytest_sessionstart(session):
+    """Start the install check (tests/install_check.py) beside collection: a kernel library that
+    is installed but does not import stops the session in one line, instead of failing or
+    skipping its tests one by one."""
+    session.config._install_check = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("install_check.py"))],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish_install_check(config) -> None:
+    proc = getattr(config, "_install_check", None)
+    if proc is None:
+        return
+    config._install_check = None
+    out, _ = proc.communicate()
+    if proc.returncode:
+        lines = out.strip().splitlines() or [f"tests/install_check.py exited with {proc.returncode}"]
+        pytest.exit("\n".join(lines), returncode=4)
+
+
 def pytest_collection_modifyitems(config, items):
+    _finish_install_check(config)
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_vllm = pytest.mark.skip(reason="needs vllm==0.33.0 installed")
     for item in items:

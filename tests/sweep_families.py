@@ -91,6 +91,7 @@ class SlowStartBackend(ReferenceFamily):
     family = "slowstart"
     first_pause_s = 2.0
     each = False        # True: every candidate's first run pauses (its own cost, not start-up)
+    pause = staticmethod(time.sleep)   # a test's virtual clock replaces it (tests/test_sweep.py)
 
     def __init__(self):
         super().__init__()
@@ -111,7 +112,7 @@ class SlowStartBackend(ReferenceFamily):
         def first_slow():
             if not self.started:      # after preparation, as a first capture or clock ramp is
                 self.started = True
-                time.sleep(self.first_pause_s)
+                self.pause(self.first_pause_s)
             return run()
         prepared.run = first_slow
         return prepared

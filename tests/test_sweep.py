@@ -251,16 +251,48 @@ def test_time_budget_stops_and_a_rerun_continues(tmp_path):
     assert len(set(trial_keys(db))) == len(trial_keys(db)) == 9
 
 
+class VirtualClock:
+    """`time` for the sweep's budget: it stands still but for the pauses a test family asks for,
+    so a budget test measures in its own seconds, whatever else loads the machine."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+    def __getattr__(self, name):        # time.time, perf_counter, ...: the real ones
+        return getattr(time, name)
+
+
+def virtual_budget_clock(monkeypatch) -> VirtualClock:
+    """Every module that spends or checks a sweep's time budget reads the virtual clock."""
+    from mla_tune.tune import search, sweep_measure, sweep_run, sweep_shared, sweep_start
+
+    clock = VirtualClock()
+    for module in (search, sweep_measure, sweep_run, sweep_shared, sweep_start):
+        monkeypatch.setattr(module, "time", clock)
+    monkeypatch.setattr(sweep_families.SlowStartBackend, "pause", staticmethod(clock.sleep))
+    return clock
+
+
 def test_the_first_round_trips_start_up_costs_are_not_the_first_buckets_share(tmp_path, monkeypatch):
     """H200 2026-12-04: the first bucket's first round took 3.6 s beyond JIT (first CUDA use,
     first capture, clocks ramping up from idle), over its share of a 300 s budget (~1.7 s, estimated), and lost
     its other page sizes in a sweep that then used 124 s of the 300. Here the first run pauses 2 s,
-    over the first bucket's ~1.7 s share of a 5 s budget: nothing may be cut."""
+    over the first bucket's ~1.7 s share of a 5 s budget: nothing may be cut. The budget runs on
+    a virtual clock (only the pauses spend it), so a loaded machine cannot cut a bucket."""
+    clock = virtual_budget_clock(monkeypatch)
     monkeypatch.setattr(sweep_families.SlowStartBackend, "first_pause_s", 2.0)
     db = tmp_path / "r.db"
     cfg = dict(db=db, device="cpu", emit=False, batches="1,2,4", contexts="64",
                page_sizes=[16, 64, 128], samples=3, warmup=1, isolation="inline", time_budget="5s")
+    t0 = clock.now
     out = run_sweep(build_config(**cfg, families=["slowstart"]))
+    assert clock.now - t0 == pytest.approx(2.0)          # the one start-up pause, nothing else
     assert out.stopped_early == 0 and out.measured == 9
     assert len(set(trial_keys(db))) == 9
     # the control: a pause in every candidate's first run is the search's own time, and is cut
