@@ -14,7 +14,8 @@ replays, cold L2) of:
 
 * tuned: what the plugin serves under the metax profile from `--config`: the entry's first backend
   that runs here decides. FLASHMLA: FlashMLA every step; TRITON_MLA: the nearest bucket's Triton
-  choice (split count, launch); FLASHINFER_MLA: what its decode plans for the batch
+  choice (split count, launch) within its context window, else vLLM's rule (`decisions.decode_kernel`);
+  FLASHINFER_MLA: what its decode plans for the batch
   (`tuned_vs_auto.served_candidate`: the split kernel, FlashMLA, or FlashInfer fa2 and its KV
   chunking);
 * vendor: FlashMLA at page 64, the vendor's first MLA backend (where FlashMLA loads);
@@ -60,14 +61,21 @@ def tuned_candidate(entry, families: dict, backends, workload):
     if first == "FLASHMLA":
         return Candidate("flashmla", FLASHMLA_BACKEND, FLASHMLA_PAGE, {})
     if first == "TRITON_MLA":
-        context = decisions.bucket_context(workload.seq_lens)
-        found = entry.lookup(workload.batch_size, context, workload.q_len) if entry is not None else None
-        choice = decisions.bucket_choice(found.bucket, decisions.TRITON) if found is not None else None
-        if choice is None:
-            return families["triton"].default_candidate(workload, VENDOR_TRITON_PAGE)
-        params = choice.to_params()
-        params.pop("backend", None)
-        return Candidate("triton", TRITON_BACKEND, entry.page_size, params)
+        # the server's rule for this batch (`decisions.decode_kernel`): the nearest bucket's split
+        # count within its context window, else vLLM's rule for the batch; the launch it serves
+        step = decisions.DecodeStep(workload.batch_size, decisions.bucket_context(workload.seq_lens),
+                                    workload.q_len)
+        served = decisions.decode_kernel(entry, step, attention_backend="TRITON_MLA").choice
+        page = entry.page_size if entry is not None else VENDOR_TRITON_PAGE
+        if not served.vllm_rule:
+            params = served.to_params()
+            params.pop("backend", None)
+            return Candidate("triton", TRITON_BACKEND, page, params)
+        params = dict(families["triton"].default_candidate(workload, page).params)
+        params.pop("variant", None)
+        if served.variant != decisions.DEFAULT_TRITON_VARIANT:
+            params["variant"] = served.variant
+        return Candidate("triton", TRITON_BACKEND, page, params)
     page = entry.page_size if entry is not None else FLASHMLA_PAGE
     return served_candidate(PlanChoice(entry, backends), page, workload)
 

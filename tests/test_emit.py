@@ -204,3 +204,31 @@ def test_an_order_flashinfer_mla_already_leads_is_kept(fx):
     assert led
     for m in led:
         assert served_order(m, [_bucket(b) for b in m.buckets]) == (list(m.backend_order), None)
+
+
+@pytest.mark.parametrize("device, first", [("cpu", "FLASHINFER_MLA")])
+def test_an_untuned_backend_order_is_the_profiles(fx, tmp_path, device, first):
+    """With no vLLM attention-backend family measured, the entry's order is the target profile's
+    untuned one (`Profile.mla_order`), not a listing of the schema's names."""
+    from vllm_metax.core.profile import PROFILES
+    with ResultsStore(fx.path) as s:
+        (e,) = build_tuned_config(s, TrialFilter(device=device)).models
+    assert e.backend_order == list(PROFILES["nvidia"].mla_order) and e.backend_order[0] == first
+
+
+def test_a_metax_profile_choice_without_backend_families_puts_flashmla_first(fx):
+    """A MetaX target's untuned order starts with FLASHMLA (the vendor plugin's first): the
+    fallback of an entry whose sweep measured no attention-backend family follows it."""
+    import dataclasses
+
+    from mla_tune.tune.emit import model_entries
+    from vllm_metax.core.profile import PROFILES
+    with ResultsStore(fx.path) as s:
+        choice = choosing.choose_from_store(s, device_name="cpu")
+    assert choice.models and not any(m.backend_order for m in choice.models)
+    for profile, order in (("metax", PROFILES["metax"].mla_order), ("nvidia", PROFILES["nvidia"].mla_order)):
+        (e,) = model_entries(choice, [], profile)
+        assert e.backend_order == list(order)
+    assert model_entries(choice, [], "metax")[0].backend_order[0] == "FLASHMLA"
+    metax = dataclasses.replace(choice, device_name="MetaX C500")   # no profile named: the device's
+    assert model_entries(metax, [])[0].backend_order[0] == "FLASHMLA"

@@ -70,3 +70,19 @@ def test_the_vendor_default_is_flashmla_else_its_triton(bench):
     text = bench.render({"rows": rows, "skipped": [], "profile": "metax", "config": "c.json",
                          "environment": {"device_name": "NVIDIA H100", "torch": "2", "flashinfer": "0.2.6.post1"}}, s)
     assert "| all | 2 | 1.039x |" in text and "NVIDIA silicon stands in" in text
+
+
+@pytest.mark.vllm
+def test_a_triton_step_outside_its_buckets_context_window_is_vllms_rule(bench, monkeypatch):
+    """TRITON_MLA serves a bucket tuned at context c for [c/2, 2c] only (`decisions.triton_choice`):
+    beyond, the server keeps vLLM's split rule for the batch at the entry's page, and so does the
+    tuned candidate."""
+    pytest.importorskip("vllm")
+    monkeypatch.setenv("VLLM_METAX_PROFILE", "metax")
+    fams = {"triton": tc.FamilyChoice({"backend": "triton", "num_kv_splits": 8, "variant": "metax"}, time_us=40.0)}
+    tr = _entry(_workload(context=4096), ["TRITON_MLA"], fams)
+    metax = decisions.flashinfer_backends(True, (8, 0))
+    families = {"triton": _Triton(), "flashmla_ok": True}
+    near, far = _workload(context=8192), _workload(context=16384)
+    assert bench.tuned_candidate(tr, families, metax, near).key == "triton/triton/p64/num_kv_splits=8,variant=metax"
+    assert bench.tuned_candidate(tr, families, metax, far).key == "triton/triton/p64/num_kv_splits=4,rule=vllm,variant=metax"

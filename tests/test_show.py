@@ -188,3 +188,24 @@ def test_lookup_keeps_flashinfer_where_flashmla_wins_by_too_little_or_the_page_i
     _with_flashmla(cfg_path, fm_us=fm_us, page=page)
     (hit,) = json.loads(_show(cfg_path, "--lookup", "8,4096", "-f", "json").stdout)["lookup"]
     assert hit["best_family"] == "flashmla" and hit["served"]["family"] == "flashinfer"
+
+
+def _triton_first(cfg_path):
+    data = json.loads(cfg_path.read_text())
+    data["models"][0]["global"]["backend_order"] = ["TRITON_MLA", "FLASHINFER_MLA"]
+    cfg_path.write_text(json.dumps(data))
+    return cfg_path
+
+
+@pytest.mark.parametrize("context, splits", [(4096, 16), (8192, 16), (3000, 16), (8193, None), (16384, None)])
+def test_lookup_applies_tritons_context_window_as_the_server_does(cfg_path, context, splits):
+    """TRITON_MLA serves a bucket tuned at context c for [c/2, 2c] only, then vLLM's rule
+    (`decisions.triton_choice`, what backend/triton_mla.py runs): show says the same."""
+    _triton_first(cfg_path)
+    (hit,) = json.loads(_show(cfg_path, "--lookup", f"8,{context}", "-f", "json").stdout)["lookup"]
+    assert hit["bucket"] == [8, 4096, 1]
+    served = hit["served"]
+    assert served["attention_backend"] == "TRITON_MLA" and served["family"] == "triton"
+    assert served["params"].get("num_kv_splits") == splits
+    if splits is None:
+        assert "vLLM's num_kv_splits rule" in served["note"] and "more than 2x" in served["note"]

@@ -21,7 +21,7 @@ from mla_tune.store.selection import CPU_RUN_KIND, TrialFilter, device_key, run_
 from vllm_metax.core import decisions, tuned_config as tc
 
 CPU_NOTE = ("measured with the CPU torch reference (no GPU): the page size exercises the pipeline; "
-            "no kernel-family choices, backend order is the schema's listing, not a measurement")
+            "no kernel-family choices, backend order is the profile's untuned one, not a measurement")
 RUN_FIELDS = ("sm_count", "flashinfer", "torch", "cuda", "driver", "vllm", "capability")
 
 
@@ -136,7 +136,8 @@ def served_order(m: choosing.ModelChoice, buckets: list) -> tuple[list, str | No
                   f"{ahead[0]} alone {totals[ahead[0]].total_us:.4g} us")
 
 
-def model_entries(choice: choosing.Choice, notes: list[str]) -> list[tc.ModelEntry]:
+def model_entries(choice: choosing.Choice, notes: list[str],
+                  profile: str | None = None) -> list[tc.ModelEntry]:
     """One tuned-config entry per model dims; entries that cannot be written are noted, not written.
 
     The config keys entries by dims (heads per rank, ranks, dtypes) only. Of the choices with the
@@ -146,8 +147,12 @@ def model_entries(choice: choosing.Choice, notes: list[str]) -> list[tc.ModelEnt
     plugin looks a batch up by), where their page size is the entry's. On a shared key (same
     batch, q_len and lookup context) the ragged bucket wins: its lengths are what a server sees,
     while equal lengths are rare in serving. Other same-dims choices (another preset, a ragged
-    choice at another page size) are noted, not written.
+    choice at another page size) are noted, not written. An entry whose sweep measured no vLLM
+    attention-backend family gets the untuned order of the target `profile` (`Profile.mla_order`;
+    None: the one the device name implies).
     """
+    from vllm_metax.core.profile import get_profile
+    untuned_order = list(get_profile(profile or run_profile({"device_name": choice.device_name})).mla_order)
     by_dims: dict = {}
     ordered = sorted(choice.models, key=lambda m: (m.ragged != "uniform", -len(m.buckets), m.model))
     for m in ordered:
@@ -181,7 +186,7 @@ def model_entries(choice: choosing.Choice, notes: list[str]) -> list[tc.ModelEnt
         if m.ragged != "uniform":
             reason += f"; measured with {m.ragged} context lengths"
         if not order:
-            order = list(tc.ATTENTION_BACKENDS)
+            order = untuned_order
             reason += "; no vLLM attention-backend family measured: backend order not tuned"
         by_dims[dims] = tc.ModelEntry(dims, int(m.page_size), order, buckets, m.model, m.tp_size, reason)
     return list(by_dims.values())
@@ -193,7 +198,8 @@ def config_from_choice(choice: choosing.Choice, runs: list[dict], results_db: st
     notes: list[str] = []
     if choice.kind == CPU_RUN_KIND or device_key(choice.device_name) == "cpu":
         notes.append(CPU_NOTE)
-    entries = model_entries(choice, notes)
+    profiles = {run_profile(r) for r in runs}
+    entries = model_entries(choice, notes, profiles.pop() if len(profiles) == 1 else None)
     if not entries:
         raise EmitError(f"nothing to emit for {choice.device_name!r}: "
                         + ("; ".join(notes) or "no model entry has a valid candidate"))

@@ -126,37 +126,40 @@ class Served:
         return f"{self.attention_backend}: {kernel}" + (f" ({self.note})" if self.note else "")
 
 
-def served_kernel(entry, bucket) -> Served:
-    """The kernel a decode step of `bucket` runs under `entry`, by the plugin's rules
-    (`vllm_metax.core.decisions`): FLASHINFER_MLA runs the first kernel `side_kernel` names (the
-    split-KV kernel, FlashMLA, vLLM's FA3 MLA kernel), else its FlashInfer choice; TRITON_MLA its
-    split count or vLLM's rule; FLASHMLA FlashMLA."""
+def served_kernel(entry, request: tuple) -> Served:
+    """The kernel a decode step of `request` (batch, context, q_len) runs under `entry`, by the
+    plugin's rule (`vllm_metax.core.decisions.decode_kernel`) for the entry's first attention
+    backend, with why where it is not simply the bucket's best."""
     from vllm_metax.core import decisions as d
-    backend = entry.backend_order[0] if entry.backend_order else None
+    if entry is None or not entry.backend_order:
+        return Served(None, None, {}, "no attention backend in the entry")
+    served = d.decode_kernel(entry, d.DecodeStep(*request))
+    backend, bucket, family = served.attention_backend, served.bucket, served.family
     if bucket is None:
         return Served(backend, None, {}, "no tuned bucket: the plugin's defaults")
-    if backend == "FLASHINFER_MLA":
-        side = d.side_kernel(bucket, page_size=entry.page_size)
-        if side is not None:
-            family, choice = side
-            return Served(backend, family, choice.to_params(),
-                          f"the bucket's FlashInfer choice not {d.SPLIT_MIN_GAIN:g}x faster" if family == d.FA3 else
-                          f">= {d.SPLIT_MIN_GAIN:g}x faster than the bucket's FlashInfer choice")
-        fc = d.bucket_choice(bucket, d.FLASHINFER)
-        if fc is None:
-            return Served(backend, d.FLASHINFER, {}, "no FlashInfer choice: the device default")
-        note = "planned as the device default" if fc.backend == d.AUTO else ""
-        if bucket.best_family in (d.SPLIT, d.FLASHMLA, d.FA3):
-            note = f"{bucket.best_family} measured faster, by less than {d.SPLIT_MIN_GAIN:g}x"
-        return Served(backend, d.FLASHINFER, fc.to_params(), note)
-    if backend == "TRITON_MLA":
-        tc = d.bucket_choice(bucket, d.TRITON)
-        if tc is None or tc.vllm_rule:
-            return Served(backend, d.TRITON, {}, "vLLM's num_kv_splits rule")
-        return Served(backend, d.TRITON, tc.to_params())
-    if backend == "FLASHMLA":
-        return Served(backend, d.FLASHMLA, {})
-    return Served(backend, None, {}, "no attention backend in the entry")
+    params = served.choice.to_params()
+    if family == d.TRITON:
+        if served.choice.vllm_rule:
+            tuned = d.bucket_choice(bucket, d.TRITON)
+            params = {k: v for k, v in params.items() if k == "variant"}
+            return Served(backend, family, params, "vLLM's num_kv_splits rule" + (
+                f" (context {request[1]} is more than {d.TRITON_CONTEXT_RATIO:g}x from the bucket's "
+                f"{bucket.context_len})" if tuned is not None and not tuned.vllm_rule else ""))
+        return Served(backend, family, params)
+    if backend == d.FLASHMLA_BACKEND_NAME:
+        return Served(backend, family, {})
+    if family != d.FLASHINFER:
+        return Served(backend, family, params,
+                      f"the bucket's FlashInfer choice not {d.SPLIT_MIN_GAIN:g}x faster" if family == d.FA3 else
+                      f">= {d.SPLIT_MIN_GAIN:g}x faster than the bucket's FlashInfer choice")
+    if d.bucket_choice(bucket, d.FLASHINFER) is None:
+        return Served(backend, family, {}, "no FlashInfer choice: the device default")
+    note = "planned as the device default" if served.choice.backend == d.AUTO else ""
+    if bucket.best_family == d.SPLIT and request[2] != 1:
+        note = f"{d.SPLIT} measured faster at q_len 1, it serves q_len 1 only"
+    elif bucket.best_family in d.SIDE_KERNELS:
+        note = f"{bucket.best_family} measured faster, by less than {d.SPLIT_MIN_GAIN:g}x"
+    return Served(backend, family, params, note)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +196,7 @@ def lookup(cfg, request: tuple) -> list[LookupAnswer]:
         hit = e.lookup(*request)
         b = hit.bucket if hit is not None else None
         out.append(LookupAnswer(e, b, bool(hit and hit.exact), bool(hit and hit.in_range),
-                                served_kernel(e, b)))
+                                served_kernel(e, request)))
     return out
 
 

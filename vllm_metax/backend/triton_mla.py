@@ -6,8 +6,9 @@ capped at 2 x SM count), too coarse at small batch. Here the metadata builder (o
 length, `vllm_metax.core.decisions.bucket_context`, as for FlashInfer and as the tuner measured) and
 records num_kv_splits in the decode metadata; the impl hands that to vLLM's own forward_mqa. Where
 the bucket kept vLLM's rule (`"rule": "vllm"`), and on a miss (no config, no entry for these dims,
-no Triton choice in the bucket, a context more than 2x from the nearest tuned one), the metadata
-carries None and vLLM's rule applies unchanged, for the batch's own max_seq_len.
+no Triton choice in the bucket, a context more than 2x from the nearest tuned one:
+`decisions.triton_choice`), the metadata carries None and vLLM's rule applies unchanged, for the
+batch's own max_seq_len.
 
 vLLM computes the split count inside forward_mqa through its module function
 `_compute_num_kv_splits`; this module wraps that function once so that, only while one of our
@@ -42,8 +43,6 @@ from vllm_metax.core.profile import active_profile
 from vllm_metax.core.tuned_config import ModelDims, ModelEntry, load_tuned_config
 
 logger = get_logger(__name__)
-
-MAX_CONTEXT_RATIO = 2.0      # a bucket tuned for context c serves [c/2, 2c]; beyond, vLLM's rule
 
 # ------------------------------------------------------------------ the split-count hook
 
@@ -108,8 +107,7 @@ class TunedSplits:
         self.why = why
         self.max_splits = max(self._values(), default=None)
         self.default_variant = active_profile().triton_default
-        self.variants = {c.variant for b in (entry.buckets if entry else ())
-                         if (c := decisions.bucket_choice(b, decisions.TRITON)) is not None}
+        self.variants = decisions.triton_variants(entry)
         self._memo: tuple | None = None
         self._launch_memo: tuple | None = None
 
@@ -157,26 +155,18 @@ class TunedSplits:
         return choice.served_splits if choice is not None else None
 
     def _choice(self, batch_size: int, context_len: int, q_len: int):
-        """The nearest bucket's TritonChoice, or None (no entry, or too far in context)."""
-        found = self.entry.lookup(batch_size, max(context_len, 1), q_len) if self.entry else None
-        if found is None:
-            return None
-        ratio = max(context_len, 1) / found.bucket.context_len
-        if not (1 / MAX_CONTEXT_RATIO <= ratio <= MAX_CONTEXT_RATIO):
-            return None          # splits tuned for a very different length would mis-chunk
-        return decisions.bucket_choice(found.bucket, decisions.TRITON)
+        """The nearest bucket's TritonChoice, or None (no entry, or too far in context:
+        `decisions.triton_choice`)."""
+        return decisions.triton_choice(self.entry, batch_size, context_len, q_len)
 
     def launch(self, batch_size: int, context_len: int, q_len: int = 1) -> str:
-        """The launch variant for this decode batch: the entry's where it names one launch only
-        (no lookup), else the nearest bucket's, else (a miss) the profile's default."""
-        if not self.variants:
-            return self.default_variant
-        if len(self.variants) == 1:            # the entry was tuned with one launch throughout
-            return next(iter(self.variants))
+        """The launch variant for this decode batch (`decisions.triton_launch`): the entry's where
+        it names one launch only (no lookup), else the nearest bucket's, else (a miss) the
+        profile's default."""
         key = (batch_size, context_len, q_len)
         if self._launch_memo is None or self._launch_memo[0] != key:
-            choice = self._choice(batch_size, context_len, q_len)
-            self._launch_memo = (key, choice.variant if choice is not None else self.default_variant)
+            self._launch_memo = (key, decisions.triton_launch(self.entry, *key, self.default_variant,
+                                                              self.variants))
         return self._launch_memo[1]
 
 

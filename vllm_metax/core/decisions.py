@@ -223,19 +223,109 @@ def flashmla_serves(bucket, profile=None, page_size: int | None = None) -> "Flas
     return _side_serves(bucket, FLASHMLA, prof)
 
 
-def side_kernel(bucket, profile=None, page_size: int | None = None) -> tuple | None:
+SIDE_KERNELS = (SPLIT, FLASHMLA, FA3)     # FLASHINFER_MLA's decode asks them in this order
+
+
+def side_kernel(bucket, profile=None, page_size: int | None = None, skip=(),
+                q_len: int | None = None) -> tuple | None:
     """(family, choice) of the kernel FLASHINFER_MLA's decode runs in this bucket instead of
-    FlashInfer, the first that serves: the split kernel (q_len 1), FlashMLA, vLLM's FA3; None:
+    FlashInfer, the first of SIDE_KERNELS that serves and is not in `skip`: the split kernel
+    (q_len 1: the bucket's, and the step's `q_len` where given), FlashMLA, vLLM's FA3; None:
     FlashInfer. The plugin keeps the order per step and falls to the next where one cannot run."""
     if bucket is None:
         return None
-    for family, serves in ((SPLIT, split_serves), (FLASHMLA, flashmla_serves), (FA3, fa3_serves)):
-        if family == SPLIT and bucket.q_len != 1:
+    serving = {SPLIT: split_serves, FLASHMLA: flashmla_serves, FA3: fa3_serves}
+    for family in SIDE_KERNELS:
+        serves = serving[family]
+        if family in skip or (family == SPLIT and (bucket.q_len != 1 or q_len not in (None, 1))):
             continue
         choice = serves(bucket, profile, page_size) if family == FLASHMLA else serves(bucket, profile)
         if choice is not None:
             return family, choice
     return None
+
+
+# ---------------------------------------------------------------- which kernel serves a decode step
+
+FLASHINFER_MLA, TRITON_MLA, FLASHMLA_BACKEND_NAME = "FLASHINFER_MLA", "TRITON_MLA", "FLASHMLA"
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """One decode step as a tuned config is looked up by: requests, `bucket_context` of their KV
+    lengths, query tokens per request."""
+
+    batch_size: int
+    context_len: int
+    q_len: int = 1
+
+
+@dataclass(frozen=True)
+class DecodeKernel:
+    """What serves one decode step: the vLLM attention backend, the kernel family its decode runs
+    and that family's typed choice as run (a TritonChoice with `vllm_rule`: vLLM's split rule for
+    the batch; a FlashInferChoice: the backend value planned and its KV chunking), and the tuned
+    bucket the choice came from (None: untuned)."""
+
+    attention_backend: str
+    family: str
+    choice: object
+    bucket: object = None
+
+
+def decode_kernel(entry, step: DecodeStep, backends: FlashInferBackends | None = None, *,
+                  attention_backend: str | None = None, profile=None, skip=(),
+                  lse: bool = False) -> DecodeKernel:
+    """The kernel, and its knobs, that serves `step` under a tuned `entry` (None: untuned): the
+    one rule the plugin's backends, `mla-tune show --lookup`, doctor and the bench scripts follow.
+
+    `attention_backend`: the vLLM backend that runs (default: the entry's first, else the
+    profile's untuned first). FLASHINFER_MLA runs the nearest bucket's side kernel
+    (`side_kernel`; none where the step asks for the decode `lse`, or in `skip`: kernels the
+    server turned off), else FlashInfer with the bucket's backend value where `backends` (the
+    device's; None: as tuned) may run it, its KV chunking only then. TRITON_MLA runs the nearest
+    bucket's split count within its context window (`triton_choice`) and its launch
+    (`triton_launch`), else vLLM's rule. FLASHMLA runs FlashMLA."""
+    prof = _profile(profile)
+    if attention_backend is None:
+        order = entry.backend_order if entry is not None and entry.backend_order else prof.mla_order
+        attention_backend = order[0]
+    if attention_backend == TRITON_MLA:
+        key = (step.batch_size, step.context_len, step.q_len)
+        tuned = triton_choice(entry, *key)
+        variant = triton_launch(entry, *key, prof.triton_default)
+        found = entry.lookup(*key) if entry is not None else None
+        if tuned is None or tuned.vllm_rule:
+            return DecodeKernel(attention_backend, TRITON, TritonChoice(None, True, variant),
+                                found.bucket if found is not None else None)
+        return DecodeKernel(attention_backend, TRITON, TritonChoice(tuned.num_kv_splits, False, variant),
+                            found.bucket)
+    if attention_backend == FLASHMLA_BACKEND_NAME:
+        found = entry.lookup(step.batch_size, step.context_len, step.q_len) if entry is not None else None
+        return DecodeKernel(attention_backend, FLASHMLA, FlashMLAChoice(),
+                            found.bucket if found is not None else None)
+    found = entry.lookup(step.batch_size, step.context_len, step.q_len) if entry is not None else None
+    bucket = found.bucket if found is not None else None
+    return flashinfer_mla_kernel(bucket, step.q_len, backends, page_size=entry.page_size if entry else None,
+                                 profile=prof, skip=skip, lse=lse)
+
+
+def flashinfer_mla_kernel(bucket, q_len: int, backends: FlashInferBackends | None = None, *,
+                          page_size: int | None = None, profile=None, skip=(),
+                          lse: bool = False) -> DecodeKernel:
+    """`decode_kernel` of FLASHINFER_MLA once the bucket is found (what a step of `q_len` query
+    tokens per request runs in `bucket`, None: untuned); `page_size`: the entry's."""
+    side = None if lse else side_kernel(bucket, profile, page_size, skip, q_len)
+    if side is not None:
+        return DecodeKernel(FLASHINFER_MLA, side[0], side[1], bucket)
+    typed = bucket_choice(bucket, FLASHINFER)
+    if backends is None:
+        choice = typed if typed is not None else FlashInferChoice(AUTO)
+    else:
+        value = backends.serve(typed)
+        chunk = typed.kv_chunk if typed is not None and typed.backend == value else None
+        choice = FlashInferChoice(value, chunk)
+    return DecodeKernel(FLASHINFER_MLA, FLASHINFER, choice, bucket)
 
 
 def _side_serves(bucket, family: str, profile=None):
@@ -250,16 +340,53 @@ def _side_serves(bucket, family: str, profile=None):
     return choice if fc.time_us >= SPLIT_MIN_GAIN * sc.time_us else None
 
 
+# TRITON_MLA: a bucket tuned for context c serves steps of context [c/2, 2c]; beyond it the server
+# keeps vLLM's num_kv_splits rule (splits tuned for a very different length would mis-chunk)
+TRITON_CONTEXT_RATIO = 2.0
+
+
+def triton_choice(entry, batch_size: int, context_len: int, q_len: int = 1) -> "TritonChoice | None":
+    """The Triton choice TRITON_MLA serves a step with: the nearest tuned bucket's, where the
+    step's context is within TRITON_CONTEXT_RATIO of the bucket's; None: no entry, no bucket, no
+    Triton choice in it, or too far in context (vLLM's rule and the profile's launch)."""
+    context = max(int(context_len), 1)
+    found = entry.lookup(batch_size, context, q_len) if entry is not None else None
+    if found is None:
+        return None
+    ratio = context / found.bucket.context_len
+    if not 1 / TRITON_CONTEXT_RATIO <= ratio <= TRITON_CONTEXT_RATIO:
+        return None
+    return bucket_choice(found.bucket, TRITON)
+
+
+def triton_launch(entry, batch_size: int, context_len: int, q_len: int, default: str,
+                  variants: set | None = None) -> str:
+    """The launch variant TRITON_MLA runs a step with: the entry's where it names one launch only
+    (no lookup), else `triton_choice`'s, else `default` (the profile's `triton_default`).
+    `variants`: the entry's Triton launches, where the caller keeps them (`triton_variants`)."""
+    variants = triton_variants(entry) if variants is None else variants
+    if len(variants) <= 1:              # the entry was tuned with one launch throughout, or none
+        return next(iter(variants), default)
+    choice = triton_choice(entry, batch_size, context_len, q_len)
+    return choice.variant if choice is not None else default
+
+
+def triton_variants(entry) -> set:
+    """The Triton launch variants an entry's buckets name."""
+    return {c.variant for b in (entry.buckets if entry is not None else ())
+            if (c := bucket_choice(b, TRITON)) is not None}
+
+
 def bucket_choice(bucket, family: str) -> FlashInferChoice | TritonChoice | None:
     """The typed choice of `family` in a tuned_config.Bucket (None if it has none)."""
     fc = bucket.families.get(family) if bucket is not None else None
     return family_choice(family, fc.params) if fc is not None else None
 
 
-__all__ = ["AUTO", "DEFAULT_TRITON_VARIANT", "FALLBACK_BACKEND", "FLASHINFER", "FLASHMLA", "FlashInferBackends",
+__all__ = ["AUTO", "DecodeKernel", "DecodeStep", "SIDE_KERNELS", "decode_kernel", "flashinfer_mla_kernel", "DEFAULT_TRITON_VARIANT", "FALLBACK_BACKEND", "FLASHINFER", "FLASHMLA", "FlashInferBackends",
            "FlashInferChoice", "FlashMLAChoice", "FA3", "FA3Choice", "fa3_serves", "flashmla_serves",
            "side_kernel", "SPLIT", "SPLIT_MIN_GAIN", "SplitChoice",
-           "TRITON", "TRITON_VARIANTS", "split_serves", "TritonChoice", "VLLM_RULE", "bucket_choice",
+           "TRITON", "TRITON_CONTEXT_RATIO", "TRITON_VARIANTS", "triton_choice", "triton_launch", "triton_variants", "split_serves", "TritonChoice", "VLLM_RULE", "bucket_choice",
            "bucket_context", "device_flashinfer_backends", "device_prefill_backends", "dtype_name",
            "family_choice", "flashinfer_backends", "kv_chunk_factor", "model_key",
            "prefill_backend", "prefill_backends", "prefill_statistic", "unservable_prefill"]

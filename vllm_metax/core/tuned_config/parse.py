@@ -171,7 +171,7 @@ def _entry(m, where: str) -> ModelEntry:
     unknown = [b for b in order if not isinstance(b, str) or b not in ATTENTION_BACKENDS]
     if not order or unknown or len(set(order)) != len(order):
         raise TunedConfigError(f"{where}.global: backend_order must list some of "
-                               f"{ATTENTION_BACKENDS} once each, got {str(order)[:200]}")
+                               f"{', '.join(sorted(ATTENTION_BACKENDS))} once each, got {str(order)[:200]}")
     raw = _need(m, "buckets", list, where)
     if not raw:
         raise TunedConfigError(f"{where}: buckets is empty (an entry without buckets tunes nothing)")
