@@ -34,10 +34,14 @@ def should_activate() -> tuple[bool, str]:
 def register() -> str | None:
     """vllm.platform_plugins entry point: the platform class path when active, else None.
     Says so, in one line, when another distribution (MetaX's vLLM-metax) also installs
-    `vllm_metax`."""
+    `vllm_metax`. Where `VLLM_METAX_TRAFFIC` names a folder, picks the server's traffic file in
+    it here, in the server's first process (`vllm_metax.core.traffic.resolve_path`)."""
     active, _ = should_activate()
     if active:
         from vllm_metax.core.distribution import clash_message, other_owners
+        from vllm_metax.core.traffic import resolve_path
+
+        resolve_path()      # a traffic folder -> this server's file, before any process is spawned
 
         message = clash_message(other_owners())
         if message:

@@ -25,6 +25,7 @@ from vllm_metax.core.device import FORCE_ENV, detect_device
 from vllm_metax.core.log import PARENT as LOG_PARENT
 from vllm_metax.core.profile import PROFILE_ENV, profile_source
 from vllm_metax.core.serving import mla_backend_order
+from vllm_metax.core.traffic import TRAFFIC_ENV
 from vllm_metax.core.tuned_config import FOLDER_ENV, PACKAGED_ENV, STRICT_ENV
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ PLUGIN_PREFILL_BACKENDS = {"FLASHINFER": FLASHINFER_MLA_PREFILL_CLASS}
 MLA_PREFILL_ORDER = ("FLASHINFER", "CPU")
 # Our variables start with VLLM_ (vLLM-metax convention), so vLLM's environment check must know them.
 WORKER_CLASS = "vllm_metax.worker.MetaxWorker"
-OWN_ENV_VARS = frozenset({FORCE_ENV, FOLDER_ENV, STRICT_ENV, PACKAGED_ENV, PROFILE_ENV})
+OWN_ENV_VARS = frozenset({FORCE_ENV, FOLDER_ENV, STRICT_ENV, PACKAGED_ENV, PROFILE_ENV, TRAFFIC_ENV})
 
 
 def register_backends() -> None:

@@ -408,9 +408,15 @@ def log2_grid(lo: int, hi: int) -> list[int]:
 
 @dataclass(frozen=True)
 class WorkloadMix:
-    """Weights over (batch, context) buckets: what the global page-size choice minimises."""
+    """Weights over (batch, context) buckets: what the global page-size choice minimises.
 
-    weights: dict = field(default_factory=dict)   # (batch, context) -> weight
+    `snap` False (a --mix CSV): every weighted key must be a measured bucket. True (a recorded
+    traffic, `mla_tune.store.traffic`): the keys are observed steps (batch, context, q_len), each
+    adding its weight to the measured bucket the plugin's lookup would snap it to."""
+
+    weights: dict = field(default_factory=dict)   # (batch, context) or (batch, context, q_len) -> weight
+    snap: bool = False
+    source: str = ""                              # where the weights come from, for people
 
     def weight(self, batch: int, context: int) -> float:
         if not self.weights:
@@ -464,7 +470,9 @@ class WorkloadMix:
 
     def check_covers(self, buckets, where: str = "the measured buckets") -> None:
         """Raise ProblemError if a weighted (batch, context) is not among `buckets`: its weight
-        would silently count for nothing."""
+        would silently count for nothing. A snapping mix (a recorded traffic) lands anywhere."""
+        if self.snap:
+            return
         missing = sorted(k for k, x in self.weights.items() if x > 0 and k not in set(buckets))
         if missing:
             shown = ", ".join(f"batch {b} context {c}" for b, c in missing[:5])

@@ -214,18 +214,26 @@ def _log2_nearest(values: Sequence[int], v: int) -> int:
 def bucket_weights(mix: WorkloadMix | None, keys: Iterable[tuple[int, int, int]]) -> dict:
     """(batch, context, q_len) -> weight. Uniform without a mix; otherwise every mix row adds its
     weight to the nearest bucket on a log2 scale (batch first, then context), as the plugin's
-    lookup snaps, for every q_len of that (batch, context)."""
+    lookup snaps: a (batch, context) row for every q_len of that (batch, context); a (batch,
+    context, q_len) row (a recorded traffic) to the bucket of its q_len, snapped first as the
+    lookup does (`ModelEntry.lookup`)."""
     keys = list(keys)
     if mix is None or not mix.weights:
         return {k: 1.0 for k in keys}
     out = {k: 0.0 for k in keys}
     if not keys:
         return out
-    batches = sorted({k[0] for k in keys})
-    for (b, c), w in mix.weights.items():
-        nb = _log2_nearest(batches, b)
-        nc = _log2_nearest(sorted({k[1] for k in keys if k[0] == nb}), c)
-        for k in keys:
+    q_lens = sorted({k[2] for k in keys})
+    for row, w in mix.weights.items():
+        b, c = row[0], row[1]
+        if len(row) > 2:
+            q = row[2] if row[2] in q_lens else _log2_nearest(q_lens, row[2])
+            at_q = [k for k in keys if k[2] == q]
+        else:
+            at_q = keys
+        nb = _log2_nearest(sorted({k[0] for k in at_q}), b)
+        nc = _log2_nearest(sorted({k[1] for k in at_q if k[0] == nb}), c)
+        for k in at_q:
             if k[0] == nb and k[1] == nc:
                 out[k] += w
     return out
@@ -258,7 +266,7 @@ def choose(trials: Iterable, mix: WorkloadMix | None = None, *, device_name: str
     rows = [r for r in rows if r.device_name == device_name]
     kinds = sorted({r.run_kind for r in rows})
     notes: list[str] = []
-    if mix is not None and mix.weights and rows:
+    if mix is not None and mix.weights and rows and not mix.snap:
         measured = {r.stored.bucket[:2] for r in rows}
         missing = sorted(k for k, x in mix.weights.items() if x > 0 and k not in measured)
         if missing:

@@ -78,8 +78,9 @@ def provenance(device_name: str, runs: list[dict], choice: choosing.Choice, resu
         "rules": {"metric": choice.metric, "p_threshold": choice.p_threshold,
                   "min_ratio": choice.min_ratio, "default_page_size": choice.default_page_size,
                   "test": "one-sided Mann-Whitney U on raw samples, plus a minimum median ratio"},
-        "mix": "uniform" if mix is None or not mix.weights else [
-            [b, c, w] for (b, c), w in sorted(mix.weights.items())],
+        "mix": "uniform" if mix is None or not mix.weights else (
+            {"traffic": mix.source, "keys": len(mix.weights)} if mix.snap
+            else [[*k, w] for k, w in sorted(mix.weights.items())]),
         "mla_tune": __version__,
         "notes": list(dict.fromkeys(list(choice.notes) + notes)),
     })

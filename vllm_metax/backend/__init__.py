@@ -81,3 +81,24 @@ def say_profile(cfg, entry: ModelEntry | None) -> None:
         log_once(logger, logging.INFO, "vllm_metax MLA: %d bucket choices the %s target cannot run "
                  "are served with the device default: %s", len(refused), active.name,
                  "; ".join(f"{why} ({n} buckets)" for why, n in whys.most_common()))
+
+
+def traffic_recorder(vllm_config, num_heads: int | None = None, *, kv_dtype=None):
+    """This process's traffic recorder (`vllm_metax.core.traffic`) for the model a builder serves,
+    or None: recording is off (`VLLM_METAX_TRAFFIC` unset), the model has no MLA key, or this
+    process is not the first tensor- or pipeline-parallel rank of its replica (those ranks see
+    the same steps; only one of them counts them)."""
+    import os
+
+    from vllm_metax.core import traffic
+    if not os.environ.get(traffic.TRAFFIC_ENV, "").strip():
+        return None
+    try:
+        from vllm.distributed.parallel_state import (get_pp_group, get_tensor_model_parallel_rank,
+                                                     model_parallel_is_initialized)
+        if model_parallel_is_initialized() and (get_tensor_model_parallel_rank() != 0
+                                                or get_pp_group().rank_in_group != 0):
+            return None
+    except Exception as e:  # noqa: BLE001 - no parallel state (a test, a bench): this process records
+        logger.debug("vllm_metax: no parallel state for the traffic recorder: %s", e)
+    return traffic.recorder(model_dims(vllm_config, num_heads, kv_dtype=kv_dtype))

@@ -23,6 +23,7 @@ class HostLengthsBuilder:
     # whether `_host_seq_lens` must be exact (each builder says; see the module docstring)
     EXACT_HOST_LENGTHS: ClassVar[bool]
     _common = None               # the CommonAttentionMetadata of the `build` in progress
+    traffic = None               # the step recorder where VLLM_METAX_TRAFFIC asks (`traffic_recorder`)
 
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False):
         self._common = common_attn_metadata

@@ -42,7 +42,7 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 
-from vllm_metax.backend import served_entry
+from vllm_metax.backend import served_entry, traffic_recorder
 from vllm_metax.backend.builder import HostLengthsBuilder
 from vllm_metax.backend.flashmla_buckets import FlashMLABuckets
 from vllm_metax.backend.impl_features import FeatureCheckedImpl
@@ -123,6 +123,7 @@ class FlashInferMLAMetadataBuilder(HostLengthsBuilder, MLACommonMetadataBuilder[
 
         entry = served_entry(vllm_config, self.num_heads)
         self.choice = PlanChoice(entry, decisions.device_flashinfer_backends())
+        self.traffic = traffic_recorder(vllm_config, self.num_heads)    # None unless asked
         log_once(logger, logging.INFO, "vllm_metax MLA: FLASHINFER_MLA decode kernels: %s",
                  self.choice.describe())
         self._kernels: dict[str, MLADecodeKernel] = {}
@@ -185,6 +186,8 @@ class FlashInferMLAMetadataBuilder(HostLengthsBuilder, MLACommonMetadataBuilder[
                               dtype=np.int32)
         graph = self._use_graph(num_decodes, num_decode_tokens)
         context = decisions.bucket_context(seq_lens)
+        if self.traffic is not None:
+            self.traffic.decode(num_decodes, context, q_len)     # the key the lookup is asked
         # the side kernels in `decisions.side_kernel`'s order; none returns the decode LSE
         side = decisions.SPLIT
         step = self._split_step(num_decodes, context, q_len, graph, block_table_tensor, seq_lens_device)

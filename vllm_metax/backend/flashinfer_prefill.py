@@ -28,7 +28,7 @@ from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 from vllm.v1.attention.backends.mla.prefill.base import MLADimensions, MLAPrefillBackend
 from vllm.v1.attention.backends.utils import log2_lse_to_ln
 
-from vllm_metax.backend import served_entry
+from vllm_metax.backend import served_entry, traffic_recorder
 from vllm_metax.core import decisions
 from vllm_metax.core.log import get_logger, log_once
 from vllm_metax.ops.fa3_prefill import BACKEND as VLLM_FA3, DTYPES as FA3_DTYPES, FA3PrefillKernel
@@ -102,6 +102,8 @@ class FlashInferMLAPrefillBackend(MLAPrefillBackend):
         MLADimensions(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
     ]
 
+    traffic = None                 # the plan recorder where VLLM_METAX_TRAFFIC asks
+
     @staticmethod
     def get_name() -> str:
         return NAME
@@ -122,6 +124,7 @@ class FlashInferMLAPrefillBackend(MLAPrefillBackend):
         self.backends = decisions.device_prefill_backends()
         self.backend = self.backends.default     # the value the last new-token plan ran
         self.entry = prefill_entry(vllm_config, num_heads)
+        self.traffic = traffic_recorder(vllm_config, num_heads)    # None unless asked
         self._main: MLAPrefillKernel | None = None
         self._chunks: list[MLAPrefillKernel] = []
         self._kernels: dict[tuple, MLAPrefillKernel] = {}
@@ -184,6 +187,8 @@ class FlashInferMLAPrefillBackend(MLAPrefillBackend):
         """Plan one slot; `fa3_args` (device qo and kv index pointers, longest query and KV span)
         is what vLLM's FA3 reads where the tuned bucket names it."""
         head_dim_qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        if self.traffic is not None and statistic is not None:
+            self.traffic.prefill(causal, *statistic)     # the key the prefill lookup is asked
         backend = self.backend_for(causal, statistic)
         if backend == VLLM_FA3 and (fa3_args is None or None in fa3_args
                                     or q_dtype not in FA3_DTYPES):

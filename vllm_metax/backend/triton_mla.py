@@ -34,7 +34,7 @@ from vllm.v1.attention.backends.mla.triton_mla import (
 )
 from vllm.v1.worker.workspace import current_workspace_manager, is_workspace_manager_initialized
 
-from vllm_metax.backend import model_dims, user_block_size
+from vllm_metax.backend import model_dims, traffic_recorder, user_block_size
 from vllm_metax.backend.builder import HostLengthsBuilder
 from vllm_metax.core import decisions, serving
 from vllm_metax.core.device import detect_device
@@ -200,6 +200,7 @@ class MetaxTritonMLAMetadataBuilder(HostLengthsBuilder, TritonMLAMetadataBuilder
         heads = self.num_heads * self.dcp_world_size      # forward_mqa sees DCP-gathered heads
         dims = model_dims(vllm_config, heads, kv_dtype=getattr(kv_cache_spec, "dtype", None))
         self.tuned_splits = TunedSplits.load(dims, block_size=user_block_size(vllm_config))
+        self.traffic = traffic_recorder(vllm_config, heads, kv_dtype=getattr(kv_cache_spec, "dtype", None))
         if self.tuned_splits.max_splits is None:
             log_once(logger, logging.INFO, "vllm_metax TRITON_MLA: vLLM's num_kv_splits rule (%s)",
                      self.tuned_splits.why)
@@ -238,9 +239,14 @@ class MetaxTritonMLAMetadataBuilder(HostLengthsBuilder, TritonMLAMetadataBuilder
     def _tuned_splits_for(self, seq_lens_device, num_decodes: int, q_len: int) -> tuple:
         """(num_kv_splits or None for vLLM's rule, launch variant) of this decode batch."""
         tuned = self.tuned_splits
-        if num_decodes < 1 or (tuned.max_splits is None and len(tuned.variants) <= 1):
+        no_lookup = num_decodes < 1 or (tuned.max_splits is None and len(tuned.variants) <= 1)
+        if no_lookup and (self.traffic is None or num_decodes < 1):
             return None, tuned.launch(num_decodes, 1, q_len)   # no lookup: no host lengths needed
         context = decisions.bucket_context(self._host_seq_lens(seq_lens_device, num_decodes))
+        if self.traffic is not None:
+            self.traffic.decode(num_decodes, context, q_len)     # the key the lookup is asked
+        if no_lookup:
+            return None, tuned.launch(num_decodes, 1, q_len)
         return (tuned.choose(num_decodes, context, q_len),
                 tuned.launch(num_decodes, context, q_len))
 

@@ -1,0 +1,266 @@
+"""The plugin's traffic recorder (vllm_metax.core.traffic) and its reader (mla_tune.store.traffic):
+the bins, the log2 grid derived from them against the lookup's own snapping, flushes that add
+(several processes into one file), the folder form of the switch, and the hook in the builders."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import random
+
+import pytest
+
+from mla_tune.store import traffic as tr
+from mla_tune.tune.choose import bucket_weights
+from vllm_metax.core import traffic as rec
+from vllm_metax.core.tuned_config import ModelDims
+from vllm_metax.core.tuned_config.schema import _nearest
+
+DIMS = ModelDims(16, 512, 64, "bfloat16", "bfloat16")
+OTHER = ModelDims(128, 512, 64, "bfloat16", "bfloat16")
+
+
+# ---------------------------------------------------------------- bins and the log2 grid
+
+def test_fine_bins_hold_quarter_octaves():
+    assert rec.fine_bin(1) == 0 and rec.fine_bin(2) == 4 and rec.fine_bin(4096) == 48
+    for x in list(range(1, 5000)) + [random.Random(0).randrange(1, 1 << 22) for _ in range(5000)]:
+        i = rec.fine_bin(x)
+        assert 2 ** (i / 4) <= x < 2 ** ((i + 1) / 4) * (1 + 1e-12), x
+
+
+def test_log2_cells_are_what_the_lookup_snaps_to():
+    """The log2 grid derived from the fine bins is exactly `ModelEntry.lookup`'s snapping on a
+    power-of-two grid, for every length."""
+    grid = [1 << k for k in range(23)]
+    values = list(range(1, 70000)) + [random.Random(1).randrange(1, 1 << 22) for _ in range(20000)]
+    for x in values:
+        assert rec.log2_cell(rec.fine_bin(x)) == _nearest(grid, x), x
+        assert tr.log2_of(x) == _nearest(grid, x)
+
+
+def test_the_recorded_key_is_the_lookups(tmp_path):
+    r = rec.TrafficRecorder(str(tmp_path / "t.db"), DIMS, flush_seconds=0)
+    r.decode(24, 6000, 2)
+    r.decode(24, 6001, 2)
+    r.decode(1, 1, 1)
+    assert r.decode_counts == {(24, 2, rec.fine_bin(6000)): 2, (1, 1, 0): 1}
+    r.prefill(True, 2048, 512)
+    assert r.prefill_counts == {(True, 44, 36): 1}
+
+
+# ---------------------------------------------------------------- flushing
+
+def test_flushes_add_only_what_is_new(tmp_path):
+    path = str(tmp_path / "t.db")
+    r = rec.TrafficRecorder(path, DIMS, flush_seconds=0)
+    for _ in range(5):
+        r.decode(32, 4096, 1)
+    r.prefill(False, 256, 16384)
+    assert r.flush()
+    for _ in range(3):
+        r.decode(32, 4096, 1)
+    r.decode(8, 1000, 2)
+    assert r.flush() and r.flush()          # the second adds nothing
+    t = tr.load_traffic(path)
+    m = t.select()
+    assert m.dims == DIMS and m.steps == 9 and m.plans == 1
+    assert m.decode_cells() == {(32, 4096, 1): 8, (8, 1024, 2): 1}
+    assert m.prefill_cells() == {(False, 256, 16384): 1}
+    assert t.writers == 1
+
+
+def test_a_failed_flush_keeps_the_counts_and_says_so_once(tmp_path, caplog):
+    path = tmp_path / "no-such-folder" / "t.db"
+    r = rec.TrafficRecorder(str(path), DIMS, flush_seconds=0)
+    r.decode(4, 512, 1)
+    with caplog.at_level(logging.WARNING):
+        assert not r.flush() and not r.flush()
+    assert sum("cannot write the traffic record" in m for m in caplog.messages) == 1
+    path.parent.mkdir()
+    assert r.flush()
+    assert tr.load_traffic(path).select().steps == 1
+
+
+def _writer(path: str, heads: int, steps: int) -> None:
+    r = rec.TrafficRecorder(path, ModelDims(heads, 512, 64, "bfloat16", "bfloat16"), flush_seconds=0)
+    for i in range(steps):
+        r.decode(1 + i % 64, 1024 + 37 * i, 1 + i % 2)
+        if i % 100 == 0:
+            r.flush()
+    r.close()
+
+
+def test_two_processes_add_into_one_file(tmp_path):
+    """Two engine processes flushing into the same file, interleaved: no step lost or counted
+    twice."""
+    path = str(tmp_path / "shared.db")
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(path, 16, 3000)) for _ in range(2)]
+    procs.append(ctx.Process(target=_writer, args=(path, 128, 500)))
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    t = tr.load_traffic(path)
+    assert t.writers == 3
+    assert t.select(num_heads=16).steps == 6000 and t.select(num_heads=128).steps == 500
+    single = str(tmp_path / "single.db")
+    _writer(single, 16, 3000)
+    one = tr.load_traffic(single).select().decode
+    assert t.select(num_heads=16).decode == tuple(
+        tr.DecodeCount(d.batch_size, d.q_len, d.context_bin, 2 * d.steps) for d in one)
+
+
+def test_close_flushes_the_rest(tmp_path):
+    path = str(tmp_path / "t.db")
+    r = rec.TrafficRecorder(path, DIMS, flush_seconds=3600)     # the thread never gets to it
+    r.decode(2, 100, 1)
+    r.close()
+    assert tr.load_traffic(path).select().steps == 1
+
+
+# ---------------------------------------------------------------- the switch
+
+def test_off_by_default(monkeypatch):
+    monkeypatch.delenv(rec.TRAFFIC_ENV, raising=False)
+    assert rec.resolve_path() is None and rec.recorder(DIMS) is None
+
+
+def test_a_folder_becomes_one_file_for_the_server(tmp_path):
+    env = {rec.TRAFFIC_ENV: str(tmp_path)}
+    path = rec.resolve_path(env)
+    assert os.path.dirname(path) == str(tmp_path) and path.endswith(f"-{os.getpid()}.db")
+    assert env[rec.TRAFFIC_ENV] == path and rec.resolve_path(env) == path     # children: same file
+    env = {rec.TRAFFIC_ENV: str(tmp_path / "new") + "/"}
+    assert os.path.dirname(rec.resolve_path(env)) == str(tmp_path / "new")
+    assert rec.resolve_path({rec.TRAFFIC_ENV: str(tmp_path / "x.db")}) == str(tmp_path / "x.db")
+
+
+def test_one_recorder_per_model_key_names_its_file(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv(rec.TRAFFIC_ENV, str(tmp_path / "t.db"))
+    monkeypatch.setattr(rec, "_RECORDERS", {})
+    with caplog.at_level(logging.INFO):
+        a, b = rec.recorder(DIMS), rec.recorder(DIMS)
+    assert a is b and a.path == str(tmp_path / "t.db") and rec.recorder(OTHER) is not a
+    assert any(str(tmp_path / "t.db") in m and "recording MLA traffic" in m for m in caplog.messages)
+    for r in rec._RECORDERS.values():
+        r._stop.set()
+
+
+# ---------------------------------------------------------------- the reader
+
+def _traffic(tmp_path, decode: dict, prefill: dict | None = None, dims=DIMS):
+    """A traffic file of `decode` ((batch, context, q_len) -> steps)."""
+    path = tmp_path / "traffic.db"
+    rec.write_counts(str(path), dims, {(b, q, rec.fine_bin(c)): n for (b, c, q), n in decode.items()},
+                     {(c, rec.fine_bin(q), rec.fine_bin(k)): n for (c, q, k), n in (prefill or {}).items()})
+    return path
+
+
+def test_covering_takes_the_fewest_cells_most_steps_first(tmp_path):
+    t = tr.load_traffic(_traffic(tmp_path, {(32, 4096, 2): 600, (40, 5000, 2): 200, (24, 12000, 2): 100,
+                                            (1, 1024, 1): 90, (128, 32768, 1): 10}))
+    m = t.select()
+    # 40 -> 32 and 24 -> 32 on a log2 scale (24 is 0.415 octaves from 32, 0.585 from 16)
+    assert m.decode_cells() == {(32, 4096, 2): 800, (32, 16384, 2): 100, (1, 1024, 1): 90,
+                                (128, 32768, 1): 10}
+    assert m.covering(0.99) == [(32, 4096, 2), (32, 16384, 2), (1, 1024, 1)]
+    assert m.covering(0.8) == [(32, 4096, 2)]
+    assert m.covering(1.0)[-1] == (128, 32768, 1)
+    with pytest.raises(tr.TrafficError, match="share"):
+        m.covering(0)
+
+
+def test_traffic_weights_snap_like_the_lookup(tmp_path):
+    m = tr.load_traffic(_traffic(tmp_path, {(32, 4096, 2): 600, (40, 5000, 2): 200,
+                                            (3, 1024, 1): 50})).select()
+    mix = m.mix()
+    assert mix.snap and sum(mix.weights.values()) == 850
+    keys = [(32, 4096, 2), (32, 4096, 1), (4, 1024, 1), (32, 16384, 2)]
+    w = bucket_weights(mix, keys)
+    assert w == {(32, 4096, 2): 800.0, (32, 4096, 1): 0.0, (4, 1024, 1): 50.0, (32, 16384, 2): 0.0}
+    mix.check_covers(set())     # observed keys need not be measured buckets: they snap
+
+
+def test_prefill_cells_keep_causal_plans_whole(tmp_path):
+    m = tr.load_traffic(_traffic(tmp_path, {(1, 100, 1): 1}, {(True, 1000, 1000): 5, (True, 2048, 512): 3,
+                                                             (False, 256, 20000): 2})).select()
+    assert m.prefill_cells() == {(True, 1024, 1024): 5, (True, 2048, 512): 3, (False, 256, 16384): 2}
+    assert m.prefill_covering(0.6) == [(True, 1024, 1024), (True, 2048, 512)]
+
+
+def test_bad_traffic_files_say_what_they_are(tmp_path):
+    with pytest.raises(tr.TrafficError, match="no such file"):
+        tr.load_traffic(tmp_path / "missing.db")
+    with pytest.raises(tr.TrafficError, match="a folder"):
+        tr.load_traffic(tmp_path)
+    (tmp_path / "text.db").write_text("hello")
+    with pytest.raises(tr.TrafficError, match="not a SQLite file"):
+        tr.load_traffic(tmp_path / "text.db")
+    import sqlite3
+    other = tmp_path / "other.db"
+    sqlite3.connect(other).execute("create table x (a)").connection.commit()
+    with pytest.raises(tr.TrafficError, match="not a traffic file"):
+        tr.load_traffic(other)
+    empty = tmp_path / "empty.db"
+    rec.write_counts(str(empty), DIMS, {}, {})
+    with pytest.raises(tr.TrafficError, match="no decode step"):
+        tr.load_traffic(empty)
+    both = tmp_path / "both.db"
+    rec.write_counts(str(both), DIMS, {(1, 1, 0): 1}, {})
+    rec.write_counts(str(both), OTHER, {(1, 1, 0): 1}, {})
+    with pytest.raises(tr.TrafficError, match="several models"):
+        tr.load_traffic(both).select()
+    with pytest.raises(tr.TrafficError, match="no recorded traffic for heads per rank 64"):
+        tr.load_traffic(both).select(num_heads=64)
+    assert tr.load_traffic(both).select(num_heads=128).dims == OTHER
+
+
+# ---------------------------------------------------------------- the hooks in the plugin
+
+@pytest.fixture
+def fresh_recorders(monkeypatch):
+    monkeypatch.setattr(rec, "_RECORDERS", {})
+    yield
+    for r in rec._RECORDERS.values():
+        r._stop.set()
+
+
+@pytest.mark.vllm
+def test_the_decode_builder_records_its_lookup_key(tmp_path, monkeypatch, fresh_recorders):
+    import plugin_support as ps
+    from vllm_metax.core import decisions
+    from vllm_metax.core.device import DeviceInfo
+    ps.install_recording_plugin(monkeypatch, DeviceInfo("Test GPU 9000", "torch", False, 132, (9, 0)))
+    vc = ps.make_vllm_config(tmp_path / "model", block_size=16)
+    monkeypatch.delenv(rec.TRAFFIC_ENV, raising=False)
+    assert ps.make_builder(vc).traffic is None          # off: nothing on the step's path
+    monkeypatch.setenv(rec.TRAFFIC_ENV, str(tmp_path / "t.db"))
+    builder = ps.make_builder(vc)
+    assert builder.traffic is not None and builder.traffic.dims == DIMS
+    lens = [300, 1200, 4000]
+    ps.build_decode(builder, lens, 16, q_len=2)
+    ps.build_decode(builder, [5000], 16, q_len=1)
+    # what the step looked its bucket up by: (requests, bucket_context of the lengths, q_len)
+    assert builder.traffic.decode_counts == {
+        (3, 2, rec.fine_bin(decisions.bucket_context(lens))): 1, (1, 1, rec.fine_bin(5000)): 1}
+    builder.traffic.close()
+    assert tr.load_traffic(tmp_path / "t.db").select().steps == 2
+
+
+@pytest.mark.vllm
+def test_only_the_first_tensor_parallel_rank_records(tmp_path, monkeypatch, fresh_recorders):
+    import vllm.distributed.parallel_state as ps_state
+    from vllm_metax.backend import traffic_recorder
+    import plugin_support as ps
+    vc = ps.make_vllm_config(tmp_path / "model", block_size=16)
+    monkeypatch.setenv(rec.TRAFFIC_ENV, str(tmp_path / "t.db"))
+    monkeypatch.setattr(ps_state, "model_parallel_is_initialized", lambda: True)
+    monkeypatch.setattr(ps_state, "get_pp_group", lambda: type("G", (), {"rank_in_group": 0})())
+    monkeypatch.setattr(ps_state, "get_tensor_model_parallel_rank", lambda: 1)
+    assert traffic_recorder(vc, 16) is None
+    monkeypatch.setattr(ps_state, "get_tensor_model_parallel_rank", lambda: 0)
+    assert traffic_recorder(vc, 16).dims == DIMS
