@@ -86,6 +86,7 @@ INT = {
     "patience": IntRange(0, 1_000_000),
     "run": IntRange(1, 2 ** 63 - 1),          # SQLite integer ids
     "heartbeat": IntRange(1, 3600),           # seconds between a claimed trial's heartbeats
+    "jobs": IntRange(1, 1024),                # compiler processes at once (prebuild)
 }
 FLOAT = {
     "timeout": FloatRange(0.0, 86_400.0, lo_open=True),       # seconds per candidate

@@ -4,4 +4,6 @@ registers itself on the shared app."""
 from mla_tune.cli.app import app, main  # noqa: F401
 
 # importing a command module registers its commands
-from mla_tune.cli import sweep_cmd, report_cmd, bench_cmd, doctor_cmd, merge_cmd, prefill_cmd  # noqa: E402,F401
+from mla_tune.cli import (  # noqa: E402,F401
+    sweep_cmd, report_cmd, bench_cmd, doctor_cmd, merge_cmd, prefill_cmd, prebuild_cmd,
+)

@@ -91,12 +91,55 @@ def _signal_group(proc, sig) -> None:
 
 
 def _build(backend: str, spec: list) -> None:
-    import torch
-    from flashinfer.jit import gen_batch_mla_module
-    dt = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+    from vllm_metax.ops.flashinfer_jit import decode_module
     q, kv, rank, rope = spec
-    gen_batch_mla_module(backend, dt[q], dt[kv], dt[q], torch.int32, int(rank), int(rope),
-                         False).build(need_lock=True)
+    decode_module(backend, q, kv, rank, rope).spec().build(need_lock=True)
+
+
+def build_modules(modules: Sequence, jobs: int, done=None) -> list[tuple]:
+    """Build FlashInfer JIT modules (`vllm_metax.ops.flashinfer_jit.JitModule`) into FlashInfer's
+    cache, `jobs` compiler processes at once: one ninja per module (under the module's own lock,
+    in its own folder, as a server's first plan builds it, so the server's ninja finds it up to
+    date), as many modules at a time as there are jobs. Returns (module, seconds, error or None)
+    in the order given; `done(module, seconds, error)` is called as each finishes."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+    if not modules:
+        return []
+    workers = max(1, min(int(jobs), len(modules)))
+    # FlashInfer's ninja reads MAX_JOBS at each build: the jobs shared out among the modules
+    os.environ["MAX_JOBS"] = str(max(1, int(jobs) // workers))
+    lock = threading.Lock()
+
+    def one(m):
+        t0 = time.monotonic()
+        try:
+            m.spec().build(need_lock=True)
+            err = None
+        except Exception as e:   # noqa: BLE001 - reported per module, the others go on
+            err = build_error(e)
+        out = (m, time.monotonic() - t0, err)
+        if done is not None:
+            with lock:
+                done(*out)
+        return out
+
+    with ThreadPoolExecutor(workers) as pool:       # ninja and nvcc run outside the GIL
+        return list(pool.map(one, modules))
+
+
+def build_error(e: Exception) -> str:
+    """One line for a failed module build: the compiler's or linker's first error line where
+    ninja's output has one, else the exception's first line."""
+    text = str(e)
+    for line in text.splitlines():
+        low = line.lower()
+        if any(w in low for w in ("error", "fatal", "cannot find")) \
+                and not low.startswith("ninja: build stopped"):
+            return line.strip()[:300]
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    return f"{type(e).__name__}: {first}"[:300]
 
 
 def main(backends_json: str, specs_json: str) -> None:

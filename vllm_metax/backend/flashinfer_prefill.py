@@ -33,7 +33,7 @@ from vllm_metax.core import decisions
 from vllm_metax.core.log import get_logger, log_once
 from vllm_metax.ops.fa3_prefill import BACKEND as VLLM_FA3, DTYPES as FA3_DTYPES, FA3PrefillKernel
 from vllm_metax.ops.flashinfer_mla import BackendRefused, device_workspace
-from vllm_metax.ops.flashinfer_prefill import LSE_VLLM, MLAPrefillKernel, prefill_available
+from vllm_metax.ops.flashinfer_prefill import LSE_VLLM, MLA_DIMS, MLAPrefillKernel, prefill_available
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -96,10 +96,10 @@ def _lse_for_vllm(kernel, lse: torch.Tensor) -> torch.Tensor:
 class FlashInferMLAPrefillBackend(MLAPrefillBackend):
     """Dense MLA prefill (new tokens and chunked context) on FlashInfer's ragged prefill."""
 
-    # FlashInfer's ragged prefill compiles a module per (head_dim_qk, head_dim_vo): DeepSeek's MLA
-    # (V2, V2-Lite, V3, R1, Kimi-K2) up-projects to 128 nope + 64 rope and 128-wide values.
+    # one module per (head_dim_qk, head_dim_vo): the dims `mla-tune prebuild` builds it for
     supported_mla_dimensions: ClassVar[list[MLADimensions]] = [
-        MLADimensions(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+        MLADimensions(qk_nope_head_dim=MLA_DIMS[0], qk_rope_head_dim=MLA_DIMS[1],
+                      v_head_dim=MLA_DIMS[2]),
     ]
 
     traffic = None                 # the plan recorder where VLLM_METAX_TRAFFIC asks

@@ -79,20 +79,22 @@ def flashinfer_backends(is_metax: bool, capability: tuple | None) -> FlashInferB
     return FlashInferBackends(("fa2",), "fa2")
 
 
-def device_flashinfer_backends(profile=None) -> FlashInferBackends:
-    """`flashinfer_backends` for the visible device (vllm_metax.core.device, cached per process)
-    under `profile` (default: the active one, `vllm_metax.core.profile`)."""
+def device_flashinfer_backends(profile=None, device=None) -> FlashInferBackends:
+    """`flashinfer_backends` for the visible device (vllm_metax.core.device, cached per process;
+    `device`: another DeviceInfo, e.g. a build target) under `profile` (default: the active one,
+    `vllm_metax.core.profile`)."""
     from vllm_metax.core.device import detect_device
-    dev, prof = detect_device(), _profile(profile)
+    dev, prof = device or detect_device(), _profile(profile)
     return flashinfer_backends(dev.is_metax or prof.is_metax, dev.capability).limited_to(
         prof.flashinfer_backends)
 
 
-def device_prefill_backends(profile=None) -> FlashInferBackends:
-    """`prefill_backends` for the visible device (vllm_metax.core.device, cached per process)
+def device_prefill_backends(profile=None, device=None) -> FlashInferBackends:
+    """`prefill_backends` for the visible device (vllm_metax.core.device, cached per process;
+    `device`: another DeviceInfo, whose vLLM FA3 is taken to load where the visible one's does)
     under `profile` (default: the active one)."""
     from vllm_metax.core.device import detect_device
-    dev, prof = detect_device(), _profile(profile)
+    dev, prof = device or detect_device(), _profile(profile)
     is_metax = dev.is_metax or prof.is_metax
     from vllm_metax.ops.fa3_mla import fa3_available    # a Hopper check first: loads only there
     vllm_fa3 = not is_metax and fa3_available()[0]

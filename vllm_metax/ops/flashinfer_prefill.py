@@ -21,6 +21,10 @@ from vllm_metax.ops.flashinfer_mla import BackendRefused, FlashInferUnavailable,
 logger = get_logger(__name__)
 
 PREFILL_BACKENDS = ("fa2", "fa3", "auto")    # what the ragged wrapper accepts on Hopper / MetaX
+# The MLA dims the plugin's prefill serves (qk_nope, qk_rope, v): DeepSeek's MLA (V2, V2-Lite, V3,
+# R1, Kimi-K2) up-projects to 128 nope + 64 rope and 128-wide values; the ragged prefill compiles a
+# module per (head_dim_qk, head_dim_vo), so one module per backend and dtype serves them all.
+MLA_DIMS = (128, 64, 128)
 # the LSE form a prefill kernel returns (its LSE_FORM): FlashInfer's [tokens, heads] in base 2, or
 # vLLM's [heads, tokens] in natural log (vllm_metax.ops.fa3_prefill), what vLLM merges chunks by
 LSE_FLASHINFER, LSE_VLLM = "flashinfer", "vllm"
