@@ -46,9 +46,25 @@ the decode steps of one long request (--profile-prompt tokens; 0: none), then of
 profiled (bench/server_profile.py); the report then says how much of a decode step attention takes
 and what tuned/triton16 would be with attention free.
 
-Compilation: torch.compile off and full CUDA graphs for decode-only steps (`--compilation-config
-{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}`) for every setup alike, so a server starts in
-seconds; --compile keeps vLLM's default (compiled, FULL_AND_PIECEWISE).
+Compilation (--compilation, every setup alike, recorded in the results and said in the report's
+header): `default` is what `vllm serve` users get, vLLM's default (torch.compile, FULL_AND_PIECEWISE
+CUDA graphs; a server starts in minutes on a fresh machine); `eager-graphs` (or --compile-off) is
+torch.compile off and full CUDA graphs for decode-only steps (`--compilation-config {"mode": 0,
+"cudagraph_mode": "FULL_DECODE_ONLY"}`), which starts in seconds.
+
+Start-up (issue #51: a cold start at most 1.2x vLLM's own server's, a warm one at most 1.1x): every
+setup's ready time (`ready_s`, from process start to /health answering) is recorded. --cache-root
+DIR gives each server its own caches, DIR/<model>_<setup>/ (vLLM's torch.compile cache through
+VLLM_CACHE_ROOT, FlashInfer's JIT through FLASHINFER_WORKSPACE_BASE, Triton's and inductor's), so
+one server cannot warm another's. --start-only N starts each server N times and stops it once
+ready, without workloads: with --cache-root the first start is cold (the setup's cache folder is
+emptied first) and the later ones warm; the report compares them with vLLM's own server's.
+
+--tokens: each server also answers the served-tokens check (bench/serve_tokens.py: greedy tokens
+with their top logits, prompts of a few to 32K tokens, one at a time and as one ragged batch), and
+the report classifies every divergence from vLLM's own server (near-tie or failure; failures are
+teacher-forced through a float32 reference once the servers are stopped, where the model has
+weights on disk).
 """
 
 from __future__ import annotations
@@ -68,8 +84,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))          # mla_tune, run from a checkout
 from server_profile import bound_lines, profile_decode, profiler_args, restep  # noqa: E402
+import serve_tokens  # noqa: E402
 from mla_tune.tune.verdict import compare, min_p_value  # noqa: E402
-from tiny_model import make_model_dir, model_config  # noqa: E402
+from tiny_model import V3TP8_LAYERS, make_model_dir, model_config, v3tp8_config  # noqa: E402
 
 MAX_MODEL_LEN = 34816
 # VLLM_METAX_PROFILE=metax (passed on to every server) makes the plugin's setups the MetaX target's:
@@ -77,7 +94,11 @@ MAX_MODEL_LEN = 34816
 PROFILE_NOTE = {"metax": (" MetaX profile (VLLM_METAX_PROFILE=metax): `untuned` is the vendor plugin's "
                           "default order, FLASHMLA at block 64, else TRITON_MLA with the vendor's "
                           "launch; this GPU stands in for the MetaX device.")}
-MODELS = {"h16": {"heads": 16, "layers": 27}, "h128": {"heads": 128, "layers": 27}}
+MODELS = {"h16": {"heads": 16, "layers": 27}, "h128": {"heads": 128, "layers": 27},
+          # DeepSeek-V3's layer shapes on one TP8 rank (tiny_model.V3TP8), weights drawn at load
+          "v3tp8": {"heads": 16, "layers": V3TP8_LAYERS, "dummy": True,
+                    "about": "DeepSeek-V3's layers on one TP8 rank (hidden 7168, q_lora 1536, dense MLP "
+                             "2304 wide: the MoE's FLOPs per token), random weights at load"}}
 SETUPS = {
     # name: (extra `vllm serve` arguments, use the tuned config)
     "tuned": ([], True),
@@ -96,6 +117,64 @@ WORKLOADS = {
 QUICK = {"long": (8192, 64, {"input": 0.5, "output": 0.0}, 4, ("inf",)),
          "chat": (256, 32, {"input": 0.5, "output": 0.5}, 8, ("inf",))}
 METRICS = ("ttft", "tpot", "itl", "e2el")
+# --compilation: name -> (`vllm serve` arguments, what the report's header says)
+COMPILATION = {
+    "default": ([], "vLLM's default compilation (torch.compile, FULL_AND_PIECEWISE CUDA graphs), as "
+                    "`vllm serve` users run it"),
+    "eager-graphs": (["--compilation-config", json.dumps({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})],
+                     "torch.compile off, full CUDA graphs for decode-only steps (not what `vllm serve` "
+                     "users run)"),
+}
+CACHE_MARK = ".serve_bench_cache"     # a cache folder serve_bench made, and may empty for a cold start
+
+
+def compilation_args(mode: str) -> list[str]:
+    """The `vllm serve` arguments of a --compilation mode."""
+    return list(COMPILATION[mode][0])
+
+
+def compilation_of(meta: dict) -> str:
+    """A results file's compilation mode; files from before --compilation have a `compile` flag
+    (False: the then-default eager-graphs)."""
+    if "compilation" in meta:
+        return meta["compilation"]
+    return "default" if meta.get("compile") else "eager-graphs"
+
+
+def cache_env(folder: Path) -> dict:
+    """Environment that puts every cache a server start fills under `folder`: vLLM's (torch.compile
+    artifacts, and inductor's and Triton's, which vLLM keeps beside them unless told otherwise),
+    FlashInfer's JIT modules, and Triton's for kernels compiled before vLLM sets its own (the
+    plugin's)."""
+    folder = Path(folder).resolve()
+    return {"VLLM_CACHE_ROOT": str(folder / "vllm"), "FLASHINFER_WORKSPACE_BASE": str(folder / "flashinfer"),
+            "TRITON_CACHE_DIR": str(folder / "triton"), "TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor")}
+
+
+def empty_cache(folder: Path) -> str | None:
+    """Make `folder` an empty cache folder for a cold start: created, or emptied where serve_bench
+    made it (its CACHE_MARK). None, or why not (a folder it did not make is never emptied)."""
+    import shutil
+
+    folder = Path(folder)
+    if folder.exists() and any(folder.iterdir()):
+        if not (folder / CACHE_MARK).exists():
+            return f"{folder} is not empty and serve_bench did not make it: not emptied"
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / CACHE_MARK).write_text("caches of one serve_bench server; emptied for a cold start\n")
+    return None
+
+
+def cache_state(folder: Path | None) -> str:
+    """"cold" where the setup's cache folder holds nothing yet, "warm" where an earlier start
+    filled it, "shared" without --cache-root (the default caches, which an earlier server of any
+    setup may have filled)."""
+    if folder is None:
+        return "shared"
+    folder = Path(folder)
+    filled = folder.exists() and any(p.name != CACHE_MARK for p in folder.iterdir())
+    return "warm" if filled else "cold"
 
 
 def fa3_available() -> str | None:
@@ -112,8 +191,11 @@ def fa3_available() -> str | None:
         return f"{type(e).__name__}: {e}"
 
 
-def server_env(setup: str, config_folder: str | None, empty: Path) -> dict:
+def server_env(setup: str, config_folder: str | None, empty: Path, cache: Path | None = None) -> dict:
+    """The environment of one setup's server; with `cache`, every cache it fills goes there."""
     env = dict(os.environ, VLLM_METAX_FORCE="1")
+    if cache is not None:
+        env.update(cache_env(cache))
     env.pop("VLLM_METAX_MLA_CONFIG_FOLDER", None)
     env.pop("VLLM_METAX_MLA_PACKAGED_FOLDER", None)     # the shipped configs, unless untuned
     if setup == "vllm_default":
@@ -132,21 +214,23 @@ def server_env(setup: str, config_folder: str | None, empty: Path) -> dict:
     return env
 
 
+def server_args(model_dir: Path, setup: str, port: int, compilation: str, extra: list[str] = ()) -> list[str]:
+    """The `vllm serve` command line of one setup's server."""
+    return ([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir),
+             "--port", str(port), "--host", "127.0.0.1", "--served-model-name", "tiny",
+             "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "64",
+             "--gpu-memory-utilization", "0.85", "--no-enable-prefix-caching", "--seed", "0"]
+            + compilation_args(compilation) + SETUPS[setup][0] + list(extra))
+
+
 class Server:
     """One `vllm serve` process group; `stop()` ends it (SIGINT, then SIGKILL)."""
 
     def __init__(self, model_dir: Path, setup: str, port: int, log: Path, env: dict,
-                 compile_: bool, extra: list[str] = ()):
-        args = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir),
-                "--port", str(port), "--host", "127.0.0.1", "--served-model-name", "tiny",
-                "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "64",
-                "--gpu-memory-utilization", "0.85", "--no-enable-prefix-caching", "--seed", "0"]
-        if not compile_:
-            args += ["--compilation-config", json.dumps({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})]
-        args += SETUPS[setup][0] + list(extra)
-        self.args, self.port, self.log = args, port, log
-        self._f = open(log, "w")
-        self.proc = subprocess.Popen(args, stdout=self._f, stderr=subprocess.STDOUT, env=env,
+                 compilation: str, extra: list[str] = (), mode: str = "w"):
+        self.args, self.port, self.log = server_args(model_dir, setup, port, compilation, extra), port, log
+        self._f = open(log, mode)
+        self.proc = subprocess.Popen(self.args, stdout=self._f, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
 
     def wait_ready(self, timeout: float) -> float:
@@ -189,6 +273,21 @@ def preflight(model_dir: Path) -> int:
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", str(model_dir)])
     mc = ModelConfig(model=str(model_dir), dtype="bfloat16", max_model_len=MAX_MODEL_LEN)
     return len(build_app(args, ("generate",), mc).routes)
+
+
+def make_model(name: str, root: Path, device: str) -> Path:
+    """The folder `vllm serve` is given for model `name`: the tiny models with seeded weights
+    (drawn on `device`), v3tp8 with config.json and tokenizer only."""
+    spec = MODELS[name]
+    if spec.get("dummy"):
+        return make_model_dir(root / name, v3tp8_config(spec["layers"]), weights=False)
+    return make_model_dir(root / name, model_config(spec["heads"], spec["layers"], 4096, MAX_MODEL_LEN + 1024),
+                          device=device)
+
+
+def model_args(name: str) -> list[str]:
+    """`vllm serve` arguments a model needs: vLLM draws v3tp8's weights at load."""
+    return ["--load-format", "dummy"] if MODELS[name].get("dummy") else []
 
 
 def completion(port: int, prompt: str, max_tokens: int = 16) -> dict:
@@ -289,12 +388,20 @@ def run_setup(model: str, setup: str, model_dir: Path, args, empty: Path, port: 
         return
     log = args.out / f"server_{model}_{setup}.log"
     trace_dir = args.out / f"trace_{model}_{setup}"
-    server = Server(model_dir, setup, port, log, server_env(setup, args.config_folder, empty),
-                    args.compile, profiler_args(trace_dir) if args.profile else ())
+    cache = setup_cache(args, model, setup)
+    if isinstance(cache, str):
+        rec["error"] = cache
+        rec.pop("partial")
+        print(f"[{key}] FAILED: {cache}", flush=True)
+        return
+    rec["cache"] = cache_state(cache)
+    extra = model_args(model) + (profiler_args(trace_dir) if args.profile else []) + tokens_args(args)
+    server = Server(model_dir, setup, port, log, server_env(setup, args.config_folder, empty, cache),
+                    args.compilation, extra)
     rec["command"] = " ".join(server.args[1:])
     try:
         rec["ready_s"] = round(server.wait_ready(args.start_timeout), 1)
-        print(f"[{key}] ready in {rec['ready_s']} s", flush=True)
+        print(f"[{key}] ready in {rec['ready_s']} s ({rec['cache']} caches)", flush=True)
         if first:
             r = completion(port, " ".join(f"w{i}" for i in range(3, 40)))
             rec["completion"] = {"text": r["choices"][0]["text"], "usage": r.get("usage")}
@@ -319,6 +426,15 @@ def run_setup(model: str, setup: str, model_dir: Path, args, empty: Path, port: 
                 if len(reps) > 1:
                     rec.setdefault("repeats", {})[cell] = reps
                 checkpoint()
+        if getattr(args, "tokens", False):
+            try:
+                rec["tokens"] = serve_tokens.collect(port, json.loads((model_dir / "config.json").read_text())["vocab_size"])
+                print(f"[{key}] tokens: {len(rec['tokens']['single'])} prompts one at a time, "
+                      f"{len(rec['tokens']['batch'])} at once ({rec['tokens']['wall_s']} s)", flush=True)
+            except Exception as e:  # noqa: BLE001 - the benchmark's numbers stand without it
+                rec["tokens"] = {"error": f"{type(e).__name__}: {e}"}
+                print(f"[{key}] tokens FAILED: {rec['tokens']['error']}", flush=True)
+            checkpoint()
         if args.profile:
             vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
             for field, prompt, n in (("profile", args.profile_prompt, 1 if args.profile_prompt else 0),
@@ -346,6 +462,135 @@ def run_setup(model: str, setup: str, model_dir: Path, args, empty: Path, port: 
         server.stop()
         rec["log"] = log_lines(log)
         checkpoint()
+
+
+def tokens_args(args) -> list[str]:
+    """With --tokens: the top values the check reads are the LM head's bf16 logits (serve_tokens)."""
+    return ["--logprobs-mode", serve_tokens.LOGPROBS_MODE] if getattr(args, "tokens", False) else []
+
+
+def tokens_comparisons(recs: dict) -> dict:
+    """tuned against every other setup of one model that answered the served-tokens check."""
+    t = recs.get("tuned", {}).get("tokens")
+    if not t or "error" in t:
+        return {}
+    return {s: serve_tokens.compare(t, r["tokens"]) for s, r in recs.items()
+            if s != "tuned" and r.get("tokens") and "error" not in r["tokens"]}
+
+
+def check_failures(model: str, record: dict, model_dir: Path, device: str) -> None:
+    """The float32 reference's verdict on every failure of tuned against another setup, into the
+    tuned record's `tokens_reference` (run once the model's servers have stopped: it needs the
+    GPU's memory). A model whose weights are drawn at load has no reference."""
+    recs = {r["setup"]: r for r in record.values() if r["model"] == model}
+    for base, c in tokens_comparisons(recs).items():
+        if not c["failures"]:
+            continue
+        ref = recs["tuned"].setdefault("tokens_reference", {})
+        if MODELS[model].get("dummy"):
+            ref[base] = {"_none": {"error": "no float32 reference: the weights are drawn inside the server"}}
+            continue
+        cfg = json.loads((model_dir / "config.json").read_text())
+        try:
+            ref[base] = serve_tokens.reference_verdicts(model_dir, cfg, recs["tuned"]["tokens"], recs[base]["tokens"],
+                                                        c["cases"], ("tuned", base), device)
+        except Exception as e:  # noqa: BLE001 - the failures stand as classified
+            ref[base] = {"_none": {"error": f"{type(e).__name__}: {e}; rerun: python3 bench/serve_tokens.py "
+                                            f"reference --results RESULTS.json --model {model} --model-dir {model_dir}"}}
+        print(f"[{model}] float32 reference on tuned vs {base}'s failures: "
+              + "; ".join(f"{k} {v.get('error') or v['verdict']}" for k, v in ref[base].items()), flush=True)
+
+
+def tokens_reference(results: Path, model: str, model_dir: Path, device: str) -> int:
+    """`serve_tokens.py reference`: check_failures on a results file, rewritten with its report."""
+    data = json.loads(results.read_text())
+    if model not in MODELS or not any(r.get("model") == model for r in data.get("runs", {}).values()):
+        raise ValueError(f"{results}: no run of model {model!r}")
+    check_failures(model, data["runs"], model_dir, device)
+    save(results, data)
+    print(f"{results}: float32 verdicts added; report {results.with_suffix('.md')}")
+    return 0
+
+
+def tokens_lines(recs: dict) -> list[str]:
+    """The served-tokens section of one model: tuned against each setup, each setup against
+    itself (one at a time vs in the batch), and the goal."""
+    have = {s: r["tokens"] for s, r in recs.items() if r.get("tokens")}
+    if not have:
+        return []
+    lines = ["", "Served tokens (bench/serve_tokens.py: greedy, top-5 bf16 logits, prompts of "
+             f"{min(serve_tokens.SINGLE_LENS)}-{max(serve_tokens.SINGLE_LENS)} tokens one at a time and "
+             f"{len(serve_tokens.prompt_lens())} at once; first divergence per sequence):", ""]
+    lines += [f"- {s}: no tokens ({t['error']})" for s, t in have.items() if "error" in t]
+    comps = tokens_comparisons(recs)
+    verdicts = recs.get("tuned", {}).get("tokens_reference", {})
+    for base, c in comps.items():
+        lines += serve_tokens.summary_lines("tuned", base, c, verdicts.get(base))
+        lines += [f"  - float32: {v['error']}" for k, v in verdicts.get(base, {}).items() if k.startswith("_")]
+    for s, t in have.items():
+        if "error" in t:
+            continue
+        n = len(t["single"])
+        own = serve_tokens.compare(t, {**t, "single": t["batch"][:n]}, modes=("single",))
+        lines.append(f"- {s} against itself, one at a time vs in the batch: {own['divergent']} of {own['compared']} "
+                     f"diverge ({own['near_ties']} near-ties, {own['failures']} failures)")
+    if comps:
+        bad = sum(c["failures"] for c in comps.values())
+        lines.append(f"- goal, 0 divergences from another setup that are not near-ties: "
+                     + ("met" if not bad else f"NOT met ({bad})"))
+    return lines
+
+
+def setup_cache(args, model: str, setup: str, cold: bool = False) -> Path | None | str:
+    """The setup's own cache folder under --cache-root (None without it), made if missing and
+    emptied first where `cold`; or why it cannot be used."""
+    if not args.cache_root:
+        return None
+    folder = args.cache_root / f"{model}_{setup}"
+    if cold:
+        why = empty_cache(folder)
+        return folder if why is None else why
+    if not folder.exists():
+        return folder if empty_cache(folder) is None else f"{folder}: cannot make it"
+    return folder
+
+
+def start_only(model: str, setup: str, model_dir: Path, args, empty: Path, port: int, record: dict,
+               checkpoint=lambda: None) -> None:
+    """Start the setup's server `args.start_only` times, each until it answers /health, then stop
+    it; every start's ready time and the state of its caches (cold, warm or shared) into
+    `record[model/setup]["starts"]`."""
+    key = f"{model}/{setup}"
+    rec = record[key] = {"model": model, "setup": setup, "starts": []}
+    if setup == "vllm_default" and (why := fa3_available()):
+        rec["skipped"] = why
+        print(f"[{key}] skipped: {why}", flush=True)
+        return
+    log = args.out / f"server_{model}_{setup}.log"
+    log.write_text("")
+    for i in range(args.start_only):
+        cache = setup_cache(args, model, setup, cold=i == 0)
+        if isinstance(cache, str):
+            rec["error"] = cache
+            print(f"[{key}] FAILED: {cache}", flush=True)
+            break
+        state = cache_state(cache)
+        server = Server(model_dir, setup, port, log, server_env(setup, args.config_folder, empty, cache),
+                        args.compilation, model_args(model), mode="a")
+        rec["command"] = " ".join(server.args[1:])
+        try:
+            ready = round(server.wait_ready(args.start_timeout), 1)
+        except Exception as e:  # noqa: BLE001 - a start that fails is the result
+            rec["starts"].append({"cache": state, "error": f"{type(e).__name__}: {e}"})
+            print(f"[{key}] start {i + 1} ({state}) FAILED: {type(e).__name__}: {e}", flush=True)
+            break
+        finally:
+            server.stop()
+        rec["starts"].append({"cache": state, "ready_s": ready})
+        print(f"[{key}] start {i + 1} ({state} caches): ready in {ready} s", flush=True)
+        checkpoint()
+    rec["log"] = log_lines(log)
+    checkpoint()
 
 
 # ---------------------------------------------------------------------------- report
@@ -463,13 +708,55 @@ def cell_order(cell: str) -> tuple:
     return (list(WORKLOADS).index(name) if name in WORKLOADS else len(WORKLOADS), name, r)
 
 
+COLD_GOAL, WARM_GOAL = 1.2, 1.1      # start-up: tuned's ready time over vLLM's own server's
+
+
+def starts(rec: dict) -> dict:
+    """A setup's ready times by cache state ("cold", "warm", "shared"): its --start-only starts,
+    else the ready time of its benchmark run."""
+    out: dict = {}
+    for st in rec.get("starts") or ([{"cache": rec.get("cache", "shared"), "ready_s": rec["ready_s"]}]
+                                    if rec.get("ready_s") else []):
+        if st.get("ready_s"):
+            out.setdefault(st["cache"], []).append(st["ready_s"])
+    return out
+
+
+def startup_lines(recs: dict) -> list[str]:
+    """The start-up table of one model's setups (ready time in s by cache state) and, against vLLM's
+    own server, the cold and warm start goals."""
+    have = {s: starts(r) for s, r in recs.items()}
+    have = {s: v for s, v in have.items() if v}
+    if not have:
+        return []
+    fmt = lambda xs: ", ".join(f"{x:.1f}" for x in xs) if xs else "-"  # noqa: E731
+    lines = ["", "Start-up: seconds from the server's process start to /health answering (cold: its own "
+             "empty cache folder, warm: the same folder after a start, shared: the default caches, "
+             "which earlier servers may have filled):", "",
+             "| setup | cold | warm | shared |", "|---|---|---|---|"]
+    lines += [f"| {s} | {fmt(v.get('cold'))} | {fmt(v.get('warm'))} | {fmt(v.get('shared'))} |"
+              for s, v in have.items()]
+    t, b = have.get("tuned", {}), have.get("vllm_default", {})
+    for state, goal in (("cold", COLD_GOAL), ("warm", WARM_GOAL)):
+        if t.get(state) and b.get(state):
+            r = statistics.median(t[state]) / statistics.median(b[state])
+            lines.append(f"- {state} start, tuned / vllm_default <= {goal}: {'met' if r <= goal else 'NOT met'} "
+                         f"({r:.2f}: {statistics.median(t[state]):.1f} s against {statistics.median(b[state]):.1f} s)")
+    return lines
+
+
+def model_title(model: str) -> str:
+    spec = MODELS[model]
+    return f"## {model}: {spec['heads']} heads, {spec['layers']} layers" + (f"; {spec['about']}" if "about" in spec else "")
+
+
 def report(record: dict, meta: dict) -> str:
     lines = [f"# {meta.get('title', '`vllm serve` + `vllm bench serve`')}: {meta['device']} ({meta['date']})",
-             "", meta["note"], ""]
+             "", meta["note"], "", f"Compilation: {COMPILATION[compilation_of(meta)][1]}.", ""]
     models = sorted({r["model"] for r in record.values()}, key=list(MODELS).index)
     for model in models:
         recs = {r["setup"]: r for r in record.values() if r["model"] == model}
-        lines += [f"## {model}: {MODELS[model]['heads']} heads, {MODELS[model]['layers']} layers", ""]
+        lines += [model_title(model), ""]
         for s, r in recs.items():
             if "skipped" in r or "error" in r:
                 lines.append(f"- {s}: {r.get('skipped') or 'FAILED: ' + r['error']}")
@@ -480,12 +767,18 @@ def report(record: dict, meta: dict) -> str:
                 lines.append(f"- {s}: " + "; ".join(failed))
             lines += [f"- {s}: the server log warns: {w}" for w in log_warnings(r)
                       if SETUPS.get(s, ([], True))[1] or "no tuned config" not in w]   # by design
+            for i, st in enumerate(r.get("starts", [])):
+                if "error" in st:
+                    lines.append(f"- {s}: start {i + 1} ({st['cache']} caches) FAILED: {st['error']}")
+        lines += startup_lines(recs)
+        lines += tokens_lines(recs)
         lines.append("")
         runs = sorted({k for r in recs.values() for k in r.get("runs", {})}, key=cell_order)
         setups = [s for s in SETUPS if s in recs and recs[s].get("runs")]
         others = [s for s in setups if s != "tuned"] if "tuned" in setups else []
         head = "| workload@rate | metric | " + " | ".join(setups + [f"tuned/{s}" for s in others]) + " |"
-        lines += [head, "|" + "---|" * (head.count("|") - 1)]
+        if runs:
+            lines += [head, "|" + "---|" * (head.count("|") - 1)]
         for k in runs:
             for metric in ("p50_tpot_ms", "p99_tpot_ms", "p50_itl_ms", "p99_itl_ms", "p50_ttft_ms",
                            "p99_ttft_ms", "output_throughput"):
@@ -576,6 +869,24 @@ def select_cells(workloads: dict, cells: str) -> dict | str:
     return {w: workloads[w][:4] + (rs,) for w, rs in rates.items() if rs}
 
 
+def dry_run(models: list[str], setups: list[str], args) -> list[str]:
+    """Each server's command line and the environment serve_bench sets for it, nothing started."""
+    keys = ("VLLM_METAX_FORCE", "VLLM_METAX_MLA_CONFIG_FOLDER", "VLLM_METAX_MLA_PACKAGED_FOLDER",
+            "VLLM_USE_FLASHINFER_SAMPLER", *cache_env(Path(".")))
+    out = [f"# compilation: {args.compilation}: {COMPILATION[args.compilation][1]}"]
+    for model in models:
+        for setup in setups:
+            cache = args.cache_root / f"{model}_{setup}" if args.cache_root else None
+            env = server_env(setup, args.config_folder, args.out / "no_configs", cache)
+            shown = ([f"-u {k}" for k in keys if k in os.environ and k not in env]
+                     + [f"{k}={env[k]}" for k in keys if k in env and env[k] != os.environ.get(k)])
+            extra = (model_args(model) + (profiler_args(args.out / f"trace_{model}_{setup}") if args.profile else [])
+                     + tokens_args(args))
+            cmd = server_args(args.model_root / model, setup, args.port, args.compilation, extra)
+            out.append(f"[{model}/{setup}] env {' '.join(shown)} {' '.join(cmd)}")
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -586,9 +897,26 @@ def main(argv=None) -> int:
     ap.add_argument("--config-folder", default=None,
                     help="tuned configs for the `tuned` setup (default: the packaged ones)")
     ap.add_argument("--model-root", type=Path, default=Path("/tmp/serve_bench_models"))
-    ap.add_argument("--compile", action="store_true", help="vLLM's default compilation")
+    ap.add_argument("--compilation", choices=list(COMPILATION), default="default",
+                    help="default: vLLM's (torch.compile, FULL_AND_PIECEWISE), as users run it; "
+                         "eager-graphs: torch.compile off, full CUDA graphs for decode-only steps")
+    ap.add_argument("--compile-off", dest="compilation", action="store_const", const="eager-graphs",
+                    help="the same as --compilation eager-graphs")
+    ap.add_argument("--cache-root", type=Path, default=None, metavar="DIR",
+                    help="each server's caches (vLLM's torch.compile, FlashInfer's JIT, Triton, inductor) "
+                         "in DIR/<model>_<setup>/, so no server warms another's")
+    ap.add_argument("--start-only", type=int, default=0, metavar="N",
+                    help="no workloads: start each server N times (with --cache-root: the first cold, "
+                         "the rest warm), record the ready times, stop it")
+    ap.add_argument("--tokens", action="store_true",
+                    help="each server also answers the served-tokens check (bench/serve_tokens.py); the "
+                         "report classifies every divergence from the other setups")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print each server's command line and cache environment; start nothing")
     ap.add_argument("--quick", action="store_true", help="small workloads (a smoke run)")
-    ap.add_argument("--start-timeout", type=float, default=240)
+    ap.add_argument("--start-timeout", type=float, default=480,
+                    help="seconds a server may take to answer /health (default compilation on a fresh "
+                         "machine: 133-222 s on the lent H100)")
     ap.add_argument("--port", type=int, default=8471)
     ap.add_argument("--profile", action="store_true",
                     help="after each setup's workloads, a torch profile of decode steps (bench/server_profile.py)")
@@ -618,7 +946,6 @@ def main(argv=None) -> int:
     # `timeout` sends SIGTERM: unwind, so each server's process group is stopped (they run in
     # sessions of their own, which the device tool would leave running)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    args.out.mkdir(parents=True, exist_ok=True)
     models = [m for m in args.models.split(",") if m]
     setups = [s for s in args.setups.split(",") if s]
     bad = [m for m in models if m not in MODELS] + [s for s in setups if s not in SETUPS]
@@ -629,6 +956,14 @@ def main(argv=None) -> int:
         print(f"serve_bench: --repeats {args.repeats}: 1, or 3 or more (two repeats each cannot reach "
               f"Mann-Whitney p < {SERVE_P:g})", file=sys.stderr)
         return 2
+    if args.start_only < 0:
+        print(f"serve_bench: --start-only {args.start_only}: a number of starts, 1 or more", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        for line in dry_run(models, setups, args):
+            print(line)
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
     pool = QUICK if args.quick else WORKLOADS
     workloads = select_cells({w: pool[w] for w in args.workloads.split(",") if w in pool}, args.cells)
     if isinstance(workloads, str):
@@ -646,7 +981,9 @@ def main(argv=None) -> int:
     def checkpoint():
         data["meta"] = {
             "device": device, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "compile": args.compile, "workloads": {k: list(v) for k, v in workloads.items()},
+            "compilation": args.compilation, "cache_root": str(args.cache_root) if args.cache_root else None,
+            "start_only": args.start_only,
+            "workloads": {} if args.start_only else {k: list(v) for k, v in workloads.items()},
             "repeats": args.repeats,
             "note": ("Each cell: vLLM's `vllm bench serve` result for that server"
                      + (f", the median of {args.repeats} runs (repeat i with seed i), p50 TPOT with "
@@ -659,11 +996,8 @@ def main(argv=None) -> int:
 
     first = True
     for model in models:
-        spec = MODELS[model]
         t0 = time.time()
-        model_dir = make_model_dir(args.model_root / model,
-                                   model_config(spec["heads"], spec["layers"], 4096, MAX_MODEL_LEN + 1024),
-                                   device="cuda" if torch.cuda.is_available() else "cpu")
+        model_dir = make_model(model, args.model_root, "cuda" if torch.cuda.is_available() else "cpu")
         print(f"model {model}: {model_dir} ({time.time() - t0:.1f} s)", flush=True)
         if first:
             try:
@@ -673,8 +1007,14 @@ def main(argv=None) -> int:
                       file=sys.stderr, flush=True)
                 return 3
         for setup in setups:
-            run_setup(model, setup, model_dir, args, empty, args.port, first, workloads, record, checkpoint)
+            if args.start_only:
+                start_only(model, setup, model_dir, args, empty, args.port, record, checkpoint)
+            else:
+                run_setup(model, setup, model_dir, args, empty, args.port, first, workloads, record, checkpoint)
             first = False
+        if args.tokens and not args.start_only:
+            check_failures(model, record, model_dir, "cuda" if torch.cuda.is_available() else "cpu")
+            checkpoint()
     print((args.out / "serve_bench.md").read_text())
     return 0
 

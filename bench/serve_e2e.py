@@ -74,28 +74,31 @@ def prompts() -> list[list[int]]:
 
 class Reference:
     """A torch forward of the tiny model from its safetensors (full causal attention, no KV
-    cache), in float32 by default; `logits(seq)` gives the next-token logits at every position."""
+    cache), in float32 by default; `logits(seq)` gives the next-token logits at every position.
+    `config`: another tiny model's (serve_bench's 27-layer ones; default CONFIG)."""
 
     def __init__(self, model_dir: Path, device="cuda", dtype=None, scale_dim: int | None = None,
-                 window: int | None = None):
+                 window: int | None = None, config: dict | None = None):
         import torch
         from safetensors.torch import load_file
 
         self.torch = torch
         self.dtype = dtype or torch.float32
         self.device = device
+        self.c = config or CONFIG
         # negative controls: the softmax scale of a wrong head dim; keys beyond a window dropped
-        self.scale = (scale_dim or CONFIG["qk_nope_head_dim"] + CONFIG["qk_rope_head_dim"]) ** -0.5
+        self.scale = (scale_dim or self.c["qk_nope_head_dim"] + self.c["qk_rope_head_dim"]) ** -0.5
         self.window = window
+        self.score_elems = 1 << 29      # attention scores held at once (floats); rows chunked to fit
         self.w = {k: t.to(device, self.dtype) for k, t in
                   load_file(str(model_dir / "model.safetensors")).items()}
-        rope = CONFIG["qk_rope_head_dim"]
-        self.inv_freq = 1.0 / (CONFIG["rope_theta"] ** (
+        rope = self.c["qk_rope_head_dim"]
+        self.inv_freq = 1.0 / (self.c["rope_theta"] ** (
             torch.arange(0, rope, 2, device=device).float() / rope))
 
     def _rms(self, x, weight):
         xf = x.float()
-        return (xf * self.torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + CONFIG["rms_norm_eps"])
+        return (xf * self.torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.c["rms_norm_eps"])
                 ).to(self.dtype) * weight
 
     def _rotate(self, x, pos):   # GPT-J (interleaved) rotary, as vLLM's DeepSeek (is_neox_style=False)
@@ -105,15 +108,16 @@ class Reference:
         return self.torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1).flatten(-2)
 
     def logits(self, ids):
-        torch, w, c = self.torch, self.w, CONFIG
+        torch, w, c = self.torch, self.w, self.c
         heads, nope, rope, v, kvl = (c["num_attention_heads"], c["qk_nope_head_dim"],
                                      c["qk_rope_head_dim"], c["v_head_dim"], c["kv_lora_rank"])
         t = len(ids)
         pos = torch.arange(t, device=self.device)
         x = w["model.embed_tokens.weight"][torch.tensor(ids, device=self.device)]
-        mask = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
-        if self.window is not None:
-            mask &= ~torch.ones(t, t, dtype=torch.bool, device=self.device).tril(-self.window)
+        keys = torch.arange(t, device=self.device)
+        # queries in chunks whose scores stay under 2 GiB (one chunk up to serve_e2e's lengths; a
+        # 32K-token context at 128 heads takes 128 rows at a time)
+        rows = max(1, self.score_elems // (heads * t))
         with torch.no_grad():
             for i in range(c["num_hidden_layers"]):
                 p = f"model.layers.{i}."
@@ -125,9 +129,15 @@ class Reference:
                 q = torch.cat((q[..., :nope], self._rotate(q[..., nope:], pos)), -1)
                 kv = (kv_c @ w[p + "self_attn.kv_b_proj.weight"].T).view(t, heads, nope + v)
                 k = torch.cat((kv[..., :nope], k_pe.expand(t, heads, rope)), -1)
-                s = torch.einsum("qhd,khd->hqk", q, k).float() * self.scale
-                s = s.masked_fill(~mask, float("-inf")).softmax(-1).to(self.dtype)
-                o = torch.einsum("hqk,khd->qhd", s, kv[..., nope:]).reshape(t, heads * v)
+                o = torch.empty(t, heads * v, device=self.device, dtype=self.dtype)
+                for lo in range(0, t, rows):
+                    qpos = keys[lo:lo + rows, None]
+                    mask = keys[None] <= qpos
+                    if self.window is not None:
+                        mask &= keys[None] > qpos - self.window
+                    s = torch.einsum("qhd,khd->hqk", q[lo:lo + rows], k).float() * self.scale
+                    s = s.masked_fill(~mask, float("-inf")).softmax(-1).to(self.dtype)
+                    o[lo:lo + rows] = torch.einsum("hqk,khd->qhd", s, kv[..., nope:]).reshape(-1, heads * v)
                 x = x + o @ w[p + "self_attn.o_proj.weight"].T
                 hn = self._rms(x, w[p + "post_attention_layernorm.weight"])
                 gate, up = hn @ w[p + "mlp.gate_proj.weight"].T, hn @ w[p + "mlp.up_proj.weight"].T

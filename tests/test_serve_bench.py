@@ -212,7 +212,7 @@ def test_each_repeat_runs_vllms_client_with_its_own_seed(tmp_path, monkeypatch, 
     class FakeServer:
         args = ["python", "-m", "vllm"]
 
-        def __init__(self, model_dir, setup, port, log, env, compile_, extra=()):
+        def __init__(self, model_dir, setup, port, log, env, compilation, extra=(), mode="w"):
             log.write_text("(EngineCore pid=1) INFO vllm_metax MLA: tuned entry 16 heads\n")
 
         def wait_ready(self, timeout):
@@ -227,7 +227,8 @@ def test_each_repeat_runs_vllms_client_with_its_own_seed(tmp_path, monkeypatch, 
 
     monkeypatch.setattr(sb, "Server", FakeServer)
     monkeypatch.setattr(sb, "run_client", fake_client)
-    args = sb.argparse.Namespace(out=tmp_path, start_timeout=5, compile=False, profile=False,
+    args = sb.argparse.Namespace(out=tmp_path, start_timeout=5, compilation="default", cache_root=None,
+                                 tokens=False, profile=False,
                                  config_folder=None, repeats=3)
     record: dict = {}
     saved = []
@@ -301,7 +302,8 @@ def test_profile_prompt_0_profiles_only_the_batch(tmp_path, monkeypatch, model_d
 
     monkeypatch.setattr(sb, "Server", FakeServer)
     monkeypatch.setattr(sb, "profile_decode", fake_profile)
-    args = sb.argparse.Namespace(out=tmp_path, start_timeout=5, compile=False, profile=True, config_folder=None,
+    args = sb.argparse.Namespace(out=tmp_path, start_timeout=5, compilation="default", cache_root=None,
+                                 tokens=False, profile=True, config_folder=None,
                                  repeats=1, profile_prompt=0, profile_batch=4, profile_batch_prompt=16384)
     record: dict = {}
     sb.run_setup("h128", "tuned", model_dir, args, tmp_path / "empty", 8000, False, {}, record)
@@ -355,3 +357,196 @@ def test_the_batch_profile_prompt_is_n_or_a_range(tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--profile-batch-prompt: '32768-8192': positive, LO <= HI" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("mode", sorted(sb.COMPILATION))
+def test_each_compilation_mode_parses_with_vllms_serve_parser(model_dir, mode):
+    """The server command line of each --compilation mode, read by `vllm serve`'s own parser and
+    turned into vLLM's CompilationConfig: default is vLLM's (compiled, FULL_AND_PIECEWISE)."""
+    from vllm.config import CompilationConfig
+    from vllm.entrypoints.common.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    cmd = sb.server_args(model_dir, "tuned", 8000, mode, sb.model_args("v3tp8"))
+    assert cmd[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", str(model_dir)]
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", *cmd[4:]])
+    assert args.load_format == "dummy" and args.max_model_len == sb.MAX_MODEL_LEN
+    cc = args.compilation_config if isinstance(args.compilation_config, CompilationConfig) else \
+        CompilationConfig(**(args.compilation_config or {}))
+    if mode == "default":
+        assert "--compilation-config" not in cmd
+        assert cc == CompilationConfig()                  # nothing set: vLLM decides, as for users
+    else:
+        assert cc.mode == 0 and str(cc.cudagraph_mode).endswith("FULL_DECODE_ONLY")
+    assert sb.compilation_of({"compilation": mode}) == mode
+    # results files from before --compilation: `compile` False was the eager-graphs default
+    assert sb.compilation_of({"compile": False}) == "eager-graphs" and sb.compilation_of({"compile": True}) == "default"
+
+
+def test_compile_off_is_eager_graphs_and_the_dry_run_prints_each_server(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("VLLM_METAX_FORCE", "1")
+    assert sb.main(["--out", str(tmp_path / "o"), "--models", "h16,v3tp8", "--setups", "tuned,vllm_default",
+                    "--compile-off", "--cache-root", str(tmp_path / "c"), "--dry-run"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("# compilation: eager-graphs: torch.compile off")
+    assert [ln.split("]")[0] + "]" for ln in out[1:]] == ["[h16/tuned]", "[h16/vllm_default]", "[v3tp8/tuned]",
+                                                          "[v3tp8/vllm_default]"]
+    assert all('"cudagraph_mode": "FULL_DECODE_ONLY"' in ln for ln in out[1:])
+    assert f"VLLM_CACHE_ROOT={tmp_path / 'c' / 'h16_tuned' / 'vllm'}" in out[1]
+    assert f"FLASHINFER_WORKSPACE_BASE={tmp_path / 'c' / 'v3tp8_vllm_default' / 'flashinfer'}" in out[4]
+    assert "-u VLLM_METAX_FORCE" in out[2] and "-u VLLM_METAX_FORCE" not in out[1]   # vLLM alone
+    assert all(("--load-format dummy" in ln) == ("v3tp8" in ln) for ln in out[1:])
+    assert not (tmp_path / "o").exists() and not (tmp_path / "c").exists()          # nothing made
+    assert sb.main(["--out", str(tmp_path / "o"), "--start-only", "-1"]) == 2
+    assert capsys.readouterr().err.startswith("serve_bench: --start-only -1:")
+
+
+def test_setups_get_caches_of_their_own(tmp_path):
+    cache = tmp_path / "root" / "h16_tuned"
+    env = sb.server_env("tuned", None, tmp_path / "empty", cache)
+    assert {env[k] for k in ("VLLM_CACHE_ROOT", "FLASHINFER_WORKSPACE_BASE", "TRITON_CACHE_DIR",
+                             "TORCHINDUCTOR_CACHE_DIR")} == {str(cache / d) for d in ("vllm", "flashinfer", "triton",
+                                                                                      "inductor")}
+    plain = sb.server_env("vllm_default", None, tmp_path / "empty", tmp_path / "root" / "h16_vllm_default")
+    assert plain["VLLM_CACHE_ROOT"].endswith("h16_vllm_default/vllm")
+    assert "VLLM_CACHE_ROOT" not in sb.server_env("tuned", None, tmp_path / "empty") or \
+        sb.server_env("tuned", None, tmp_path / "empty")["VLLM_CACHE_ROOT"] == os.environ.get("VLLM_CACHE_ROOT")
+    assert sb.cache_state(None) == "shared" and sb.cache_state(cache) == "cold"
+    assert sb.empty_cache(cache) is None and sb.cache_state(cache) == "cold"      # made, marked, empty
+    (cache / "vllm").mkdir()
+    assert sb.cache_state(cache) == "warm"
+    assert sb.empty_cache(cache) is None and sb.cache_state(cache) == "cold"      # emptied: it made it
+    # a folder serve_bench did not make is never emptied
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "keep.txt").write_text("data")
+    why = sb.empty_cache(other)
+    assert why and "did not make it" in why and (other / "keep.txt").read_text() == "data"
+
+
+def test_start_only_records_a_cold_then_warm_start_per_setup(tmp_path, monkeypatch, model_dir):
+    """Each setup's server started twice and stopped once ready, nothing else sent: the first
+    start cold (its own cache folder emptied, though an earlier run filled it), the second warm;
+    the report compares them with vLLM's own server's against the start-up goals."""
+    started, ready = [], iter([200.0, 60.0, 130.0, 58.0])
+
+    class FakeServer:
+        args = ["python", "-m", "vllm", "serve"]
+
+        def __init__(self, model_dir, setup, port, log, env, compilation, extra=(), mode="w"):
+            assert mode == "a" and compilation == "default"
+            self.env = env
+            started.append((setup, env["VLLM_CACHE_ROOT"]))
+
+        def wait_ready(self, timeout):
+            Path(self.env["VLLM_CACHE_ROOT"]).mkdir(parents=True, exist_ok=True)    # a start fills its cache
+            (Path(self.env["VLLM_CACHE_ROOT"]) / "torch_compile_cache").mkdir(exist_ok=True)
+            return next(ready)
+
+        def stop(self):
+            pass
+
+    from pathlib import Path
+    monkeypatch.setattr(sb, "Server", FakeServer)
+    monkeypatch.setattr(sb, "fa3_available", lambda: None)
+    root = tmp_path / "caches"
+    assert sb.empty_cache(root / "h16_tuned") is None
+    (root / "h16_tuned" / "vllm").mkdir()                     # filled by an earlier call
+    args = sb.argparse.Namespace(out=tmp_path, start_timeout=5, compilation="default", cache_root=root,
+                                 config_folder=None, start_only=2)
+    record: dict = {}
+    for setup in ("tuned", "vllm_default"):
+        sb.start_only("h16", setup, model_dir, args, tmp_path / "empty", 8000, record)
+    assert [s for s, _ in started] == ["tuned", "tuned", "vllm_default", "vllm_default"]
+    assert started[0][1] == str(root / "h16_tuned" / "vllm")
+    assert record["h16/tuned"]["starts"] == [{"cache": "cold", "ready_s": 200.0}, {"cache": "warm", "ready_s": 60.0}]
+    assert record["h16/vllm_default"]["starts"] == [{"cache": "cold", "ready_s": 130.0},
+                                                    {"cache": "warm", "ready_s": 58.0}]
+    md = sb.report(record, {"device": "X", "date": "d", "note": "n", "compilation": "default"})
+    assert "Compilation: vLLM's default compilation (torch.compile, FULL_AND_PIECEWISE" in md
+    assert "| tuned | 200.0 | 60.0 | - |" in md and "| vllm_default | 130.0 | 58.0 | - |" in md
+    assert "- cold start, tuned / vllm_default <= 1.2: NOT met (1.54: 200.0 s against 130.0 s)" in md
+    assert "- warm start, tuned / vllm_default <= 1.1: met (1.03: 60.0 s against 58.0 s)" in md
+    assert "workload@rate" not in md                          # no workloads, no table
+    # a start that does not come up is recorded, not raised, and the setup's later starts skipped
+    def fail(self, timeout):
+        raise TimeoutError("server not ready in 5 s")
+    monkeypatch.setattr(FakeServer, "wait_ready", fail)
+    sb.start_only("h16", "tuned", model_dir, args, tmp_path / "empty", 8000, record)
+    assert record["h16/tuned"]["starts"] == [{"cache": "cold", "error": "TimeoutError: server not ready in 5 s"}]
+    md = sb.report(record, {"device": "X", "date": "d", "note": "n"})
+    assert "- tuned: start 1 (cold caches) FAILED: TimeoutError: server not ready in 5 s" in md
+    assert "Compilation: torch.compile off" in md          # a file without the field: the old default
+    # a cache root holding a folder serve_bench did not make: that setup fails, nothing is deleted
+    (root / "h16_untuned").mkdir()
+    (root / "h16_untuned" / "x").write_text("y")
+    sb.start_only("h16", "untuned", model_dir, args, tmp_path / "empty", 8000, record)
+    assert "did not make it" in record["h16/untuned"]["error"] and (root / "h16_untuned" / "x").exists()
+
+
+def _seq(tokens: list[int], gaps: float = 20.0) -> dict:
+    """A served sequence in serve_tokens' form: each token's logit 10, the next id `gaps` ulps below."""
+    ulp = 2 ** -4
+    return {"tokens": tokens, "top": [[[t, 10.0], [t + 1, 10.0 - gaps * ulp]] for t in tokens]}
+
+
+def _tokens(single: list[dict], batch: list[dict]) -> dict:
+    return {"seed": 0, "vocab": 4096, "lens": [5, 40, 9], "max_tokens": 3, "top_k": 2, "single": single,
+            "batch": batch, "wall_s": 1.0, "bf16_values": 1.0}
+
+
+def test_tokens_are_collected_on_each_server_and_divergences_reported(tmp_path, monkeypatch, model_dir):
+    """--tokens: the server runs with raw logits as its logprobs, the check's record is kept per
+    setup, and the report classifies tuned's divergences from the other setups (a near-tie, a
+    failure with its float32 verdict), each server against itself, and the goal."""
+    extras, collected = [], iter([
+        _tokens([_seq([5, 6, 7]), _seq([8, 9, 10])], [_seq([5, 6, 7]), _seq([8, 9, 10]), _seq([3, 4, 5])]),
+        _tokens([_seq([5, 6, 7]), _seq([8, 30, 31])], [_seq([5, 6, 7]), _seq([8, 9, 10]), _seq([3, 4, 5])])])
+
+    class FakeServer:
+        args = ["python", "-m", "vllm"]
+
+        def __init__(self, model_dir, setup, port, log, env, compilation, extra=(), mode="w"):
+            extras.append(list(extra))
+            log.write_text("")
+
+        def wait_ready(self, timeout):
+            return 1.0
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(sb, "Server", FakeServer)
+    monkeypatch.setattr(sb, "fa3_available", lambda: None)
+    monkeypatch.setattr(sb.serve_tokens, "collect", lambda port, vocab: next(collected))
+    args = sb.argparse.Namespace(out=tmp_path, start_timeout=5, compilation="default", cache_root=None,
+                                 tokens=True, profile=False, config_folder=None, repeats=1)
+    record: dict = {}
+    for setup in ("tuned", "vllm_default"):
+        sb.run_setup("h16", setup, model_dir, args, tmp_path / "empty", 8000, False, {}, record)
+    assert all(e[-2:] == ["--logprobs-mode", "raw_logits"] for e in extras)
+    assert record["h16/tuned"]["tokens"]["single"][1]["tokens"] == [8, 9, 10]
+    md = sb.report(record, {"device": "X", "date": "d", "note": "n"})
+    assert ("- tuned vs vllm_default: 5 sequences, 1 diverge: 0 near-ties, 1 failures (bound 4 bf16 ulps of "
+            "the top logit)") in md
+    assert "  - failure, single prompt 1 (40 tokens), position 1: a server's token is not in the other's top 2" in md
+    assert "- tuned against itself, one at a time vs in the batch: 0 of 2 diverge" in md
+    assert "- goal, 0 divergences from another setup that are not near-ties: NOT met (1)" in md
+    # the float32 reference's verdict, beside the failure (the reference itself needs the weights)
+    monkeypatch.setattr(sb.serve_tokens, "reference_verdicts",
+                        lambda d, cfg, a, b, cases, names, device: {"single/1": {"verdict": "prefers tuned's token"}})
+    sb.check_failures("h16", record, model_dir, "cpu")
+    assert "position 1: a server's token is not in the other's top 2; tokens 9 / 30" in sb.report(record, {
+        "device": "X", "date": "d", "note": "n"})
+    assert "; float32: prefers tuned's token" in sb.report(record, {"device": "X", "date": "d", "note": "n"})
+    # v3tp8's weights are drawn inside the server: no reference, and the report says so
+    v3 = {k.replace("h16", "v3tp8"): {**r, "model": "v3tp8"} for k, r in record.items()}
+    v3["v3tp8/tuned"].pop("tokens_reference")
+    sb.check_failures("v3tp8", v3, model_dir, "cpu")
+    assert "  - float32: no float32 reference: the weights are drawn inside the server" in sb.report(
+        v3, {"device": "X", "date": "d", "note": "n"})
+    # a server whose check failed: said, and nothing compared
+    record["h16/vllm_default"]["tokens"] = {"error": "RuntimeError: prompt 5 (32000 tokens): HTTP 400"}
+    md = sb.report(record, {"device": "X", "date": "d", "note": "n"})
+    assert "- vllm_default: no tokens (RuntimeError: prompt 5 (32000 tokens): HTTP 400)" in md
+    assert "tuned vs vllm_default" not in md and "goal, 0 divergences" not in md
