@@ -455,3 +455,34 @@ def test_a_captured_batch_size_plans_one_backend_for_every_context(fb, base_conf
     eager_builder = ps.make_builder(_config(base_config))
     md, *_ = _decode(eager_builder, [60] * 4)
     assert md.backend == "fa2"                       # eager steps follow the bucket
+
+
+def test_start_says_which_flashinfer_modules_are_not_built_and_the_command(fb, base_config, tmp_path,
+                                                                          monkeypatch, caplog):
+    """One INFO line at start names the modules the tuned entry serves that FlashInfer's cache
+    lacks, and `mla-tune prebuild`; none once they are built (the cache FlashInfer reads)."""
+    from flashinfer.jit import env
+    from vllm_metax.backend import served_modules
+    from vllm_metax.core import log
+    cache = tmp_path / "cached_ops"
+    monkeypatch.setattr(env, "FLASHINFER_JIT_DIR", cache)
+    monkeypatch.setattr(log, "_SAID", set())
+    _tuned(tmp_path / "cfg", monkeypatch, {(1, 64, 1): "fa3", (8, 4096, 1): "fa2"})
+    logger = "vllm.vllm_metax.backend.served_modules"
+    with caplog.at_level("INFO", logger=logger):
+        ps.make_builder(_config(base_config))
+    said = [r.getMessage() for r in caplog.records if r.name == logger]
+    assert len(said) == 1 and said[0].startswith("vllm_metax MLA: 3 FlashInfer module(s)"), said
+    assert "MLA decode ckv 512 kpe 64, fa2" in said[0] and "ragged prefill qk 192 vo 128, fa3" in said[0]
+    assert "`mla-tune prebuild`" in said[0]
+    from vllm_metax.core import decisions
+    entry = fb.served_entry(_config(base_config), ps.NUM_HEADS)
+    for m in served_modules.entry_modules(entry, decisions.device_flashinfer_backends(),
+                                          decisions.device_prefill_backends()):
+        (cache / m.name).mkdir(parents=True)
+        (cache / m.name / f"{m.name}.so").write_bytes(b"")
+    caplog.clear()
+    monkeypatch.setattr(log, "_SAID", set())
+    with caplog.at_level("INFO", logger=logger):
+        ps.make_builder(_config(base_config))
+    assert not [r for r in caplog.records if r.name == logger]

@@ -42,7 +42,7 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 
-from vllm_metax.backend import served_entry, traffic_recorder
+from vllm_metax.backend import served_entry, served_modules, traffic_recorder
 from vllm_metax.backend.builder import HostLengthsBuilder
 from vllm_metax.backend.flashmla_buckets import FlashMLABuckets
 from vllm_metax.backend.impl_features import FeatureCheckedImpl
@@ -126,6 +126,8 @@ class FlashInferMLAMetadataBuilder(HostLengthsBuilder, MLACommonMetadataBuilder[
         self.traffic = traffic_recorder(vllm_config, self.num_heads)    # None unless asked
         log_once(logger, logging.INFO, "vllm_metax MLA: FLASHINFER_MLA decode kernels: %s",
                  self.choice.describe())
+        if entry is not None:
+            served_modules.say_unbuilt(entry, self.choice.backends)
         self._kernels: dict[str, MLADecodeKernel] = {}
         self._graph_kernels: dict[tuple, MLADecodeKernel] = {}
         self._graph_buffers: dict[tuple, GraphBuffers] = {}

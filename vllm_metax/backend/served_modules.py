@@ -19,10 +19,15 @@ refuses a value the device should run.
 
 from __future__ import annotations
 
+import logging
+
 from vllm_metax.backend.plan_choice import PlanChoice
 from vllm_metax.core import decisions
+from vllm_metax.core.log import get_logger, log_once
 from vllm_metax.ops.flashinfer_jit import JIT_BACKENDS, JitModule, decode_module, prefill_module
 from vllm_metax.ops.flashinfer_prefill import MLA_DIMS
+
+logger = get_logger(__name__)
 
 
 def decode_modules(entry, backends: decisions.FlashInferBackends) -> list[JitModule]:
@@ -56,3 +61,22 @@ def config_modules(entries, decode: decisions.FlashInferBackends,
     """The modules of every entry (a config serves the model it is started with: prebuild builds
     them all unless told the model), each once, in first-needed order."""
     return list(dict.fromkeys(m for e in entries for m in entry_modules(e, decode, prefill)))
+
+
+def say_unbuilt(entry, decode: decisions.FlashInferBackends,
+                prefill: decisions.FlashInferBackends | None = None) -> list[JitModule]:
+    """Once per process, at start: one INFO line naming the modules `entry` serves that are not
+    in FlashInfer's cache (each then compiles the first time a step needs it, in warm-up, graph
+    capture or a request) and the command that builds them ahead. `prefill`: default the
+    device's. Returns them; never raises."""
+    try:
+        prefill = prefill or decisions.device_prefill_backends()
+        missing = [m for m in entry_modules(entry, decode, prefill) if not m.built()]
+    except Exception as e:  # noqa: BLE001 - a log line must never stop a server
+        logger.debug("vllm_metax MLA: cannot check FlashInfer's JIT cache: %s", e)
+        return []
+    if missing:
+        log_once(logger, logging.INFO, "vllm_metax MLA: %d FlashInfer module(s) this config serves "
+                 "are not built yet (%s); each compiles (nvcc) when first needed: `mla-tune "
+                 "prebuild` builds them ahead", len(missing), "; ".join(m.describe() for m in missing))
+    return missing
