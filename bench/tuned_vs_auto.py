@@ -76,27 +76,15 @@ def stored_workloads(db: str):
 
 
 def served_candidate(choice, page_size: int, workload):
-    """The candidate the plugin plans for this batch: the split kernel where PlanChoice.split_for
-    serves it, FlashMLA where PlanChoice.flashmla_for does (KV block 64 only), vLLM's FA3 where
-    PlanChoice.fa3_for does, else PlanChoice.step, on its real lengths."""
+    """The candidate the plugin plans for this batch on its real lengths: `PlanChoice.kernel`
+    (the split kernel, FlashMLA at KV block 64, vLLM's FA3 where the tuned config serves them,
+    else FlashInfer's backend value and KV chunking), what FLASHINFER_MLA's builder runs."""
     from mla_tune.families.base import Candidate
     from vllm_metax.core import decisions
-    from vllm_metax.core.tuned_config import FLASHMLA_PAGE_SIZE, KV_CHUNKS
     context = decisions.bucket_context(workload.seq_lens)
-    b, q = workload.batch_size, workload.q_len
-    family, served = decisions.SPLIT, choice.split_for(b, context, q)
-    if served is None and page_size == FLASHMLA_PAGE_SIZE:
-        family, served = decisions.FLASHMLA, choice.flashmla_for(b, context, q)
-    if served is None:
-        family, served = decisions.FA3, choice.fa3_for(b, context, q)
-    if served is not None:
-        params = served.to_params()        # the tuned pipe too (written only where not t64)
-        return Candidate(family, params.pop("backend"), page_size, params)
-    backend, factor = choice.step(workload.batch_size, context, workload.q_len)
-    params = {}
-    if factor is not None:
-        params["kv_chunk"] = next(c for c in KV_CHUNKS if decisions.kv_chunk_factor(c) == factor)
-    return Candidate("flashinfer", backend, page_size, params)
+    served = choice.kernel(workload.batch_size, context, workload.q_len, page_size=page_size)
+    params = served.choice.to_params()      # the tuned pipe too (written only where not t64)
+    return Candidate(served.family, params.pop("backend"), page_size, params)
 
 
 def measure_rows(args, settings, doc: dict, plan) -> None:

@@ -190,24 +190,24 @@ class FlashInferMLAMetadataBuilder(HostLengthsBuilder, MLACommonMetadataBuilder[
         context = decisions.bucket_context(seq_lens)
         if self.traffic is not None:
             self.traffic.decode(num_decodes, context, q_len)     # the key the lookup is asked
-        # the side kernels in `decisions.side_kernel`'s order; none returns the decode LSE
-        side = decisions.SPLIT
-        step = self._split_step(num_decodes, context, q_len, graph, block_table_tensor, seq_lens_device)
-        if step is None and not self.plan_lse:
-            side = decisions.FLASHMLA
-            step = self._flashmla.step(num_decodes, context, q_len, graph, block_table_tensor,
-                                       seq_lens_device)
-        if step is None:
-            step = self._fa3_step(num_decodes, context, q_len, graph, block_table_tensor,
-                                  seq_lens_device, query_start_loc_device, seq_lens)
-            side = decisions.FA3
-        if step is not None:
-            return FlashInferMLADecodeMetadata(
-                block_table=block_table_tensor, seq_lens=seq_lens_device,
-                dcp_tot_seq_lens=dcp_tot_seq_lens_device, kernel=step, backend=side,
-                paged=None, num_rows=num_decodes * q_len, q_len=q_len, sm_scale=self.sm_scale,
-                page_size=self.page_size, return_lse=False, cuda_graph=graph)
-        backend, kv_chunk = self.choice.step(num_decodes, context, q_len, graph)
+        # which kernel decodes the step (`PlanChoice.kernel`, by `decisions.flashinfer_mla_kernel`):
+        # a side kernel that cannot run here is turned off and the next in the order is asked
+        skip: set = set()
+        while True:
+            served = self.choice.kernel(num_decodes, context, q_len, graph, lse=self.plan_lse,
+                                        page_size=self.page_size, skip=skip)
+            if served.family == decisions.FLASHINFER:
+                break
+            step = self._side_step(served, num_decodes, q_len, graph, block_table_tensor,
+                                   seq_lens_device, query_start_loc_device, seq_lens)
+            if step is not None:
+                return FlashInferMLADecodeMetadata(
+                    block_table=block_table_tensor, seq_lens=seq_lens_device,
+                    dcp_tot_seq_lens=dcp_tot_seq_lens_device, kernel=step, backend=served.family,
+                    paged=None, num_rows=num_decodes * q_len, q_len=q_len, sm_scale=self.sm_scale,
+                    page_size=self.page_size, return_lse=False, cuda_graph=graph)
+            skip.add(served.family)
+        backend, kv_chunk = served.choice.backend, served.choice.kv_chunk_factor
         block_table = block_table_tensor[:num_decodes]
         # The block table itself is the page list (strided metadata, nothing launched) wherever
         # the fast re-plan takes it; into a graph's buffer it is copied whole, so there only
@@ -237,21 +237,22 @@ class FlashInferMLAMetadataBuilder(HostLengthsBuilder, MLACommonMetadataBuilder[
 
     # ------------------------------------------------------------ the split kernel
 
-    def _split_step(self, num_decodes: int, context: int, q_len: int, graph: bool,
-                    block_table_tensor: torch.Tensor,
-                    seq_lens_device: torch.Tensor) -> split_decode.SplitStep | None:
-        """The split kernel's step where the tuned config serves it here (q_len 1, no decode
-        LSE, a launch its workspace holds, a kernel that passed its check on this device)."""
-        if self.plan_lse or q_len != 1:
-            return None
-        choice = self.choice.split_for(num_decodes, context, q_len, graph)
-        if choice is None:
-            return None
-        kernel = self._split_kernel(choice)
+    def _side_step(self, served: decisions.DecodeKernel, num_decodes: int, q_len: int, graph: bool,
+                   block_table_tensor: torch.Tensor, seq_lens_device: torch.Tensor,
+                   query_start_loc_device: torch.Tensor, seq_lens: np.ndarray):
+        """The step of the side kernel `served` names, on this step's tensors; None where its op
+        cannot run here (it is then turned off for the process, with one warning)."""
+        block_table, lens = block_table_tensor[:num_decodes], seq_lens_device[:num_decodes]
+        if served.family == decisions.SPLIT:
+            kernel = self._split_kernel(served.choice)
+            return None if kernel is None else split_decode.SplitStep(kernel, block_table, lens, self.sm_scale)
+        if served.family == decisions.FLASHMLA:
+            return self._flashmla.step(graph, block_table, lens, q_len)
+        kernel = self._fa3_kernel(served.choice, graph)
         if kernel is None:
             return None
-        return split_decode.SplitStep(kernel, block_table_tensor[:num_decodes],
-                                      seq_lens_device[:num_decodes], self.sm_scale)
+        return fa3_mla.FA3Step(kernel, block_table, lens, query_start_loc_device[:num_decodes + 1], q_len,
+                               int(seq_lens.max()), self.q_dtype)
 
     def _split_kernel(self, choice: decisions.SplitChoice) -> split_decode.SplitDecode | None:
         """The served kernel of these knobs, made once and checked once against a torch
@@ -290,21 +291,6 @@ class FlashInferMLAMetadataBuilder(HostLengthsBuilder, MLACommonMetadataBuilder[
 
 
     # ------------------------------------------------------------ vLLM's FA3 MLA kernel
-
-    def _fa3_step(self, num_decodes: int, context: int, q_len: int, graph: bool,
-                  block_table_tensor: torch.Tensor, seq_lens_device: torch.Tensor,
-                  query_start_loc_device: torch.Tensor, seq_lens: np.ndarray) -> fa3_mla.FA3Step | None:
-        """FA3's step where the tuned config serves it here (no decode LSE: FA3's is base e and
-        only decode context parallelism asks for it, which this backend does not run)."""
-        if self.plan_lse:
-            return None
-        choice = self.choice.fa3_for(num_decodes, context, q_len, graph)
-        kernel = self._fa3_kernel(choice, graph) if choice is not None else None
-        if kernel is None:
-            return None
-        return fa3_mla.FA3Step(kernel, block_table_tensor[:num_decodes], seq_lens_device[:num_decodes],
-                               query_start_loc_device[:num_decodes + 1], q_len, int(seq_lens.max()),
-                               self.q_dtype)
 
     def _fa3_kernel(self, choice: decisions.FA3Choice, graph: bool) -> fa3_mla.FA3MLADecode | None:
         """The op of these knobs, made once (before any capture). Under CUDA graphs FA3's own

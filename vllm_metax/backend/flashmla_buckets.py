@@ -49,11 +49,11 @@ class FlashMLABuckets:
         """The op eager steps (`graph` False) or captured graphs run; None where FlashMLA is off."""
         return self._ops.get(graph) if self.choice.flashmla_enabled else None
 
-    def step(self, num_decodes: int, context: int, q_len: int, graph: bool,
-             block_table: torch.Tensor, seq_lens: torch.Tensor) -> flashmla_op.FlashMLAStep | None:
-        """FlashMLA's step where the tuned config serves it in this step's bucket (in a graph: its
-        batch size's vote, `PlanChoice.flashmla_for`), else None."""
+    def step(self, graph: bool, block_table: torch.Tensor, seq_lens: torch.Tensor,
+             q_len: int) -> flashmla_op.FlashMLAStep | None:
+        """FlashMLA's step on these rows (the builder asks `PlanChoice.kernel` whether FlashMLA
+        serves it); None where FlashMLA is off here."""
         kernel = self.op(graph)
-        if kernel is None or self.choice.flashmla_for(num_decodes, context, q_len, graph) is None:
+        if kernel is None:
             return None
-        return flashmla_op.FlashMLAStep(kernel, block_table[:num_decodes], seq_lens[:num_decodes], q_len)
+        return flashmla_op.FlashMLAStep(kernel, block_table, seq_lens, q_len)

@@ -1,8 +1,9 @@
 """Which kernel plans each decode step of FLASHINFER_MLA (vllm-free): the FlashInfer backend value
 and KV chunking of the nearest tuned bucket, or the split-KV Triton kernel, FlashMLA or vLLM's FA3
-MLA kernel where the tuned config serves them (`decisions.side_kernel`: the builder asks in that
-order, so a step runs the first that serves and can run); a captured CUDA graph fixes its choice per
-batch size. The backend's metadata builder asks once a step; `bench/plan_cost.py` times it."""
+MLA kernel where the tuned config serves them (`PlanChoice.kernel`, by
+`decisions.flashinfer_mla_kernel`: the builder asks once a step, and again without a kernel that
+cannot run here); a captured CUDA graph fixes its choice per batch size. `bench/plan_cost.py`
+times it."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ from vllm_metax.core.tuned_config import ModelEntry
 from vllm_metax.ops import split_decode
 
 logger = get_logger(__name__)
+
+# the side kernels for people (the server log's summary)
+SIDE_NAMES = {decisions.SPLIT: "split-KV Triton", decisions.FLASHMLA: "FlashMLA", decisions.FA3: "vLLM FA3"}
 
 
 class PlanChoice:
@@ -42,6 +46,9 @@ class PlanChoice:
         self._graph_flashmla: dict = {}
         self.flashmla_enabled = True
         self._found: tuple = (None, None)     # the last step's (lookup key, bucket): one lookup a step
+        # (bucket id, q_len 1?, page, kernels skipped, lse) -> decisions.flashinfer_mla_kernel's
+        # answer: asked once per bucket and case, cleared when the device refuses a backend
+        self._kernels: dict = {}
         self._warn_unservable()
 
     @property
@@ -74,15 +81,60 @@ class PlanChoice:
                 + f" of {len(self.entry.buckets)} tuned buckets{where}; the nearest bucket decides each step")
 
     def _served_name(self, b) -> str:
-        """The kernel a step of bucket `b` runs, for people (the builder's order: split, FlashMLA,
-        FA3, FlashInfer; a kernel turned off is skipped)."""
-        if b.q_len == 1 and self.split_enabled and id(b) in self._splits:
-            return "split-KV Triton"
-        if self.flashmla_enabled and id(b) in self._flashmla:
-            return "FlashMLA"
-        if self.fa3_enabled and id(b) in self._fa3:
-            return "vLLM FA3"
-        return f"FlashInfer {self.for_bucket(b)}"
+        """The kernel a step of bucket `b` runs, for people (`decisions.flashinfer_mla_kernel`; a
+        kernel turned off is skipped)."""
+        served = decisions.flashinfer_mla_kernel(b, b.q_len, self.backends, skip=self.turned_off())
+        return (f"FlashInfer {served.choice.backend}" if served.family == decisions.FLASHINFER
+                else SIDE_NAMES[served.family])
+
+    def turned_off(self) -> frozenset:
+        """The side kernels that cannot run here (turned off for this process)."""
+        return frozenset(f for f, on in ((decisions.SPLIT, self.split_enabled),
+                                         (decisions.FLASHMLA, self.flashmla_enabled),
+                                         (decisions.FA3, self.fa3_enabled)) if not on)
+
+    def kernel(self, batch_size: int, context_len: int, q_len: int = 1, graph: bool = False, *,
+               lse: bool = False, page_size: int | None = None, skip=()) -> decisions.DecodeKernel:
+        """The kernel that decodes this step and its knobs: `decisions.flashinfer_mla_kernel` of
+        the nearest tuned bucket (eagerly), or in a captured graph its batch size's vote per side
+        kernel in the same order (`split_for`, `flashmla_for`, `fa3_for`), else FlashInfer
+        (`step`). `lse`: the step returns the decode LSE (no side kernel does); `page_size`: the
+        KV cache's (FlashMLA runs at 64 only; None: not checked); `skip`: side kernels that could
+        not run for this step. The split kernel serves only a launch its workspace holds."""
+        skip = self.turned_off() | frozenset(skip)
+        found = self._lookup(batch_size, context_len, q_len)
+        bucket = found.bucket if found is not None else None
+        if graph:
+            side = None
+            if not lse:
+                asks = ((decisions.SPLIT, self.split_for), (decisions.FLASHMLA, self.flashmla_for),
+                        (decisions.FA3, self.fa3_for))
+                side = next(((f, c) for f, ask in asks if f not in skip and (f != decisions.FLASHMLA
+                             or decisions.flashmla_runs_at(page_size))
+                             and (c := ask(batch_size, context_len, q_len, graph=True)) is not None), None)
+            if side is not None:
+                return decisions.DecodeKernel(decisions.FLASHINFER_MLA, *side, bucket)
+            return decisions.DecodeKernel(decisions.FLASHINFER_MLA, decisions.FLASHINFER,
+                                          self._flashinfer(bucket, batch_size, q_len, graph), bucket)
+        key = (id(bucket), q_len == 1, page_size, skip, lse)
+        served = self._kernels.get(key)
+        if served is None:
+            served = self._kernels[key] = decisions.flashinfer_mla_kernel(
+                bucket, q_len, self.backends, page_size=page_size, skip=skip, lse=lse)
+        if served.family == decisions.SPLIT and not split_decode.fits(
+                self.entry.dims.num_heads, batch_size, served.choice.num_splits, served.choice.pipe):
+            return self.kernel(batch_size, context_len, q_len, graph, lse=lse, page_size=page_size,
+                               skip=skip | {decisions.SPLIT})
+        return served
+
+    def _flashinfer(self, bucket, batch_size: int, q_len: int, graph: bool) -> decisions.FlashInferChoice:
+        """The FlashInfer backend value and KV chunking a step of `bucket` plans: the bucket's
+        value where this device runs it (in a captured graph: its batch size's, `for_graph`), its
+        chunking only where that value is the one tuned."""
+        typed = decisions.bucket_choice(bucket, decisions.FLASHINFER)
+        backend = self.for_graph(batch_size, q_len) if graph else self.backends.serve(typed)
+        return decisions.FlashInferChoice(
+            backend, typed.kv_chunk if typed is not None and typed.backend == backend else None)
 
     def for_bucket(self, bucket) -> str:
         return self.backends.serve(decisions.bucket_choice(bucket, decisions.FLASHINFER))
@@ -98,10 +150,8 @@ class PlanChoice:
         the step's plan writes, so it follows the bucket in graphs too. The chunk factor is the
         bucket's only where the served backend is the one it was tuned for."""
         found = self._lookup(batch_size, context_len, q_len)
-        typed = decisions.bucket_choice(found.bucket, decisions.FLASHINFER) if found is not None else None
-        backend = self.for_graph(batch_size, q_len) if graph else self.backends.serve(typed)
-        chunk = typed.kv_chunk_factor if typed is not None and typed.backend == backend else None
-        return backend, chunk
+        served = self._flashinfer(found.bucket if found is not None else None, batch_size, q_len, graph)
+        return served.backend, served.kv_chunk_factor
 
     def for_graph(self, batch_size: int, q_len: int = 1) -> str:
         """A captured graph fixes its kernel for every context: the choice most buckets of the
@@ -240,4 +290,5 @@ class PlanChoice:
         default = fallback if self.default == backend else self.default
         self.backends = decisions.FlashInferBackends(allowed, default, fallback)
         self._graph.clear()
+        self._kernels.clear()
         return fallback

@@ -14,6 +14,10 @@ Both sides import this module, so they cannot drift apart:
 * which kernel FLASHINFER_MLA's decode runs in a tuned bucket instead of FlashInfer, first that
   serves: the split kernel (`split_serves`, q_len 1 only), FlashMLA (`flashmla_serves`), vLLM's FA3
   (`fa3_serves`); `side_kernel` applies that order;
+* which kernel serves a decode step, with which knobs (`decode_kernel`): the attention backend's
+  decode (FLASHINFER_MLA's side kernels or FlashInfer, TRITON_MLA's split count within its
+  context window and its launch, FLASHMLA), what the plugin runs and `mla-tune show --lookup`,
+  doctor and the bench scripts say;
 * the MLA prefill backend (`prefill_statistic`, `prefill_backend`): the lookup statistic of one
   prefill plan (total query tokens, mean KV tokens per request) and the FlashInfer ragged-prefill
   backend that plan runs, from the same per-device allowed set as decode.
@@ -220,9 +224,14 @@ def flashmla_serves(bucket, profile=None, page_size: int | None = None) -> "Flas
     that runs it. `page_size`: the entry's KV block size, None where the caller checks the
     cache's own (FlashMLA runs at the profile's `flashmla_page_size`, 64, only)."""
     prof = _profile(profile)
-    if page_size is not None and page_size != prof.flashmla_page_size:
+    if not flashmla_runs_at(page_size, prof):
         return None
     return _side_serves(bucket, FLASHMLA, prof)
+
+
+def flashmla_runs_at(page_size: int | None, profile=None) -> bool:
+    """FlashMLA runs at this KV block size (the profile's `flashmla_page_size`; None: unchecked)."""
+    return page_size is None or page_size == _profile(profile).flashmla_page_size
 
 
 SIDE_KERNELS = (SPLIT, FLASHMLA, FA3)     # FLASHINFER_MLA's decode asks them in this order
@@ -385,7 +394,7 @@ def bucket_choice(bucket, family: str) -> FlashInferChoice | TritonChoice | None
     return family_choice(family, fc.params) if fc is not None else None
 
 
-__all__ = ["AUTO", "DecodeKernel", "DecodeStep", "SIDE_KERNELS", "decode_kernel", "flashinfer_mla_kernel", "DEFAULT_TRITON_VARIANT", "FALLBACK_BACKEND", "FLASHINFER", "FLASHMLA", "FlashInferBackends",
+__all__ = ["AUTO", "DecodeKernel", "DecodeStep", "SIDE_KERNELS", "decode_kernel", "flashinfer_mla_kernel", "flashmla_runs_at", "DEFAULT_TRITON_VARIANT", "FALLBACK_BACKEND", "FLASHINFER", "FLASHMLA", "FlashInferBackends",
            "FlashInferChoice", "FlashMLAChoice", "FA3", "FA3Choice", "fa3_serves", "flashmla_serves",
            "side_kernel", "SPLIT", "SPLIT_MIN_GAIN", "SplitChoice",
            "TRITON", "TRITON_CONTEXT_RATIO", "TRITON_VARIANTS", "triton_choice", "triton_launch", "triton_variants", "split_serves", "TritonChoice", "VLLM_RULE", "bucket_choice",

@@ -71,13 +71,13 @@ SIDE_KERNEL_NAMES = {decisions.SPLIT: "split-KV", decisions.FLASHMLA: "FlashMLA"
 
 def side_buckets(entry: ModelEntry, profile=None) -> dict[str, int]:
     """Per kernel that FLASHINFER_MLA's decode runs instead of FlashInfer (split-KV, FlashMLA,
-    vLLM FA3), how many of the entry's buckets it serves (`decisions.side_kernel` at the entry's
-    page size; the rest plan FlashInfer)."""
+    vLLM FA3), how many of the entry's buckets it serves (`decisions.flashinfer_mla_kernel` of a
+    step of the bucket at the entry's page size; the rest plan FlashInfer)."""
     counts = dict.fromkeys(SIDE_KERNEL_NAMES.values(), 0)
     for b in entry.buckets:
-        side = decisions.side_kernel(b, profile, entry.page_size)
-        if side is not None:
-            counts[SIDE_KERNEL_NAMES[side[0]]] += 1
+        served = decisions.flashinfer_mla_kernel(b, b.q_len, page_size=entry.page_size, profile=profile)
+        if served.family != decisions.FLASHINFER:
+            counts[SIDE_KERNEL_NAMES[served.family]] += 1
     return counts
 
 
