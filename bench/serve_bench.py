@@ -395,7 +395,8 @@ def run_setup(model: str, setup: str, model_dir: Path, args, empty: Path, port: 
         print(f"[{key}] FAILED: {cache}", flush=True)
         return
     rec["cache"] = cache_state(cache)
-    extra = model_args(model) + (profiler_args(trace_dir) if args.profile else []) + tokens_args(args)
+    extra = (model_args(model) + (profiler_args(trace_dir, getattr(args, "profile_stack", False)) if args.profile
+                                  else []) + tokens_args(args))
     server = Server(model_dir, setup, port, log, server_env(setup, args.config_folder, empty, cache),
                     args.compilation, extra)
     rec["command"] = " ".join(server.args[1:])
@@ -811,7 +812,35 @@ def report(record: dict, meta: dict) -> str:
                 lines += bound_lines(profiles, goal=LONG_TPOT_GOAL if field == "profile"
                                      and MODELS[model]["heads"] == 16 else None)
         lines.append("")
+    lines += share_lines(record)
     return "\n".join(lines)
+
+
+def share_lines(record: dict) -> list[str]:
+    """Every model's profiles side by side: GPU time of a decode step, attention's part and share,
+    and the host's time per decode-only step."""
+    rows = []
+    for r in sorted(record.values(), key=lambda r: (list(MODELS).index(r["model"]), list(SETUPS).index(r["setup"])
+                                                    if r["setup"] in SETUPS else 99)):
+        for field, what in (("profile", "1 long request"), ("profile_batch", "batch")):
+            p = restep(r[field], MODELS[r["model"]]["layers"]) if field in r else None
+            if not p or "per_step_us" not in p:
+                continue
+            h = p.get("host", {})
+            rows.append(f"| {r['model']} | {r['setup']} | {p.get('requests', 1)} x {p.get('prompt_tokens')} | "
+                        f"{p['step_kernel_us']:.0f} | "
+                        f"{p['per_step_us']['attention']:.0f} | {100 * (p['attention_share'] or 0):.0f}% | "
+                        f"{h.get('execute_model_us', '-')} | {h.get('metadata_build_us', '-')} | "
+                        f"{h.get('plugin_code_us', '-')} |")
+    if not rows:
+        return []
+    return ["## Attention's share of a decode step, by model (torch profiles above)", "",
+            "GPU: kernel time per decode step (us) and attention's part; host: us per decode-only step in "
+            "vLLM's execute_model, and with --profile-stack (Python tracer on, inflated) in the MLA metadata "
+            "build and in the plugin's code.", "",
+            "| model | setup | requests x prompt tokens | GPU us/step | attention us/step | attention share | "
+            "host execute_model us | host metadata build us | host plugin code us |",
+            "|---|---|---|---|---|---|---|---|---|", *rows, ""]
 
 
 def render(data: dict) -> str:
@@ -880,7 +909,8 @@ def dry_run(models: list[str], setups: list[str], args) -> list[str]:
             env = server_env(setup, args.config_folder, args.out / "no_configs", cache)
             shown = ([f"-u {k}" for k in keys if k in os.environ and k not in env]
                      + [f"{k}={env[k]}" for k in keys if k in env and env[k] != os.environ.get(k)])
-            extra = (model_args(model) + (profiler_args(args.out / f"trace_{model}_{setup}") if args.profile else [])
+            extra = (model_args(model) + (profiler_args(args.out / f"trace_{model}_{setup}", args.profile_stack)
+                                          if args.profile else [])
                      + tokens_args(args))
             cmd = server_args(args.model_root / model, setup, args.port, args.compilation, extra)
             out.append(f"[{model}/{setup}] env {' '.join(shown)} {' '.join(cmd)}")
@@ -920,6 +950,9 @@ def main(argv=None) -> int:
     ap.add_argument("--port", type=int, default=8471)
     ap.add_argument("--profile", action="store_true",
                     help="after each setup's workloads, a torch profile of decode steps (bench/server_profile.py)")
+    ap.add_argument("--profile-stack", action="store_true",
+                    help="with --profile: vLLM's Python tracer too, for the host time per step in the MLA "
+                         "metadata build and the plugin's code (inflated by the tracer)")
     ap.add_argument("--profile-prompt", type=int, default=16384,
                     help="the profiled long request's prompt tokens (0: no single-request profile)")
     ap.add_argument("--profile-batch", type=int, default=32,

@@ -8,6 +8,14 @@ take, how much the KV-cache writes, how much everything else (GEMMs, norms, rota
 
     python3 bench/serve_bench.py --profile ...      # each setup's server is profiled after its workloads
 
+The host side of the same steps (`host_summary`): vLLM's worker annotates every step it executes
+(`execute_context_<n>(<tokens>)_generation_<n>(<tokens>)`), so the decode-only steps' host time
+in `execute_model` is read from the trace; with the Python tracer on (`profiler_args(...,
+with_stack=True)`, serve_bench --profile-stack) also the part spent building the attention
+metadata (the MLA builders' `build`: vLLM's common one and the plugin's, where the plugin plans
+its decode) and in the plugin's code at all. The Python tracer slows the host, so those figures
+are upper bounds; the plain `execute_model` time is taken without it.
+
 Kernel names are classified by `ATTENTION` and `CACHE_WRITE` (FlashInfer's MLA kernels, vLLM's
 Triton MLA stages, FA3, FlashMLA, the plugin's split kernel and its merge); the summary lists the
 top kernels by time with their class, so a misclassified name is visible in the results.
@@ -40,10 +48,19 @@ def kernel_class(name: str) -> str:
     return "attention" if ATTENTION.search(name) else "other"
 
 
-def profiler_args(trace_dir: Path) -> list[str]:
-    """`vllm serve` arguments that configure vLLM's torch profiler to write into `trace_dir`."""
+# vLLM's annotation of a step that only decodes (gpu_worker.annotate_profile): no context request
+DECODE_STEP = re.compile(r"^execute_context_0\(0\)_generation_(\d+)\((\d+)\)$")
+# Python functions (the tracer's "path.py(line): name"): the MLA metadata builders' build (vLLM's
+# MLACommonMetadataBuilder and the plugin's HostLengthsBuilder around it), and any plugin code
+METADATA_BUILD = re.compile(r"(mla_attention|vllm_metax/backend/builder)\.py\(\d+\): build$")
+PLUGIN_CODE = re.compile(r"vllm_metax/")
+
+
+def profiler_args(trace_dir: Path, with_stack: bool = False) -> list[str]:
+    """`vllm serve` arguments that configure vLLM's torch profiler to write into `trace_dir`;
+    `with_stack`: its Python tracer too (Python functions in the trace, at a cost on the host)."""
     cfg = {"profiler": "torch", "torch_profiler_dir": str(Path(trace_dir).resolve()),
-           "torch_profiler_with_stack": False, "torch_profiler_use_gzip": True}
+           "torch_profiler_with_stack": with_stack, "torch_profiler_use_gzip": True}
     return ["--profiler-config", json.dumps(cfg)]
 
 
@@ -105,6 +122,44 @@ def kernel_summary(trace_dir: Path, steps: int | None = None, top: int = 12,
                    for name, (t, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]]}
     out["kv_write_launches"] = sum(n for name, (_, n) in by_name.items() if kernel_class(name) == "kv cache write")
     out.update(step_fields(out, steps, layers))
+    return out
+
+
+def _covered(spans: list[tuple[float, float]]) -> float:
+    """Time covered by possibly nested or overlapping spans (each counted once)."""
+    total, end = 0.0, -float("inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def host_summary(files: list[Path]) -> dict:
+    """Host time per decode-only step in the traces `files`: vLLM's worker `execute_model` (its
+    step annotation), and where the Python tracer was on, the MLA metadata build and the plugin's
+    code inside those steps (each span counted once however nested). Empty where the traces hold
+    no decode-only step annotation."""
+    steps, py = [], []
+    for f in files:
+        for e in _load(f).get("traceEvents", []):
+            if e.get("ph") != "X" or "dur" not in e:
+                continue
+            span = (float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("pid"), e.get("tid"))
+            if e.get("cat") == "user_annotation" and DECODE_STEP.match(e.get("name", "")):
+                steps.append(span)
+            elif e.get("cat") == "python_function":
+                py.append((*span, e.get("name", "")))
+    if not steps:
+        return {}
+    n = len(steps)
+    out = {"decode_steps": n, "execute_model_us": round(sum(b - a for a, b, *_ in steps) / n, 1),
+           "python_tracer": bool(py)}
+    if py:
+        for key, pattern in (("metadata_build_us", METADATA_BUILD), ("plugin_code_us", PLUGIN_CODE)):
+            spans = [(max(a, s0), min(b, s1)) for s0, s1, sp, st in steps
+                     for a, b, p, t, name in py if p == sp and t == st and a < s1 and b > s0 and pattern.search(name)]
+            out[key] = round(_covered(spans) / n, 1)
     return out
 
 
@@ -187,6 +242,8 @@ def profile_decode(port: int, trace_dir: Path, vocab: int, prompt_tokens: int | 
         time.sleep(0.5)
     gaps = sorted(b - a for w in window for a, b in zip(w, w[1:]))
     out = kernel_summary(trace_dir, steps=steps, files=list(new), layers=layers)
+    if host := host_summary(list(new)):
+        out["host"] = host
     shape = prompt_tokens if isinstance(prompt_tokens, int) else "{}-{}".format(*prompt_tokens)
     out.update({"prompt_tokens": shape, "prompt_lens": lens, "requests": requests, "files_before": len(before),
                 "window_tpot_ms_p50": round(1e3 * gaps[len(gaps) // 2], 3) if gaps else None})
@@ -210,6 +267,12 @@ def bound_lines(profiles: dict, baseline: str = "triton16", tuned: str = "tuned"
                      + (f" in the trace, {p['steps_streamed']} streamed" if p.get("steps_source") == "trace" else "")
                      + "; "
                      f"streamed TPOT p50 in the window {p.get('window_tpot_ms_p50')} ms)")
+        if h := p.get("host"):
+            lines.append(f"  - {setup}, host per decode-only step ({h['decode_steps']} steps): execute_model "
+                         f"{h['execute_model_us']:.0f} us" + (
+                             f"; with the Python tracer on (inflated): attention metadata build "
+                             f"{h['metadata_build_us']:.0f} us, the plugin's code {h['plugin_code_us']:.0f} us"
+                             if h.get("python_tracer") else ""))
     t, b = profiles.get(tuned) or {}, profiles.get(baseline) or {}
     if "per_step_us" in t and "per_step_us" in b and b["step_kernel_us"]:
         rest = t["step_kernel_us"] - t["per_step_us"]["attention"]      # tuned's step without attention

@@ -550,3 +550,26 @@ def test_tokens_are_collected_on_each_server_and_divergences_reported(tmp_path, 
     md = sb.report(record, {"device": "X", "date": "d", "note": "n"})
     assert "- vllm_default: no tokens (RuntimeError: prompt 5 (32000 tokens): HTTP 400)" in md
     assert "tuned vs vllm_default" not in md and "goal, 0 divergences" not in md
+
+
+def test_the_report_compares_attention_share_across_models():
+    """Each model's decode-step profiles in one table: GPU time per step, attention's part and
+    share, host time per decode-only step (the metadata build only where the tracer was on)."""
+    def prof(total, attn, requests, host):
+        return {"steps": 33, "steps_streamed": 32, "steps_source": "trace", "step_kernel_us": total,
+                "attention_share": attn / total,
+                "per_step_us": {"attention": attn, "kv cache write": 1.0, "other": total - attn - 1.0},
+                "requests": requests, "prompt_tokens": 16384, "host": host}
+    record = {"h16/tuned": {"model": "h16", "setup": "tuned", "runs": {},
+                            "profile": prof(1800.0, 554.0, 1, {"decode_steps": 33, "execute_model_us": 410.0})},
+              "v3tp8/vllm_default": {"model": "v3tp8", "setup": "vllm_default", "runs": {},
+                                     "profile_batch": prof(9000.0, 900.0, 4, {
+                                         "decode_steps": 30, "execute_model_us": 700.0, "python_tracer": True,
+                                         "metadata_build_us": 95.0, "plugin_code_us": 0.0})}}
+    md = sb.report(record, {"device": "X", "date": "d", "note": "n"})
+    assert "## v3tp8: 16 heads, 61 layers; DeepSeek-V3's layers on one TP8 rank" in md
+    assert "| h16 | tuned | 1 x 16384 | 1800 | 554 | 31% | 410.0 | - | - |" in md
+    assert "| v3tp8 | vllm_default | 4 x 16384 | 9000 | 900 | 10% | 700.0 | 95.0 | 0.0 |" in md
+    assert md.index("## Attention's share of a decode step") > md.index("## v3tp8")
+    assert "Attention's share" not in sb.report({"h16/tuned": {"model": "h16", "setup": "tuned", "runs": {}}},
+                                                {"device": "X", "date": "d", "note": "n"})

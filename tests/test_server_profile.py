@@ -177,3 +177,50 @@ def test_a_ragged_batch_draws_each_prompt_length_from_its_range(sp, tmp_path):
     assert all(16 <= n <= 64 for n in out["prompt_lens"]) and len(set(out["prompt_lens"])) > 1
     assert out["prompt_tokens"] == "16-64" and out["requests"] == 6 and out["steps"] == 8
     assert sp.prompt_lengths(512, 3, None) == [512, 512, 512]
+
+
+def _host_trace(path, pid=7, tid=1, stack=True, steps=3):
+    """A worker's trace of `steps` decode-only steps of 1000 us each, a mixed step (context and
+    decode) and, with the Python tracer: in each decode step vLLM's MLA build (200 us) around the
+    plugin's build (150 us, itself around its _build_decode, 100 us) and other plugin code (50 us);
+    the API server's process has Python events at the same times, which are not the worker's."""
+    events = []
+    for i in range(steps + 1):
+        t0 = i * 2000.0
+        name = "execute_context_0(0)_generation_4(4)" if i < steps else "execute_context_1(512)_generation_3(3)"
+        events.append({"ph": "X", "cat": "user_annotation", "name": name, "ts": t0, "dur": 1000.0, "pid": pid,
+                       "tid": tid})
+        events.append({"ph": "X", "cat": "gpu_user_annotation", "name": name, "ts": t0, "dur": 900.0, "pid": 0,
+                       "tid": 7})
+        if stack:
+            py = [("/tmp/site/vllm/v1/worker/gpu/model_runner.py(100): execute_model", 0, 990),
+                  ("/tmp/site/vllm/model_executor/layers/attention/mla_attention.py(2546): build", 100, 200),
+                  ("/work/vllm_metax/backend/builder.py(28): build", 120, 150),
+                  ("/work/vllm_metax/backend/flashinfer_mla.py(172): _build_decode", 130, 100),
+                  ("/work/vllm_metax/backend/plan_choice.py(50): lookup", 500, 50)]
+            events += [{"ph": "X", "cat": "python_function", "name": n, "ts": t0 + a, "dur": float(d), "pid": pid,
+                        "tid": tid} for n, a, d in py]
+            events.append({"ph": "X", "cat": "python_function", "name": "/x/vllm_metax/backend/builder.py(28): build",
+                           "ts": t0, "dur": 900.0, "pid": pid + 1, "tid": tid})      # another process
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+
+
+def test_host_time_per_decode_step_from_the_step_annotations_and_python_functions(sp, tmp_path):
+    _host_trace(tmp_path / "w.1.pt.trace.json.gz")
+    h = sp.host_summary([tmp_path / "w.1.pt.trace.json.gz"])
+    assert h == {"decode_steps": 3, "execute_model_us": 1000.0, "python_tracer": True,
+                 "metadata_build_us": 200.0,            # vLLM's build, the plugin's nested inside it once
+                 "plugin_code_us": 200.0}               # builder 150 (its _build_decode inside) + lookup 50
+    _host_trace(tmp_path / "plain.pt.trace.json.gz", stack=False)
+    assert sp.host_summary([tmp_path / "plain.pt.trace.json.gz"]) == {
+        "decode_steps": 3, "execute_model_us": 1000.0, "python_tracer": False}
+    _trace(tmp_path / "k.pt.trace.json.gz", [("gemm", 5.0)])
+    assert sp.host_summary([tmp_path / "k.pt.trace.json.gz"]) == {}
+    assert sp.profiler_args(tmp_path, with_stack=True)[1].count('"torch_profiler_with_stack": true') == 1
+    assert '"torch_profiler_with_stack": false' in sp.profiler_args(tmp_path)[1]
+    lines = sp.bound_lines({"tuned": {"per_step_us": {"attention": 300.0, "kv cache write": 10.0, "other": 690.0},
+                                      "step_kernel_us": 1000.0, "attention_share": 0.3, "steps": 32,
+                                      "host": sp.host_summary([tmp_path / "w.1.pt.trace.json.gz"])}})
+    assert lines[1] == ("  - tuned, host per decode-only step (3 steps): execute_model 1000 us; with the Python "
+                        "tracer on (inflated): attention metadata build 200 us, the plugin's code 200 us")
