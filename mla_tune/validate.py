@@ -93,6 +93,7 @@ FLOAT = {
     "min_ratio": FloatRange(1.0, 100.0),
     "weight": FloatRange(0.0, 1e12),
     "time_budget": FloatRange(0.0, 30 * 86_400.0),
+    "share": FloatRange(0.0, 1.0, lo_open=True),      # of a recorded traffic's steps
 }
 MAX_KV_TOKENS = 1 << 26        # KV tokens in one bucket (77 GB of bf16 MLA cache): more cannot fit
 MAX_BUCKETS = 10_000

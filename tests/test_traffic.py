@@ -48,6 +48,7 @@ def test_the_recorded_key_is_the_lookups(tmp_path):
     assert r.decode_counts == {(24, 2, rec.fine_bin(6000)): 2, (1, 1, 0): 1}
     r.prefill(True, 2048, 512)
     assert r.prefill_counts == {(True, 44, 36): 1}
+    r.close()
 
 
 # ---------------------------------------------------------------- flushing
@@ -147,7 +148,7 @@ def test_one_recorder_per_model_key_names_its_file(tmp_path, monkeypatch, caplog
     assert a is b and a.path == str(tmp_path / "t.db") and rec.recorder(OTHER) is not a
     assert any(str(tmp_path / "t.db") in m and "recording MLA traffic" in m for m in caplog.messages)
     for r in rec._RECORDERS.values():
-        r._stop.set()
+        r.close()
 
 
 # ---------------------------------------------------------------- the reader
@@ -226,7 +227,7 @@ def fresh_recorders(monkeypatch):
     monkeypatch.setattr(rec, "_RECORDERS", {})
     yield
     for r in rec._RECORDERS.values():
-        r._stop.set()
+        r.close()
 
 
 @pytest.mark.vllm

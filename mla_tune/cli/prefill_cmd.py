@@ -8,8 +8,9 @@ from typing import List, Optional
 import typer
 from rich.markup import escape
 
-from mla_tune.cli.app import UserError, app, console
-from mla_tune.validate import INT, PathOption
+from mla_tune.cli.app import UserError, app, console, given
+from mla_tune.store.traffic import DEFAULT_SHARE
+from mla_tune.validate import FLOAT, INT, PathOption
 
 HELP = ("Measure the MLA prefill backend (FlashInfer ragged prefill fa2/fa3 and, on Hopper, vLLM's "
         "FA3 varlen prefill vllm_fa3, through the plugin's own ops) on prefill buckets and store "
@@ -29,9 +30,23 @@ def _ints(text: str, flag: str) -> list[int]:
         raise UserError(f"{flag}: {e}") from None
 
 
+def _traffic_buckets(ctx, traffic: Path, share: float, model: str, tp) -> list:
+    """--traffic: the prefill workloads of the recorded plans (traffic_plan.prefill_plan)."""
+    from mla_tune.tune.traffic_plan import prefill_plan, prefill_workloads
+    clash = given(ctx, "new_tokens", "new_requests", "chunk_queries", "chunk_kv")
+    if clash:
+        raise UserError(f"--traffic decides the prefill buckets; drop "
+                        f"{', '.join('--' + n.replace('_', '-') for n in clash)}")
+    FLOAT["share"].check("--traffic-share", share)
+    plan = prefill_plan(traffic, share, model, tp)
+    console.print(escape(plan.note), highlight=False, soft_wrap=True)
+    return prefill_workloads(plan, model)
+
+
 @app.command("prefill-sweep", help=HELP, short_help="Measure the MLA prefill backend per prefill bucket.", epilog="Exit codes: 0 measured (or nothing left to "
              "measure); 2 bad input or no GPU prefill kernel here; nothing is written then.")
 def prefill_sweep(
+    ctx: typer.Context,
     model: str = typer.Option("deepseek-v3", help="Model preset (mla_tune/problem/models.json)"),
     tp: Optional[List[int]] = typer.Option(None, "--tp", help="Tensor-parallel sizes (repeat; "
                                            "default 1 and 8)", **INT["tp"].typer),
@@ -48,6 +63,14 @@ def prefill_sweep(
     warmup: int = typer.Option(3, help="Warm-up runs after compile", **INT["warmup"].typer),
     remeasure: bool = typer.Option(False, help="Measure again what --db holds already"),
     db: Path = PathOption(Path("results.db"), help="Results DB to store the trials in"),
+    traffic: Optional[Path] = PathOption(None, "--traffic", help="A server's recorded traffic "
+                                         "(VLLM_METAX_TRAFFIC=FILE on the server): the buckets are "
+                                         "the log2 cells holding --traffic-share of its prefill "
+                                         "plans, at the TP size whose heads per rank it recorded "
+                                         "(instead of --new-tokens ... --chunk-kv)"),
+    traffic_share: float = typer.Option(DEFAULT_SHARE, "--traffic-share", help="The share of the "
+                                        "recorded prefill plans the buckets cover",
+                                        **FLOAT["share"].typer),
 ):
     from mla_tune.measure.trial import MeasureSettings
     from mla_tune.problem.defaults import KERNEL_METRIC
@@ -56,10 +79,16 @@ def prefill_sweep(
     from mla_tune.validate import output_file
     import torch
 
-    buckets = plan_prefill_buckets(model, tuple(tp) if tp else (1, 8),
-                                   _ints(new_tokens, "--new-tokens"),
-                                   _ints(new_requests, "--new-requests"),
-                                   _ints(chunk_queries, "--chunk-queries"), _ints(chunk_kv, "--chunk-kv"))
+    if traffic is not None:
+        buckets = _traffic_buckets(ctx, traffic, traffic_share, model, tp)
+    else:
+        if given(ctx, "traffic_share"):
+            raise UserError("--traffic-share applies only with --traffic FILE")
+        buckets = plan_prefill_buckets(model, tuple(tp) if tp else (1, 8),
+                                       _ints(new_tokens, "--new-tokens"),
+                                       _ints(new_requests, "--new-requests"),
+                                       _ints(chunk_queries, "--chunk-queries"),
+                                       _ints(chunk_kv, "--chunk-kv"))
     output_file(db, "--db", own=is_results_db)
     if samples < rounds:
         raise UserError(f"--samples {samples} cannot be split over --rounds {rounds}")

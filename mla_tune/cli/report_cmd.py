@@ -36,6 +36,21 @@ def _mix(path: Optional[Path]):
     return WorkloadMix.from_file(str(path))
 
 
+TRAFFIC_HELP = ("A server's recorded traffic (VLLM_METAX_TRAFFIC=FILE on the server): its decode "
+                "step counts weigh the page size and backend order of the model entry it recorded, "
+                "each step counted for the bucket the plugin's lookup snaps it to")
+
+
+def _weights(mix: Optional[Path], traffic: Optional[Path]):
+    """--mix or --traffic (not both) as the choice's weights, or None."""
+    if mix is not None and traffic is not None:
+        fail("--mix and --traffic exclude each other (both weigh the buckets)")
+    if traffic is None:
+        return _mix(mix)
+    from mla_tune.store.traffic import load_traffic
+    return load_traffic(traffic).select().mix()
+
+
 def _filter(device, model, run):
     from mla_tune.store.selection import TrialFilter
     return TrialFilter(device, model, tuple(run or ()))
@@ -91,6 +106,7 @@ def emit(
     run: Optional[List[int]] = typer.Option(None, "--run", help="Only these run ids (repeat the option)",
                                             **INT["run"].typer),
     mix: Optional[Path] = PathOption(None, "--mix", help="Workload mix CSV (batch,context,weight)"),
+    traffic: Optional[Path] = PathOption(None, "--traffic", help=TRAFFIC_HELP),
     dry_run: bool = typer.Option(False, "--dry-run", help="Check everything and say what would "
                                  "be written; write nothing"),
     profile: Optional[ProfileName] = profile_option(
@@ -105,7 +121,7 @@ def emit(
         fail("--device and --all-devices exclude each other")
     output_folder(configs_dir, "--configs-dir")
     flt = _filter(device, model, run)
-    kw = dict(model=flt.model, runs=flt.runs, mix=_mix(mix), cpu_ok=bool(given(ctx, "configs_dir")),
+    kw = dict(model=flt.model, runs=flt.runs, mix=_weights(mix, traffic), cpu_ok=bool(given(ctx, "configs_dir")),
               profile=profile_value(profile))
     with _open_store(_db_path(db)) as store:
         planned = (configs_to_emit(store, configs_dir, **kw) if all_devices else

@@ -18,6 +18,7 @@ from mla_tune.cli.app import (EXIT_FAILURE, ProfileName, app, console, err_conso
                               print_view, profile_option, profile_value)
 from mla_tune.measure.worker import Isolation
 from mla_tune.problem.defaults import SWEEP_PAGE_SIZES
+from mla_tune.store.traffic import DEFAULT_SHARE
 from mla_tune.tune.verdict import MIN_RATIO
 from mla_tune.tune.search import SearchMode as Mode
 from mla_tune.tune.sweep_config import CPU_FAMILIES, GPU_FAMILIES
@@ -253,6 +254,13 @@ DEVICE_NAME = typer.Option(None, "--device-name", help="replay: the device whose
                            "when the DB holds several")
 MIX = PathOption(None, "--mix", help="CSV of batch,context,weight rows: the workload mix the page "
                  "size is chosen for (default uniform); every row must be a swept bucket")
+TRAFFIC = PathOption(None, "--traffic", help="a server's recorded traffic (VLLM_METAX_TRAFFIC=FILE "
+                     "on the server): the buckets are the log2 cells holding --traffic-share of its "
+                     "decode steps (instead of --batches/--contexts/--q-len; the TP size is the "
+                     "one whose heads per rank it recorded), weighted by its step counts for the "
+                     "page size and backend order; with --replay, the weights only")
+TRAFFIC_SHARE = typer.Option(DEFAULT_SHARE, "--traffic-share", help="the share of the recorded "
+                             "steps the buckets cover", **FLOAT["share"].typer)
 MIN_RATIO_OPT = typer.Option(MIN_RATIO, "--min-ratio", help="smallest speed-up that displaces a "
                              "default", **FLOAT["min_ratio"].typer)
 SEED = typer.Option(0, "--seed", help="sampler seed", **INT["seed"].typer)
@@ -288,7 +296,8 @@ def sweep(
     timeout: Optional[float] = TIMEOUT, samples: Optional[int] = SAMPLES,
     warmup: Optional[int] = WARMUP, isolation: Isolation = ISOLATION, remeasure: bool = REMEASURE,
     replay: Optional[Path] = REPLAY, device_name: Optional[str] = DEVICE_NAME,
-    mix: Optional[Path] = MIX, min_ratio: float = MIN_RATIO_OPT, seed: int = SEED,
+    mix: Optional[Path] = MIX, traffic: Optional[Path] = TRAFFIC,
+    traffic_share: float = TRAFFIC_SHARE, min_ratio: float = MIN_RATIO_OPT, seed: int = SEED,
     name: str = NAME, configs_dir: Path = CONFIGS_DIR, emit: Optional[bool] = EMIT,
     journal: Optional[Path] = JOURNAL, gpus: Optional[str] = GPUS, storage: Optional[str] = STORAGE,
     heartbeat: int = HEARTBEAT, quiet: bool = QUIET, dry_run: bool = DRY_RUN,
@@ -301,6 +310,7 @@ def sweep(
 
     gpu_list = _checked_combination(ctx, flags)
     try:
+        flags["traffic_plan"] = _traffic_plan(flags)
         kw = _search_flags(ctx, flags, gpu_list)
         observer = RichObserver(quiet)
         if replay is not None:
@@ -331,6 +341,13 @@ def _checked_combination(ctx, f: dict) -> list[str] | None:
         flags = ", ".join("--" + n.replace("_", "-") for n in ignored)
         fail(f"{flags} {'does' if len(ignored) == 1 else 'do'} not apply to {what}; "
              f"{'drop --replay' if replay is not None else 'add --replay DB'} or the flag")
+    if f["traffic"] is not None:
+        clash = given(ctx, "mix") + ([] if replay is not None else given(ctx, "batches", "contexts", "q_len"))
+        if clash:
+            fail(f"--traffic decides the buckets and weights; drop "
+                 f"{', '.join('--' + n.replace('_', '-') for n in clash)}")
+    elif given(ctx, "traffic_share"):
+        fail("--traffic-share applies only with --traffic FILE")
     if f["heartbeat"] < 1:
         fail(f"--heartbeat must be at least 1 s, got {f['heartbeat']}")
     if f["storage"] is not None and f["journal"] is not None:
@@ -348,10 +365,28 @@ def _search_flags(ctx, f: dict, gpu_list) -> dict:
                 grid_max=f["grid_max"],
                 max_trials=f["trials"], patience=f["patience"] or None, seed=f["seed"],
                 isolation=f["isolation"].value, remeasure=f["remeasure"], name=f["name"],
-                journal=f["journal"], mix=WorkloadMix.from_file(str(f["mix"])) if f["mix"] else None,
+                journal=f["journal"], mix=_weights(f),
                 min_ratio=f["min_ratio"], configs_dir=f["configs_dir"], storage=f["storage"],
                 heartbeat_s=f["heartbeat"] if given(ctx, "heartbeat") else None, gpus=gpu_list,
                 command=" ".join(shlex.quote(a) for a in ["mla-tune"] + sys.argv[1:]))
+
+
+def _traffic_plan(f: dict):
+    """The decode plan of --traffic (None without it), checked against --model and --tp."""
+    if f["traffic"] is None:
+        return None
+    from mla_tune.tune.traffic_plan import decode_plan
+    FLOAT["share"].check("--traffic-share", f["traffic_share"])
+    return decode_plan(f["traffic"], f["traffic_share"], f["model"] or "deepseek-v3", f["tp"])
+
+
+def _weights(f: dict):
+    """The weights of the page-size and order choice: --traffic's step counts, --mix, or None."""
+    plan = f["traffic_plan"]
+    if plan is not None:
+        return plan.mix
+    from mla_tune.problem.workload import WorkloadMix
+    return WorkloadMix.from_file(str(f["mix"])) if f["mix"] else None
 
 
 def _replay(f: dict, kw: dict, observer):
@@ -380,8 +415,13 @@ def _live_config(ctx, f: dict, kw: dict):
         fail("--configs-dir applies only when the sweep writes a tuned config: "
              + ("add --emit (without CUDA none is written by default)" if cpu and emit is None
                 else "drop --no-emit"))
+    plan = f["traffic_plan"]
+    if plan is not None:
+        console.print(escape(plan.note), highlight=False, soft_wrap=True)
     return build_config(model=f["model"] if f["model"] is not None else "deepseek-v3",
-                        tp_sizes=f["tp"], batches=f["batches"], contexts=f["contexts"],
+                        tp_sizes=[plan.tp_size] if plan is not None else f["tp"],
+                        cells=plan.cells if plan is not None else None,
+                        batches=f["batches"], contexts=f["contexts"],
                         q_lens=f["q_len"] or (1,), ragged=f["lengths"], q_dtype=f["q_dtype"],
                         kv_dtype=f["kv_dtype"], page_sizes=f["page_size"], samples=f["samples"],
                         warmup=f["warmup"], timeout_s=f["timeout"], time_budget=f["time_budget"],

@@ -417,6 +417,13 @@ class WorkloadMix:
     weights: dict = field(default_factory=dict)   # (batch, context) or (batch, context, q_len) -> weight
     snap: bool = False
     source: str = ""                              # where the weights come from, for people
+    # the model key the weights were observed at, (heads per rank, kv_lora_rank); None: any
+    model_key: tuple | None = None
+
+    def applies(self, num_heads: int, kv_lora_rank: int) -> bool:
+        """Whether these weights are for a model entry of these dims (a recorded traffic is one
+        model's; other entries of the same choice stay uniform)."""
+        return self.model_key is None or tuple(self.model_key) == (num_heads, kv_lora_rank)
 
     def weight(self, batch: int, context: int) -> float:
         if not self.weights:

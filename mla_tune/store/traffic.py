@@ -20,14 +20,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mla_tune.problem.workload import WorkloadMix
+from mla_tune.validate import InputError
 from vllm_metax.core import traffic as rec
 from vllm_metax.core.tuned_config import ModelDims
 
 DEFAULT_SHARE = 0.99         # the share of steps (plans) the traffic's buckets cover by default
 
 
-class TrafficError(ValueError):
-    """A traffic file that cannot be used; the message names the file and the problem."""
+class TrafficError(InputError):
+    """A traffic file that cannot be used; the message names the file and the problem (bad
+    input: one line, exit 2, like every InputError)."""
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,8 @@ class ModelTraffic:
             k = (d.batch_size, d.context, d.q_len)
             w[k] = w.get(k, 0.0) + float(d.steps)
         return WorkloadMix(w, snap=True, source=f"traffic {self.path or '-'} ({self.label}, "
-                                                f"{self.steps} decode steps)")
+                                                f"{self.steps} decode steps)",
+                           model_key=(self.dims.num_heads, self.dims.kv_lora_rank))
 
 
 def cover(cells: dict, share: float) -> list:

@@ -295,7 +295,7 @@ def _choose_model(device_name, g, rows, mix, p_threshold, min_ratio, default_pag
     per_bucket: dict = {}
     for r in rows:
         per_bucket.setdefault(r.stored.bucket, []).append(r)
-    weights = bucket_weights(mix, per_bucket)
+    weights = bucket_weights(mix if mix is None or mix.applies(heads, lora_rank) else None, per_bucket)
     families = sorted({r.candidate.family for r in rows})
     pages = sorted({r.candidate.page_size for r in rows})
     verdicts = _verdicts(per_bucket, families, pages, p_threshold, min_ratio, metric, default_of,

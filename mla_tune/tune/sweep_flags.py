@@ -18,13 +18,16 @@ def build_config(*, model: str = "deepseek-v3", tp_sizes: Sequence[int] | None =
                  kv_dtype: str = "bfloat16", page_sizes: Sequence[int] | None = None,
                  device: str | None = None, samples: int | None = None, warmup: int | None = None,
                  timeout_s: float | None = None, time_budget: str | None = None,
-                 **kw) -> SweepConfig:
+                 cells: Sequence[tuple[int, int, int]] | None = None, **kw) -> SweepConfig:
     """A SweepConfig from command-line style values, device defaults filling the gaps (results
     DB: default_db(device); tuned config emitted on a GPU only, unless `emit` says).
 
     `ragged` (--lengths) is a length distribution or a CSV file of request lengths
     (resolve_lengths); None is uniform lengths, plus the device's default ragged buckets
     (DefaultSpace.ragged) when the grid is the default one too.
+
+    `cells` ((batch, context, q_len), a recorded traffic's: `traffic_plan.decode_plan`) replace
+    the batch x context x q_len grid.
 
     Raises ValueError / ProblemError with a one-line message for anything invalid.
     """
@@ -47,11 +50,15 @@ def build_config(*, model: str = "deepseek-v3", tp_sizes: Sequence[int] | None =
         check_page_size(p, "--page-size")
     tps = tuple(tp_sizes) if tp_sizes else d.tp_sizes
     qs = tuple(sorted(set(q_lens))) or (1,)
-    buckets = plan_buckets(dims, tps,
-                           parse_sizes(batches, "batch") if batches is not None else d.batch_sizes,
-                           parse_sizes(contexts, "context") if contexts is not None else d.context_lens,
-                           qs, kind, q_dtype, kv_dtype, trace)
-    if ragged is None and batches is None and contexts is None:
+    if cells is not None:
+        buckets = [bk for b, c, q in cells
+                   for bk in plan_buckets(dims, tps, [b], [c], [q], kind, q_dtype, kv_dtype, trace)]
+    else:
+        buckets = plan_buckets(dims, tps,
+                               parse_sizes(batches, "batch") if batches is not None else d.batch_sizes,
+                               parse_sizes(contexts, "context") if contexts is not None else d.context_lens,
+                               qs, kind, q_dtype, kv_dtype, trace)
+    if ragged is None and batches is None and contexts is None and cells is None:
         for extra_kind, extra_b, extra_c in d.ragged:
             buckets += plan_buckets(dims, tps, extra_b, extra_c, qs, extra_kind, q_dtype, kv_dtype)
     s = samples if samples is not None else d.samples

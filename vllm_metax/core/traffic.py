@@ -135,8 +135,9 @@ class TrafficRecorder:
             self.flush()
 
     def close(self) -> None:
-        """Stop the flush thread and flush what is left (atexit)."""
+        """Stop the flush thread and flush what is left (atexit: once)."""
         self._stop.set()
+        atexit.unregister(self.close)
         self.flush()
 
     def flush(self) -> bool:
