@@ -59,6 +59,9 @@ VLLM_CACHE_ROOT, FlashInfer's JIT through FLASHINFER_WORKSPACE_BASE, Triton's an
 one server cannot warm another's. --start-only N starts each server N times and stops it once
 ready, without workloads: with --cache-root the first start is cold (the setup's cache folder is
 emptied first) and the later ones warm; the report compares them with vLLM's own server's.
+--prebuild runs `mla-tune prebuild` (in the server's environment: its FlashInfer cache and config)
+before each plugin setup's first start, as a user runs it once after install; its time is
+recorded and reported apart (`prebuild`), and the start after it still counts as cold.
 
 --tokens: each server also answers the served-tokens check (bench/serve_tokens.py: greedy tokens
 with their top logits, prompts of a few to 32K tokens, one at a time and as one ragged batch), and
@@ -556,6 +559,18 @@ def setup_cache(args, model: str, setup: str, cold: bool = False) -> Path | None
     return folder
 
 
+def prebuild(env: dict, log: Path) -> dict:
+    """`mla-tune prebuild` in a server's environment (its FlashInfer cache, its tuned config): wall
+    seconds, exit code and its last lines (all of them into the server's log)."""
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "mla_tune", "prebuild"], env=env, capture_output=True,
+                       text=True)
+    out = (r.stdout + r.stderr).strip().splitlines()
+    with open(log, "a") as f:
+        f.write("".join(f"[prebuild] {line}\n" for line in out))
+    return {"s": round(time.monotonic() - t0, 1), "rc": r.returncode, "tail": out[-3:]}
+
+
 def start_only(model: str, setup: str, model_dir: Path, args, empty: Path, port: int, record: dict,
                checkpoint=lambda: None) -> None:
     """Start the setup's server `args.start_only` times, each until it answers /health, then stop
@@ -576,8 +591,12 @@ def start_only(model: str, setup: str, model_dir: Path, args, empty: Path, port:
             print(f"[{key}] FAILED: {cache}", flush=True)
             break
         state = cache_state(cache)
-        server = Server(model_dir, setup, port, log, server_env(setup, args.config_folder, empty, cache),
-                        args.compilation, model_args(model), mode="a")
+        env = server_env(setup, args.config_folder, empty, cache)
+        if getattr(args, "prebuild", False) and i == 0 and setup != "vllm_default":
+            rec["prebuild"] = prebuild(env, log)
+            print(f"[{key}] mla-tune prebuild: {rec['prebuild']['s']} s (exit {rec['prebuild']['rc']})",
+                  flush=True)
+        server = Server(model_dir, setup, port, log, env, args.compilation, model_args(model), mode="a")
         rec["command"] = " ".join(server.args[1:])
         try:
             ready = round(server.wait_ready(args.start_timeout), 1)
@@ -737,6 +756,8 @@ def startup_lines(recs: dict) -> list[str]:
              "| setup | cold | warm | shared |", "|---|---|---|---|"]
     lines += [f"| {s} | {fmt(v.get('cold'))} | {fmt(v.get('warm'))} | {fmt(v.get('shared'))} |"
               for s, v in have.items()]
+    lines += [f"- {s}: `mla-tune prebuild` before its cold start took {r['prebuild']['s']:.1f} s "
+              f"(exit {r['prebuild']['rc']}), not counted in it" for s, r in recs.items() if r.get("prebuild")]
     t, b = have.get("tuned", {}), have.get("vllm_default", {})
     for state, goal in (("cold", COLD_GOAL), ("warm", WARM_GOAL)):
         if t.get(state) and b.get(state):
@@ -938,6 +959,9 @@ def main(argv=None) -> int:
     ap.add_argument("--start-only", type=int, default=0, metavar="N",
                     help="no workloads: start each server N times (with --cache-root: the first cold, "
                          "the rest warm), record the ready times, stop it")
+    ap.add_argument("--prebuild", action="store_true",
+                    help="with --start-only: `mla-tune prebuild` before each plugin setup's first "
+                         "(cold) start, as after install; its time reported apart")
     ap.add_argument("--tokens", action="store_true",
                     help="each server also answers the served-tokens check (bench/serve_tokens.py); the "
                          "report classifies every divergence from the other setups")

@@ -484,6 +484,49 @@ def test_start_only_records_a_cold_then_warm_start_per_setup(tmp_path, monkeypat
     assert "did not make it" in record["h16/untuned"]["error"] and (root / "h16_untuned" / "x").exists()
 
 
+def test_prebuild_runs_before_each_plugin_setups_cold_start_in_its_environment(tmp_path, monkeypatch,
+                                                                              model_dir):
+    """--prebuild: `mla-tune prebuild` once per plugin setup, before its first (cold) start, with the
+    server's FlashInfer cache and config; timed and reported apart, the start still cold."""
+    import subprocess
+    from pathlib import Path
+    calls, ready = [], iter([90.0, 60.0, 130.0, 58.0])
+
+    class FakeServer:
+        args = ["python", "-m", "vllm", "serve"]
+
+        def __init__(self, model_dir, setup, port, log, env, compilation, extra=(), mode="w"):
+            self.env = env
+
+        def wait_ready(self, timeout):
+            Path(self.env["VLLM_CACHE_ROOT"]).mkdir(parents=True, exist_ok=True)
+            return next(ready)
+
+        def stop(self):
+            pass
+
+    def run(cmd, env, **kw):
+        calls.append((cmd[1:], env["FLASHINFER_WORKSPACE_BASE"], env.get("VLLM_METAX_MLA_CONFIG_FOLDER")))
+        return subprocess.CompletedProcess(cmd, 0, "3 modules in 41.0 s wall: 3 built\n", "")
+
+    monkeypatch.setattr(sb, "Server", FakeServer)
+    monkeypatch.setattr(sb, "fa3_available", lambda: None)
+    monkeypatch.setattr(sb.subprocess, "run", run)
+    root = tmp_path / "caches"
+    args = sb.argparse.Namespace(out=tmp_path, start_timeout=5, compilation="default", cache_root=root,
+                                 config_folder="/cfg", start_only=2, prebuild=True)
+    record: dict = {}
+    for setup in ("tuned", "vllm_default"):
+        sb.start_only("h16", setup, model_dir, args, tmp_path / "empty", 8000, record)
+    assert calls == [(["-m", "mla_tune", "prebuild"], str((root / "h16_tuned" / "flashinfer").resolve()), "/cfg")]
+    assert record["h16/tuned"]["prebuild"]["rc"] == 0 and "prebuild" not in record["h16/vllm_default"]
+    assert record["h16/tuned"]["starts"][0] == {"cache": "cold", "ready_s": 90.0}
+    assert "[prebuild] 3 modules in 41.0 s wall" in (tmp_path / "server_h16_tuned.log").read_text()
+    md = sb.report(record, {"device": "X", "date": "d", "note": "n", "compilation": "default"})
+    assert "- tuned: `mla-tune prebuild` before its cold start took " in md
+    assert "- cold start, tuned / vllm_default <= 1.2: met (0.69: 90.0 s against 130.0 s)" in md
+
+
 def _seq(tokens: list[int], gaps: float = 20.0) -> dict:
     """A served sequence in serve_tokens' form: each token's logit 10, the next id `gaps` ulps below."""
     ulp = 2 ** -4
