@@ -60,8 +60,8 @@ one server cannot warm another's. --start-only N starts each server N times and 
 ready, without workloads: with --cache-root the first start is cold (the setup's cache folder is
 emptied first) and the later ones warm; the report compares them with vLLM's own server's.
 --prebuild runs `mla-tune prebuild` (in the server's environment: its FlashInfer cache and config)
-before each plugin setup's first start, as a user runs it once after install; its time is
-recorded and reported apart (`prebuild`), and the start after it still counts as cold.
+before each plugin setup's cold start (with --cache-root), as a user runs it once after install;
+its time is recorded and reported apart (`prebuild`), and the start after it still counts as cold.
 
 --tokens: each server also answers the served-tokens check (bench/serve_tokens.py: greedy tokens
 with their top logits, prompts of a few to 32K tokens, one at a time and as one ragged batch), and
@@ -398,10 +398,13 @@ def run_setup(model: str, setup: str, model_dir: Path, args, empty: Path, port: 
         print(f"[{key}] FAILED: {cache}", flush=True)
         return
     rec["cache"] = cache_state(cache)
+    env = server_env(setup, args.config_folder, empty, cache)
+    if getattr(args, "prebuild", False) and rec["cache"] == "cold" and setup != "vllm_default":
+        rec["prebuild"] = prebuild(env, args.out / f"prebuild_{model}_{setup}.log")
+        print(f"[{key}] mla-tune prebuild: {rec['prebuild']['s']} s (exit {rec['prebuild']['rc']})", flush=True)
     extra = (model_args(model) + (profiler_args(trace_dir, getattr(args, "profile_stack", False)) if args.profile
                                   else []) + tokens_args(args))
-    server = Server(model_dir, setup, port, log, server_env(setup, args.config_folder, empty, cache),
-                    args.compilation, extra)
+    server = Server(model_dir, setup, port, log, env, args.compilation, extra)
     rec["command"] = " ".join(server.args[1:])
     try:
         rec["ready_s"] = round(server.wait_ready(args.start_timeout), 1)
@@ -561,13 +564,12 @@ def setup_cache(args, model: str, setup: str, cold: bool = False) -> Path | None
 
 def prebuild(env: dict, log: Path) -> dict:
     """`mla-tune prebuild` in a server's environment (its FlashInfer cache, its tuned config): wall
-    seconds, exit code and its last lines (all of them into the server's log)."""
+    seconds, exit code and its last lines (all of them into `log`)."""
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "mla_tune", "prebuild"], env=env, capture_output=True,
                        text=True)
     out = (r.stdout + r.stderr).strip().splitlines()
-    with open(log, "a") as f:
-        f.write("".join(f"[prebuild] {line}\n" for line in out))
+    Path(log).write_text("".join(f"{line}\n" for line in out))
     return {"s": round(time.monotonic() - t0, 1), "rc": r.returncode, "tail": out[-3:]}
 
 
@@ -593,7 +595,7 @@ def start_only(model: str, setup: str, model_dir: Path, args, empty: Path, port:
         state = cache_state(cache)
         env = server_env(setup, args.config_folder, empty, cache)
         if getattr(args, "prebuild", False) and i == 0 and setup != "vllm_default":
-            rec["prebuild"] = prebuild(env, log)
+            rec["prebuild"] = prebuild(env, args.out / f"prebuild_{model}_{setup}.log")
             print(f"[{key}] mla-tune prebuild: {rec['prebuild']['s']} s (exit {rec['prebuild']['rc']})",
                   flush=True)
         server = Server(model_dir, setup, port, log, env, args.compilation, model_args(model), mode="a")
@@ -960,8 +962,8 @@ def main(argv=None) -> int:
                     help="no workloads: start each server N times (with --cache-root: the first cold, "
                          "the rest warm), record the ready times, stop it")
     ap.add_argument("--prebuild", action="store_true",
-                    help="with --start-only: `mla-tune prebuild` before each plugin setup's first "
-                         "(cold) start, as after install; its time reported apart")
+                    help="with --cache-root: `mla-tune prebuild` before each plugin setup's cold "
+                         "start, as after install; its time reported apart")
     ap.add_argument("--tokens", action="store_true",
                     help="each server also answers the served-tokens check (bench/serve_tokens.py); the "
                          "report classifies every divergence from the other setups")

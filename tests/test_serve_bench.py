@@ -521,7 +521,7 @@ def test_prebuild_runs_before_each_plugin_setups_cold_start_in_its_environment(t
     assert calls == [(["-m", "mla_tune", "prebuild"], str((root / "h16_tuned" / "flashinfer").resolve()), "/cfg")]
     assert record["h16/tuned"]["prebuild"]["rc"] == 0 and "prebuild" not in record["h16/vllm_default"]
     assert record["h16/tuned"]["starts"][0] == {"cache": "cold", "ready_s": 90.0}
-    assert "[prebuild] 3 modules in 41.0 s wall" in (tmp_path / "server_h16_tuned.log").read_text()
+    assert "3 modules in 41.0 s wall" in (tmp_path / "prebuild_h16_tuned.log").read_text()
     md = sb.report(record, {"device": "X", "date": "d", "note": "n", "compilation": "default"})
     assert "- tuned: `mla-tune prebuild` before its cold start took " in md
     assert "- cold start, tuned / vllm_default <= 1.2: met (0.69: 90.0 s against 130.0 s)" in md
