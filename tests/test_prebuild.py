@@ -155,6 +155,18 @@ def test_bad_input_is_one_line_and_exit_2(jit_cache, args, words):
     assert words in r.stderr
 
 
+def test_a_flashinfer_that_names_modules_otherwise_is_one_line(jit_cache, monkeypatch):
+    """MetaX's 0.2.x FlashInfer line has other generator signatures: one line, exit 2, no traceback."""
+    from flashinfer.jit.attention import modules
+
+    def old_uri(dtype_q, dtype_kv, dtype_o, dtype_idx, head_dim_ckv, head_dim_kpe):
+        return "batch_mla_attention"
+    monkeypatch.setattr(modules, "get_batch_mla_uri", old_uri)
+    r = run_main(["prebuild", "--dry-run", "--arch", "9.0a", "--config", H100])
+    assert r.code == 2 and one_line(r.stderr) and r.exception is None, r.output
+    assert "does not name its decode modules as 0.7 does" in r.stderr
+
+
 def test_no_gpu_and_no_arch_says_what_to_give(monkeypatch):
     from vllm_metax.core.device import DeviceInfo
     monkeypatch.delenv(sp.ARCH_ENV, raising=False)
@@ -177,31 +189,51 @@ def test_a_failed_build_is_one_line_per_module():
 
 
 def test_build_modules_builds_each_and_reports_failures_without_stopping(monkeypatch):
+    """Every module at once, the jobs shared out by source files; a failure is that module's line."""
     from mla_tune.measure import jit_prebuild
-    monkeypatch.setenv("MAX_JOBS", "99")        # build_modules sets it: restored after the test
 
     class Module:
-        def __init__(self, name, fail=False):
-            self.name, self.fail = name, fail
+        def __init__(self, name, sources, fail=False):
+            self.name, self.sources, self.fail = name, sources, fail
 
         def spec(self):
-            m = self
+            return self
 
-            class Spec:
-                def build(self, need_lock):
-                    assert need_lock            # the lock a server's first plan takes
-                    if m.fail:
-                        raise RuntimeError("nvcc fatal: Unsupported gpu architecture 'compute_90a'")
-            return Spec()
+    built = {}
 
+    def run_build(spec, slots):
+        built[spec.name] = slots
+        if spec.fail:
+            raise RuntimeError("nvcc fatal: Unsupported gpu architecture 'compute_90a'")
+
+    monkeypatch.setattr(jit_prebuild, "_run_build", run_build)
     seen = []
-    out = jit_prebuild.build_modules([Module("a"), Module("b", fail=True), Module("c")], jobs=4,
-                                     done=lambda m, s, e: seen.append(m.name))
+    mods = [Module("decode", ["a"] * 3), Module("fa2", ["b"] * 10, fail=True), Module("fa3", ["c"] * 10)]
+    out = jit_prebuild.build_modules(mods, jobs=16, done=lambda m, s, e: seen.append(m.name))
     assert [(m.name, e) for m, _, e in out] == [
-        ("a", None), ("b", "nvcc fatal: Unsupported gpu architecture 'compute_90a'"), ("c", None)]
-    assert sorted(seen) == ["a", "b", "c"]
-    import os
-    assert os.environ["MAX_JOBS"] == "1"             # 4 jobs over 3 modules at once
+        ("decode", None), ("fa2", "nvcc fatal: Unsupported gpu architecture 'compute_90a'"), ("fa3", None)]
+    assert sorted(seen) == ["decode", "fa2", "fa3"]
+    assert built == {"decode": 2, "fa2": 7, "fa3": 7}          # 16 jobs over 23 sources
+    jit_prebuild.build_modules(mods, jobs=2)
+    assert built == {"decode": 1, "fa2": 1, "fa3": 1}          # never fewer than one
+
+
+def test_a_module_builds_as_flashinfers_own_build_does(monkeypatch, tmp_path):
+    """Under the module's lock, its ninja file written, ninja run in its folder with the job count."""
+    from flashinfer.jit import cpp_ext
+    from mla_tune.measure import jit_prebuild
+    ran = []
+    monkeypatch.setattr(cpp_ext, "run_ninja", lambda d, f, verbose, max_jobs=None: ran.append((d, f, max_jobs)))
+
+    class Spec:
+        lock_path, build_dir, ninja_path = tmp_path / "m.lock", tmp_path / "m", tmp_path / "m" / "build.ninja"
+
+        def write_ninja(self):
+            assert (tmp_path / "m.lock").exists()              # inside the lock
+            ran.append("ninja file")
+
+    jit_prebuild._run_build(Spec(), 5)
+    assert ran == ["ninja file", (tmp_path / "m", tmp_path / "m" / "build.ninja", 5)]
 
 
 @pytest.mark.slow

@@ -51,6 +51,7 @@ def prebuild(
         cfg = sp.load_config(config)
         modules = sp.served_modules(sp.select_entries(cfg, model, tp), target)
         folder = sp.cache_folder()
+        sp.check_names(modules)
         if not dry_run and modules:
             sp.find_nvcc()
     except sp.PrebuildError as e:

@@ -98,24 +98,24 @@ def _build(backend: str, spec: list) -> None:
 
 def build_modules(modules: Sequence, jobs: int, done=None) -> list[tuple]:
     """Build FlashInfer JIT modules (`vllm_metax.ops.flashinfer_jit.JitModule`) into FlashInfer's
-    cache, `jobs` compiler processes at once: one ninja per module (under the module's own lock,
-    in its own folder, as a server's first plan builds it, so the server's ninja finds it up to
-    date), as many modules at a time as there are jobs. Returns (module, seconds, error or None)
+    cache, about `jobs` compiler processes at once: every module at the same time, one ninja each
+    (under the module's own lock, in its own folder, as a server's first plan builds it, so the
+    server's ninja finds it up to date), the jobs shared out by the module's source files (a
+    module's ninja cannot lend its slots to another's). Returns (module, seconds, error or None)
     in the order given; `done(module, seconds, error)` is called as each finishes."""
     import threading
     import time
     from concurrent.futures import ThreadPoolExecutor
     if not modules:
         return []
-    workers = max(1, min(int(jobs), len(modules)))
-    # FlashInfer's ninja reads MAX_JOBS at each build: the jobs shared out among the modules
-    os.environ["MAX_JOBS"] = str(max(1, int(jobs) // workers))
     lock = threading.Lock()
 
-    def one(m):
+    def one(m, spec, slots):
         t0 = time.monotonic()
         try:
-            m.spec().build(need_lock=True)
+            if spec is None:
+                spec = m.spec()
+            _run_build(spec, slots)
             err = None
         except Exception as e:   # noqa: BLE001 - reported per module, the others go on
             err = build_error(e)
@@ -125,8 +125,35 @@ def build_modules(modules: Sequence, jobs: int, done=None) -> list[tuple]:
                 done(*out)
         return out
 
-    with ThreadPoolExecutor(workers) as pool:       # ninja and nvcc run outside the GIL
-        return list(pool.map(one, modules))
+    specs = []
+    for m in modules:
+        try:
+            specs.append(m.spec())
+        except Exception:       # noqa: BLE001 - met again, and reported, in its build
+            specs.append(None)
+    sizes = [max(1, len(getattr(sp, "sources", ()) or ())) for sp in specs]
+    slots = [max(1, round(int(jobs) * n / sum(sizes))) for n in sizes]
+    with ThreadPoolExecutor(len(modules)) as pool:       # ninja and nvcc run outside the GIL
+        return list(pool.map(one, modules, specs, slots))
+
+
+def _run_build(spec, max_jobs: int) -> None:
+    """FlashInfer's `JitSpecNvcc.build(need_lock=True)` with ninja's job count given (it reads
+    MAX_JOBS from the environment, which threads share): write the module's ninja file and run
+    it in its folder under its lock. Another FlashInfer line builds through its own build()."""
+    try:
+        from filelock import FileLock
+        from flashinfer.jit.cpp_ext import run_ninja
+    except ImportError:
+        run_ninja = None
+    import inspect
+    if run_ninja is None or "max_jobs" not in inspect.signature(run_ninja).parameters \
+            or not all(hasattr(spec, a) for a in ("lock_path", "write_ninja", "build_dir", "ninja_path")):
+        spec.build(need_lock=True)
+        return
+    with FileLock(spec.lock_path, thread_local=False):
+        spec.write_ninja()
+        run_ninja(spec.build_dir, spec.ninja_path, False, max_jobs=int(max_jobs))
 
 
 def build_error(e: Exception) -> str:

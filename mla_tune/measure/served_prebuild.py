@@ -136,6 +136,17 @@ def cache_folder() -> Path:
         raise PrebuildError(str(e)) from None
 
 
+def check_names(modules) -> None:
+    """Name every module through this FlashInfer's own functions (what the cache holds them
+    under); a PrebuildError where they do not take the arguments its 0.7 line takes."""
+    for m in modules:
+        try:
+            m.name
+        except Exception as e:  # noqa: BLE001 - another FlashInfer line names its modules otherwise
+            raise PrebuildError(f"this FlashInfer does not name its {m.kind} modules as 0.7 does "
+                                f"({type(e).__name__}: {e}): its modules build at first use") from None
+
+
 def find_nvcc() -> str:
     """The nvcc FlashInfer will run ($CUDA_HOME/bin/nvcc, else the one on PATH); a PrebuildError
     naming what is missing."""
