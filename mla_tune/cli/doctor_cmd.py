@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import typer
 
 from mla_tune.cli.app import app, print_view
 from mla_tune.views.render import OutputFormat
-from mla_tune.validate import INT
+from mla_tune.validate import INT, PathOption
 
 FORMAT_HELP = "Output: table (rich), json, csv or markdown"
 
@@ -23,6 +24,9 @@ def doctor(
                                "this GPU (the first run of each compiles, ~20 s)"),
     format: OutputFormat = typer.Option(OutputFormat.table, "--format", "-f", help=FORMAT_HELP,
                                         case_sensitive=False),
+    traffic: Optional[Path] = PathOption(None, "--traffic", help="A server's recorded traffic "
+                                         "(VLLM_METAX_TRAFFIC=FILE): warn when many of its steps "
+                                         "fall outside the tuned buckets or far from them"),
 ):
     """Which device the plugin sees, whether it would activate, which backends are usable, and
     which tuned config it would load and why (or why none)."""
@@ -30,4 +34,4 @@ def doctor(
     from mla_tune.views.doctor import diagnose
     if model is not None:
         check_name("--model", model)
-    print_view(diagnose(model, tp, probe).render(format))
+    print_view(diagnose(model, tp, probe, traffic).render(format))

@@ -56,8 +56,27 @@ def _filter(device, model, run):
     return TrialFilter(device, model, tuple(run or ()))
 
 
+def _traffic_report(ctx, traffic: Path, config: Optional[Path], format, plot: Optional[Path]):
+    """report --traffic: what the tuned config gives the recorded traffic (views.traffic_view)."""
+    from mla_tune.store.traffic import load_traffic
+    from mla_tune.views.traffic_view import (config_for_traffic, entry_for_traffic, plot_traffic,
+                                             traffic_report)
+    clash = given(ctx, "db", "full", "device", "model", "run", "mix")
+    if clash:
+        fail(f"--traffic reports on the tuned config, not the DB: drop "
+             f"{', '.join('--' + n for n in clash)}")
+    t = load_traffic(traffic)
+    part = t.select()
+    cfg = config_for_traffic(t.device_name, config)
+    entry = entry_for_traffic(cfg, part)
+    print_view(traffic_report(part, entry, str(cfg.path or config)).render(format))
+    if plot is not None:
+        err_console.print(f"wrote {plot_traffic(part, entry, plot)}", highlight=False)
+
+
 @app.command("report", short_help="Summarise what was measured: fastest per bucket, verdict.")
 def report(
+    ctx: typer.Context,
     db: Optional[Path] = PathOption(None, "--db", help=DB_HELP),
     format: OutputFormat = typer.Option(OutputFormat.table, "--format", "-f", help=FORMAT_HELP,
                                         case_sensitive=False),
@@ -73,6 +92,15 @@ def report(
                                             **INT["run"].typer),
     mix: Optional[Path] = PathOption(None, "--mix", help="Workload mix CSV (batch,context,weight) "
                                        "weighting the global choice; default uniform"),
+    traffic: Optional[Path] = PathOption(None, "--traffic", help="A server's recorded traffic "
+                                         "(VLLM_METAX_TRAFFIC=FILE): instead of the DB report, the "
+                                         "expected per-step attention time of the tuned config "
+                                         "against untuned on it, and the share of its steps outside "
+                                         "or far from the tuned buckets; --plot: its (batch, "
+                                         "context) density with the tuned buckets"),
+    config: Optional[Path] = PathOption(None, "--config", help="With --traffic: the tuned config "
+                                        "to judge (default: the one the plugin loads for the "
+                                        "traffic's device)"),
 ):
     """The best kernel per bucket and the global choice (page size, backend order) with its reason;
     --full for every candidate."""
@@ -81,6 +109,10 @@ def report(
     from mla_tune.validate import is_png, output_file
     if plot is not None:
         output_file(plot, "--plot", own=is_png, suffix=".png")   # before anything runs
+    if traffic is not None:
+        return _traffic_report(ctx, traffic, config, format, plot)
+    if config is not None:
+        fail("--config applies only with --traffic FILE")
     flt = _filter(device, model, run)
     w = _mix(mix)
     with _open_store(_db_path(db)) as store:

@@ -144,6 +144,11 @@ class Traffic:
     writers: int = 0                # processes that flushed into it
     meta: dict = field(default_factory=dict)
 
+    @property
+    def device_name(self) -> str | None:
+        """The device the server ran on (whose tuned config it served), if recorded."""
+        return self.meta.get("device_name") or None
+
     def select(self, num_heads: int | None = None, kv_lora_rank: int | None = None) -> ModelTraffic:
         """The one model key matching the given dims (all of them when none is given); a
         TrafficError naming the keys recorded when none or several match."""

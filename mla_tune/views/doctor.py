@@ -254,8 +254,33 @@ def model_dims(model: str | None, tp_size: int, dtype: str = "bfloat16"):
     return model_key(m.heads_per_rank(tp_size), m.kv_lora_rank, m.qk_rope_head_dim, dtype, dtype)
 
 
-def diagnose(model: str | None = None, tp_size: int = 1, probe: bool = False) -> Doctor:
-    """Run every check (probing FlashInfer backends on the GPU only when asked)."""
+def traffic_check(path, device_name: str) -> Check:
+    """How well the tuned config the plugin loads covers a recorded traffic: a warning where more
+    than `traffic_view.WARN_SHARE` of its steps fall outside the tuned buckets or more than a grid
+    step from them, or where no config serves it."""
+    from mla_tune.store.traffic import load_traffic
+    from mla_tune.validate import InputError
+    from mla_tune.views.traffic_view import config_for_traffic, entry_for_traffic, traffic_report
+    t = load_traffic(path)          # a bad file is bad input: one line, exit 2
+    part = t.select()
+    try:
+        cfg = config_for_traffic(t.device_name or device_name)
+        rep = traffic_report(part, entry_for_traffic(cfg, part), str(cfg.path))
+    except InputError as e:
+        return Check("traffic", WARN, f"{path}: {e}")
+    gain = f"; expected attention {rep.speedup:.2f}x untuned" if rep.speedup else ""
+    warning = rep.warning()
+    if warning:
+        return Check("traffic", WARN, f"{path} ({part.label}, {part.steps} steps): {warning}{gain}")
+    return Check("traffic", OK, f"{path} ({part.label}, {part.steps} steps): "
+                 f"{100 * rep.far_share:.1f}% of the steps outside or > 1 grid step from the "
+                 f"tuned buckets{gain}")
+
+
+def diagnose(model: str | None = None, tp_size: int = 1, probe: bool = False,
+             traffic=None) -> Doctor:
+    """Run every check (probing FlashInfer backends on the GPU only when asked; `traffic`: a
+    recorded traffic file to judge the tuned config against, `traffic_check`)."""
     import os
 
     import vllm_metax
@@ -270,7 +295,8 @@ def diagnose(model: str | None = None, tp_size: int = 1, probe: bool = False) ->
     device = {"name": dev.name, "source": dev.source, "is_metax": dev.is_metax,
               "sm_count": dev.sm_count,
               "capability": ".".join(map(str, dev.capability)) if dev.capability else None}
-    names = (FORCE_ENV, FOLDER_ENV, STRICT_ENV, PROFILE_ENV)
+    from vllm_metax.core.traffic import TRAFFIC_ENV
+    names = (FORCE_ENV, FOLDER_ENV, STRICT_ENV, PROFILE_ENV, TRAFFIC_ENV)
     env = ", ".join(f"{k}={os.environ[k]}" for k in names if k in os.environ)
     checks = [_entry_point_check(), _clash_check(), _vllm_check(), _compiled_ops_check(dev),
               Check("environment", OK, env or f"none of {', '.join(names)} set")]
@@ -295,6 +321,8 @@ def diagnose(model: str | None = None, tp_size: int = 1, probe: bool = False) ->
         checks.append(Check("model", OK if tuned_order else WARN,
                             f"{model} at TP {tp_size}: H{dims.num_heads} per rank; "
                             + ("tuned entry found" if tuned_order else "no tuned entry: default order")))
+    if traffic is not None:
+        checks.append(traffic_check(traffic, dev.name))
     return Doctor(device, Check("platform plugin", OK if active else NO,
                                 ("would activate: " if active else "would not activate: ") + why),
                   checks, _attention_backends(dev, fi, order), _flashinfer_backends(probe), tuned)

@@ -101,4 +101,5 @@ def traffic_recorder(vllm_config, num_heads: int | None = None, *, kv_dtype=None
             return None
     except Exception as e:  # noqa: BLE001 - no parallel state (a test, a bench): this process records
         logger.debug("vllm_metax: no parallel state for the traffic recorder: %s", e)
-    return traffic.recorder(model_dims(vllm_config, num_heads, kv_dtype=kv_dtype))
+    return traffic.recorder(model_dims(vllm_config, num_heads, kv_dtype=kv_dtype),
+                            device_name=detect_device().name)

@@ -95,9 +95,11 @@ def resolve_path(environ=None) -> str | None:
 class TrafficRecorder:
     """The counts of one process for one model key, and their flushes into `path`."""
 
-    def __init__(self, path: str, dims, flush_seconds: float = FLUSH_SECONDS):
+    def __init__(self, path: str, dims, flush_seconds: float = FLUSH_SECONDS,
+                 device_name: str | None = None):
         self.path = path
         self.dims = dims
+        self.device_name = device_name        # the server's device: which tuned config it served
         self.model = model_label(dims)
         self.decode_counts: dict = {}        # (batch, q_len, context bin) -> steps
         self.prefill_counts: dict = {}       # (causal, query bin, kv bin) -> plans
@@ -153,7 +155,7 @@ class TrafficRecorder:
                 return True
             try:
                 write_counts(self.path, self.dims, d_delta, p_delta, self._started,
-                             sum(dec.values()), sum(pre.values()))
+                             sum(dec.values()), sum(pre.values()), self.device_name)
             except Exception as e:  # noqa: BLE001 - a full disk must not stop the server
                 if self.error is None:
                     logger.warning("vllm_metax: cannot write the traffic record %s: %s "
@@ -170,7 +172,7 @@ def _delta(now: dict, before: dict) -> dict:
 
 
 def write_counts(path: str, dims, decode: dict, prefill: dict, started: float = 0.0,
-                 steps: int = 0, plans: int = 0) -> None:
+                 steps: int = 0, plans: int = 0, device_name: str | None = None) -> None:
     """Add `decode` ((batch, q_len, context bin) -> steps) and `prefill` ((causal, query bin,
     kv bin) -> plans) of model key `dims` into the traffic file at `path` (created if missing),
     in one transaction that waits for other writers."""
@@ -184,6 +186,8 @@ def write_counts(path: str, dims, decode: dict, prefill: dict, started: float = 
             conn.execute(stmt)
         conn.execute("insert or ignore into meta values ('schema_version', ?)", (str(SCHEMA_VERSION),))
         conn.execute("insert or ignore into meta values ('bins_per_octave', ?)", (str(BINS_PER_OCTAVE),))
+        if device_name:
+            conn.execute("insert or ignore into meta values ('device_name', ?)", (device_name,))
         conn.execute("insert or ignore into models values (?, ?, ?, ?, ?, ?)",
                      (model, dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim,
                       dims.q_dtype, dims.kv_dtype))
@@ -212,9 +216,10 @@ _RECORDERS: dict = {}
 _RECORDERS_LOCK = threading.Lock()
 
 
-def recorder(dims, environ=None) -> TrafficRecorder | None:
+def recorder(dims, environ=None, device_name: str | None = None) -> TrafficRecorder | None:
     """This process's recorder for model key `dims` where `VLLM_METAX_TRAFFIC` is set, else None
-    (one per key and process; the server log names the file once)."""
+    (one per key and process; the server log names the file once). `device_name`: the device
+    whose tuned config the server runs (kept in the file for `mla-tune report --traffic`)."""
     path = resolve_path(environ)
     if path is None or dims is None:
         return None
@@ -222,7 +227,7 @@ def recorder(dims, environ=None) -> TrafficRecorder | None:
         key = (path, dims)
         rec = _RECORDERS.get(key)
         if rec is None:
-            rec = _RECORDERS[key] = TrafficRecorder(path, dims)
+            rec = _RECORDERS[key] = TrafficRecorder(path, dims, device_name=device_name)
             logger.info("vllm_metax: recording MLA traffic (%s) to %s: decode steps by batch, "
                         "context and q_len, prefill plans by size; flushed every %.0f s and at exit "
                         "(read it with `mla-tune report --traffic %s`)", rec.model, path,
