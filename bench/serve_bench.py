@@ -17,6 +17,9 @@ vendor's default (FLASHMLA at block 64, else its Triton), `tuned` the metax-prof
 Models (tiny_model.py, made here: DeepSeek attention dims, dense MLP, word-level tokenizer):
   h16   16 heads per rank (DeepSeek-V3 at TP8, V2-Lite), 27 layers (V2-Lite's depth)
   h128  128 heads (V3 at TP1), 27 layers
+  v3tp8 DeepSeek-V3's layers on one rank of TP8 (hidden 7168, q_lora 1536, 16 heads, dense MLP of
+        the MoE's FLOPs per token), 61 layers, weights drawn by vLLM at load (`--load-format
+        dummy`); tiny_model.py's docstring says why dense and how the layers fit
 Workloads (vLLM's random dataset, `--ignore-eos`, three request rates each; see WORKLOADS).
 
 Each server is vLLM's CLI (`python3 -m vllm.entrypoints.cli.main serve`, the `vllm serve` entry point)
@@ -44,7 +47,9 @@ as a follow-up on the same device and writes RESULTS.md: the run before it stays
 the decode steps of one long request (--profile-prompt tokens; 0: none), then of a batch
 (--profile-batch requests of --profile-batch-prompt tokens, N or a LO-HI range; default chat@32's shape, 32 x 512) are
 profiled (bench/server_profile.py); the report then says how much of a decode step attention takes
-and what tuned/triton16 would be with attention free.
+and what tuned/triton16 would be with attention free, the host's time per decode-only step in
+vLLM's execute_model, and a table of attention's share across the models. --profile-stack adds
+vLLM's Python tracer: the host time of the MLA metadata build and of the plugin's code per step.
 
 Compilation (--compilation, every setup alike, recorded in the results and said in the report's
 header): `default` is what `vllm serve` users get, vLLM's default (torch.compile, FULL_AND_PIECEWISE
@@ -56,9 +61,11 @@ Start-up (issue #51: a cold start at most 1.2x vLLM's own server's, a warm one a
 setup's ready time (`ready_s`, from process start to /health answering) is recorded. --cache-root
 DIR gives each server its own caches, DIR/<model>_<setup>/ (vLLM's torch.compile cache through
 VLLM_CACHE_ROOT, FlashInfer's JIT through FLASHINFER_WORKSPACE_BASE, Triton's and inductor's), so
-one server cannot warm another's. --start-only N starts each server N times and stops it once
-ready, without workloads: with --cache-root the first start is cold (the setup's cache folder is
-emptied first) and the later ones warm; the report compares them with vLLM's own server's.
+one server cannot warm another's. A start is cold until a server has started on its setup's
+folder, warm after (a FlashInfer cache filled by `mla-tune prebuild` or copied in is recorded
+apart, `flashinfer_cache`). --start-only N starts each server N times on its caches as they are
+and stops it once ready, without workloads (--fresh-cache empties each setup's folder first, so
+its first start is cold); the report compares them with vLLM's own server's.
 --prebuild runs `mla-tune prebuild` (in the server's environment: its FlashInfer cache and config)
 before each plugin setup's cold start (with --cache-root), as a user runs it once after install;
 its time is recorded and reported apart (`prebuild`), and the start after it still counts as cold.
@@ -129,6 +136,7 @@ COMPILATION = {
                      "users run)"),
 }
 CACHE_MARK = ".serve_bench_cache"     # a cache folder serve_bench made, and may empty for a cold start
+STARTED_MARK = ".serve_bench_started"  # a server has started on this cache folder: the next start is warm
 
 
 def compilation_args(mode: str) -> list[str]:
@@ -170,14 +178,29 @@ def empty_cache(folder: Path) -> str | None:
 
 
 def cache_state(folder: Path | None) -> str:
-    """"cold" where the setup's cache folder holds nothing yet, "warm" where an earlier start
-    filled it, "shared" without --cache-root (the default caches, which an earlier server of any
-    setup may have filled)."""
+    """"cold" where no server has started on the setup's cache folder yet (a FlashInfer cache
+    filled by `mla-tune prebuild` or copied in does not count: that is install, not a start),
+    "warm" after one did (its STARTED_MARK), "shared" without --cache-root (the default caches,
+    which an earlier server of any setup may have filled)."""
     if folder is None:
         return "shared"
-    folder = Path(folder)
-    filled = folder.exists() and any(p.name != CACHE_MARK for p in folder.iterdir())
-    return "warm" if filled else "cold"
+    return "warm" if (Path(folder) / STARTED_MARK).exists() else "cold"
+
+
+def jit_state(folder: Path | None) -> str | None:
+    """Whether the setup's FlashInfer JIT cache held anything before a start ("filled": prebuilt or
+    copied in; "empty"); None without --cache-root."""
+    if folder is None:
+        return None
+    fi = Path(folder) / "flashinfer"
+    return "filled" if fi.exists() and any(p.is_file() for p in fi.rglob("*")) else "empty"
+
+
+def mark_started(folder: Path | None) -> None:
+    """A server has started on these caches: later starts on them are warm."""
+    if folder is not None:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / STARTED_MARK).write_text("a server started on these caches\n")
 
 
 def fa3_available() -> str | None:
@@ -399,11 +422,14 @@ def run_setup(model: str, setup: str, model_dir: Path, args, empty: Path, port: 
         return
     rec["cache"] = cache_state(cache)
     env = server_env(setup, args.config_folder, empty, cache)
+    mark_started(cache)
     if getattr(args, "prebuild", False) and rec["cache"] == "cold" and setup != "vllm_default":
         rec["prebuild"] = prebuild(env, args.out / f"prebuild_{model}_{setup}.log")
         print(f"[{key}] mla-tune prebuild: {rec['prebuild']['s']} s (exit {rec['prebuild']['rc']})", flush=True)
     extra = (model_args(model) + (profiler_args(trace_dir, getattr(args, "profile_stack", False)) if args.profile
                                   else []) + tokens_args(args))
+    if jit := jit_state(cache):
+        rec["flashinfer_cache"] = jit
     server = Server(model_dir, setup, port, log, env, args.compilation, extra)
     rec["command"] = " ".join(server.args[1:])
     try:
@@ -576,8 +602,9 @@ def prebuild(env: dict, log: Path) -> dict:
 def start_only(model: str, setup: str, model_dir: Path, args, empty: Path, port: int, record: dict,
                checkpoint=lambda: None) -> None:
     """Start the setup's server `args.start_only` times, each until it answers /health, then stop
-    it; every start's ready time and the state of its caches (cold, warm or shared) into
-    `record[model/setup]["starts"]`."""
+    it; every start's ready time and the state of its caches (cold, warm or shared; FlashInfer's
+    filled or empty) into `record[model/setup]["starts"]`. The caches are taken as they are
+    (`args.fresh_cache`: the setup's folder emptied before the first start)."""
     key = f"{model}/{setup}"
     rec = record[key] = {"model": model, "setup": setup, "starts": []}
     if setup == "vllm_default" and (why := fa3_available()):
@@ -587,28 +614,30 @@ def start_only(model: str, setup: str, model_dir: Path, args, empty: Path, port:
     log = args.out / f"server_{model}_{setup}.log"
     log.write_text("")
     for i in range(args.start_only):
-        cache = setup_cache(args, model, setup, cold=i == 0)
+        cache = setup_cache(args, model, setup, cold=i == 0 and getattr(args, "fresh_cache", False))
         if isinstance(cache, str):
             rec["error"] = cache
             print(f"[{key}] FAILED: {cache}", flush=True)
             break
         state = cache_state(cache)
         env = server_env(setup, args.config_folder, empty, cache)
-        if getattr(args, "prebuild", False) and i == 0 and setup != "vllm_default":
+        if getattr(args, "prebuild", False) and state == "cold" and setup != "vllm_default":
             rec["prebuild"] = prebuild(env, args.out / f"prebuild_{model}_{setup}.log")
             print(f"[{key}] mla-tune prebuild: {rec['prebuild']['s']} s (exit {rec['prebuild']['rc']})",
                   flush=True)
+        jit = {"flashinfer_cache": j} if (j := jit_state(cache)) else {}
+        mark_started(cache)
         server = Server(model_dir, setup, port, log, env, args.compilation, model_args(model), mode="a")
         rec["command"] = " ".join(server.args[1:])
         try:
             ready = round(server.wait_ready(args.start_timeout), 1)
         except Exception as e:  # noqa: BLE001 - a start that fails is the result
-            rec["starts"].append({"cache": state, "error": f"{type(e).__name__}: {e}"})
+            rec["starts"].append({"cache": state, "error": f"{type(e).__name__}: {e}", **jit})
             print(f"[{key}] start {i + 1} ({state}) FAILED: {type(e).__name__}: {e}", flush=True)
             break
         finally:
             server.stop()
-        rec["starts"].append({"cache": state, "ready_s": ready})
+        rec["starts"].append({"cache": state, "ready_s": ready, **jit})
         print(f"[{key}] start {i + 1} ({state} caches): ready in {ready} s", flush=True)
         checkpoint()
     rec["log"] = log_lines(log)
@@ -760,6 +789,10 @@ def startup_lines(recs: dict) -> list[str]:
               for s, v in have.items()]
     lines += [f"- {s}: `mla-tune prebuild` before its cold start took {r['prebuild']['s']:.1f} s "
               f"(exit {r['prebuild']['rc']}), not counted in it" for s, r in recs.items() if r.get("prebuild")]
+    filled = [s for s, r in recs.items() if any(st.get("cache") == "cold" and st.get("flashinfer_cache") == "filled"
+                                                 for st in r.get("starts") or [r])]
+    if filled:
+        lines.append(f"- cold, but FlashInfer's JIT cache already filled (prebuilt or copied in): {', '.join(filled)}")
     t, b = have.get("tuned", {}), have.get("vllm_default", {})
     for state, goal in (("cold", COLD_GOAL), ("warm", WARM_GOAL)):
         if t.get(state) and b.get(state):
@@ -959,8 +992,12 @@ def main(argv=None) -> int:
                     help="each server's caches (vLLM's torch.compile, FlashInfer's JIT, Triton, inductor) "
                          "in DIR/<model>_<setup>/, so no server warms another's")
     ap.add_argument("--start-only", type=int, default=0, metavar="N",
-                    help="no workloads: start each server N times (with --cache-root: the first cold, "
-                         "the rest warm), record the ready times, stop it")
+                    help="no workloads: start each server N times on its caches as they are (with "
+                         "--cache-root: cold until a server has started on them, warm after), record "
+                         "the ready times, stop it")
+    ap.add_argument("--fresh-cache", action="store_true",
+                    help="with --start-only and --cache-root: empty each setup's cache folder (one "
+                         "serve_bench made) before its first start, so that start is cold")
     ap.add_argument("--prebuild", action="store_true",
                     help="with --cache-root: `mla-tune prebuild` before each plugin setup's cold "
                          "start, as after install; its time reported apart")

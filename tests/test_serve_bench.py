@@ -413,9 +413,14 @@ def test_setups_get_caches_of_their_own(tmp_path):
         sb.server_env("tuned", None, tmp_path / "empty")["VLLM_CACHE_ROOT"] == os.environ.get("VLLM_CACHE_ROOT")
     assert sb.cache_state(None) == "shared" and sb.cache_state(cache) == "cold"
     assert sb.empty_cache(cache) is None and sb.cache_state(cache) == "cold"      # made, marked, empty
-    (cache / "vllm").mkdir()
+    assert sb.jit_state(cache) == "empty" and sb.jit_state(None) is None
+    (cache / "flashinfer" / "90a").mkdir(parents=True)
+    (cache / "flashinfer" / "90a" / "mla.so").write_bytes(b"x")                # prebuilt: still cold
+    assert sb.cache_state(cache) == "cold" and sb.jit_state(cache) == "filled"
+    sb.mark_started(cache)
     assert sb.cache_state(cache) == "warm"
     assert sb.empty_cache(cache) is None and sb.cache_state(cache) == "cold"      # emptied: it made it
+    assert sb.jit_state(cache) == "empty"
     # a folder serve_bench did not make is never emptied
     other = tmp_path / "mine"
     other.mkdir()
@@ -453,15 +458,23 @@ def test_start_only_records_a_cold_then_warm_start_per_setup(tmp_path, monkeypat
     assert sb.empty_cache(root / "h16_tuned") is None
     (root / "h16_tuned" / "vllm").mkdir()                     # filled by an earlier call
     args = sb.argparse.Namespace(out=tmp_path, start_timeout=5, compilation="default", cache_root=root,
-                                 config_folder=None, start_only=2)
+                                 config_folder=None, start_only=2, fresh_cache=True)
     record: dict = {}
     for setup in ("tuned", "vllm_default"):
         sb.start_only("h16", setup, model_dir, args, tmp_path / "empty", 8000, record)
     assert [s for s, _ in started] == ["tuned", "tuned", "vllm_default", "vllm_default"]
-    assert started[0][1] == str(root / "h16_tuned" / "vllm")
-    assert record["h16/tuned"]["starts"] == [{"cache": "cold", "ready_s": 200.0}, {"cache": "warm", "ready_s": 60.0}]
-    assert record["h16/vllm_default"]["starts"] == [{"cache": "cold", "ready_s": 130.0},
-                                                    {"cache": "warm", "ready_s": 58.0}]
+    assert started[0][1] == str((root / "h16_tuned" / "vllm").resolve())
+    assert record["h16/tuned"]["starts"] == [{"cache": "cold", "ready_s": 200.0, "flashinfer_cache": "empty"},
+                                             {"cache": "warm", "ready_s": 60.0, "flashinfer_cache": "empty"}]
+    assert [(x["cache"], x["ready_s"]) for x in record["h16/vllm_default"]["starts"]] == [("cold", 130.0),
+                                                                                         ("warm", 58.0)]
+    # without --fresh-cache the caches are taken as they are: a third start of each is warm
+    again = sb.argparse.Namespace(**{**vars(args), "fresh_cache": False, "start_only": 1})
+    ready = iter([61.0, 57.0])
+    warm: dict = {}
+    for setup in ("tuned", "vllm_default"):
+        sb.start_only("h16", setup, model_dir, again, tmp_path / "empty", 8000, warm)
+    assert [warm[k]["starts"][0]["cache"] for k in ("h16/tuned", "h16/vllm_default")] == ["warm", "warm"]
     md = sb.report(record, {"device": "X", "date": "d", "note": "n", "compilation": "default"})
     assert "Compilation: vLLM's default compilation (torch.compile, FULL_AND_PIECEWISE" in md
     assert "| tuned | 200.0 | 60.0 | - |" in md and "| vllm_default | 130.0 | 58.0 | - |" in md
@@ -473,11 +486,13 @@ def test_start_only_records_a_cold_then_warm_start_per_setup(tmp_path, monkeypat
         raise TimeoutError("server not ready in 5 s")
     monkeypatch.setattr(FakeServer, "wait_ready", fail)
     sb.start_only("h16", "tuned", model_dir, args, tmp_path / "empty", 8000, record)
-    assert record["h16/tuned"]["starts"] == [{"cache": "cold", "error": "TimeoutError: server not ready in 5 s"}]
+    assert record["h16/tuned"]["starts"] == [{"cache": "cold", "error": "TimeoutError: server not ready in 5 s",
+                                             "flashinfer_cache": "empty"}]
     md = sb.report(record, {"device": "X", "date": "d", "note": "n"})
     assert "- tuned: start 1 (cold caches) FAILED: TimeoutError: server not ready in 5 s" in md
     assert "Compilation: torch.compile off" in md          # a file without the field: the old default
-    # a cache root holding a folder serve_bench did not make: that setup fails, nothing is deleted
+    # with --fresh-cache, a cache root holding a folder serve_bench did not make: that setup fails,
+    # nothing is deleted
     (root / "h16_untuned").mkdir()
     (root / "h16_untuned" / "x").write_text("y")
     sb.start_only("h16", "untuned", model_dir, args, tmp_path / "empty", 8000, record)
@@ -520,7 +535,7 @@ def test_prebuild_runs_before_each_plugin_setups_cold_start_in_its_environment(t
         sb.start_only("h16", setup, model_dir, args, tmp_path / "empty", 8000, record)
     assert calls == [(["-m", "mla_tune", "prebuild"], str((root / "h16_tuned" / "flashinfer").resolve()), "/cfg")]
     assert record["h16/tuned"]["prebuild"]["rc"] == 0 and "prebuild" not in record["h16/vllm_default"]
-    assert record["h16/tuned"]["starts"][0] == {"cache": "cold", "ready_s": 90.0}
+    assert record["h16/tuned"]["starts"][0] == {"cache": "cold", "ready_s": 90.0, "flashinfer_cache": "empty"}
     assert "3 modules in 41.0 s wall" in (tmp_path / "prebuild_h16_tuned.log").read_text()
     md = sb.report(record, {"device": "X", "date": "d", "note": "n", "compilation": "default"})
     assert "- tuned: `mla-tune prebuild` before its cold start took " in md
