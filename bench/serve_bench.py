@@ -180,11 +180,14 @@ def empty_cache(folder: Path) -> str | None:
 def cache_state(folder: Path | None) -> str:
     """"cold" where no server has started on the setup's cache folder yet (a FlashInfer cache
     filled by `mla-tune prebuild` or copied in does not count: that is install, not a start),
-    "warm" after one did (its STARTED_MARK), "shared" without --cache-root (the default caches,
-    which an earlier server of any setup may have filled)."""
+    "warm" after one did (its STARTED_MARK, or vLLM's own cache folder filled, as by a start of an
+    earlier serve_bench), "shared" without --cache-root (the default caches, which an earlier
+    server of any setup may have filled)."""
     if folder is None:
         return "shared"
-    return "warm" if (Path(folder) / STARTED_MARK).exists() else "cold"
+    vllm = Path(folder) / "vllm"        # vLLM's own cache (torch.compile's): only a server fills it
+    started = (Path(folder) / STARTED_MARK).exists() or (vllm.exists() and any(vllm.iterdir()))
+    return "warm" if started else "cold"
 
 
 def jit_state(folder: Path | None) -> str | None:

@@ -417,6 +417,9 @@ def test_setups_get_caches_of_their_own(tmp_path):
     (cache / "flashinfer" / "90a").mkdir(parents=True)
     (cache / "flashinfer" / "90a" / "mla.so").write_bytes(b"x")                # prebuilt: still cold
     assert sb.cache_state(cache) == "cold" and sb.jit_state(cache) == "filled"
+    (cache / "vllm" / "torch_compile_cache").mkdir(parents=True)             # a server's compile cache
+    assert sb.cache_state(cache) == "warm"
+    sb.empty_cache(cache)
     sb.mark_started(cache)
     assert sb.cache_state(cache) == "warm"
     assert sb.empty_cache(cache) is None and sb.cache_state(cache) == "cold"      # emptied: it made it
