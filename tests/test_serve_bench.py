@@ -367,10 +367,12 @@ def test_each_compilation_mode_parses_with_vllms_serve_parser(model_dir, mode):
     from vllm.entrypoints.common.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    cmd = sb.server_args(model_dir, "tuned", 8000, mode, sb.model_args("v3tp8"))
+    tokens = sb.tokens_args(sb.argparse.Namespace(tokens=True))
+    cmd = sb.server_args(model_dir, "tuned", 8000, mode, sb.model_args("v3tp8") + tokens)
     assert cmd[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", str(model_dir)]
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", *cmd[4:]])
     assert args.load_format == "dummy" and args.max_model_len == sb.MAX_MODEL_LEN
+    assert args.logprobs_mode == "raw_logits"           # --tokens: the top values are the LM head's logits
     cc = args.compilation_config if isinstance(args.compilation_config, CompilationConfig) else \
         CompilationConfig(**(args.compilation_config or {}))
     if mode == "default":
