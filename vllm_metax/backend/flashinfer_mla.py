@@ -127,7 +127,7 @@ class FlashInferMLAMetadataBuilder(HostLengthsBuilder, MLACommonMetadataBuilder[
         log_once(logger, logging.INFO, "vllm_metax MLA: FLASHINFER_MLA decode kernels: %s",
                  self.choice.describe())
         if entry is not None:
-            served_modules.say_unbuilt(entry, self.choice.backends)
+            served_modules.say_unbuilt(self.choice)
         self._kernels: dict[str, MLADecodeKernel] = {}
         self._graph_kernels: dict[tuple, MLADecodeKernel] = {}
         self._graph_buffers: dict[tuple, GraphBuffers] = {}

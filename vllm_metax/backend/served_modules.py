@@ -30,9 +30,11 @@ from vllm_metax.ops.flashinfer_prefill import MLA_DIMS
 logger = get_logger(__name__)
 
 
-def decode_modules(entry, backends: decisions.FlashInferBackends) -> list[JitModule]:
-    """The FlashInfer MLA decode modules FLASHINFER_MLA may load serving `entry`."""
-    choice = PlanChoice(entry, backends)
+def decode_modules(entry, backends: decisions.FlashInferBackends,
+                   choice: PlanChoice | None = None) -> list[JitModule]:
+    """The FlashInfer MLA decode modules FLASHINFER_MLA may load serving `entry` (`choice`: the
+    builder's own PlanChoice of it, else one is made, which warns about values it cannot serve)."""
+    choice = choice or PlanChoice(entry, backends)
     values = {choice.for_bucket(b) for b in entry.buckets} or {backends.default}
     d = entry.dims
     return sorted(decode_module(v, d.q_dtype, d.kv_dtype, d.kv_lora_rank, d.qk_rope_head_dim)
@@ -51,9 +53,9 @@ def prefill_modules(entry, backends: decisions.FlashInferBackends) -> list[JitMo
 
 
 def entry_modules(entry, decode: decisions.FlashInferBackends,
-                  prefill: decisions.FlashInferBackends) -> list[JitModule]:
+                  prefill: decisions.FlashInferBackends, choice: PlanChoice | None = None) -> list[JitModule]:
     """Every FlashInfer JIT module a server of `entry` may load (decode first)."""
-    return decode_modules(entry, decode) + prefill_modules(entry, prefill)
+    return decode_modules(entry, decode, choice) + prefill_modules(entry, prefill)
 
 
 def config_modules(entries, decode: decisions.FlashInferBackends,
@@ -63,15 +65,15 @@ def config_modules(entries, decode: decisions.FlashInferBackends,
     return list(dict.fromkeys(m for e in entries for m in entry_modules(e, decode, prefill)))
 
 
-def say_unbuilt(entry, decode: decisions.FlashInferBackends,
-                prefill: decisions.FlashInferBackends | None = None) -> list[JitModule]:
-    """Once per process, at start: one INFO line naming the modules `entry` serves that are not
-    in FlashInfer's cache (each then compiles the first time a step needs it, in warm-up, graph
-    capture or a request) and the command that builds them ahead. `prefill`: default the
-    device's. Returns them; never raises."""
+def say_unbuilt(choice: PlanChoice, prefill: decisions.FlashInferBackends | None = None) -> list[JitModule]:
+    """Once per process, at start: one INFO line naming the modules the decode builder's tuned
+    entry (`choice`: its PlanChoice) serves that are not in FlashInfer's cache (each then compiles
+    the first time a step needs it, in warm-up, graph capture or a request) and the command that
+    builds them ahead. `prefill`: default the device's. Returns them; never raises."""
     try:
         prefill = prefill or decisions.device_prefill_backends()
-        missing = [m for m in entry_modules(entry, decode, prefill) if not m.built()]
+        missing = [m for m in entry_modules(choice.entry, choice.backends, prefill, choice)
+                   if not m.built()]
     except Exception as e:  # noqa: BLE001 - a log line must never stop a server
         logger.debug("vllm_metax MLA: cannot check FlashInfer's JIT cache: %s", e)
         return []
