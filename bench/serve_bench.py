@@ -123,7 +123,11 @@ WORKLOADS = {
     "long": (20480, 256, {"input": 0.6, "output": 0.0}, 8, ("1", "4", "inf")),     # 8K-32K prompts
     "chat": (512, 128, {"input": 0.5, "output": 0.5}, 48, ("8", "32", "inf")),
     "ragged": (4096, 256, {"input": 0.95, "output": 0.5}, 16, ("2", "8", "inf")),  # 205-7987 prompts
+    # issue 54's traffic loop (bench/tools/traffic_loop.sh), not run by default: 48 requests of
+    # 4K-12K prompts decoding together (batch ~24-48 at 4K-12K context, unlike the default grid's mix)
+    "mid": (8192, 256, {"input": 0.5, "output": 0.0}, 48, ("8", "16", "inf")),
 }
+DEFAULT_WORKLOADS = ("long", "chat", "ragged")
 QUICK = {"long": (8192, 64, {"input": 0.5, "output": 0.0}, 4, ("inf",)),
          "chat": (256, 32, {"input": 0.5, "output": 0.5}, 8, ("inf",))}
 METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -430,7 +434,7 @@ def run_setup(model: str, setup: str, model_dir: Path, args, empty: Path, port: 
         rec["prebuild"] = prebuild(env, args.out / f"prebuild_{model}_{setup}.log")
         print(f"[{key}] mla-tune prebuild: {rec['prebuild']['s']} s (exit {rec['prebuild']['rc']})", flush=True)
     extra = (model_args(model) + (profiler_args(trace_dir, getattr(args, "profile_stack", False)) if args.profile
-                                  else []) + tokens_args(args))
+                                  else []) + tokens_args(args) + user_server_args(args))
     if jit := jit_state(cache):
         rec["flashinfer_cache"] = jit
     server = Server(model_dir, setup, port, log, env, args.compilation, extra)
@@ -503,6 +507,12 @@ def run_setup(model: str, setup: str, model_dir: Path, args, empty: Path, port: 
 def tokens_args(args) -> list[str]:
     """With --tokens: the top values the check reads are the LM head's bf16 logits (serve_tokens)."""
     return ["--logprobs-mode", serve_tokens.LOGPROBS_MODE] if getattr(args, "tokens", False) else []
+
+
+def user_server_args(args) -> list[str]:
+    """--server-args, split as a shell would."""
+    import shlex
+    return shlex.split(getattr(args, "server_args", "") or "")
 
 
 def tokens_comparisons(recs: dict) -> dict:
@@ -630,7 +640,8 @@ def start_only(model: str, setup: str, model_dir: Path, args, empty: Path, port:
                   flush=True)
         jit = {"flashinfer_cache": j} if (j := jit_state(cache)) else {}
         mark_started(cache)
-        server = Server(model_dir, setup, port, log, env, args.compilation, model_args(model), mode="a")
+        server = Server(model_dir, setup, port, log, env, args.compilation,
+                        model_args(model) + user_server_args(args), mode="a")
         rec["command"] = " ".join(server.args[1:])
         try:
             ready = round(server.wait_ready(args.start_timeout), 1)
@@ -970,7 +981,7 @@ def dry_run(models: list[str], setups: list[str], args) -> list[str]:
                      + [f"{k}={env[k]}" for k in keys if k in env and env[k] != os.environ.get(k)])
             extra = (model_args(model) + (profiler_args(args.out / f"trace_{model}_{setup}", args.profile_stack)
                                           if args.profile else [])
-                     + tokens_args(args))
+                     + tokens_args(args) + user_server_args(args))
             cmd = server_args(args.model_root / model, setup, args.port, args.compilation, extra)
             out.append(f"[{model}/{setup}] env {' '.join(shown)} {' '.join(cmd)}")
     return out
@@ -982,7 +993,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--models", default="h16,h128")
     ap.add_argument("--setups", default=",".join(SETUPS))
-    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
+                    help=f"of {', '.join(WORKLOADS)} (default: {','.join(DEFAULT_WORKLOADS)})")
+    ap.add_argument("--server-args", default="", metavar="ARGS",
+                    help="more `vllm serve` arguments for every server, one shell-quoted string "
+                         "(e.g. a --speculative-config)")
     ap.add_argument("--config-folder", default=None,
                     help="tuned configs for the `tuned` setup (default: the packaged ones)")
     ap.add_argument("--model-root", type=Path, default=Path("/tmp/serve_bench_models"))
