@@ -520,8 +520,14 @@ def tokens_comparisons(recs: dict) -> dict:
     t = recs.get("tuned", {}).get("tokens")
     if not t or "error" in t:
         return {}
-    return {s: serve_tokens.compare(t, r["tokens"]) for s, r in recs.items()
-            if s != "tuned" and r.get("tokens") and "error" not in r["tokens"]}
+    out = {}
+    for s, r in recs.items():
+        if s != "tuned" and r.get("tokens") and "error" not in r["tokens"]:
+            try:
+                out[s] = serve_tokens.compare(t, r["tokens"])
+            except ValueError as e:     # records of different prompts (another version's): not compared
+                out[s] = {"error": str(e)}
+    return out
 
 
 def check_failures(model: str, record: dict, model_dir: Path, device: str) -> None:
@@ -530,7 +536,7 @@ def check_failures(model: str, record: dict, model_dir: Path, device: str) -> No
     GPU's memory). A model whose weights are drawn at load has no reference."""
     recs = {r["setup"]: r for r in record.values() if r["model"] == model}
     for base, c in tokens_comparisons(recs).items():
-        if not c["failures"]:
+        if not c.get("failures"):
             continue
         ref = recs["tuned"].setdefault("tokens_reference", {})
         if MODELS[model].get("dummy"):
@@ -571,6 +577,9 @@ def tokens_lines(recs: dict) -> list[str]:
     comps = tokens_comparisons(recs)
     verdicts = recs.get("tuned", {}).get("tokens_reference", {})
     for base, c in comps.items():
+        if "error" in c:
+            lines.append(f"- tuned vs {base}: not compared ({c['error']})")
+            continue
         lines += serve_tokens.summary_lines("tuned", base, c, verdicts.get(base))
         lines += [f"  - float32: {v['error']}" for k, v in verdicts.get(base, {}).items() if k.startswith("_")]
     for s, t in have.items():
@@ -580,7 +589,7 @@ def tokens_lines(recs: dict) -> list[str]:
         own = serve_tokens.compare(t, {**t, "single": t["batch"][:n]}, modes=("single",))
         lines.append(f"- {s} against itself, one at a time vs in the batch: {own['divergent']} of {own['compared']} "
                      f"diverge ({own['near_ties']} near-ties, {own['failures']} failures)")
-    if comps:
+    if comps := {b: c for b, c in comps.items() if "error" not in c}:
         bad = sum(c["failures"] for c in comps.values())
         lines.append(f"- goal, 0 divergences from another setup that are not near-ties: "
                      + ("met" if not bad else f"NOT met ({bad})"))

@@ -608,6 +608,11 @@ def test_tokens_are_collected_on_each_server_and_divergences_reported(tmp_path, 
     sb.check_failures("v3tp8", v3, model_dir, "cpu")
     assert "  - float32: no float32 reference: the weights are drawn inside the server" in sb.report(
         v3, {"device": "X", "date": "d", "note": "n"})
+    # records of other prompts (another version's lengths): said, not compared, no crash
+    other = {k: {**r, "tokens": {**r["tokens"], "lens": [1, 2, 3]}} if k == "h16/vllm_default" else r
+             for k, r in record.items()}
+    md = sb.report(other, {"device": "X", "date": "d", "note": "n"})
+    assert "- tuned vs vllm_default: not compared (the two records were collected with different prompts" in md
     # a server whose check failed: said, and nothing compared
     record["h16/vllm_default"]["tokens"] = {"error": "RuntimeError: prompt 5 (32000 tokens): HTTP 400"}
     md = sb.report(record, {"device": "X", "date": "d", "note": "n"})
