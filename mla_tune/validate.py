@@ -226,6 +226,10 @@ def output_file(path: str | os.PathLike, what: str, own: Callable[[Path], bool] 
     if suffix and p.suffix.lower() != suffix:
         raise InputError(f"{what} {p} must end in {suffix}")
     if os.path.lexists(p):
+        if p.is_symlink() and not p.exists():
+            raise InputError(f"{what} {p} is a symbolic link to {os.readlink(p)}, which does not "
+                             "exist; name the file itself (or remove the link): nothing is "
+                             "created through it")
         if p.is_dir():
             raise InputError(f"{what} {p} is a folder; name a file")
         if not p.is_file():
@@ -239,6 +243,31 @@ def output_file(path: str | os.PathLike, what: str, own: Callable[[Path], bool] 
     if why:
         raise InputError(f"{what} {p}: {why}")
     return p
+
+
+def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether two paths name one file: equal once symbolic links, `.`, `..` and the working
+    directory are resolved (a file not made yet included), or one inode (a hard link)."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:          # one of them does not exist (yet): the real paths decided
+        return False
+
+
+def check_distinct_paths(*roles: tuple[str, str | os.PathLike | None]) -> None:
+    """One path for one role: InputError when two roles (--db, --journal, --storage, a merge
+    source and its target, --configs-dir) name the same file, however spelt (`./x.db`, a
+    symbolic link, a hard link); `None` paths are not given. Checked before anything is written:
+    a results DB written over as a journal, or merged into itself, loses what it held."""
+    given = [(role, p) for role, p in roles if p is not None and str(p).strip()]
+    for i, (role_a, a) in enumerate(given):
+        for role_b, b in given[i + 1:]:
+            if same_file(a, b):
+                raise InputError(f"{role_a} {a} and {role_b} {b} are one file "
+                                 f"({os.path.realpath(a)}): give each its own path; nothing was "
+                                 "written")
 
 
 def _own_text(own) -> str:

@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 # mla_tune's layers, lowest first: a module may import its own layer and the ones before it.
-MLA_TUNE_LAYERS = ["validate", "faults", "problem", "kernels", "families", "measure", "store", "tune", "views", "cli"]
+MLA_TUNE_LAYERS = ["validate", "faults", "fault_points", "problem", "kernels", "families", "measure", "store", "tune", "views", "cli"]
 # vllm_metax, by folder (a new module is checked by the rules of the folder it lands in):
 # core/ is vllm-free and cheap to import (the plugin reads its config at start-up, `import
 # vllm_metax` registers it): the standard library only at module level, nothing of the plugin

@@ -106,8 +106,9 @@ def report(
     --full for every candidate."""
     from mla_tune.views.report import build_report
     from mla_tune.views.report_format import render_report
-    from mla_tune.validate import is_png, output_file
+    from mla_tune.validate import check_distinct_paths, is_png, output_file
     if plot is not None:
+        check_distinct_paths(("--db", db), ("--plot", plot))
         output_file(plot, "--plot", own=is_png, suffix=".png")   # before anything runs
     if traffic is not None:
         return _traffic_report(ctx, traffic, config, format, plot)
@@ -147,10 +148,11 @@ def emit(
     """Write the tuned config(s) the vllm_metax plugin loads, from the measurements in the DB.
     A CPU-reference config goes into the packaged configs/ only with an explicit --configs-dir."""
     from mla_tune.tune.emit import config_summary, config_to_emit, configs_to_emit
-    from mla_tune.validate import output_folder
+    from mla_tune.validate import check_distinct_paths, output_folder
     from vllm_metax.core.tuned_config import read_tuned_config, write_tuned_config
     if all_devices and device is not None:
         fail("--device and --all-devices exclude each other")
+    check_distinct_paths(("--db", db), ("--configs-dir", configs_dir))
     output_folder(configs_dir, "--configs-dir")
     flt = _filter(device, model, run)
     kw = dict(model=flt.model, runs=flt.runs, mix=_weights(mix, traffic), cpu_ok=bool(given(ctx, "configs_dir")),

@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from mla_tune import fault_points
 from mla_tune.store.errors import StoreError
 from mla_tune.store.integrity import META_TABLE, check_rows, parse_schema_version
 from mla_tune.store.results import ResultsStore
 from mla_tune.store.schema import SCHEMA_VERSION, row_uid
 from mla_tune.store.sqlite_file import check_sqlite_header, connect_readonly
+from mla_tune.validate import check_distinct_paths
 
 WORKLOAD_KEY = ("model", "num_heads", "kv_lora_rank", "qk_rope_head_dim", "softmax_scale",
                 "batch_size", "context_len", "q_len", "ragged", "seed", "q_dtype", "kv_dtype")
@@ -91,9 +93,8 @@ def merge_into(target: str | Path, sources: Sequence[str | Path]) -> list[MergeC
     transaction per source); the target is created if missing. Raises StoreError for a source
     that is not a results DB (checked before anything is written) or is the target itself."""
     target = Path(target)
-    for s in sources:
-        if target.exists() and Path(s).exists() and Path(s).resolve() == target.resolve():
-            raise StoreError(f"{s} is the target DB itself; nothing to merge")
+    for s in sources:        # however spelt: ./t.db, a symbolic or a hard link
+        check_distinct_paths(("merge source", s), ("--db", target))
     conns = []
     try:
         for s in sources:                          # every source checked before the target is touched
@@ -162,6 +163,7 @@ def _merge_one(store: ResultsStore, path: Path, src: sqlite3.Connection) -> Merg
                             [(cur.lastrowid, m, i, v) for m, i, v in samples])
             out.trials += 1
             out.samples += len(samples)
+        fault_points.at("merge-copied", store.path)     # inserted, not yet committed
     return out
 
 

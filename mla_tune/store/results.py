@@ -21,6 +21,7 @@ from typing import Iterable
 
 import sqlite_utils
 
+from mla_tune import fault_points
 from mla_tune.problem.defaults import KERNEL_METRIC, PLAN_METRIC
 from mla_tune.problem.prefill import LAYOUTS as PREFILL_LAYOUTS
 from mla_tune.store.errors import StoreError
@@ -47,12 +48,18 @@ class ResultsStore:
         self.readonly = not create
         if self.path.is_dir():
             raise StoreError(f"{self.path} is a directory, not a results DB")
+        if self.path.is_symlink() and not self.path.exists():
+            # SQLite would follow it and create the target, somewhere the user never named
+            raise StoreError(f"{self.path} is a symbolic link to {os.readlink(self.path)}, which "
+                             "does not exist; name the DB file itself (or remove the link): "
+                             "nothing is created through it")
         if self.path.exists() and not self.path.is_file():
             raise StoreError(f"{self.path} is not a regular file, so not a results DB; left untouched")
         if create:
             remove_stale_temp_files(self.path)
         if create and not self.path.exists():
             self._create_whole()
+            fault_points.at("db-created", self.path)
         exists = self.path.exists() and self.path.stat().st_size > 0
         if not exists and not create:
             what = "an empty file" if self.path.exists() else "no results DB"
@@ -243,6 +250,7 @@ class ResultsStore:
                 "insert into samples (trial_id, metric, idx, value) values (?, ?, ?, ?)",
                 [(tid, metric, i, float(v)) for metric, values in (samples or {}).items()
                  for i, v in enumerate(values)])
+        fault_points.at("trial-stored", self.path)
         return tid
 
     # ------------------------------------------------------------ reads

@@ -3,6 +3,7 @@ without writing anything beside it, and the temporary files a killed sweep left 
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from pathlib import Path
 
@@ -25,30 +26,61 @@ def readonly_uri(path: str | Path) -> str:
 
 
 def connect_readonly(path: str | Path) -> sqlite3.Connection:
-    """`path` opened for reading only (readonly_uri). A DB with a -wal beside it in a folder this
-    user cannot write (SQLite cannot make its -shm there) is read from a private snapshot of the
-    DB and its WAL instead: reading never needs write access to the source's folder."""
+    """`path` opened for reading only (readonly_uri), never writing a byte beside it.
+
+    A -wal beside it (a live writer's, or a killed one's: it holds committed trials) in a folder
+    this user cannot write is read from a private snapshot of the DB and its WAL instead: SQLite
+    in mode=ro still rebuilds the WAL index in a -shm it can open for writing (the folder's
+    permission does not stop that), and immutable=1 would read the DB without the WAL's
+    trials. Reading never needs, nor uses, write access to the source's folder."""
+    p = Path(path)
+    wal = p.with_name(p.name + "-wal")
+    if wal.exists() and not os.access(p.parent, os.W_OK):
+        return _snapshot(p, wal)
     try:
         conn = sqlite3.connect(readonly_uri(path), uri=True, timeout=30)
         conn.execute("select count(*) from sqlite_master").fetchone()
         return conn
     except sqlite3.OperationalError:
-        p = Path(path)
-        if not p.with_name(p.name + "-wal").exists():
+        if not wal.exists():
             raise
+    return _snapshot(p, wal)
+
+
+def _snapshot(db: Path, wal: Path) -> sqlite3.Connection:
+    """The DB with its WAL applied, in memory, read from private copies (the copies are SQLite's
+    to recover; the originals are only read). Copied again if either file changed meanwhile (a
+    writer checkpointing between the two copies)."""
     import shutil
     import tempfile
-    with tempfile.TemporaryDirectory(prefix="mla-tune-read-") as tmp:
-        copy = Path(tmp) / "snapshot.db"
-        shutil.copyfile(path, copy)
-        shutil.copyfile(f"{path}-wal", f"{copy}-wal")
-        disk = sqlite3.connect(str(copy), timeout=30)
+
+    def stamp():
+        return tuple((s.st_size, s.st_mtime_ns) for s in (db.stat(), wal.stat()))
+    for _ in range(5):
         try:
-            mem = sqlite3.connect(":memory:")
-            disk.backup(mem)
-        finally:
-            disk.close()
-    return mem
+            before = stamp()
+        except FileNotFoundError:
+            if db.exists() and not wal.exists():    # the writer closed: its WAL is in the DB now
+                return sqlite3.connect(readonly_uri(db), uri=True, timeout=30)
+            raise
+        with tempfile.TemporaryDirectory(prefix="mla-tune-read-") as tmp:
+            copy = Path(tmp) / "snapshot.db"
+            shutil.copyfile(db, copy)
+            try:
+                shutil.copyfile(wal, f"{copy}-wal")
+                if stamp() != before:
+                    continue
+            except FileNotFoundError:
+                continue
+            disk = sqlite3.connect(str(copy), timeout=30)
+            try:
+                mem = sqlite3.connect(":memory:")
+                disk.backup(mem)
+            finally:
+                disk.close()
+            return mem
+    raise sqlite3.OperationalError(f"{db} kept changing while it was read (a sweep writing it?); "
+                                   "try again")
 
 
 def remove_stale_temp_files(path: str | Path) -> None:

@@ -34,6 +34,21 @@ def is_rdb_url(spec: str | Path) -> bool:
     return "://" in str(spec)
 
 
+def storage_file(spec: str | Path) -> Path | None:
+    """The file a --storage writes: a journal file, or the DB file of a sqlite:/// URL; None for
+    a database server (or a URL that does not parse: check_rdb_url says why)."""
+    if not is_rdb_url(spec):
+        return Path(spec)
+    try:
+        from sqlalchemy.engine import make_url
+        u = make_url(str(spec))
+    except Exception:  # noqa: BLE001 - ImportError, SQLAlchemy's ArgumentError and friends
+        return None
+    if not u.drivername.startswith("sqlite") or u.database in (None, "", ":memory:"):
+        return None
+    return Path(u.database)
+
+
 def retry_callback():
     """optuna's callback that enqueues a stale trial again (at most MAX_RETRY times)."""
     optuna = quiet_optuna()
@@ -206,6 +221,7 @@ def _cut_torn_tail(path) -> None:
 def _unsynced(backend_cls):
     """JournalFileBackend whose append_logs is optuna's, less the fsync (same lock, same format)."""
     import json
+    from mla_tune import fault_points
     try:
         from optuna.storages.journal._file import get_lock_file
     except ImportError:
@@ -221,6 +237,7 @@ def _unsynced(backend_cls):
                 with open(self._file_path, "ab") as f:
                     f.write(text.encode("utf-8"))
                     f.flush()
+            fault_points.at("journal-written", self._file_path)
 
     return UnsyncedJournalFileBackend
 

@@ -34,5 +34,9 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
     Raises SweepError when no kernel family can run here, StoreError for a DB it must not touch."""
     if config.gpus:
         from mla_tune.tune.distributed import run_workers
+        from mla_tune.tune.sweep_check import check_sweep_config
+        # the launcher seeds the shared studies (results DB, storage) before any worker checks
+        # its inputs: every input checked here first, before anything is written
+        check_sweep_config(config, families=False)
         return run_workers(config, list(config.gpus), observer)
     return run_in_process(config, observer)

@@ -66,10 +66,13 @@ def check_sweep_config(config: SweepConfig, families: bool = True) -> SweepConfi
     if config.mix is not None:
         config.mix.check_covers({(b.workload.batch_size, b.workload.context_len)
                                  for b in config.buckets}, "the sweep's buckets")
-    v.output_file(db, "--db", own=is_results_db)
-    check_storage(config)
+    journal = None
     if config.journal is not False and config.storage is None:
         journal = Path(config.journal) if config.journal else journal_path_for(db)
+    check_sweep_paths(db, journal, config.storage, config.configs_dir if emit else None)
+    v.output_file(db, "--db", own=is_results_db)
+    check_storage(config)
+    if journal is not None:
         v.output_file(journal, "--journal", own=v.is_optuna_journal)
     if emit:
         v.output_folder(config.configs_dir, "--configs-dir")
@@ -77,6 +80,18 @@ def check_sweep_config(config: SweepConfig, families: bool = True) -> SweepConfi
     if families:
         check_families(config)
     return config
+
+
+def check_sweep_paths(db, journal, storage, configs_dir) -> None:
+    """The files a sweep writes are distinct files (validate.check_distinct_paths): the results
+    DB, the optuna journal or a --storage's file (a sqlite:/// URL's included), the configs
+    folder. A journal written over the results DB would be set aside as damaged with the DB's
+    trials in it."""
+    from mla_tune import validate as v
+    from mla_tune.tune.study_storage import storage_file
+    v.check_distinct_paths(("--db", db), ("--journal", journal),
+                           ("--storage", storage_file(storage) if storage is not None else None),
+                           ("--configs-dir", configs_dir))
 
 
 def check_storage(config: SweepConfig) -> None:

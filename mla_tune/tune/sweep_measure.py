@@ -9,6 +9,7 @@ import statistics
 import time
 from dataclasses import replace
 
+from mla_tune import fault_points
 from mla_tune.families.base import Candidate
 from mla_tune.problem.defaults import KERNEL_METRIC
 from mla_tune.tune.search import Evaluation, SearchPolicy
@@ -95,7 +96,7 @@ class Measurer:
         started_s = getattr(self.runner, "startup_s", 0.0)
         t_measure = time.monotonic()
         results = self.runner.measure(p.bucket.workload, todo,
-                                      lambda c, ok: self.obs.on_prepared(p, c, ok))
+                                      lambda c, ok: self._prepared(p, c, ok))
         started_s = getattr(self.runner, "startup_s", 0.0) - started_s
         split["startup_s"] += started_s
         split["measure_s"] = split.get("measure_s", 0.0) + time.monotonic() - t_measure - started_s
@@ -118,6 +119,10 @@ class Measurer:
         if first_round and policy.deadline is not None:
             policy.deadline += max(0.0, time.monotonic() - t_measure - started_s - jit_in_round)
         return evs
+
+    def _prepared(self, p: PlannedBucket, c: Candidate, ok: bool) -> None:
+        fault_points.at("trial-prepared", self.store.path)    # a trial in flight, none stored
+        self.obs.on_prepared(p, c, ok)
 
     def _commit(self, p: PlannedBucket, run_id: int, c: Candidate, r, started: str,
                 claim: str | None) -> Evaluation:

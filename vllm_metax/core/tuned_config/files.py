@@ -155,6 +155,11 @@ def check_config_target(cfg_device: str, folder: str | os.PathLike) -> Path:
     return path
 
 
+# A test's fault point between the temporary file and the rename: mla_tune.fault_points sets it
+# while a fault may be placed at "emit-written"; None (nothing called) in normal use.
+BEFORE_REPLACE = None
+
+
 def write_tuned_config(cfg: TunedConfig, folder: str | os.PathLike) -> Path:
     """Write atomically to folder/device_name=<name>.json (validated by a round trip first)."""
     data = cfg.to_json()
@@ -164,6 +169,8 @@ def write_tuned_config(cfg: TunedConfig, folder: str | os.PathLike) -> Path:
     try:
         Path(folder).mkdir(parents=True, exist_ok=True)
         tmp.write_text(json.dumps(data, indent=1) + "\n")
+        if BEFORE_REPLACE is not None:
+            BEFORE_REPLACE(tmp)
         os.replace(tmp, path)
     except OSError as e:
         try:
