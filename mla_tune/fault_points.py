@@ -22,7 +22,8 @@ Set by the environment (tests and bench/integrity_pass.py; never in normal use):
     MLA_TUNE_FAULT_LOG=PATH       every point passed is appended there ("EVENT N PID"), so a test
                                   asserts the event happened before its fault; with a log the
                                   fault strikes once, in the first process to get there (the
-                                  workers of one `--gpus` sweep share the environment)
+                                  workers of one `--gpus` sweep share the environment), whose
+                                  pid it writes to PATH.fired
 
 Unset, `at()` is one global test: no file, no system call.
 """
@@ -74,9 +75,11 @@ def _passed(event: str, path) -> None:
         return
     if plan["log"]:
         try:             # once across processes: the first to get here claims the fault
-            os.close(os.open(plan["log"] + ".fired", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            fd = os.open(plan["log"] + ".fired", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
             return
+        os.write(fd, f"{os.getpid()}\n".encode())       # whose fault it was
+        os.close(fd)
     if plan["action"] == "readonly":
         _read_only(path)
         return

@@ -70,6 +70,12 @@ def passed(log: Path) -> list[tuple[str, int, int]]:
     return out
 
 
+def struck(log: Path) -> int | None:
+    """The pid of the process the fault struck (None: it never struck)."""
+    f = Path(f"{log}.fired")
+    return int(f.read_text()) if f.exists() else None
+
+
 def strace_works() -> str | None:
     """Why a readonly fault cannot be injected here (no strace, or ptrace refused), else None."""
     import shutil

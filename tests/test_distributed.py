@@ -6,7 +6,6 @@ from __future__ import annotations
 import glob
 import os
 import shutil
-import signal
 import socket
 import sqlite3
 import subprocess
@@ -153,17 +152,6 @@ def test_gpus_runs_one_worker_per_gpu_and_emits_once(tmp_path):
     assert stored(db) == rows
 
 
-def _running_trials(storage) -> list:
-    import optuna
-    from optuna.trial import TrialState
-    out = []
-    for s in optuna.get_all_study_summaries(storage):
-        st = optuna.load_study(study_name=s.study_name, storage=storage)
-        out += [t for t in st.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-                if t.user_attrs.get("worker")]
-    return out
-
-
 def _all_trials(storage) -> list:
     import optuna
     return [t for s in optuna.get_all_study_summaries(storage)
@@ -171,29 +159,28 @@ def _all_trials(storage) -> list:
 
 
 def _kill_a_worker_mid_run(tmp_path: Path, storage_spec: str, extra=()) -> tuple:
-    """Sweep the sleepy family with 2 workers; SIGKILL the first worker seen holding a trial."""
+    """Sweep the sleepy family with 2 workers; the first worker to prepare a trial is killed
+    there (SIGKILL, placed by event: mla_tune.fault_points), holding its claimed trials."""
+    from fault_support import fault_env, passed, struck
     db = tmp_path / "results.db"
     args = ["sweep", "--db", str(db), "--family", "sleepy", "--gpus", "0,1", "--storage", storage_spec,
             "--batches", "1,2,4", "--contexts", "64", "--samples", "3", "--warmup", "1",
             "--no-emit", "-q", "--isolation", "inline", *extra] + [x for p in (1, 4, 16, 64)
                                                                for x in ("--page-size", str(p))]
-    p = cli(*args, env={"MLA_TUNE_TEST_PAUSE": "0.6"}, cwd=tmp_path)
-    storage = open_storage(storage_spec)
-    victim = None
-    deadline = time.monotonic() + 120
-    while victim is None and time.monotonic() < deadline and p.poll() is None:
-        for t in _running_trials(storage):
-            host, _, pid = t.user_attrs["worker"].rpartition(":")
-            if int(pid) != p.pid:
-                victim = (t, int(pid))
-                break
-        time.sleep(0.05)
-    assert victim is not None, f"no worker was seen holding a trial: {p.communicate()[0]}"
-    trial, pid = victim
-    os.kill(pid, signal.SIGKILL)
+    log = tmp_path / "fault.log"
+    p = cli(*args, env={k: v for k, v in fault_env("trial-prepared", "kill", log).items()
+                        if k.startswith("MLA_TUNE_FAULT")}, cwd=tmp_path)
     out = p.communicate(timeout=300)[0]
     assert p.returncode == 0, out
-    return db, storage, trial, pid, out
+    pid = struck(log)
+    assert pid is not None and pid != p.pid, f"no worker reached a prepared trial: {out}"
+    assert ("trial-prepared", 1, pid) in passed(log)
+    storage = open_storage(storage_spec)
+    from optuna.trial import TrialState
+    held = [t for t in _all_trials(storage) if t.user_attrs.get("worker", "").endswith(f":{pid}")
+            and t.state == TrialState.FAIL]
+    assert held, "the killed worker held a trial"
+    return db, storage, held[0], pid, out
 
 
 def _check_retried_and_once(db, storage, trial, pid, out):

@@ -1,7 +1,6 @@
 """The sweep on the CPU: buckets, end to end through the CLI, resume, budgets, faults, flags."""
 
 import json
-import sqlite3
 import subprocess
 import sys
 import time
@@ -197,39 +196,31 @@ def descendants(pid: int) -> list[int]:
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
 def test_kill_9_and_rerun_keeps_every_finished_trial(tmp_path):
+    from fault_support import SCRIPT, fault_env, passed, start, wait_stopped
     db = tmp_path / "results.db"
     args = ["sweep", "--db", str(db), "--family", "sleepy", "--batches", "1,2", "--contexts", "64",
             "--samples", "3", "--no-emit", "-q"] + [x for p in (1, 4, 16, 64)
                                                     for x in ("--page-size", str(p))]
-    script = ("import sys; sys.path.insert(0, %r); import sweep_families; sweep_families.register(); "
-              "from mla_tune.cli import main; main()" % str(TESTS))
-    p = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, text=True)
-    seen = 0
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and p.poll() is None:
-        try:
-            with sqlite3.connect(db, timeout=5) as c:
-                seen = c.execute("select count(*) from trials").fetchone()[0]
-        except sqlite3.OperationalError:
-            seen = 0
-        if seen >= 3:
-            break
-        time.sleep(0.05)
-    assert p.poll() is None, f"the sweep ended before it could be killed: {p.stderr.read()}"
-    helpers = descendants(p.pid)                                # fork server, measuring worker
-    assert helpers, "the sweep measures in a worker process"
-    p.kill()                                                    # SIGKILL, mid-sweep
-    p.wait()
+    # placed by event, not by clock: the sweep stops itself as its third trial is committed
+    log = tmp_path / "fault.log"
+    p = start(args, tmp_path, fault_env("trial-stored:3", "stop", log))
+    try:
+        assert wait_stopped(p), f"the sweep ended before its third trial: {p.communicate()[1]}"
+        assert passed(log)[-1][:2] == ("trial-stored", 3)
+        helpers = descendants(p.pid)                            # fork server, measuring worker
+        assert helpers, "the sweep measures in a worker process"
+    finally:
+        p.kill()                                                # SIGKILL, mid-sweep
+        p.communicate()
     deadline = time.monotonic() + 20                            # no worker outlives the sweep
     while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in helpers):
         time.sleep(0.1)
     assert not [pid for pid in helpers if Path(f"/proc/{pid}").exists()]
     with ResultsStore(db, create=False) as s:
         before = {r["id"]: (r["workload_id"], r["candidate"], r["samples"]) for r in s.trials()}
-    assert 3 <= len(before) < 8
+    assert len(before) == 3
     # the rerun measures in this process: what it must show is the store's, not the worker's
-    res = subprocess.run([sys.executable, "-c", script, *args, "--isolation", "inline"],
+    res = subprocess.run([sys.executable, "-c", SCRIPT, *args, "--isolation", "inline"],
                          capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, res.stderr
     assert f"{8 - len(before)} trials measured, {len(before)} answered" in " ".join(res.stdout.split())
