@@ -185,3 +185,47 @@ def test_the_float32_reference_chunks_queries_without_changing_the_logits(tmp_pa
             "tokens": [best, second]}
     v = st.reference_verdicts(d, cfg, a, a, [case], ("tuned", "vllm_default"), "cpu")["single/0"]
     assert v["prefers"] == "tuned" and v["fp32_best"] == best and v["verdict"].startswith("prefers tuned's token by")
+
+
+def test_collect_against_an_http_server_answering_as_vllms_completions():
+    """collect's requests (greedy, top-5, token ids as ids, every prompt's ids) against a small
+    HTTP server that answers in vLLM's completion format from the synthetic model; its record
+    compares with itself as equal, and the values are bf16."""
+    import http.server
+    import threading
+
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append(body)
+            out = serve(body["prompt"][-50:], 1, body["max_tokens"])
+            lp = {"tokens": [f"token_id:{t}" for t in out["tokens"]],
+                  "token_logprobs": [top[0][1] for top in out["top"]],
+                  "top_logprobs": [{f"token_id:{i}": v for i, v in top} for top in out["top"]]}
+            data = json.dumps({"choices": [{"text": "", "logprobs": lp}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        rec = st.collect(srv.server_address[1], VOCAB, max_tokens=8)
+    finally:
+        srv.shutdown()
+    lens = st.prompt_lens()
+    assert len(seen) == len(st.SINGLE_LENS) + len(lens) and rec["lens"] == lens
+    assert all(b["temperature"] == 0.0 and b["logprobs"] == st.TOP_K and b["return_tokens_as_token_ids"]
+               and b["ignore_eos"] and b["max_tokens"] == 8 for b in seen)
+    assert sorted(len(b["prompt"]) for b in seen) == sorted(list(st.SINGLE_LENS) + lens)
+    assert [len(s["tokens"]) for s in rec["single"] + rec["batch"]] == [8] * len(seen)
+    assert rec["bf16_values"] == 1.0
+    same = st.compare(rec, rec)
+    assert same["divergent"] == 0 and same["noise_ulps"]["max"] == 0
