@@ -437,3 +437,19 @@ def test_without_spans_or_in_another_dtype_plans_flashinfer_not_fa3(plugin, fa3_
     assert b.backend == "fa3"
     b.prepare_metadata(prefill_metadata([8192], "cpu"))
     assert b.backend == "vllm_fa3"
+
+
+def test_a_recording_server_counts_each_plans_lookup_key(plugin, vllm_config, tmp_path, monkeypatch):
+    """VLLM_METAX_TRAFFIC: every plan's key (kind, query tokens, KV per request) is counted, the
+    key its bucket is looked up by (`decisions.prefill_statistic`)."""
+    from vllm_metax.core import traffic as rec
+    monkeypatch.setattr(rec, "_RECORDERS", {})
+    monkeypatch.setenv(rec.TRAFFIC_ENV, str(tmp_path / "t.db"))
+    b = _backend(vllm_config)
+    try:
+        b.prepare_metadata(prefill_metadata([16, 48, 64, 128], "cpu", chunks=[[8192] * 4]))
+        assert b.traffic.prefill_counts == {
+            (True, rec.fine_bin(256), rec.fine_bin(64)): 1,          # 256 new tokens over 4 requests
+            (False, rec.fine_bin(256), rec.fine_bin(8192)): 1}       # the chunk: 8K context each
+    finally:
+        b.traffic.close()

@@ -186,3 +186,14 @@ def test_prefill_sweep_plans_the_recorded_plans(tmp_path):
     assert r.code == 2 and "--traffic decides the prefill buckets; drop --chunk-kv" in r.output
     r = run_main(["prefill-sweep", "--traffic-share", "0.5"], cwd=tmp_path)
     assert r.code == 2 and "applies only with --traffic" in r.output
+
+
+def test_replay_chooses_the_page_by_the_recorded_steps(tmp_path):
+    db = page_db(tmp_path / "r.db")
+    traffic = write_traffic(tmp_path / "t.db", {(1, 1000, 1): 900, (30, 4500, 1): 100})
+    uniform = " ".join(run_main(["sweep", "--replay", db], cwd=tmp_path).output.split())
+    assert "on NVIDIA H200, page 16" in uniform
+    r = run_main(["sweep", "--replay", db, "--traffic", traffic], cwd=tmp_path)
+    text = " ".join(r.output.split())
+    assert r.code == 0 and "on NVIDIA H200, page 64" in text
+    assert "flashinfer 1.9e+04 us (2/2)" in text           # 900 x 10 us + 100 x 100 us

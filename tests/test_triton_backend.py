@@ -214,3 +214,22 @@ def test_dtype_names(tm):
     assert tm.dtype_name(torch.bfloat16) == "bfloat16"
     assert tm.dtype_name("auto", torch.float16) == "float16"
     assert tm.dtype_name("bfloat16") == "bfloat16"
+
+
+def test_a_recording_builder_counts_every_steps_lookup_key(tm, tmp_path, monkeypatch):
+    """VLLM_METAX_TRAFFIC: the step's (batch, mean length, q_len) is counted, also where no tuned
+    split count needs the lengths (untuned: vLLM's rule)."""
+    from vllm_metax.core import traffic as rec
+    builder = object.__new__(tm.MetaxTritonMLAMetadataBuilder)
+    builder.tuned_splits = tm.TunedSplits(None, "untuned")
+    builder.traffic = rec.TrafficRecorder(str(tmp_path / "t.db"), DIMS, flush_seconds=0)
+    for batch, length, q_len in ((4, 3000, 1), (4, 3000, 1), (32, 9000, 2)):
+        md = builder._build_decode(
+            block_table_tensor=torch.zeros(batch, 4, dtype=torch.int32),
+            seq_lens_device=torch.full((batch,), length, dtype=torch.int32), max_seq_len=length,
+            query_start_loc_cpu=torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32),
+            query_start_loc_device=torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32),
+            num_decode_tokens=batch * q_len, max_query_len=q_len, dcp_tot_seq_lens_device=None)
+        assert md.num_kv_splits is None
+    assert builder.traffic.decode_counts == {(4, 1, rec.fine_bin(3000)): 2, (32, 2, rec.fine_bin(9000)): 1}
+    builder.traffic.close()
