@@ -8,7 +8,7 @@
 # (172 MB, all sm_90: 7.9 MB stripped and `xz -9e`'d). Every shared library in the wheels is
 # stripped of its symbol tables too (uvloop alone drops from 16 MB to 1.8 MB), so .dev/ (~51 MB), .fa3/
 # and .fijit/ travel in one call.
-#   here, once (after installing the vllm extra):  bash bench/tools/prepare-serve-carry.sh [--fa3]
+#   here, once (after installing the vllm extra):  [LEAN=1] bash bench/tools/prepare-serve-carry.sh [--fa3]
 #   there (carry .dev):  source bench/tools/serve-env.sh && ...
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
@@ -41,10 +41,23 @@ done
 rm -rf .dev && mkdir -p .dev
 tmp=$(mktemp -d)
 for w in .carry/wheels/*.whl .whl/*.whl "$cache"/*.whl; do unzip -q -o "$w" -d "$tmp/site"; done
+# --lean (serving runs: no sweep): the tree and this carry must fit 64 MiB together, and results.db
+# grew to 34 MB: leave out what neither `vllm serve`, `vllm bench serve`, bench/serve_bench.py nor
+# `mla-tune prebuild` imports (optuna and its SQL stack) and FlashInfer's expert-parallel MoE
+# package (nothing imports it at start); llguidance stays: vLLM's API server imports it
+if [ "${LEAN:-0}" = 1 ]; then
+  (cd "$tmp/site" && rm -rf sqlalchemy* SQLAlchemy* alembic* optuna* mako* Mako* colorlog*)
+fi
 find "$tmp/site" -type f -name '*.so*' -exec strip --strip-unneeded {} + 2>/dev/null || true
 tar -C "$tmp/site" -cf - . | xz -9 -T0 > .dev/site.tar.xz
 rm -rf "$tmp"
 cp .carry/flashinfer.tar.xz .carry/vllm.tar.xz .carry/vllm.version .ops/_C_stable_libtorch.abi3.so.xz .dev/
+if [ "${LEAN:-0}" = 1 ]; then
+  fi_tmp=$(mktemp -d)
+  tar -C "$fi_tmp" -xJf .carry/flashinfer.tar.xz && rm -rf "$fi_tmp"/flashinfer/moe_ep
+  tar -C "$fi_tmp" -cf - . | xz -9e -T0 > .dev/flashinfer.tar.xz
+  rm -rf "$fi_tmp"
+fi
 if [ "${1:-}" = "--fa3" ]; then
   src=$(python3 -c "import os, vllm; print(os.path.join(os.path.dirname(vllm.__file__), 'vllm_flash_attn', '_vllm_fa3_C.abi3.so'))")
   rm -rf .fa3 && mkdir -p .fa3
