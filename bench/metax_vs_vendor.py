@@ -41,7 +41,9 @@ from tuned_vs_auto import _gmean, bench_parser, measure_rows, say, served_candid
 
 COLUMNS = ("tuned", "vendor", "vendor_triton", "fa2_auto")
 VENDOR_TRITON_PAGE = 16      # vLLM's default KV block size, which the vendor's TRITON_MLA keeps
-FLASHMLA_PAGE = 64
+from vllm_metax.core.choices import FLASHMLA, SPECS  # noqa: E402
+
+FLASHMLA_PAGE = SPECS[FLASHMLA].page.only      # FlashMLA's one KV block size
 GROUPS = {"all": lambda r: True, "uniform": lambda r: r["lengths"] == "uniform",
           "ragged": lambda r: r["lengths"] != "uniform",
           "16 heads": lambda r: r["heads"] == 16, "128 heads": lambda r: r["heads"] == 128}

@@ -79,3 +79,45 @@ def test_the_split_kernel_facts_have_one_definition():
             if isinstance(node, ast.Assign):
                 names = {t.id for t in node.targets if isinstance(t, ast.Name)}
                 assert not names & {"MAX_PROGRAMS", "PIPES", "SERVED_PIPE", "PARTIAL_DTYPES"}, path
+
+
+# ---------------------------------------------------------------- the spec of each kernel family
+
+@pytest.mark.parametrize("backend", ["auto", "cutlass", "trtllm-gen"])
+def test_a_kv_chunk_with_a_backend_that_ignores_it_is_refused_not_dropped(backend):
+    """kv_chunk is the plugin's own schedule for fa2/fa3 (`KernelSpec.chunked_backends`): with any
+    other backend it would be ignored at plan time, so the reader and the candidate check refuse it;
+    the lenient reading serves the backend without it."""
+    params = {"backend": backend, "kv_chunk": "x2"}
+    with pytest.raises(tc.TunedConfigError, match=r"kv_chunk is taken by backend fa2 or fa3 only"):
+        tc.check_params("flashinfer", dict(params), "bucket")
+    with pytest.raises(ValueError, match=r"kv_chunk is taken by backend fa2 or fa3 only"):
+        check_candidate(Candidate.parse(f"flashinfer/{backend}/p64/kv_chunk=x2"))
+    assert decisions.family_choice("flashinfer", params) == choices.FlashInferChoice(backend)
+
+
+@pytest.mark.parametrize("text, rule", [("triton/triton/p8/num_kv_splits=4", "a multiple of 16"),
+                                        ("fa3_mla/fa3/p8/num_splits=0", "a multiple of 16"),
+                                        ("flashmla/flashmla/p16", "64")])
+def test_the_candidate_check_applies_each_kernels_page_rule(text, rule):
+    with pytest.raises(ValueError, match=f"runs at page {rule}, not"):
+        check_candidate(Candidate.parse(text))
+
+
+def test_every_reader_takes_the_page_rule_and_chunked_backends_from_the_spec():
+    """One spec per kernel family: the ops, the families, the sweep's JIT prebuild and the
+    attention-backend order read it (no second copy to drift)."""
+    from mla_tune.families import fa3_mla as fa3_family, flashinfer as fi_family, split, triton_mla
+    from mla_tune.measure import jit_prebuild
+    from mla_tune.tune import choose
+    from vllm_metax.ops import fa3_mla, fast_replan, flashmla
+    spec = choices.SPECS
+    assert flashmla.PAGE_SIZE == spec["flashmla"].page.only == 64
+    assert fa3_mla.PAGES is spec["fa3_mla"].page is fa3_family.SPEC.page
+    assert triton_mla.PAGES is spec["triton"].page and split.PAGE == 64
+    assert fast_replan.BACKENDS is fi_family.SPEC.chunked_backends
+    assert set(jit_prebuild.BACKENDS) >= set(fast_replan.BACKENDS)    # the modules it plans are built
+    assert choose.backend_order(("flashinfer", "triton", "flashmla"), 64) == \
+        ("FLASHINFER_MLA", "TRITON_MLA", "FLASHMLA")
+    assert choose.backend_order(("flashinfer", "triton", "flashmla"), 8) == ("FLASHINFER_MLA",)
+    assert [s.family for s in spec.values() if s.decode_lse] == ["flashinfer"]

@@ -40,7 +40,7 @@ def test_the_metax_profile_limits_every_family_to_what_the_vendor_target_runs():
     assert m.split_pipes == tuple(n for n, p in PIPES.items() if not p.group_pages and not p.pdl)
     assert m.split_pipes == ("t64",) and not m.split_tma
     assert m.triton_variants == ("vllm", "metax") and m.triton_default == "metax"
-    assert m.flashmla_page_size == 64 == choices.FLASHMLA_PAGE_SIZE
+    assert choices.SPECS[choices.FLASHMLA].page.only == 64 and not choices.SPECS[choices.FLASHMLA].page.allows(16)
     assert m.mla_order[:2] == ("FLASHMLA", "TRITON_MLA")
     assert m.sweep_families[0] == "flashmla" and "fa3_mla" not in m.families
 

@@ -8,15 +8,12 @@ from importlib import import_module
 
 from mla_tune.families.base import Availability, Candidate, CandidateInvalid, Family, Prepared
 
-# family -> "module:Class"; test-only families register themselves through `register_family`.
-_FAMILIES = {
-    "reference": "mla_tune.families.reference:ReferenceFamily",
-    "flashinfer": "mla_tune.families.flashinfer:FlashInferFamily",
-    "triton": "mla_tune.families.triton_mla:TritonMLAFamily",
-    "flashmla": "mla_tune.families.flashmla:FlashMLAFamily",
-    "split": "mla_tune.families.split:SplitFamily",
-    "fa3_mla": "mla_tune.families.fa3_mla:FA3MLAFamily",
-}
+from vllm_metax.core.choices import SPECS, ChoiceError, candidate_choice
+
+# family -> "module:Class": the torch reference, then every kernel spec's (`KernelSpec.tuner`);
+# test-only families register themselves through `register_family`.
+_FAMILIES = {"reference": "mla_tune.families.reference:ReferenceFamily",
+             **{f: spec.tuner for f, spec in SPECS.items()}}
 
 
 def register_family(name: str, target: str) -> None:
@@ -33,22 +30,21 @@ def family_targets() -> dict[str, str]:
 
 
 def check_candidate(c: Candidate) -> Candidate:
-    """Refuse (ValueError) a candidate its family would not understand: an unknown family, a
-    backend or knob the family does not have, a knob value out of range (the plugin's rule:
-    `vllm_metax.core.choices.candidate_choice`). Families registered by tests have no rule beyond the
-    page size."""
-    from vllm_metax.core import choices
+    """Refuse (ValueError) a candidate its family would not understand: an unknown family, a page
+    size its kernel does not run at (`KernelSpec.page`), a backend or knob the family does not
+    have, a knob value out of range (the plugin's rule: `vllm_metax.core.choices.candidate_choice`).
+    Families registered by tests have no rule beyond the page size."""
     if c.family not in _FAMILIES:
         raise ValueError(f"unknown kernel family {c.family!r} in {c.key!r}; known: {', '.join(_FAMILIES)}")
     if c.family == "reference":
         if c.backend != "torch" or c.params:
             raise ValueError(f"{c.key!r}: the reference family is reference/torch/p<page>, no knobs")
-    elif c.family in choices.KNOBS:
-        if c.family == choices.FLASHMLA and c.page_size != choices.FLASHMLA_PAGE_SIZE:
-            raise ValueError(f"{c.key!r}: the flashmla family is {choices.CANDIDATE_FORMS[c.family]}")
-        if c.family == choices.FA3 and c.page_size % 16:
-            raise ValueError(f"{c.key!r}: the fa3_mla family is {choices.CANDIDATE_FORMS[c.family]}")
-        choices.candidate_choice(c.family, c.backend, c.params, f"candidate {c.key!r}")
+    elif c.family in SPECS:
+        spec = SPECS[c.family]
+        if not spec.page.allows(c.page_size):
+            raise ChoiceError(f"{c.key!r}: the {c.family} family runs at page {spec.page}, not "
+                              f"{c.page_size} ({spec.form})")
+        candidate_choice(c.family, c.backend, c.params, f"candidate {c.key!r}")
     return c
 
 

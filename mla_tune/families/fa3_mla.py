@@ -20,7 +20,9 @@ import torch
 from mla_tune.families.base import Availability, Candidate, CandidateInvalid, Prepared, typed_choice
 from mla_tune.problem.instance import torch_dtype
 from mla_tune.problem.workload import Workload
-from vllm_metax.core.choices import FA3 as FAMILY, FA3_BACKEND as BACKEND
+from vllm_metax.core.choices import FA3 as FAMILY, FA3_BACKEND as BACKEND, SPECS
+
+SPEC = SPECS[FAMILY]
 
 # the candidates per page: FA3's heuristic (vLLM's eager call), vLLM's CUDA-graph bound (32) and
 # a few fixed bounds between; with the in-launch schedule only the heuristic
@@ -44,7 +46,7 @@ class FA3MLAFamily:
         return Availability(ok, why or f"vLLM's FA3 MLA decode ({op.library_path().name})")
 
     def space(self, workload: Workload, page_sizes: list[int]) -> list[Candidate]:
-        pages = [p for p in page_sizes if p % _op().PAGE_MULTIPLE == 0]
+        pages = [p for p in page_sizes if SPEC.page.allows(p)]
         out = []
         for p in pages:
             out += [Candidate(self.family, BACKEND, p, {"num_splits": s}) for s in SPLITS]
@@ -54,9 +56,9 @@ class FA3MLAFamily:
     def default_candidate(self, workload: Workload, page_size: int = 64) -> Candidate:
         """What vLLM's FLASH_ATTN_MLA serves under CUDA graphs: ahead-of-time schedule, at most 32
         splits (the block size is the server's)."""
-        if page_size % _op().PAGE_MULTIPLE:
-            raise CandidateInvalid("unsupported", f"vLLM's FA3 MLA needs a page that is a multiple "
-                                   f"of {_op().PAGE_MULTIPLE}, not {page_size}")
+        if not SPEC.page.allows(page_size):
+            raise CandidateInvalid("unsupported", f"vLLM's FA3 MLA needs a page that is {SPEC.page}, "
+                                   f"not {page_size}")
         return Candidate(self.family, BACKEND, page_size, {"num_splits": VLLM_GRAPH_SPLITS})
 
     def prepare(self, workload: Workload, candidate: Candidate, problem) -> Prepared:

@@ -48,10 +48,10 @@ from mla_tune.families.base import (Availability, Candidate, CandidateInvalid, P
 from mla_tune.problem.defaults import DEFAULT_PAGE_SIZE
 from mla_tune.problem.workload import Workload
 from mla_tune.problem.instance import torch_dtype
-from vllm_metax.core.choices import KV_CHUNKS
+from vllm_metax.core.choices import FLASHINFER, KV_CHUNKS, SPECS
 
-FAMILY = "flashinfer"
-CHUNKED_BACKENDS = ("fa2", "fa3")     # the backends whose schedule the plugin computes itself
+FAMILY = FLASHINFER
+SPEC = SPECS[FAMILY]
 
 
 def _op():
@@ -106,7 +106,7 @@ class FlashInferFamily:
         page = DEFAULT_PAGE_SIZE if DEFAULT_PAGE_SIZE in page_sizes else (page_sizes or [None])[0]
         if page is not None and self.fast_replan and self._keyword_api():
             out += [Candidate(self.family, b, page, {"kv_chunk": c})
-                    for b in backends if b in CHUNKED_BACKENDS for c in KV_CHUNKS]
+                    for b in backends if b in SPEC.chunked_backends for c in KV_CHUNKS]
         return out
 
     def _keyword_api(self) -> bool:

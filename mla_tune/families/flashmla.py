@@ -26,8 +26,9 @@ from mla_tune.families.base import Availability, Candidate, CandidateInvalid, Pr
 from mla_tune.families.triton_mla import packed_query
 from mla_tune.problem.instance import torch_dtype
 from mla_tune.problem.workload import Workload
-from vllm_metax.core.decisions import FLASHMLA as FAMILY
-from vllm_metax.core.tuned_config import FLASHMLA_BACKEND as BACKEND, FLASHMLA_PAGE_SIZE
+from vllm_metax.core.choices import FLASHMLA as FAMILY, FLASHMLA_BACKEND as BACKEND, SPECS
+
+SPEC = SPECS[FAMILY]
 
 
 def _op():
@@ -56,17 +57,17 @@ class FlashMLAFamily:
         return Availability(True, f"FlashMLA dense decode ({where})")
 
     def space(self, workload: Workload, page_sizes: list[int]) -> list[Candidate]:
-        page = self.profile.flashmla_page_size
+        page = SPEC.page.only
         return [Candidate(self.family, BACKEND, page)] if page in page_sizes else []
 
-    def default_candidate(self, workload: Workload, page_size: int = FLASHMLA_PAGE_SIZE) -> Candidate:
+    def default_candidate(self, workload: Workload, page_size: int = SPEC.page.only) -> Candidate:
         return Candidate(self.family, BACKEND, page_size)
 
     def prepare(self, workload: Workload, candidate: Candidate, problem) -> Prepared:
         op = _op()
         if candidate.backend != BACKEND or candidate.params:
             raise CandidateInvalid("unsupported", f"{candidate.key}: FlashMLA has one candidate, "
-                                   f"{FAMILY}/{BACKEND}/p{FLASHMLA_PAGE_SIZE}, no knobs")
+                                   f"{SPEC.form}")
         q_dt, kv_dt = torch_dtype(workload.q_dtype), torch_dtype(workload.kv_dtype)
         why = op.check_shapes(workload.num_heads, workload.kv_lora_rank, workload.qk_rope_head_dim,
                               candidate.page_size, q_dt, kv_dt)

@@ -16,7 +16,7 @@ dtype: bfloat16 for every split count (half the merge traffic; measured faster a
 float32 at the default count; `pipe` (`split_decode.PIPES`), how a split's tiles are cut and
 pipelined. The default: the served pipe "t64" (a candidate without `pipe`, as every trial stored
 before the knob) at one wave of 132 programs (splits x head blocks x requests), as a server would
-pick without measuring. q_len 1 and page 64 (the default page) only.
+pick without measuring. q_len 1 and page 64 only (the spec's `sweep_pages`).
 
 The other pipes are measured where the split count can be best, not at every count: in the
 H200's default sweep the t64 kernel's best count was the one-wave default in 96 of 104 buckets
@@ -35,11 +35,12 @@ import torch
 
 from mla_tune.families.base import (Availability, Candidate, CandidateInvalid, Prepared,
                                    refuse_outside_profile, typed_choice)
-from mla_tune.problem.defaults import DEFAULT_PAGE_SIZE
 from mla_tune.problem.workload import Workload
-from vllm_metax.core.choices import SPLIT as FAMILY
+from vllm_metax.core.choices import SPECS, SPLIT as FAMILY
 from vllm_metax.core.choices import SPLIT_BACKEND as BACKEND
 from vllm_metax.core.split_facts import SERVED_PIPE   # its candidates carry no `pipe` knob
+
+(PAGE,) = SPECS[FAMILY].sweep_pages      # the one page it is measured (and served) at: the spec's
 
 WAVE = 132                 # programs of one wave on the H200 the default is written for
 SPLIT_COUNTS = tuple(2 ** i for i in range(2, 9))     # 4..256
@@ -120,27 +121,27 @@ class SplitFamily:
         return workload.q_len == 1
 
     def space(self, workload: Workload, page_sizes: list[int]) -> list[Candidate]:
-        if not self._servable(workload) or DEFAULT_PAGE_SIZE not in page_sizes:
+        if not self._servable(workload) or PAGE not in page_sizes:
             return []
         H, B, max_len = workload.num_heads, workload.batch_size, max(workload.seq_lens)
         default = default_splits(H, B, max_len)
-        out = [Candidate(self.family, BACKEND, DEFAULT_PAGE_SIZE, {"num_splits": s, "partial": "bfloat16"})
+        out = [Candidate(self.family, BACKEND, PAGE, {"num_splits": s, "partial": "bfloat16"})
                for s in useful_splits(H, B, max_len)]
         if default is not None:
-            out.append(Candidate(self.family, BACKEND, DEFAULT_PAGE_SIZE,
+            out.append(Candidate(self.family, BACKEND, PAGE,
                                  {"num_splits": default, "partial": "float32"}))
         for pipe in _op().PIPES:
             if pipe != SERVED_PIPE and pipe in self.profile.split_pipes:
-                out += [Candidate(self.family, BACKEND, DEFAULT_PAGE_SIZE,
+                out += [Candidate(self.family, BACKEND, PAGE,
                                   {"num_splits": s, "partial": "bfloat16", "pipe": pipe})
                         for s in pipe_splits(H, B, max_len, pipe)]
         return out
 
-    def default_candidate(self, workload: Workload, page_size: int = DEFAULT_PAGE_SIZE) -> Candidate:
+    def default_candidate(self, workload: Workload, page_size: int = PAGE) -> Candidate:
         s = default_splits(workload.num_heads, workload.batch_size, max(workload.seq_lens))
-        if s is None or not self._servable(workload) or page_size != DEFAULT_PAGE_SIZE:
+        if s is None or not self._servable(workload) or page_size != PAGE:
             raise CandidateInvalid("unsupported", f"the split kernel has no candidate here (q_len 1 "
-                                   f"and page {DEFAULT_PAGE_SIZE} only, a launch within its workspace)")
+                                   f"and page {PAGE} only, a launch within its workspace)")
         return Candidate(self.family, BACKEND, page_size, {"num_splits": s, "partial": "bfloat16"})
 
     def prepare(self, workload: Workload, candidate: Candidate, problem) -> Prepared:

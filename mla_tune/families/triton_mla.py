@@ -40,7 +40,7 @@ import torch
 
 from mla_tune.families.base import Availability, Candidate, CandidateInvalid, Prepared
 from mla_tune.problem.workload import Workload
-from vllm_metax.core.choices import DEFAULT_TRITON_VARIANT as VLLM_VARIANT
+from vllm_metax.core.choices import DEFAULT_TRITON_VARIANT as VLLM_VARIANT, SPECS, TRITON
 
 BACKEND = "triton"
 KERNEL_BLOCK_N = 32          # tokens per stage-1 iteration (fixed in vLLM): the finest split worth having
@@ -49,7 +49,7 @@ MAX_WAVES = 64               # a restriction, not a constraint: past 64 CTAs per
                              # add stage-2 merge work (vLLM's own choice always stays in the space)
 RULE_PARAM = "rule"          # params["rule"] = "vllm" marks the candidate vLLM's own rule picks
 VARIANT_PARAM = "variant"    # params["variant"]: the launch (absent: vLLM's own, VLLM_VARIANT)
-PAGE_MULTIPLE = 16           # vLLM's TritonMLABackend.get_supported_kernel_block_sizes() == [MultipleOf(16)]
+PAGES = SPECS[TRITON].page    # the KV block sizes TRITON_MLA runs at (the spec's)
 
 
 def _interpreting() -> bool:
@@ -162,9 +162,9 @@ def split_choices(workload: Workload, sm_count: int | None) -> list[int]:
 
 
 def _check_page(page_size: int) -> None:
-    if page_size % PAGE_MULTIPLE:
-        raise CandidateInvalid("unsupported", f"TRITON_MLA takes KV block sizes that are multiples of "
-                                              f"{PAGE_MULTIPLE}, not {page_size}")
+    if not PAGES.allows(page_size):
+        raise CandidateInvalid("unsupported", f"TRITON_MLA takes KV block sizes that are {PAGES}, "
+                                              f"not {page_size}")
 
 
 class TritonMLAFamily:
@@ -204,7 +204,7 @@ class TritonMLAFamily:
         default = vllm_num_kv_splits(max(workload.seq_lens), sm)
         splits = sorted(set(split_choices(workload, sm)) | {default})
         return [self._candidate(p, n, default, v) for v in self.profile.triton_variants
-                for p in page_sizes if p % PAGE_MULTIPLE == 0 for n in splits]
+                for p in page_sizes if PAGES.allows(p) for n in splits]
 
     def default_candidate(self, workload: Workload, page_size: int) -> Candidate:
         """num_kv_splits by vLLM's own rule for this batch (params carry rule=vllm), launched as

@@ -34,8 +34,9 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 if TYPE_CHECKING:
     from mla_tune.families.base import Candidate
 
+from vllm_metax.ops.flashinfer_jit import JIT_BACKENDS as BACKENDS   # FlashInfer compiles these per shape
+
 ENV = "MLA_TUNE_JIT_PREBUILD"
-BACKENDS = ("fa2", "fa3")
 
 
 def enabled() -> bool:

@@ -41,22 +41,20 @@ from mla_tune.problem.defaults import DEFAULT_PAGE_SIZE, KERNEL_METRIC
 from mla_tune.problem.workload import WorkloadMix
 from mla_tune.store.records import TrialRecord, as_records
 from mla_tune.tune.verdict import MIN_RATIO, P_THRESHOLD, Measured, decide, min_p_value
-from vllm_metax.core.choices import FLASHMLA_PAGE_SIZE
-from vllm_metax.core.decisions import FLASHINFER, FLASHMLA, TRITON
+from vllm_metax.core.choices import SPECS
 
 METRIC = KERNEL_METRIC            # what winners are chosen by
-# sweep family -> vLLM's attention backend (the plugin serves all three). split is not a backend of
-# its own: FLASHINFER_MLA's decode runs it per bucket (decisions.split_serves)
-ATTENTION_BACKEND = {FLASHINFER: "FLASHINFER_MLA", TRITON: "TRITON_MLA", FLASHMLA: "FLASHMLA"}
-# families whose attention backend runs at one KV page size only: FlashMLA's is 64, so FLASHMLA is
-# in an entry's backend order only where the entry's page size is that
-ONLY_PAGE = {FLASHMLA: FLASHMLA_PAGE_SIZE}
+# sweep family -> vLLM's attention backend (`KernelSpec.attention_backend`; the plugin serves
+# all three). split and fa3_mla are not backends of their own: FLASHINFER_MLA's decode runs them
+# per bucket (decisions.side_kernel)
+ATTENTION_BACKEND = {f: s.attention_backend for f, s in SPECS.items() if s.attention_backend}
 
 
 def backend_order(family_order, page_size: int | None) -> tuple:
-    """The attention backends of `family_order` that run at `page_size`, best first."""
-    return tuple(ATTENTION_BACKEND[f] for f in family_order
-                 if f in ATTENTION_BACKEND and ONLY_PAGE.get(f, page_size) == page_size)
+    """The attention backends of `family_order` that run at `page_size` (the family's page rule,
+    `KernelSpec.page`: FLASHMLA only at 64), best first."""
+    return tuple(ATTENTION_BACKEND[f] for f in family_order if f in ATTENTION_BACKEND
+                 and (SPECS[f].page.allows(page_size) if page_size is not None else SPECS[f].page.only is None))
 
 
 @dataclass(frozen=True)

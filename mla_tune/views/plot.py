@@ -13,12 +13,11 @@ from pathlib import Path
 
 from mla_tune.views.report import CPU_CAVEAT, DeviceReport, Report, ReportError
 from mla_tune.views.report_format import entry_title
+from vllm_metax.core.choices import SPECS
 
 FAMILY_MARKERS = {"flashinfer": "o", "split": "s", "triton": "^", "flashmla": "D", "fa3_mla": "v",
                   "reference": "x"}
-FAMILY_NAMES = {"flashinfer": "FlashInfer", "split": "split-KV Triton (via FLASHINFER_MLA)",
-                "fa3_mla": "vLLM FA3 (via FLASHINFER_MLA)",
-                "triton": "Triton MLA", "flashmla": "FlashMLA", "reference": "torch reference"}
+FAMILY_NAMES = {**{f: s.title for f, s in SPECS.items()}, "reference": "torch reference"}
 
 
 @dataclass(frozen=True)

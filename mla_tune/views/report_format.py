@@ -7,6 +7,7 @@ from __future__ import annotations
 from mla_tune.views import prefill_view
 from mla_tune.views.render import Column, OutputFormat, Table, render, times, to_csv
 from mla_tune.views.report import CPU_CAVEAT, CPU_LABEL, DeviceReport, Report
+from vllm_metax.core.choices import SPECS
 
 
 def _pct(v) -> str:
@@ -88,9 +89,9 @@ def report_tables(report: Report) -> list[Table]:
     return tables
 
 
-_FAMILY_ABBR = {"flashinfer": "fi", "triton": "tr", "flashmla": "fm", "split": "sp", "reference": "ref"}
-_FAMILY_WORDS = {"flashinfer": "FlashInfer", "triton": "Triton MLA", "flashmla": "FlashMLA",
-                 "split": "split-KV Triton decode (served by FLASHINFER_MLA)", "reference": "torch reference"}
+# each kernel spec's abbreviation and title (`KernelSpec.abbr`, `.title`), and the torch reference's
+_FAMILY_ABBR = {**{f: s.abbr for f, s in SPECS.items()}, "reference": "ref"}
+_FAMILY_WORDS = {**{f: s.title for f, s in SPECS.items()}, "reference": "torch reference"}
 
 
 def _legend(families) -> str:

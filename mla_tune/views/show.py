@@ -51,12 +51,11 @@ def _dims_title(e) -> str:
 
 def _params_text(p: dict, family: str = "") -> str:
     """{"backend": "fa3"} -> "fa3"; {"backend": "triton", "num_kv_splits": 16} -> "num_kv_splits=16"
-    (a family's one backend value, triton's and split's, is not shown)."""
-    from vllm_metax.core.tuned_config import SPLIT_BACKEND
+    (the one backend value of a family that has one, `KernelSpec.backends`, is not shown)."""
+    from vllm_metax.core.choices import SPECS
     backend = p.get("backend")
     knobs = [f"{k}={v}" for k, v in p.items() if k not in ("backend", "rule")]
-    one = backend == family or (family == "split" and backend == SPLIT_BACKEND) or \
-        (family == "fa3_mla" and backend == "fa3")
+    one = backend == family or (family in SPECS and SPECS[family].backends == (backend,))
     head = [str(backend)] if backend is not None and not one else []
     return ", ".join(head + knobs) or "-"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from mla_tune.views.render import Column, Table
 from mla_tune.views.report import CPU_CAVEAT
+from vllm_metax.core.choices import SPECS
 
 SHORT_KNOBS = {"num_kv_splits": "splits"}
 
@@ -15,7 +16,8 @@ def candidate_label(m) -> str:
                      if k != "rule")
     if not knobs:
         return m.backend
-    return knobs if m.backend == m.family or m.family == "split" else f"{m.backend} {knobs}"
+    one = m.family in SPECS and SPECS[m.family].backends == (m.backend,)    # not worth showing
+    return knobs if m.backend == m.family or one else f"{m.backend} {knobs}"
 
 
 def _us(v) -> str:

@@ -105,13 +105,13 @@ class PlanChoice:
         found = self._lookup(batch_size, context_len, q_len)
         bucket = found.bucket if found is not None else None
         if graph:
-            side = None
-            if not lse:
-                asks = ((decisions.SPLIT, self.split_for), (decisions.FLASHMLA, self.flashmla_for),
-                        (decisions.FA3, self.fa3_for))
-                side = next(((f, c) for f, ask in asks if f not in skip and (f != decisions.FLASHMLA
-                             or decisions.flashmla_runs_at(page_size))
-                             and (c := ask(batch_size, context_len, q_len, graph=True)) is not None), None)
+            asks = {decisions.SPLIT: self.split_for, decisions.FLASHMLA: self.flashmla_for,
+                    decisions.FA3: self.fa3_for}
+            skip |= decisions.without_lse(lse)
+            side = next(((f, c) for f in decisions.SIDE_KERNELS if f not in skip
+                         and (f != decisions.FLASHMLA or decisions.flashmla_runs_at(page_size))
+                         and (c := asks[f](batch_size, context_len, q_len, graph=True)) is not None),
+                        None)
             if side is not None:
                 return decisions.DecodeKernel(decisions.FLASHINFER_MLA, *side, bucket)
             return decisions.DecodeKernel(decisions.FLASHINFER_MLA, decisions.FLASHINFER,

@@ -1,5 +1,6 @@
-"""Each kernel family's knobs, their legal values and the params <-> typed choice parsing: the one
-definition (vllm-free, stdlib only) that the tuner (`mla_tune.families.check_candidate`, the
+"""Each kernel family's spec (`SPECS`: backend values, knobs, page rule, which backends take
+kv_chunk, whether it returns the decode LSE), its knobs' legal values and the params <-> typed
+choice parsing: the one definition (vllm-free, stdlib only) that the tuner (`mla_tune.families.check_candidate`, the
 families' `prepare`), `mla-tune bench`, the tuned-config reader (`tuned_config.check_params`) and
 the plugin (`decisions.family_choice`) all use.
 
@@ -17,6 +18,7 @@ a measured candidate's plan parameters, and a candidate string `family/<backend>
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from vllm_metax.core.split_facts import MAX_PROGRAMS, PARTIAL_DTYPES, PIPES, SERVED_PIPE
 from vllm_metax.core.triton_facts import LAUNCHES as TRITON_LAUNCHES
@@ -42,7 +44,6 @@ VLLM_RULE = "vllm"          # TritonChoice params["rule"]: the split count is vL
 TRITON_VARIANTS = ("vllm",) + tuple(TRITON_LAUNCHES)
 DEFAULT_TRITON_VARIANT = "vllm"
 FLASHMLA_BACKEND = "flashmla"   # the flashmla family's one backend value (FlashMLA has no knobs)
-FLASHMLA_PAGE_SIZE = 64         # FlashMLA's only KV block size
 # The split family (vllm_metax/ops/split_decode.py, served by FLASHINFER_MLA's decode for the
 # buckets it wins): its backend value, and the kernel's split counts, partial dtypes and pipes.
 SPLIT_BACKEND = "triton"
@@ -58,24 +59,60 @@ MAX_FA3_SPLITS = 256
 FA3_SCHEDULES = ("aot", "none")
 DEFAULT_FA3_SCHEDULE = "aot"
 
-# family -> (required knobs, optional knobs); a family's params are {"backend", *knobs}
-KNOBS = {
-    FLASHINFER: ((), ("kv_chunk",)),
-    TRITON: (("num_kv_splits",), ("rule", "variant")),
-    FLASHMLA: ((), ()),
-    SPLIT: (("num_splits", "partial"), ("pipe",)),
-    FA3: (("num_splits",), ("schedule",)),
-}
-# how a candidate of each family is written, for the refusals of a malformed one
-CANDIDATE_FORMS = {
-    FLASHINFER: f"flashinfer/<backend>/p<page>[/kv_chunk=<{'|'.join(KV_CHUNKS)}>]",
-    TRITON: f"{TRITON}/{TRITON_BACKEND}/p<page>/num_kv_splits=N[,rule={VLLM_RULE}]"
-            f"[,variant=<{'|'.join(TRITON_VARIANTS)}>]",
-    SPLIT: f"{SPLIT}/{SPLIT_BACKEND}/p<page>/num_splits=N,partial=<dtype>[,pipe=<pipe>]",
-    FLASHMLA: f"{FLASHMLA}/{FLASHMLA_BACKEND}/p{FLASHMLA_PAGE_SIZE}, no knobs",
-    FA3: f"{FA3}/{FA3_BACKEND}/p<page, a multiple of 16>/num_splits=N (0: FA3's heuristic)"
-         f"[,schedule=<{'|'.join(FA3_SCHEDULES)}>]",
-}
+CHUNKED_FLASHINFER = ("fa2", "fa3")   # the FlashInfer backends whose schedule the plugin computes
+
+
+@dataclass(frozen=True)
+class PageRule:
+    """The KV block sizes a kernel runs at: a multiple of `multiple`, or exactly `only`."""
+
+    multiple: int = 1
+    only: int | None = None
+
+    def allows(self, page_size: int) -> bool:
+        return page_size == self.only if self.only is not None else page_size % self.multiple == 0
+
+    def __str__(self) -> str:
+        if self.only is not None:
+            return str(self.only)
+        return "any" if self.multiple == 1 else f"a multiple of {self.multiple}"
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One kernel family's facts, the one place the tuner, the config reader and the plugin read
+    them from (vLLM keeps a kernel's facts on its backend class the same way).
+
+    `backends`: the values params["backend"] takes; `parse`: its params as its typed choice
+    (strict: every knob's legal values); `required` / `optional`: its knobs (their
+    legal values are checked by `check_params`); `page`: the KV block sizes the kernel runs at;
+    `sweep_pages`: the pages a sweep measures it at (None: every page the sweep asks for that
+    `page` allows); `chunked_backends`: the backends that take `kv_chunk` (the plugin computes
+    their schedule; a kv_chunk with another backend is refused, never ignored); `decode_lse`: it
+    can return the decode LSE FLASHINFER_MLA plans for decode context parallelism;
+    `attention_backend`: the vLLM attention backend that runs it on its own (None: FLASHINFER_MLA
+    runs it per bucket); `default_sweep`: a default NVIDIA sweep measures it; `tuner`: its
+    measuring class in mla_tune ("module:Class", imported by the tuner only)."""
+
+    family: str
+    title: str                         # for people (reports, plots)
+    abbr: str                          # in report cells
+    backends: tuple
+    required: tuple
+    optional: tuple
+    page: PageRule
+    form: str                          # how a candidate of it is written, for refusals
+    parse: Callable                    # (params, where) -> its typed choice, or ChoiceError
+    tuner: str
+    sweep_pages: tuple | None = None
+    chunked_backends: tuple = ()
+    decode_lse: bool = False
+    attention_backend: str | None = None
+    default_sweep: bool = True
+
+    @property
+    def knobs(self) -> tuple:
+        return self.required + self.optional
 
 
 class ChoiceError(ValueError):
@@ -209,41 +246,94 @@ def _one_of(params: dict, key: str, legal: tuple, where: str, default=None):
 
 def check_params(family: str, params, where: str):
     """A family's stored parameters ({"backend": ..., **knobs}) as its typed choice; ChoiceError
-    for an unknown family, an unknown parameter or a value out of its domain."""
-    if family not in KNOBS:
-        raise ChoiceError(f"{where}: unknown kernel family {family!r} (known: {', '.join(KNOBS)})")
+    for an unknown family, an unknown parameter or a value out of its domain (`KernelSpec.parse`)."""
+    if family not in SPECS:
+        raise ChoiceError(f"{where}: unknown kernel family {family!r} (known: {', '.join(SPECS)})")
     if not isinstance(params, dict):
         raise ChoiceError(f"{where}: params should be an object, got {type(params).__name__}")
-    required, optional = KNOBS[family]
-    known = {"backend", *required, *optional}
+    spec = SPECS[family]
+    known = {"backend", *spec.knobs}
     unknown = sorted(set(params) - known, key=str)
     if unknown:
         raise ChoiceError(f"{where}: unknown parameter {', '.join(map(repr, unknown))} for "
                           f"family {family!r} (known: {', '.join(sorted(known))})")
-    if family == FLASHINFER:
-        b = _one_of(params, "backend", FLASHINFER_BACKENDS, where)
-        chunk = _one_of(params, "kv_chunk", KV_CHUNKS, where) if "kv_chunk" in params else None
-        return FlashInferChoice(b, chunk)
-    if family == SPLIT:
-        _one_of(params, "backend", (SPLIT_BACKEND,), where)
-        n = _int_in(params, "num_splits", 1, MAX_SPLITS, where)
-        partial = _one_of(params, "partial", SPLIT_PARTIALS, where)
-        pipe = _one_of(params, "pipe", SPLIT_PIPES, where) if "pipe" in params else DEFAULT_SPLIT_PIPE
-        return SplitChoice(n, partial, pipe)
-    if family == FLASHMLA:
-        return FlashMLAChoice(_one_of(params, "backend", (FLASHMLA_BACKEND,), where))
-    if family == FA3:
-        _one_of(params, "backend", (FA3_BACKEND,), where)
-        n = _int_in(params, "num_splits", 0, MAX_FA3_SPLITS, where)
-        sched = (_one_of(params, "schedule", FA3_SCHEDULES, where) if "schedule" in params
-                 else DEFAULT_FA3_SCHEDULE)
-        return FA3Choice(n, sched)
+    return spec.parse(params, where)
+
+
+def _flashinfer(params: dict, where: str) -> FlashInferChoice:
+    b = _one_of(params, "backend", FLASHINFER_BACKENDS, where)
+    chunk = _one_of(params, "kv_chunk", KV_CHUNKS, where) if "kv_chunk" in params else None
+    if chunk is not None and b not in CHUNKED_FLASHINFER:
+        raise ChoiceError(f"{where}: params.kv_chunk is taken by backend {' or '.join(CHUNKED_FLASHINFER)} "
+                          f"only (the plugin computes their schedule), not {_shown(b)}")
+    return FlashInferChoice(b, chunk)
+
+
+def _split(params: dict, where: str) -> SplitChoice:
+    _one_of(params, "backend", (SPLIT_BACKEND,), where)
+    n = _int_in(params, "num_splits", 1, MAX_SPLITS, where)
+    partial = _one_of(params, "partial", SPLIT_PARTIALS, where)
+    pipe = _one_of(params, "pipe", SPLIT_PIPES, where) if "pipe" in params else DEFAULT_SPLIT_PIPE
+    return SplitChoice(n, partial, pipe)
+
+
+def _flashmla(params: dict, where: str) -> FlashMLAChoice:
+    return FlashMLAChoice(_one_of(params, "backend", (FLASHMLA_BACKEND,), where))
+
+
+def _fa3(params: dict, where: str) -> FA3Choice:
+    _one_of(params, "backend", (FA3_BACKEND,), where)
+    n = _int_in(params, "num_splits", 0, MAX_FA3_SPLITS, where)
+    sched = _one_of(params, "schedule", FA3_SCHEDULES, where) if "schedule" in params else DEFAULT_FA3_SCHEDULE
+    return FA3Choice(n, sched)
+
+
+def _triton(params: dict, where: str) -> TritonChoice:
     _one_of(params, "backend", (TRITON_BACKEND,), where, TRITON_BACKEND)   # hand-written: optional
     n = _int_in(params, "num_kv_splits", 1, MAX_KV_SPLITS, where)
     rule = _one_of(params, "rule", (VLLM_RULE,), where) if "rule" in params else None
     variant = (_one_of(params, "variant", TRITON_VARIANTS, where) if "variant" in params
                else DEFAULT_TRITON_VARIANT)
     return TritonChoice(n, rule == VLLM_RULE, variant)
+
+
+# ---------------------------------------------------------------- each kernel family's spec
+
+SPECS = {s.family: s for s in (
+    KernelSpec(FLASHINFER, "FlashInfer", "fi", FLASHINFER_BACKENDS, (), ("kv_chunk",), PageRule(),
+               f"flashinfer/<backend>/p<page>[/kv_chunk=<{'|'.join(KV_CHUNKS)}>, "
+               f"with {' or '.join(CHUNKED_FLASHINFER)} only]", _flashinfer,
+               "mla_tune.families.flashinfer:FlashInferFamily",
+               chunked_backends=CHUNKED_FLASHINFER, decode_lse=True, attention_backend="FLASHINFER_MLA"),
+    # vLLM's TritonMLABackend.get_supported_kernel_block_sizes() == [MultipleOf(16)]
+    KernelSpec(TRITON, "Triton MLA", "tr", (TRITON_BACKEND,), ("num_kv_splits",), ("rule", "variant"),
+               PageRule(16),
+               f"{TRITON}/{TRITON_BACKEND}/p<page, a multiple of 16>/num_kv_splits=N[,rule={VLLM_RULE}]"
+               f"[,variant=<{'|'.join(TRITON_VARIANTS)}>]", _triton,
+               "mla_tune.families.triton_mla:TritonMLAFamily", attention_backend="TRITON_MLA"),
+    # FlashMLA's only KV block size is 64 (vLLM's FlashMLABackend, MetaX's flash_mla alike)
+    KernelSpec(FLASHMLA, "FlashMLA", "fm", (FLASHMLA_BACKEND,), (), (), PageRule(only=64),
+               f"{FLASHMLA}/{FLASHMLA_BACKEND}/p64, no knobs", _flashmla,
+               "mla_tune.families.flashmla:FlashMLAFamily", attention_backend="FLASHMLA",
+               # 1.31x slower than FlashInfer's best on the H200: measured where asked for
+               default_sweep=False),
+    # the split kernel runs any page; its pipes' tiles were tuned and checked at 64, and a sweep
+    # measures it there only
+    KernelSpec(SPLIT, "split-KV Triton decode (served by FLASHINFER_MLA)", "sp", (SPLIT_BACKEND,),
+               ("num_splits", "partial"), ("pipe",), PageRule(),
+               f"{SPLIT}/{SPLIT_BACKEND}/p64/num_splits=N,partial=<dtype>[,pipe=<pipe>]", _split,
+               "mla_tune.families.split:SplitFamily", sweep_pages=(64,)),
+    # vLLM's FLASH_ATTN_MLA: kernel block sizes MultipleOf(16)
+    KernelSpec(FA3, "vLLM FA3 (served by FLASHINFER_MLA)", "fa3", (FA3_BACKEND,), ("num_splits",),
+               ("schedule",), PageRule(16),
+               f"{FA3}/{FA3_BACKEND}/p<page, a multiple of 16>/num_splits=N (0: FA3's heuristic)"
+               f"[,schedule=<{'|'.join(FA3_SCHEDULES)}>]", _fa3,
+               "mla_tune.families.fa3_mla:FA3MLAFamily"),
+)}
+# family -> (required knobs, optional knobs); a family's params are {"backend", *knobs}
+KNOBS = {f: (s.required, s.optional) for f, s in SPECS.items()}
+# how a candidate of each family is written, for the refusals of a malformed one
+CANDIDATE_FORMS = {f: s.form for f, s in SPECS.items()}
 
 
 def candidate_choice(family: str, backend: str, knobs: dict, where: str):
@@ -283,7 +373,8 @@ def family_choice(family: str, params) -> FlashInferChoice | TritonChoice | Spli
         if not isinstance(b, str) or not b:
             return None
         chunk = params.get("kv_chunk")
-        return FlashInferChoice(b, chunk if chunk in KV_CHUNKS else None)
+        takes = chunk in KV_CHUNKS and b in SPECS[FLASHINFER].chunked_backends
+        return FlashInferChoice(b, chunk if takes else None)
     if family == TRITON:
         n = params.get("num_kv_splits")
         variant = params.get("variant", DEFAULT_TRITON_VARIANT)
@@ -292,10 +383,9 @@ def family_choice(family: str, params) -> FlashInferChoice | TritonChoice | Spli
         if params.get("rule") == VLLM_RULE:
             return TritonChoice(n if _positive_int(n) else None, True, variant)
         return TritonChoice(n, False, variant) if _positive_int(n) else None
-    if family in (SPLIT, FA3, FLASHMLA):
-        backend = {SPLIT: SPLIT_BACKEND, FA3: FA3_BACKEND, FLASHMLA: FLASHMLA_BACKEND}[family]
+    if family in SPECS and len(SPECS[family].backends) == 1:     # a family of one backend value
         try:
-            return check_params(family, {"backend": backend, **params}, family)
+            return check_params(family, {"backend": SPECS[family].backends[0], **params}, family)
         except ChoiceError:
             return None
     return None

@@ -30,7 +30,7 @@ from typing import Sequence
 
 # the typed choices, their knobs and the params <-> choice parsing: vllm_metax.core.choices (re-exported)
 from vllm_metax.core.choices import (  # noqa: F401
-    DEFAULT_TRITON_VARIANT, FA3, FLASHINFER, FLASHMLA, SPLIT, TRITON, TRITON_BACKEND,
+    DEFAULT_TRITON_VARIANT, FA3, FLASHINFER, FLASHMLA, SPECS, SPLIT, TRITON, TRITON_BACKEND,
     TRITON_VARIANTS, VLLM_RULE, FA3Choice, FlashInferChoice, FlashMLAChoice, SplitChoice,
     TritonChoice, family_choice, kv_chunk_factor,
 )
@@ -222,16 +222,16 @@ def flashmla_serves(bucket, profile=None, page_size: int | None = None) -> "Flas
     kernel's rule: the bucket names flashmla as its best family, measured at least SPLIT_MIN_GAIN
     times faster than the bucket's FlashInfer choice, under a `profile` (default: the active one)
     that runs it. `page_size`: the entry's KV block size, None where the caller checks the
-    cache's own (FlashMLA runs at the profile's `flashmla_page_size`, 64, only)."""
+    cache's own (FlashMLA runs at its spec's page, 64, only: `flashmla_runs_at`)."""
     prof = _profile(profile)
-    if not flashmla_runs_at(page_size, prof):
+    if not flashmla_runs_at(page_size):
         return None
     return _side_serves(bucket, FLASHMLA, prof)
 
 
-def flashmla_runs_at(page_size: int | None, profile=None) -> bool:
-    """FlashMLA runs at this KV block size (the profile's `flashmla_page_size`; None: unchecked)."""
-    return page_size is None or page_size == _profile(profile).flashmla_page_size
+def flashmla_runs_at(page_size: int | None) -> bool:
+    """FlashMLA runs at this KV block size (its spec's page rule; None: unchecked)."""
+    return page_size is None or SPECS[FLASHMLA].page.allows(page_size)
 
 
 SIDE_KERNELS = (SPLIT, FLASHMLA, FA3)     # FLASHINFER_MLA's decode asks them in this order
@@ -321,12 +321,17 @@ def decode_kernel(entry, step: DecodeStep, backends: FlashInferBackends | None =
                                  profile=prof, skip=skip, lse=lse)
 
 
+def without_lse(lse: bool) -> set:
+    """The side kernels a step that asks for the decode LSE cannot run (`KernelSpec.decode_lse`)."""
+    return {f for f in SIDE_KERNELS if not SPECS[f].decode_lse} if lse else set()
+
+
 def flashinfer_mla_kernel(bucket, q_len: int, backends: FlashInferBackends | None = None, *,
                           page_size: int | None = None, profile=None, skip=(),
                           lse: bool = False) -> DecodeKernel:
     """`decode_kernel` of FLASHINFER_MLA once the bucket is found (what a step of `q_len` query
     tokens per request runs in `bucket`, None: untuned); `page_size`: the entry's."""
-    side = None if lse else side_kernel(bucket, profile, page_size, skip, q_len)
+    side = side_kernel(bucket, profile, page_size, set(skip) | without_lse(lse), q_len)
     if side is not None:
         return DecodeKernel(FLASHINFER_MLA, side[0], side[1], bucket)
     typed = bucket_choice(bucket, FLASHINFER)

@@ -49,7 +49,6 @@ class Profile:
     split_tma: bool                 # the split kernel may use its TMA kernel where the GPU has one
     triton_variants: tuple          # Triton launches the sweep measures (`choices.TRITON_VARIANTS`)
     triton_default: str             # the launch TRITON_MLA runs untuned
-    flashmla_page_size: int         # FlashMLA's only KV block size
     mla_order: tuple                # MLA attention backends by priority when no tuned config decides
     sweep_families: tuple           # the families a default GPU sweep measures
     families: tuple                 # the families whose choices the target can serve
@@ -68,17 +67,17 @@ PROFILES = {
         NVIDIA, is_metax=False, flashinfer_backends=None, flashinfer_api=None,
         split_pipes=choices.SPLIT_PIPES, split_tma=True,
         triton_variants=(choices.DEFAULT_TRITON_VARIANT,),
-        triton_default=choices.DEFAULT_TRITON_VARIANT, flashmla_page_size=choices.FLASHMLA_PAGE_SIZE,
+        triton_default=choices.DEFAULT_TRITON_VARIANT,
         mla_order=("FLASHINFER_MLA", "FLASHMLA", "TRITON_MLA"),
-        # flashmla stays opt-in here (1.31x slower than FlashInfer's best on the H200)
-        sweep_families=(choices.FLASHINFER, choices.TRITON, choices.SPLIT, choices.FA3),
-        families=tuple(choices.KNOBS),
+        # every kernel spec's family; flashmla stays opt-in (`KernelSpec.default_sweep`)
+        sweep_families=tuple(f for f, spec in choices.SPECS.items() if spec.default_sweep),
+        families=tuple(choices.SPECS),
         target="NVIDIA GPUs: flashinfer-python 0.7 (fa2/fa3), vLLM's Triton and FlashMLA builds"),
     METAX: Profile(
         METAX, is_metax=True, flashinfer_backends=("fa2",), flashinfer_api="flat",
         split_pipes=_pipes_without_tma_or_pdl(), split_tma=False,
         triton_variants=(choices.DEFAULT_TRITON_VARIANT, METAX),
-        triton_default=METAX, flashmla_page_size=choices.FLASHMLA_PAGE_SIZE,
+        triton_default=METAX,
         mla_order=("FLASHMLA", "TRITON_MLA", "FLASHINFER_MLA"),
         sweep_families=(choices.FLASHMLA, choices.FLASHINFER, choices.TRITON, choices.SPLIT),
         families=(choices.FLASHINFER, choices.TRITON, choices.FLASHMLA, choices.SPLIT),

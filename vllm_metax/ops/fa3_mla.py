@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import torch
 
+from vllm_metax.core.choices import FA3, SPECS
 from vllm_metax.ops.vllm_library import VllmLibrary, hopper_reason
 
 LIBRARY_GLOB = "_vllm_fa3_C*.so"
 OP_NAMESPACE = "_vllm_fa3_C"
 HEAD_DIM_V = 512             # kv_lora_rank
 ROPE_DIM = 64                # qk_rope_head_dim
-PAGE_MULTIPLE = 16           # vLLM's FLASH_ATTN_MLA: kernel block sizes MultipleOf(16)
+PAGES = SPECS[FA3].page       # the KV block sizes it runs at (the spec's)
 SCHEDULES = ("aot", "none")
 GRAPH_SPLITS = 32            # vLLM's flash_attn_max_num_splits_for_cuda_graph: the bound in graphs
 
@@ -63,8 +64,8 @@ def fa3_available(device=None, capability: tuple | None = None) -> tuple[bool, s
 def check_shapes(kv_lora_rank: int, rope_dim: int, page_size: int, q_dtype: torch.dtype,
                  kv_dtype: torch.dtype) -> str | None:
     """Why FA3's MLA decode cannot run this geometry, or None."""
-    if page_size % PAGE_MULTIPLE:
-        return f"vLLM's FA3 MLA needs a KV block size that is a multiple of {PAGE_MULTIPLE}, not {page_size}"
+    if not PAGES.allows(page_size):
+        return f"vLLM's FA3 MLA needs a KV block size that is {PAGES}, not {page_size}"
     if kv_lora_rank != HEAD_DIM_V or rope_dim != ROPE_DIM:
         return f"vLLM's FA3 MLA needs kv_lora_rank {HEAD_DIM_V} + rope {ROPE_DIM}, not {kv_lora_rank} + {rope_dim}"
     if q_dtype != kv_dtype or q_dtype not in (torch.bfloat16, torch.float16):
@@ -158,5 +159,5 @@ class FA3Step:
                                return_lse)
 
 
-__all__ = ["FA3MLADecode", "FA3Step", "GRAPH_SPLITS", "HEAD_DIM_V", "PAGE_MULTIPLE", "ROPE_DIM", "SCHEDULES", "check_shapes",
+__all__ = ["FA3MLADecode", "FA3Step", "GRAPH_SPLITS", "HEAD_DIM_V", "PAGES", "ROPE_DIM", "SCHEDULES", "check_shapes",
            "fa3_available", "library_path", "load_library", "metadata_size"]

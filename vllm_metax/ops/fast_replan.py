@@ -29,6 +29,7 @@ import os
 import numpy as np
 import torch
 
+from vllm_metax.core.choices import FLASHINFER, SPECS
 from vllm_metax.core.log import get_logger
 from vllm_metax.ops import mla_schedule as ms
 from vllm_metax.ops.paged_metadata import PagedMetadata
@@ -41,7 +42,8 @@ ENABLED = os.environ.get("VLLM_METAX_FAST_REPLAN", "1").strip() not in ("0", "fa
 INTERNALS = ("_cached_module", "_float_workspace_buffer", "_int_workspace_buffer",
              "_pin_memory_int_workspace_buffer", "_use_cuda_graph", "_kv_indices_buf",
              "_plan_info", "device")
-BACKENDS = ("fa2", "fa3")
+# the backends whose schedule the plugin computes (and that take kv_chunk): the FlashInfer spec's
+BACKENDS = SPECS[FLASHINFER].chunked_backends
 
 # The numpy schedule from this batch size on (without a tuned kv_chunk). Measured on the H200
 # (bench/results/plan_floor_h200.txt): its cluster balance makes the decode

@@ -302,6 +302,10 @@ class MLADecodeKernel:
         same arguments on; a batch whose chunked schedule would not fit FlashInfer's buffers is
         planned untuned. `last_schedule` says what ran.
         """
+        if kv_chunk is not None and self.backend not in fr.BACKENDS:
+            # a knob this backend would ignore is refused, never dropped (the readers keep it out)
+            raise ValueError(f"kv_chunk is taken by FlashInfer backend {' or '.join(fr.BACKENDS)} "
+                             f"only, not {self.backend!r}")
         signature = (num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale, q_dtype,
                      kv_dtype, return_lse, layout)
         if signature == self._signature and self._replan_fast(meta, num_heads, head_dim_ckv, causal,

@@ -39,9 +39,10 @@ from __future__ import annotations
 
 import torch
 
-from vllm_metax.core.tuned_config import FLASHMLA_PAGE_SIZE as PAGE_SIZE   # FlashMLA's only KV block size
+from vllm_metax.core.choices import FLASHMLA, SPECS
 from vllm_metax.ops.vllm_library import VllmLibrary, hopper_reason
 
+PAGE_SIZE = SPECS[FLASHMLA].page.only     # FlashMLA's only KV block size (the spec's)
 HEAD_DIM = 576                 # kv_lora_rank + qk_rope_head_dim
 HEAD_DIM_V = 512               # kv_lora_rank
 LIBRARY_GLOB = "_flashmla_C*.so"

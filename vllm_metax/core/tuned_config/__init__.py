@@ -16,7 +16,7 @@ from __future__ import annotations
 # Each family's knobs and their legal values: vllm_metax.core.choices (the one definition; the split
 # kernel's facts from vllm_metax.core.split_facts), re-exported here for the reader and mla_tune.
 from vllm_metax.core.choices import (  # noqa: F401
-    DEFAULT_SPLIT_PIPE, FLASHINFER_BACKENDS, FLASHMLA_BACKEND, FLASHMLA_PAGE_SIZE, KV_CHUNKS,
+    DEFAULT_SPLIT_PIPE, FLASHINFER_BACKENDS, FLASHMLA_BACKEND, KV_CHUNKS,
     MAX_KV_SPLITS, MAX_SPLITS, SPLIT_BACKEND, SPLIT_PARTIALS, SPLIT_PIPES, TRITON_BACKEND, ChoiceError,
 )
 from vllm_metax.core.tuned_config.discovery import (  # noqa: F401
