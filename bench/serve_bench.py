@@ -530,7 +530,7 @@ def tokens_comparisons(recs: dict) -> dict:
     return out
 
 
-def check_failures(model: str, record: dict, model_dir: Path, device: str) -> None:
+def check_failures(model: str, record: dict, model_dir: Path, device: str, results: Path | None = None) -> None:
     """The float32 reference's verdict on every failure of tuned against another setup, into the
     tuned record's `tokens_reference` (run once the model's servers have stopped: it needs the
     GPU's memory). A model whose weights are drawn at load has no reference."""
@@ -548,7 +548,8 @@ def check_failures(model: str, record: dict, model_dir: Path, device: str) -> No
                                                         c["cases"], ("tuned", base), device)
         except Exception as e:  # noqa: BLE001 - the failures stand as classified
             ref[base] = {"_none": {"error": f"{type(e).__name__}: {e}; rerun: python3 bench/serve_tokens.py "
-                                            f"reference --results RESULTS.json --model {model} --model-dir {model_dir}"}}
+                                            f"reference --results {results or 'RESULTS.json'} --model {model} "
+                                            f"--model-dir {model_dir}"}}
         print(f"[{model}] float32 reference on tuned vs {base}'s failures: "
               + "; ".join(f"{k} {v.get('error') or v['verdict']}" for k, v in ref[base].items()), flush=True)
 
@@ -558,7 +559,7 @@ def tokens_reference(results: Path, model: str, model_dir: Path, device: str) ->
     data = json.loads(results.read_text())
     if model not in MODELS or not any(r.get("model") == model for r in data.get("runs", {}).values()):
         raise ValueError(f"{results}: no run of model {model!r}")
-    check_failures(model, data["runs"], model_dir, device)
+    check_failures(model, data["runs"], model_dir, device, results)
     save(results, data)
     print(f"{results}: float32 verdicts added; report {results.with_suffix('.md')}")
     return 0
@@ -1136,7 +1137,7 @@ def main(argv=None) -> int:
                 run_setup(model, setup, model_dir, args, empty, args.port, first, workloads, record, checkpoint)
             first = False
         if args.tokens and not args.start_only:
-            check_failures(model, record, model_dir, "cuda" if torch.cuda.is_available() else "cpu")
+            check_failures(model, record, model_dir, "cuda" if torch.cuda.is_available() else "cpu", path)
             checkpoint()
     print((args.out / "serve_bench.md").read_text())
     return 0

@@ -244,7 +244,8 @@ def summary_lines(name_a: str, name_b: str, c: dict, verdicts: dict | None = Non
         text = f"  - failure, {where}: {case.get('why')}"
         if "gap_ulps" in case:
             text += (f"; tokens {case['tokens'][0]} / {case['tokens'][1]}, each below the other's best by "
-                     + " / ".join("-" if g is None else f"{g:.1f}" for g in case["gap_ulps"][::-1]) + " ulps")
+                     + " / ".join("(not in its top values)" if g is None else f"{g:.1f} ulps"
+                                  for g in case["gap_ulps"][::-1]))
         v = (verdicts or {}).get(case_key(case))
         if v:
             text += "; float32: " + (v.get("error") or v["verdict"])

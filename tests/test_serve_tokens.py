@@ -229,3 +229,14 @@ def test_collect_against_an_http_server_answering_as_vllms_completions():
     assert rec["bf16_values"] == 1.0
     same = st.compare(rec, rec)
     assert same["divergent"] == 0 and same["noise_ulps"]["max"] == 0
+
+
+def test_the_cli_says_bad_input_in_one_line(tmp_path, capsys):
+    results = tmp_path / "serve_bench.json"
+    results.write_text(json.dumps({"runs": {"h16/tuned": {"model": "h16", "setup": "tuned"}}, "meta": {}}))
+    assert st.main(["reference", "--results", str(results), "--model", "h128", "--model-dir", str(tmp_path)]) == 2
+    assert st.main(["compare", str(tmp_path / "none.json"), str(results)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"serve_tokens: reference: ValueError: {results}: no run of model 'h128'",
+                   f"serve_tokens: compare: FileNotFoundError: [Errno 2] No such file or directory: "
+                   f"'{tmp_path / 'none.json'}'"]
