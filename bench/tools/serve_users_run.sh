@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Issue #51 on the lent GPU: serving as users run it (vLLM's default compilation), one call per
 # PHASE on one warm machine (carry .dev .fa3; the caches under /tmp/cache live while it is warm):
-#   PHASE=cold   `mla-tune prebuild` timed into the tuned server's FlashInfer cache, then h16 tuned
-#                and vLLM's own server, each started cold (their own empty vLLM/inductor/Triton
-#                caches: --cache-root), the served-tokens check, CELLS x REPEATS
+#   PHASE=cold   h16 vLLM's own server and tuned, each started cold (their own empty vLLM/inductor/
+#                Triton caches: --cache-root; tuned after `mla-tune prebuild`, timed apart: --prebuild),
+#                the served-tokens check, CELLS x REPEATS
 #   PHASE=warm   the same two servers started again on those caches (warm starts), then the v3tp8
 #                model (DeepSeek-V3's layers on one TP8 rank) tuned and vLLM's own: CELLS x REPEATS
 #                with a decode profile (attention's share of a step)
@@ -24,13 +24,9 @@ cells=${CELLS:-long@inf,chat@inf}
 reps=${REPEATS:-3}
 if [ "$phase" = cold ]; then
   rm -rf $C/h16_*
-  mkdir -p $C/h16_tuned/flashinfer
-  echo "== prebuild ($(left) s left)"
-  FLASHINFER_WORKSPACE_BASE=$C/h16_tuned/flashinfer /usr/bin/time -f "prebuild wall %e s" \
-    python3 -m mla_tune prebuild --jobs 16 2>&1 | tail -15
-  echo "== serve_bench h16 cold ($(left) s left)"
+  echo "== serve_bench h16 cold, tuned after its prebuild ($(left) s left)"
   timeout $(( $(left) - 30 )) python3 bench/serve_bench.py --out $serve --models h16 \
-    --setups vllm_default,tuned --cache-root $C --tokens --cells $cells --repeats $reps 2>&1 \
+    --setups vllm_default,tuned --cache-root $C --prebuild --tokens --cells $cells --repeats $reps 2>&1 \
     | tee $W/serve_$phase.txt | grep -E "^\[|^model|Traceback|Error" | tail -40
   echo "serve_bench rc=${PIPESTATUS[0]}"
 else
