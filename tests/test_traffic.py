@@ -265,3 +265,16 @@ def test_only_the_first_tensor_parallel_rank_records(tmp_path, monkeypatch, fres
     assert traffic_recorder(vc, 16) is None
     monkeypatch.setattr(ps_state, "get_tensor_model_parallel_rank", lambda: 0)
     assert traffic_recorder(vc, 16).dims == DIMS
+
+
+def test_numpy_sizes_are_written_as_integers(tmp_path):
+    """A builder handing numpy integers (a lengths array's sum, a shape) still flushes."""
+    import numpy as np
+    r = rec.TrafficRecorder(str(tmp_path / "t.db"), DIMS, flush_seconds=0)
+    r.decode(np.int64(8), np.int64(3000), np.int32(1))
+    r.decode(8, 3000, 1)
+    r.prefill(np.bool_(True), np.int64(512), np.int64(128))
+    assert r.flush()
+    m = tr.load_traffic(tmp_path / "t.db").select()
+    assert m.steps == 2 and m.plans == 1 and m.decode_cells() == {(8, 4096, 1): 2}
+    r.close()

@@ -194,11 +194,11 @@ def write_counts(path: str, dims, decode: dict, prefill: dict, started: float = 
         conn.executemany(
             "insert into decode values (?, ?, ?, ?, ?) on conflict (model, batch_size, q_len, "
             "context_bin) do update set steps = steps + excluded.steps",
-            [(model, b, q, c, n) for (b, q, c), n in decode.items()])
+            [(model, int(b), int(q), int(c), int(n)) for (b, q, c), n in decode.items()])
         conn.executemany(
             "insert into prefill values (?, ?, ?, ?, ?) on conflict (model, causal, query_bin, "
             "kv_bin) do update set plans = plans + excluded.plans",
-            [(model, int(causal), qb, kb, n) for (causal, qb, kb), n in prefill.items()])
+            [(model, int(causal), int(qb), int(kb), int(n)) for (causal, qb, kb), n in prefill.items()])
         conn.execute("insert into writers values (?, ?, ?, ?, ?, ?) on conflict (host, pid, started) "
                      "do update set last_flush = excluded.last_flush, steps = excluded.steps, "
                      "plans = excluded.plans",
