@@ -239,3 +239,21 @@ def test_a_step_planned_with_another_scale_is_refused(platform, base_config, fla
     q, kv = _qkv(1, num_pages)
     with pytest.raises(ValueError, match="softmax scale"):
         impl.forward_mqa(q, kv, SimpleNamespace(decode=md, num_decodes=1), None)
+
+
+def test_a_recording_server_counts_flashmlas_steps(platform, base_config, flash_mla, tmp_path,
+                                                   monkeypatch):
+    """VLLM_METAX_TRAFFIC: FLASHMLA's steps are counted by the key a tuned FLASHINFER_MLA would
+    look them up by (batch, mean length, q_len); recording off, the builder holds None."""
+    from vllm_metax.core import decisions, traffic as rec
+    monkeypatch.setattr(rec, "_RECORDERS", {})
+    monkeypatch.delenv(rec.TRAFFIC_ENV, raising=False)
+    assert _builder(base_config).traffic is None
+    monkeypatch.setenv(rec.TRAFFIC_ENV, str(tmp_path / "t.db"))
+    builder = _builder(base_config)
+    lens = [5, 130, 64]
+    _decode(builder, lens)
+    _decode(builder, [700, 900], q_len=2)
+    assert builder.traffic.decode_counts == {
+        (3, 1, rec.fine_bin(decisions.bucket_context(lens))): 1, (2, 2, rec.fine_bin(800)): 1}
+    builder.traffic.close()

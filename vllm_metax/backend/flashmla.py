@@ -41,7 +41,10 @@ from vllm.v1.attention.backends.utils import (
     reshape_query_for_spec_decode,
 )
 
+from vllm_metax.backend import traffic_recorder
+from vllm_metax.backend.builder import HostLengthsBuilder
 from vllm_metax.backend.impl_features import FeatureCheckedImpl
+from vllm_metax.core import decisions
 from vllm_metax.core.log import get_logger, log_once
 from vllm_metax.ops import flashmla as op
 
@@ -61,10 +64,12 @@ class MetaxFlashMLAMetadata(MLACommonMetadata[MetaxFlashMLADecodeMetadata]):
     pass
 
 
-class MetaxFlashMLAMetadataBuilder(MLACommonMetadataBuilder[MetaxFlashMLAMetadata]):
+class MetaxFlashMLAMetadataBuilder(HostLengthsBuilder, MLACommonMetadataBuilder[MetaxFlashMLAMetadata]):
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
     query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.UNIFORM
     reorder_batch_threshold: int = 128      # vLLM's FlashMLA value: small prefills decode
+    # host lengths only for a recording server's traffic (a statistic: vLLM's upper bound serves)
+    EXACT_HOST_LENGTHS: ClassVar[bool] = False
 
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config: VllmConfig,
                  device: torch.device):
@@ -76,6 +81,7 @@ class MetaxFlashMLAMetadataBuilder(MLACommonMetadataBuilder[MetaxFlashMLAMetadat
         self.sm_scale = float(layer.scale)          # the model's scale, YaRN mscale included
         self.page_size = kv_cache_spec.block_size
         self.kernel: op.FlashMLADecode | None = None
+        self.traffic = traffic_recorder(vllm_config, self.num_heads)    # None unless asked
 
     def _op(self) -> op.FlashMLADecode:
         if self.kernel is None:
@@ -96,6 +102,9 @@ class MetaxFlashMLAMetadataBuilder(MLACommonMetadataBuilder[MetaxFlashMLAMetadat
         if rest or q_len < 1:
             raise ValueError(f"FLASHMLA decodes uniform batches; got {num_decode_tokens} tokens over "
                              f"{num_decodes} requests")
+        if self.traffic is not None:       # what a tuned FLASHINFER_MLA would look this step up by
+            self.traffic.decode(num_decodes, decisions.bucket_context(
+                self._host_seq_lens(seq_lens_device, num_decodes)), q_len)
         kernel = self._op()
         kernel.new_step()                  # the step's first layer schedules these lengths
         return MetaxFlashMLADecodeMetadata(block_table=block_table_tensor, seq_lens=seq_lens_device,
