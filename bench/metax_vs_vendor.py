@@ -56,7 +56,7 @@ def tuned_candidate(entry, families: dict, backends, workload):
     from vllm_metax.backend.plan_choice import PlanChoice
     from vllm_metax.core import decisions
     from vllm_metax.core.serving import mla_backend_order
-    from vllm_metax.core.tuned_config import FLASHMLA_BACKEND, TRITON_BACKEND
+    from vllm_metax.core.choices import FLASHMLA_BACKEND, TRITON_BACKEND
     order, _ = mla_backend_order(entry.backend_order if entry is not None else None)
     runnable = [b for b in order if b != "FLASHMLA" or families["flashmla_ok"]]
     first = runnable[0] if runnable else "TRITON_MLA"
@@ -92,13 +92,14 @@ def measure_all(args) -> dict:
     from mla_tune.measure.timing import default_pool_bytes
     from mla_tune.measure.trial import MeasureSettings
     from vllm_metax.core import decisions, serving
+    from vllm_metax.ops import device_backends
     from vllm_metax.core.profile import active_profile
     from vllm_metax.core.tuned_config import read_tuned_config
 
     env = capture_environment("gpu", " ".join(sys.argv))
     prof = active_profile()
     cfg = read_tuned_config(args.config)
-    backends = decisions.device_flashinfer_backends()
+    backends = device_backends.device_flashinfer_backends()
     say(f"device {env['device_name']}, torch {env['torch']}, flashinfer {env['flashinfer']}, profile "
         f"{prof.name}; FlashInfer backends {backends.allowed}; config {args.config} ({len(cfg.models)} entries)")
     fi, auto_fi, tr, fm = FlashInferFamily(), FlashInferFamily(fast_replan=False), TritonMLAFamily(), FlashMLAFamily()

@@ -169,11 +169,12 @@ def measure_all(args) -> dict:
     from mla_tune.problem.roofline import measure_ceilings, workload_bytes
     from vllm_metax.backend.plan_choice import PlanChoice
     from vllm_metax.core import decisions, serving
+    from vllm_metax.ops import device_backends
     from vllm_metax.core.tuned_config import read_tuned_config
 
     env = capture_environment("gpu", " ".join(sys.argv))
     cfg = read_tuned_config(args.config)
-    fb = decisions.device_flashinfer_backends()
+    fb = device_backends.device_flashinfer_backends()
     say(f"device {env['device_name']} ({env['sm_count']} SMs), torch {env['torch']}, "
         f"flashinfer {env['flashinfer']}; config {args.config} ({len(cfg.models)} model entries)")
     ceilings = measure_ceilings("cuda")

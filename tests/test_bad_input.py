@@ -24,6 +24,7 @@ from cli_support import one_line, run_main
 from mla_tune.tune.emit import emit_config
 from mla_tune.store.results import ResultsStore
 from results_fixture import H200, build_fixture_db
+from vllm_metax.core import choices
 from vllm_metax.core import tuned_config as tc
 
 NUMBERS_BAD = ["0", "-1", "nan", "inf", "-inf", "1e400", "9" * 5000, "", "x", "1.5"]
@@ -269,9 +270,9 @@ def _check_inside_schema(cfg: tc.TunedConfig) -> None:
             for fam, c in b.families.items():
                 assert fam in tc.FAMILIES
                 if fam == "flashinfer":
-                    assert c.params["backend"] in tc.FLASHINFER_BACKENDS
+                    assert c.params["backend"] in choices.FLASHINFER_BACKENDS
                 else:
-                    assert 1 <= c.params["num_kv_splits"] <= tc.MAX_KV_SPLITS
+                    assert 1 <= c.params["num_kv_splits"] <= choices.MAX_KV_SPLITS
 
 
 def _paths(doc, prefix=()):

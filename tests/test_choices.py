@@ -69,8 +69,8 @@ def test_refusals_are_one_line_naming_the_value_and_the_legal_ones(family, param
 def test_the_split_kernel_facts_have_one_definition():
     from vllm_metax.ops import split_decode
     assert split_decode.PIPES is split_facts.PIPES and split_decode.MAX_PROGRAMS == choices.MAX_SPLITS
-    assert tc.SPLIT_PIPES == tuple(split_facts.PIPES) and tc.DEFAULT_SPLIT_PIPE == split_facts.SERVED_PIPE
-    assert tc.SPLIT_PARTIALS is split_facts.PARTIAL_DTYPES
+    assert choices.SPLIT_PIPES == tuple(split_facts.PIPES) and choices.DEFAULT_SPLIT_PIPE == split_facts.SERVED_PIPE
+    assert choices.SPLIT_PARTIALS is split_facts.PARTIAL_DTYPES
     # no other module assigns these names
     for path in [*(ROOT / "vllm_metax").rglob("*.py"), *(ROOT / "mla_tune").rglob("*.py")]:
         if path.name == "split_facts.py":

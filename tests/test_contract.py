@@ -28,6 +28,7 @@ from mla_tune.tune.emit import emit_config
 from mla_tune.problem.workload import custom_model, workload_for
 from mla_tune.store.results import ResultsStore
 from vllm_metax.core import decisions
+from vllm_metax.ops import device_backends
 from vllm_metax.core import tuned_config as tc
 from vllm_metax.core.device import DeviceInfo
 from vllm_metax.ops import split_decode
@@ -324,7 +325,7 @@ def test_the_tuner_measures_what_the_plugin_may_plan_and_its_untuned_default(dev
     wl = workload_for(custom_model(16), 1, 4, 1024)
     tuner = FlashInferFamily()
     measured = {c.backend for c in tuner.space(wl, [64])}
-    served = PlanChoice(None, decisions.device_flashinfer_backends())
+    served = PlanChoice(None, device_backends.device_flashinfer_backends())
     assert measured == set(served.allowed) and decisions.AUTO not in measured
     assert tuner.default_candidate(wl).backend == served.for_step(4, 1024) == served.default
     assert served.default == ("fa3" if dev is H200 else "fa2")

@@ -417,7 +417,7 @@ def test_tuned_kv_chunking_equals_reference(backend, heads, graph):
     from mla_tune.problem.reference import mla_decode_reference, relative_error
     from vllm_metax.core.decisions import kv_chunk_factor
     from vllm_metax.ops.paged_metadata import build_paged_metadata
-    from vllm_metax.core.tuned_config import KV_CHUNKS
+    from vllm_metax.core.choices import KV_CHUNKS
     page, scale = 64, 192 ** -0.5
     for lens in ([9000, 3, 700], [1500 + 37 * i for i in range(40)]):
         kv, bt, q = _packed_problem(heads, page, [max(lens) + 1] * len(lens), seed=7)

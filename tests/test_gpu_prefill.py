@@ -108,7 +108,7 @@ def test_every_prefill_family_candidate_matches_the_reference(causal, q, kv, n):
     from mla_tune.measure.prefill_trial import measure_prefill
     from mla_tune.measure.trial import MeasureSettings
     from mla_tune.problem.prefill import PrefillWorkload
-    from vllm_metax.core.decisions import device_prefill_backends
+    from vllm_metax.ops.device_backends import device_prefill_backends
     fam = FlashInferPrefillFamily()
     w = PrefillWorkload(HEADS, KV_LORA, ROPE, scale(), causal, q, kv, n)
     space = fam.space(w)
@@ -127,12 +127,13 @@ def test_the_plugin_plans_the_tuned_prefill_backend_with_real_flashinfer(tmp_pat
     _prefill_here()
     import os
     import plugin_support as ps
-    from vllm_metax.core import decisions, tuned_config as tc
+    from vllm_metax.core import tuned_config as tc
+    from vllm_metax.ops import device_backends
     from vllm_metax.backend.flashinfer_prefill import FlashInferMLAPrefillBackend
     from vllm_metax.core.device import detect_device
     os.environ.setdefault("VLLM_METAX_FORCE", "1")
     dev = detect_device()
-    here = decisions.device_prefill_backends()
+    here = device_backends.device_prefill_backends()
     # fa2, fa3 and vllm_fa3 each in a bucket of either kind, whatever bench measured
     buckets = [tc.PrefillBucket(True, 256, 64, {"backend": "fa2"}),
                tc.PrefillBucket(True, 256, 256, {"backend": "fa3"}),

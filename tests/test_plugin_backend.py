@@ -298,11 +298,12 @@ def test_kv_chunk_of_a_backend_the_device_does_not_serve_is_not_applied(fb, base
 def test_simulated_metax_keeps_fa3_out(fb, base_config, tmp_path, monkeypatch):
     import vllm_metax.backend as backend_pkg
     import vllm_metax.platform as P
-    from vllm_metax.core import decisions, device as device_mod
+    from vllm_metax.core import device as device_mod
+    from vllm_metax.ops import device_backends
 
     for mod in (device_mod, backend_pkg, P):
         monkeypatch.setattr(mod, "detect_device", lambda: METAX)
-    fb_values = decisions.device_flashinfer_backends()
+    fb_values = device_backends.device_flashinfer_backends()
     assert (fb_values.allowed, fb_values.default) == (("fa2",), "fa2")
     _tuned(tmp_path, monkeypatch, {(1, 64, 1): "fa3", (8, 4096, 1): "fa3"}, device=METAX.name)
     builder = ps.make_builder(_config(base_config))
@@ -475,10 +476,10 @@ def test_start_says_which_flashinfer_modules_are_not_built_and_the_command(fb, b
     assert len(said) == 1 and said[0].startswith("vllm_metax MLA: 3 FlashInfer module(s)"), said
     assert "MLA decode ckv 512 kpe 64, fa2" in said[0] and "ragged prefill qk 192 vo 128, fa3" in said[0]
     assert "`mla-tune prebuild`" in said[0]
-    from vllm_metax.core import decisions
+    from vllm_metax.ops import device_backends
     entry = fb.served_entry(_config(base_config), ps.NUM_HEADS)
-    for m in served_modules.entry_modules(entry, decisions.device_flashinfer_backends(),
-                                          decisions.device_prefill_backends()):
+    for m in served_modules.entry_modules(entry, device_backends.device_flashinfer_backends(),
+                                          device_backends.device_prefill_backends()):
         (cache / m.name).mkdir(parents=True)
         (cache / m.name / f"{m.name}.so").write_bytes(b"")
     caplog.clear()

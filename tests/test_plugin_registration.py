@@ -104,7 +104,7 @@ def test_simulated_metax_host_activates_unforced_and_finds_its_config(metax_host
     assert (dev.name, dev.source, dev.is_metax) == ("MetaX C500", "pymxsml", True)
     assert vllm_metax.register() == "vllm_metax.platform.MetaxPlatform"
     assert "MetaX C500" in vllm_metax.should_activate()[1]
-    from vllm_metax.core.decisions import device_flashinfer_backends
+    from vllm_metax.ops.device_backends import device_flashinfer_backends
     fb = device_flashinfer_backends()
     assert (fb.allowed, fb.default) == (("fa2",), "fa2")      # MetaX's FlashInfer: fa3 is no choice
 

@@ -12,6 +12,7 @@ import types
 import pytest
 
 from vllm_metax.core import choices, decisions, device, profile, serving
+from vllm_metax.ops import device_backends
 from vllm_metax.core import tuned_config as tc
 from vllm_metax.core.device import DeviceInfo
 from vllm_metax.core.split_facts import PIPES
@@ -111,7 +112,7 @@ def test_a_metax_device_found_through_pymxsml_is_the_metax_profile(monkeypatch, 
         assert (dev.name, dev.source, dev.is_metax) == ("MetaX C500", "pymxsml", True)
         prof, why = profile.profile_source()
         assert prof.name == "metax" and "via pymxsml" in why
-        assert decisions.device_flashinfer_backends().allowed == ("fa2",)
+        assert device_backends.device_flashinfer_backends().allowed == ("fa2",)
     finally:
         device.detect_device.cache_clear()
 
@@ -131,16 +132,16 @@ def test_pymxsml_without_a_device_is_not_metax(monkeypatch):
 
 def test_flashinfer_backends_are_the_device_rule_within_the_profile(on):
     on(HOPPER)
-    assert decisions.device_flashinfer_backends().allowed == ("fa3", "fa2")
-    assert decisions.device_flashinfer_backends().default == "fa3"
-    metax = decisions.device_flashinfer_backends("metax")
+    assert device_backends.device_flashinfer_backends().allowed == ("fa3", "fa2")
+    assert device_backends.device_flashinfer_backends().default == "fa3"
+    metax = device_backends.device_flashinfer_backends("metax")
     assert metax.allowed == ("fa2",) and metax.default == "fa2"
-    assert decisions.device_prefill_backends("metax").allowed == ("fa2",)
+    assert device_backends.device_prefill_backends("metax").allowed == ("fa2",)
     assert metax.serve(decisions.FlashInferChoice("fa3")) == "fa2"      # the device default
     on(METAX_DEV)          # a MetaX device under a forced nvidia profile still runs fa2 only
-    assert decisions.device_flashinfer_backends("nvidia").allowed == ("fa2",)
+    assert device_backends.device_flashinfer_backends("nvidia").allowed == ("fa2",)
     on(AMPERE)
-    assert decisions.device_flashinfer_backends("metax").allowed == ("fa2",)
+    assert device_backends.device_flashinfer_backends("metax").allowed == ("fa2",)
 
 
 def _bucket(pipe=None, split_us=10.0, fi_us=20.0):

@@ -128,7 +128,7 @@ def test_the_triton_builder_records_the_buckets_launch(tmp_path, monkeypatch):
 def test_the_impl_launches_the_metadatas_variant(monkeypatch):
     """forward_mqa (vLLM's body) calls the `decode_attention_fwd` of vLLM's TRITON_MLA module,
     which the plugin routes to the vendor's launch for the call's variant only."""
-    import vllm_metax.backend.triton_launch as tl
+    import vllm_metax.ops.triton_launch as tl
     import vllm_metax.backend.triton_mla as tm
     seen = []
 

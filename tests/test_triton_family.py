@@ -231,7 +231,7 @@ _VENDOR_CHILD = textwrap.dedent("""
     from mla_tune.families import Candidate, get_family
     from mla_tune.measure.trial import MeasureSettings, check_correctness
     from mla_tune.problem.workload import Workload
-    from vllm_metax.backend import triton_launch
+    from vllm_metax.ops import triton_launch
 
     launches = []
     stage1 = triton_launch._stage1
@@ -266,7 +266,7 @@ _VENDOR_CHILD = textwrap.dedent("""
 @pytest.mark.vllm
 def test_the_vendor_launch_runs_vllms_kernels_with_block_16_one_stage_under_the_interpreter():
     """The "metax" variant: vLLM's own stage-1 and merge kernels launched with the vendor's
-    settings (vllm_metax.backend.triton_launch), correct against the torch reference."""
+    settings (vllm_metax.ops.triton_launch), correct against the torch reference."""
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     env.pop("VLLM_METAX_PROFILE", None)
     proc = subprocess.run([sys.executable, "-c", _VENDOR_CHILD], env=env, capture_output=True,

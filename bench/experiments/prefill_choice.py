@@ -813,7 +813,7 @@ def measure(settings: Settings, command: str = "") -> dict:
     import torch
 
     from mla_tune.measure.environment import capture_environment
-    from vllm_metax.core.decisions import device_flashinfer_backends
+    from vllm_metax.ops.device_backends import device_flashinfer_backends
     t_start = time.perf_counter()
     dev = settings.device
     env = capture_environment("gpu" if dev.startswith("cuda") else "cpu-reference", command)

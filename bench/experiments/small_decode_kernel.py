@@ -401,7 +401,7 @@ def main(argv=None) -> int:
     PIPE_MODE = args.pipe
     TMA_MODE = args.tma or args.pipe
     if args.fa3_chunks:
-        from vllm_metax.core.tuned_config import KV_CHUNKS
+        from vllm_metax.core.choices import KV_CHUNKS
         FA3_CHUNKS = KV_CHUNKS
     t_start = time.perf_counter()
     try:

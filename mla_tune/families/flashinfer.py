@@ -62,7 +62,7 @@ def _op():
 def device_backends(profile=None):
     """The plugin's FlashInfer backend rule for the visible device under `profile` (None: the
     active one)."""
-    from vllm_metax.core.decisions import device_flashinfer_backends
+    from vllm_metax.ops.device_backends import device_flashinfer_backends
     return device_flashinfer_backends(profile)
 
 

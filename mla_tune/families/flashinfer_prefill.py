@@ -31,7 +31,7 @@ PAGE = 1                      # ragged KV: no pages
 
 def device_backends():
     """The plugin's prefill backend rule for the visible device."""
-    from vllm_metax.core.decisions import device_prefill_backends
+    from vllm_metax.ops.device_backends import device_prefill_backends
     return device_prefill_backends()
 
 

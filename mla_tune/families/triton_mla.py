@@ -20,7 +20,7 @@ it is a tuning knob:
 * `variant` (`vllm_metax.core.choices.TRITON_VARIANTS`): how the kernels are launched. "vllm" (no
   knob) is vLLM's `decode_attention_fwd`; "metax" launches vLLM's own kernels with the MetaX
   vendor's settings (BLOCK_N 16, one stage, the general head-tile rule:
-  `vllm_metax.core.triton_facts`; the launcher is `vllm_metax.backend.triton_launch`, what
+  `vllm_metax.core.triton_facts`; the launcher is `vllm_metax.ops.triton_launch`, what
   TRITON_MLA serves). The target profile (`vllm_metax.core.profile`) says which launches a sweep
   measures (metax: both) and which one is the untuned default (metax: the vendor's).
 """
@@ -262,7 +262,7 @@ class TritonMLAFamily:
 
 def launcher(variant: str):
     """`decode_attention_fwd` as `variant` launches it: vLLM's own, or vLLM's kernels with a
-    vendor's settings (`vllm_metax.backend.triton_launch`); ImportError saying why not here."""
+    vendor's settings (`vllm_metax.ops.triton_launch`); ImportError saying why not here."""
     kernel = _kernel()
     if variant == VLLM_VARIANT:
         return kernel
@@ -271,7 +271,7 @@ def launcher(variant: str):
         raise ImportError(f"unknown Triton launch variant {variant!r} (known: "
                           f"{', '.join(TRITON_VARIANTS)})")
     try:
-        from vllm_metax.backend import triton_launch
+        from vllm_metax.ops import triton_launch
     except Exception as e:
         raise ImportError(f"the {variant} Triton launch is not importable: {type(e).__name__}: {e}") from None
     return functools.partial(triton_launch.decode_attention_fwd, variant=variant)

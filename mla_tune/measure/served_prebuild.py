@@ -119,11 +119,11 @@ def select_entries(cfg, model: str | None, tp_size: int = 1, dtype: str = "bfloa
 def served_modules(entries, target: Target) -> list:
     """The FlashInfer JIT modules `entries` serve on `target` (`vllm_metax.backend.served_modules`)."""
     from vllm_metax.backend.served_modules import config_modules
-    from vllm_metax.core import decisions
     from vllm_metax.core.device import DeviceInfo
+    from vllm_metax.ops import device_backends
     dev = DeviceInfo(target.source, "target", target.is_metax, None, target.capability)
-    return config_modules(entries, decisions.device_flashinfer_backends(device=dev),
-                          decisions.device_prefill_backends(device=dev))
+    return config_modules(entries, device_backends.device_flashinfer_backends(device=dev),
+                          device_backends.device_prefill_backends(device=dev))
 
 
 def cache_folder() -> Path:

@@ -183,7 +183,7 @@ def _profile_check(config) -> Check:
 
 
 def _flashinfer_backends(probe: bool) -> list[Check]:
-    from vllm_metax.core.decisions import device_flashinfer_backends
+    from vllm_metax.ops.device_backends import device_flashinfer_backends
     from vllm_metax.ops import flashinfer_mla as op
 
     fb = device_flashinfer_backends()
@@ -305,7 +305,7 @@ def diagnose(model: str | None = None, tp_size: int = 1, probe: bool = False,
     from vllm_metax.ops.flashinfer_prefill import prefill_available
     pf = prefill_available()
     if pf[0]:
-        from vllm_metax.core.decisions import device_prefill_backends
+        from vllm_metax.ops.device_backends import device_prefill_backends
         pb = device_prefill_backends()
         pf_detail = (f"{pf[1]}: plans {pb.default} untuned; a tuned config may choose "
                      f"{', '.join(pb.allowed)}")

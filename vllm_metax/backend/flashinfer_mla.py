@@ -57,6 +57,7 @@ from vllm_metax.ops.flashinfer_mla import (
     flashinfer_available,
 )
 from vllm_metax.ops import fa3_mla, split_decode
+from vllm_metax.ops import device_backends
 from vllm_metax.ops.paged_metadata import PagedMetadata, build_paged_metadata
 
 logger = get_logger(__name__)
@@ -122,7 +123,7 @@ class FlashInferMLAMetadataBuilder(HostLengthsBuilder, MLACommonMetadataBuilder[
         self.max_pages_per_req = -(-self.model_config.max_model_len // page)
 
         entry = served_entry(vllm_config, self.num_heads)
-        self.choice = PlanChoice(entry, decisions.device_flashinfer_backends())
+        self.choice = PlanChoice(entry, device_backends.device_flashinfer_backends())
         self.traffic = traffic_recorder(vllm_config, self.num_heads)    # None unless asked
         log_once(logger, logging.INFO, "vllm_metax MLA: FLASHINFER_MLA decode kernels: %s",
                  self.choice.describe())

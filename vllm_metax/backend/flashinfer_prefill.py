@@ -30,6 +30,7 @@ from vllm.v1.attention.backends.utils import log2_lse_to_ln
 
 from vllm_metax.backend import served_entry, traffic_recorder
 from vllm_metax.core import decisions
+from vllm_metax.ops import device_backends
 from vllm_metax.core.log import get_logger, log_once
 from vllm_metax.ops.fa3_prefill import BACKEND as VLLM_FA3, DTYPES as FA3_DTYPES, FA3PrefillKernel
 from vllm_metax.ops.flashinfer_mla import BackendRefused, device_workspace
@@ -53,7 +54,7 @@ def _workspace(device: torch.device) -> torch.Tensor:
 def prefill_backend_value() -> str:
     """The FlashInfer backend value prefill plans with on this device untuned: the decode default
     (`vllm_metax.core.decisions`: fa3 on Hopper, fa2 elsewhere; MetaX's FlashInfer has fa2 only)."""
-    return decisions.device_prefill_backends().default
+    return device_backends.device_prefill_backends().default
 
 
 def prefill_entry(vllm_config, num_heads: int):
@@ -121,7 +122,7 @@ class FlashInferMLAPrefillBackend(MLAPrefillBackend):
         super().__init__(num_heads=num_heads, scale=scale, kv_lora_rank=kv_lora_rank,
                          qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim,
                          v_head_dim=v_head_dim, vllm_config=vllm_config)
-        self.backends = decisions.device_prefill_backends()
+        self.backends = device_backends.device_prefill_backends()
         self.backend = self.backends.default     # the value the last new-token plan ran
         self.entry = prefill_entry(vllm_config, num_heads)
         self.traffic = traffic_recorder(vllm_config, num_heads)    # None unless asked

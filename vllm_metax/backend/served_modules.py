@@ -24,6 +24,7 @@ import logging
 from vllm_metax.backend.plan_choice import PlanChoice
 from vllm_metax.core import decisions
 from vllm_metax.core.log import get_logger, log_once
+from vllm_metax.ops import device_backends
 from vllm_metax.ops.flashinfer_jit import JIT_BACKENDS, JitModule, decode_module, prefill_module
 from vllm_metax.ops.flashinfer_prefill import MLA_DIMS
 
@@ -71,7 +72,7 @@ def say_unbuilt(choice: PlanChoice, prefill: decisions.FlashInferBackends | None
     the first time a step needs it, in warm-up, graph capture or a request) and the command that
     builds them ahead. `prefill`: default the device's. Returns them; never raises."""
     try:
-        prefill = prefill or decisions.device_prefill_backends()
+        prefill = prefill or device_backends.device_prefill_backends()
         missing = [m for m in entry_modules(choice.entry, choice.backends, prefill, choice)
                    if not m.built()]
     except Exception as e:  # noqa: BLE001 - a log line must never stop a server

@@ -68,7 +68,7 @@ vllm_num_kv_splits = _install_split_hook()
 
 # The launch variant (`choices.TRITON_VARIANTS`) of the forward_mqa call in progress: vLLM's own
 # `decode_attention_fwd` ("vllm"), or vLLM's kernels launched with a vendor's settings
-# (`vllm_metax.backend.triton_launch`), wrapped like the split count.
+# (`vllm_metax.ops.triton_launch`), wrapped like the split count.
 _VARIANT: contextvars.ContextVar[str] = contextvars.ContextVar(
     "vllm_metax_triton_mla_variant", default=decisions.DEFAULT_TRITON_VARIANT)
 
@@ -82,7 +82,7 @@ def _install_launch_hook():
         variant = _VARIANT.get()
         if variant == decisions.DEFAULT_TRITON_VARIANT:
             return original(*args, **kwargs)
-        from vllm_metax.backend import triton_launch
+        from vllm_metax.ops import triton_launch
         return triton_launch.decode_attention_fwd(*args, variant=variant, **kwargs)
 
     decode_attention_fwd.__wrapped__ = original

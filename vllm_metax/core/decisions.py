@@ -83,28 +83,6 @@ def flashinfer_backends(is_metax: bool, capability: tuple | None) -> FlashInferB
     return FlashInferBackends(("fa2",), "fa2")
 
 
-def device_flashinfer_backends(profile=None, device=None) -> FlashInferBackends:
-    """`flashinfer_backends` for the visible device (vllm_metax.core.device, cached per process;
-    `device`: another DeviceInfo, e.g. a build target) under `profile` (default: the active one,
-    `vllm_metax.core.profile`)."""
-    from vllm_metax.core.device import detect_device
-    dev, prof = device or detect_device(), _profile(profile)
-    return flashinfer_backends(dev.is_metax or prof.is_metax, dev.capability).limited_to(
-        prof.flashinfer_backends)
-
-
-def device_prefill_backends(profile=None, device=None) -> FlashInferBackends:
-    """`prefill_backends` for the visible device (vllm_metax.core.device, cached per process;
-    `device`: another DeviceInfo, whose vLLM FA3 is taken to load where the visible one's does)
-    under `profile` (default: the active one)."""
-    from vllm_metax.core.device import detect_device
-    dev, prof = device or detect_device(), _profile(profile)
-    is_metax = dev.is_metax or prof.is_metax
-    from vllm_metax.ops.fa3_mla import fa3_available    # a Hopper check first: loads only there
-    vllm_fa3 = not is_metax and fa3_available()[0]
-    return prefill_backends(is_metax, dev.capability, vllm_fa3).limited_to(prof.flashinfer_backends)
-
-
 def _profile(profile) -> Profile:
     return active_profile() if profile is None else get_profile(profile)
 
@@ -403,6 +381,6 @@ __all__ = ["AUTO", "DecodeKernel", "DecodeStep", "SIDE_KERNELS", "decode_kernel"
            "FlashInferChoice", "FlashMLAChoice", "FA3", "FA3Choice", "fa3_serves", "flashmla_serves",
            "side_kernel", "SPLIT", "SPLIT_MIN_GAIN", "SplitChoice",
            "TRITON", "TRITON_CONTEXT_RATIO", "TRITON_VARIANTS", "triton_choice", "triton_launch", "triton_variants", "split_serves", "TritonChoice", "VLLM_RULE", "bucket_choice",
-           "bucket_context", "device_flashinfer_backends", "device_prefill_backends", "dtype_name",
+           "bucket_context", "dtype_name",
            "family_choice", "flashinfer_backends", "kv_chunk_factor", "model_key",
            "prefill_backend", "prefill_backends", "prefill_statistic", "unservable_prefill"]

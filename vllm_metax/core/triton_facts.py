@@ -1,5 +1,5 @@
 """How vLLM's Triton MLA decode kernels may be launched, as plain data (stdlib only): the one
-definition that the launcher (`vllm_metax.backend.triton_launch`), the tuned-config knob domain
+definition that the launcher (`vllm_metax.ops.triton_launch`), the tuned-config knob domain
 (`vllm_metax.core.choices.TRITON_VARIANTS`) and the profiles (`vllm_metax.core.profile`) import.
 
 vLLM 0.33's `decode_attention_fwd` fixes its launch inside the function: 32-token tiles

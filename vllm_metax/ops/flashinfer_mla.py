@@ -33,7 +33,7 @@ import torch
 from vllm_metax.core.log import get_logger
 from vllm_metax.ops import fast_replan as fr
 from vllm_metax.ops.paged_metadata import PagedMetadata
-from vllm_metax.core.tuned_config import FLASHINFER_BACKENDS
+from vllm_metax.core.choices import FLASHINFER_BACKENDS
 
 logger = get_logger(__name__)
 

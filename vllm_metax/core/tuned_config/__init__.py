@@ -13,12 +13,6 @@ Which entry of a config a server runs with is decided in `vllm_metax.core.servin
 
 from __future__ import annotations
 
-# Each family's knobs and their legal values: vllm_metax.core.choices (the one definition; the split
-# kernel's facts from vllm_metax.core.split_facts), re-exported here for the reader and mla_tune.
-from vllm_metax.core.choices import (  # noqa: F401
-    DEFAULT_SPLIT_PIPE, FLASHINFER_BACKENDS, FLASHMLA_BACKEND, KV_CHUNKS,
-    MAX_KV_SPLITS, MAX_SPLITS, SPLIT_BACKEND, SPLIT_PARTIALS, SPLIT_PIPES, TRITON_BACKEND, ChoiceError,
-)
 from vllm_metax.core.tuned_config.discovery import (  # noqa: F401
     FOLDER_ENV, PACKAGED_ENV, PACKAGED_FOLDER, STRICT_ENV, Resolution, clear_cache, load_tuned_config,
     resolve_tuned_config, search_folders, strict_mode,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from vllm.triton_utils import triton
-from vllm.v1.attention.ops import triton_decode_attention as vllm_decode
+import vllm.v1.attention.ops.triton_decode_attention as vllm_decode
 
 from vllm_metax.core.triton_facts import LAUNCHES, TritonLaunch, head_tiles
 
