@@ -278,3 +278,29 @@ def test_numpy_sizes_are_written_as_integers(tmp_path):
     m = tr.load_traffic(tmp_path / "t.db").select()
     assert m.steps == 2 and m.plans == 1 and m.decode_cells() == {(8, 4096, 1): 2}
     r.close()
+
+
+def test_the_warm_up_is_dropped_from_the_file(tmp_path, monkeypatch, fresh_recorders):
+    """Counts flushed during the warm-up are taken back by the next flush; later steps stay."""
+    monkeypatch.setenv(rec.TRAFFIC_ENV, str(tmp_path / "t.db"))
+    r = rec.recorder(DIMS)
+    r.decode(512, 1, 1)                   # a capture size's dummy batch
+    r.decode(1, 8192, 1)
+    assert r.flush()
+    r.decode(256, 1, 1)
+    rec.discard_warmup()
+    r.decode(32, 4096, 1)
+    assert r.flush()
+    m = tr.load_traffic(tmp_path / "t.db").select()
+    assert m.steps == 1 and m.decode_cells() == {(32, 4096, 1): 1}
+
+
+@pytest.mark.vllm
+def test_the_plugins_worker_ends_the_warm_up(monkeypatch):
+    from vllm.v1.worker.gpu_worker import Worker
+    from vllm_metax.worker import MetaxWorker
+    calls = []
+    monkeypatch.setattr(Worker, "compile_or_warm_up_model", lambda self: calls.append("warm") or 7)
+    monkeypatch.setattr(rec, "discard_warmup", lambda: calls.append("discard"))
+    assert MetaxWorker.compile_or_warm_up_model(object.__new__(MetaxWorker)) == 7
+    assert calls == ["warm", "discard"]

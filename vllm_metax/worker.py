@@ -1,6 +1,7 @@
 """The GPU worker on the metax platform: vLLM's own, refusing to start without the compiled ops
 serving needs, with an error that names them (instead of the first missing `torch.ops._C...`
-attribute deep in the model runner)."""
+attribute deep in the model runner); where the server records its traffic, the warm-up's dummy
+batches are dropped from it once the warm-up is over."""
 
 from __future__ import annotations
 
@@ -17,3 +18,10 @@ class MetaxWorker(Worker):
         if report.missing:
             raise MissingKernelsError(missing_kernels_message(report))
         return super().init_device()
+
+    def compile_or_warm_up_model(self):
+        out = super().compile_or_warm_up_model()
+        from vllm_metax.core.traffic import discard_warmup
+
+        discard_warmup()            # the dummy batches so far are no server traffic
+        return out

@@ -17,7 +17,9 @@ flushes the rest: each flush adds the counts since the previous one into the fil
 transaction (`INSERT ... ON CONFLICT DO UPDATE SET steps = steps + excluded.steps`), so every
 engine process and data-parallel replica of a server adds into one file. Tensor- and
 pipeline-parallel ranks of one replica see the same steps: only their first rank records (the
-glue decides, `vllm_metax.backend.traffic_recorder`). Off by default; off, nothing is imported
+glue decides, `vllm_metax.backend.traffic_recorder`). The engine's warm-up (memory profiling,
+compilation, CUDA-graph capture) runs dummy batches through the same builders: the plugin's
+worker drops those counts when it ends (`discard_warmup`; the next flush takes back any it wrote). Off by default; off, nothing is imported
 and a builder holds None. sqlite3 is imported by the first flush only.
 
 `VLLM_METAX_TRAFFIC` names a file, or a folder (an existing one, or a value ending in '/'): then
@@ -130,6 +132,14 @@ class TrafficRecorder:
         c = self.prefill_counts
         c[k] = c.get(k, 0) + 1
 
+    def discard(self) -> int:
+        """Drop every count so far (the next flush takes back what the file got of them); returns
+        the steps dropped. For the engine's warm-up: its dummy batches are no server traffic."""
+        with self._lock:
+            dropped = sum(self.decode_counts.values())
+            self.decode_counts, self.prefill_counts = {}, {}
+        return dropped
+
     # ---------------------------------------------------------------- flushing
 
     def _flush_loop(self, seconds: float) -> None:
@@ -168,7 +178,9 @@ class TrafficRecorder:
 
 
 def _delta(now: dict, before: dict) -> dict:
-    return {k: n - before.get(k, 0) for k, n in now.items() if n != before.get(k, 0)}
+    """What to add to the file: negative for counts dropped since (`discard`)."""
+    return {k: now.get(k, 0) - before.get(k, 0) for k in now.keys() | before.keys()
+            if now.get(k, 0) != before.get(k, 0)}
 
 
 def write_counts(path: str, dims, decode: dict, prefill: dict, started: float = 0.0,
@@ -235,5 +247,16 @@ def recorder(dims, environ=None, device_name: str | None = None) -> TrafficRecor
         return rec
 
 
+def discard_warmup() -> None:
+    """The engine finished its warm-up (memory profiling, compilation, CUDA-graph capture): what
+    this process's recorders counted so far were dummy batches; drop them, and say so once."""
+    with _RECORDERS_LOCK:
+        recs = list(_RECORDERS.values())
+    dropped = sum(r.discard() for r in recs)
+    if recs:
+        logger.info("vllm_metax: traffic recording counts from now on (%d warm-up decode steps "
+                    "dropped)", dropped)
+
+
 __all__ = ["BINS_PER_OCTAVE", "FLUSH_SECONDS", "TRAFFIC_ENV", "TrafficRecorder", "bin_center",
-           "fine_bin", "log2_cell", "model_label", "recorder", "resolve_path", "write_counts"]
+           "discard_warmup", "fine_bin", "log2_cell", "model_label", "recorder", "resolve_path", "write_counts"]
