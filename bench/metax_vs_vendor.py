@@ -37,7 +37,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tuned_vs_auto import _gmean, bench_parser, measure_rows, say, served_candidate, write_report  # noqa: E402
+from tuned_vs_auto import (  # noqa: E402
+    _gmean, bench_parser, cell, measure_rows, report_head, say, served_candidate, write_report,
+)
 
 COLUMNS = ("tuned", "vendor", "vendor_triton", "fa2_auto")
 VENDOR_TRITON_PAGE = 16      # vLLM's default KV block size, which the vendor's TRITON_MLA keeps
@@ -146,15 +148,14 @@ def summarize(doc: dict) -> dict:
 
 
 def render(doc: dict, s: dict) -> str:
-    env = doc["environment"]
-    f = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"   # noqa: E731
-    lines = [f"# MetaX profile: tuned vs the vendor plugin's default ({env['device_name']} standing in)", "",
-             f"`{env.get('command', '')}`", "",
-             f"NVIDIA silicon stands in for the MetaX GPU: the `{doc['profile']}` profile limits every "
-             "kernel to what the target runs (FlashInfer fa2 through the flat API, no TMA/PDL, FlashMLA "
-             "dense at page 64, the vendor's Triton launch); the times are this GPU's. torch "
-             f"{env['torch']}, flashinfer {env['flashinfer']}, config `{doc['config']}`. "
-             f"{s['buckets']} buckets measured, {s['skipped']} skipped (time budget).", "",
+    env, f = doc["environment"], cell
+    lines = report_head(
+        f"MetaX profile: tuned vs the vendor plugin's default ({env['device_name']} standing in)", doc,
+        f"NVIDIA silicon stands in for the MetaX GPU: the `{doc['profile']}` profile limits every "
+        "kernel to what the target runs (FlashInfer fa2 through the flat API, no TMA/PDL, FlashMLA "
+        "dense at page 64, the vendor's Triton launch); the times are this GPU's. torch "
+        f"{env['torch']}, flashinfer {env['flashinfer']}, config `{doc['config']}`. "
+        f"{s['buckets']} buckets measured, {s['skipped']} skipped (time budget).") + ["",
              "vendor default = FlashMLA at block 64 where it ran, else vLLM's Triton with the vendor's launch "
              "at block 16. Each cell: the baseline's time over tuned's (geomean; > 1: tuned faster).", "",
              "| group | buckets | vs vendor default | vs FlashMLA p64 | vs vendor Triton p16 | vs FlashInfer fa2 plan() p64 |",

@@ -250,14 +250,22 @@ def summarize(doc: dict) -> dict:
     return s
 
 
+def cell(x, p: int = 2) -> str:
+    """A report cell: `x` to `p` decimals, "-" where there is none."""
+    return "-" if x is None else f"{x:.{p}f}"
+
+
+def report_head(title: str, doc: dict, about: str) -> list[str]:
+    """The first lines of a bench report: its title, the command that measured it, one paragraph."""
+    return [f"# {title}", "", f"`{doc['environment'].get('command', '')}`", "", about]
+
+
 def render(doc: dict, s: dict) -> str:
-    env = doc["environment"]
-    f = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"   # noqa: E731
-    lines = [f"# Tuned config vs FlashInfer auto vs vLLM's default ({env['device_name']})", "",
-             f"`{env.get('command', '')}`", "",
-             f"torch {env['torch']}, flashinfer {env['flashinfer']}, config `{doc['config']}`; "
-             f"copy {doc['ceilings']['copy_gbps']:.0f} GB/s measured in the same run. "
-             f"{s['buckets']} buckets measured, {s['skipped']} skipped (time budget).", "",
+    env, f = doc["environment"], cell
+    lines = report_head(f"Tuned config vs FlashInfer auto vs vLLM's default ({env['device_name']})", doc,
+                        f"torch {env['torch']}, flashinfer {env['flashinfer']}, config `{doc['config']}`; "
+                        f"copy {doc['ceilings']['copy_gbps']:.0f} GB/s measured in the same run. "
+                        f"{s['buckets']} buckets measured, {s['skipped']} skipped (time budget).") + ["",
              "| group | buckets | tuned vs auto (geomean) | tuned vs vLLM TRITON_MLA | tuned vs vLLM FA3-MLA |",
              "|---|---|---|---|---|"]
     for k in s["over_auto"]:

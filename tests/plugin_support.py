@@ -19,17 +19,15 @@ from types import SimpleNamespace
 
 import torch
 
+from bench_support import load_bench
 from mla_tune.problem.reference import mla_decode_reference
 
-# DeepSeek-V2-Lite's attention (16 heads, YaRN) with a toy MLP, so the config is small.
+# DeepSeek-V2-Lite's attention (16 heads, YaRN) with a toy MLP, so the config is small: bench's
+# tiny DeepSeek (bench/tiny_model.py) with two layers and V2-Lite's long-context YaRN scaling.
 MODEL_CONFIG = {
-    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
-    "hidden_size": 1024, "intermediate_size": 2048, "moe_intermediate_size": 256,
-    "num_hidden_layers": 2, "num_attention_heads": 16, "num_key_value_heads": 16,
-    "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-    "v_head_dim": 128, "vocab_size": 1024, "max_position_embeddings": 163840,
-    "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
-    "first_k_dense_replace": 1, "torch_dtype": "bfloat16", "rope_theta": 10000.0,
+    **load_bench("tiny_model").BASE_CONFIG,
+    "num_hidden_layers": 2, "vocab_size": 1024, "max_position_embeddings": 163840,
+    "first_k_dense_replace": 1,
     "rope_scaling": {"type": "yarn", "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
                      "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1},
 }

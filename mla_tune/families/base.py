@@ -84,6 +84,18 @@ def refuse_outside_profile(candidate: Candidate, profile) -> None:
         raise CandidateInvalid("unsupported", f"{candidate.key}: {why} (profile {profile.name})")
 
 
+def refuse_where_it_cannot_run(kernel: str, why_shapes: str | None, device, available) -> None:
+    """CandidateInvalid("unsupported") where a CUDA kernel cannot run this candidate: its shapes
+    (`why_shapes`, the op's check), a device that is not CUDA, or `available(device)` saying no."""
+    if why_shapes:
+        raise CandidateInvalid("unsupported", why_shapes)
+    if device.type != "cuda":
+        raise CandidateInvalid("unsupported", f"{kernel} needs a CUDA device")
+    ok, why = available(device)
+    if not ok:
+        raise CandidateInvalid("unsupported", why)
+
+
 def typed_choice(candidate: Candidate):
     """The candidate's typed choice by the plugin's one rule (`vllm_metax.core.choices`); a knob
     the family does not take is CandidateInvalid("unsupported"), the measurement's refusal."""

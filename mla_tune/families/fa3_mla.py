@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from mla_tune.families.base import Availability, Candidate, CandidateInvalid, Prepared, typed_choice
+from mla_tune.families.base import (Availability, Candidate, CandidateInvalid, Prepared,
+                                   refuse_where_it_cannot_run, typed_choice)
 from mla_tune.problem.instance import torch_dtype
 from mla_tune.problem.workload import Workload
 from vllm_metax.core.choices import FA3 as FAMILY, FA3_BACKEND as BACKEND, SPECS
@@ -65,16 +66,10 @@ class FA3MLAFamily:
         op = _op()
         choice = typed_choice(candidate)
         q_dt, kv_dt = torch_dtype(workload.q_dtype), torch_dtype(workload.kv_dtype)
-        why = op.check_shapes(workload.kv_lora_rank, workload.qk_rope_head_dim, candidate.page_size,
-                              q_dt, kv_dt)
-        if why:
-            raise CandidateInvalid("unsupported", why)
         dev = problem.device
-        if dev.type != "cuda":
-            raise CandidateInvalid("unsupported", "vLLM's FA3 MLA needs a CUDA device")
-        ok, why = op.fa3_available(dev)
-        if not ok:
-            raise CandidateInvalid("unsupported", why)
+        refuse_where_it_cannot_run("vLLM's FA3 MLA", op.check_shapes(
+            workload.kv_lora_rank, workload.qk_rope_head_dim, candidate.page_size, q_dt, kv_dt),
+            dev, op.fa3_available)
         B, qlen = workload.batch_size, workload.q_len
         seq_lens = problem.seq_lens_cpu.to(dev)
         cu_q = torch.arange(0, (B + 1) * qlen, qlen, dtype=torch.int32, device=dev)

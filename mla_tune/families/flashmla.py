@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from mla_tune.families.base import Availability, Candidate, CandidateInvalid, Prepared
+from mla_tune.families.base import Availability, Candidate, CandidateInvalid, Prepared, refuse_where_it_cannot_run
 from mla_tune.families.triton_mla import packed_query
 from mla_tune.problem.instance import torch_dtype
 from mla_tune.problem.workload import Workload
@@ -69,16 +69,10 @@ class FlashMLAFamily:
             raise CandidateInvalid("unsupported", f"{candidate.key}: FlashMLA has one candidate, "
                                    f"{SPEC.form}")
         q_dt, kv_dt = torch_dtype(workload.q_dtype), torch_dtype(workload.kv_dtype)
-        why = op.check_shapes(workload.num_heads, workload.kv_lora_rank, workload.qk_rope_head_dim,
-                              candidate.page_size, q_dt, kv_dt)
-        if why:
-            raise CandidateInvalid("unsupported", why)
         dev = problem.device
-        if dev.type != "cuda":
-            raise CandidateInvalid("unsupported", "FlashMLA needs a CUDA device")
-        ok, why = op.flashmla_available(dev)
-        if not ok:
-            raise CandidateInvalid("unsupported", why)
+        refuse_where_it_cannot_run("FlashMLA", op.check_shapes(
+            workload.num_heads, workload.kv_lora_rank, workload.qk_rope_head_dim, candidate.page_size,
+            q_dt, kv_dt), dev, op.flashmla_available)
         B, T = workload.batch_size, workload.batch_size * workload.q_len
         H, R = workload.num_heads, workload.kv_lora_rank
         q = packed_query(problem.q_nope, problem.q_pe).reshape(B, workload.q_len, H, -1)

@@ -394,21 +394,14 @@ class FlashInferMLABackend(MLACommonBackend):
 
 
 class FlashInferMLAImpl(FeatureCheckedImpl, MLACommonImpl[FlashInferMLAMetadata]):
-    can_return_lse_for_decode: bool = True
     lse_base_on_e: bool = False        # FlashInfer's MLA LSE is base 2 (both API forms)
-    # Context parallelism has never run through this backend (DCP needs the sharded block table
-    # and the cross-rank LSE combine, PCP the prefill split): vLLM's selector refuses both with
-    # "DCP not supported" / "PCP not supported" rather than serving unverified output.
-    supports_dcp: bool = False
-    supports_pcp: bool = False
     backend_name = "FLASHINFER_MLA"                  # what FeatureCheckedImpl refuses names
     kv_cache_dtypes = FlashInferMLABackend.supported_kv_cache_dtypes
 
     def forward_mqa(self, q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                     kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: FlashInferMLAMetadata,
                     layer: AttentionLayer) -> tuple[torch.Tensor, torch.Tensor | None]:
-        decode = attn_metadata.decode
-        assert decode is not None and decode.kernel is not None, "decode step was not planned"
+        decode = self.planned_decode(attn_metadata)
         if isinstance(q, tuple):
             q_nope, q_pe = q
         else:                                   # one [T, H, ckv+kpe] tensor (fp8 / DCP paths)

@@ -141,18 +141,13 @@ class MetaxFlashMLABackend(FlashMLABackend):
 
 
 class MetaxFlashMLAImpl(FeatureCheckedImpl, MLACommonImpl[MetaxFlashMLAMetadata]):
-    can_return_lse_for_decode: bool = True
-    # context parallelism has never run through this backend: vLLM's selector refuses it
-    supports_dcp: bool = False
-    supports_pcp: bool = False
     backend_name = "FLASHMLA"                        # what FeatureCheckedImpl refuses names
     kv_cache_dtypes = MetaxFlashMLABackend.supported_kv_cache_dtypes
 
     def forward_mqa(self, q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                     kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: MetaxFlashMLAMetadata,
                     layer: AttentionLayer) -> tuple[torch.Tensor, torch.Tensor | None]:
-        decode = attn_metadata.decode
-        assert decode is not None and decode.kernel is not None, "decode step was not planned"
+        decode = self.planned_decode(attn_metadata)
         if decode.kernel.softmax_scale != self.scale:
             raise ValueError(f"the step was planned with softmax scale {decode.kernel.softmax_scale}, "
                              f"this layer's scale is {self.scale}")

@@ -1,5 +1,6 @@
-"""What the plugin's MLA attention impls (FLASHINFER_MLA's, FLASHMLA's) refuse at construction:
-the layer features their decode kernels do not compute, named in one NotImplementedError."""
+"""What the plugin's MLA attention impls (FLASHINFER_MLA's, FLASHMLA's) share: the layer features
+their decode kernels do not compute, refused at construction in one NotImplementedError, the
+context parallelism they do not run, and the planned decode step they read."""
 
 from __future__ import annotations
 
@@ -15,6 +16,19 @@ class FeatureCheckedImpl:
 
     backend_name: ClassVar[str]
     kv_cache_dtypes: ClassVar[list]
+    can_return_lse_for_decode: bool = True
+    # Context parallelism has never run through these backends (DCP needs the sharded block table
+    # and the cross-rank LSE combine, PCP the prefill split): vLLM's selector refuses both with
+    # "DCP not supported" / "PCP not supported" rather than serving unverified output.
+    supports_dcp: bool = False
+    supports_pcp: bool = False
+
+    @staticmethod
+    def planned_decode(attn_metadata):
+        """The decode part of a step's metadata, which the builder planned (a kernel to run)."""
+        decode = attn_metadata.decode
+        assert decode is not None and decode.kernel is not None, "decode step was not planned"
+        return decode
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  alibi_slopes: list[float] | None, sliding_window: int | None, kv_cache_dtype: str,
