@@ -159,12 +159,19 @@ def _wrap(text: str, width: int) -> str:
 
 def plot_report(report: Report, path: str | Path, dpi: int = 110) -> Path:
     """Write the report's plots to one PNG; returns the path."""
+    return write_png(path, lambda: report_figure(report), dpi)
+
+
+def write_png(path: str | Path, figure, dpi: int = 110) -> Path:
+    """Write the matplotlib figure `figure()` makes to a PNG (a new file or an earlier plot only,
+    never over a DB or a folder) and close it; returns the path, InputError in one line where it
+    cannot be written."""
     import matplotlib.pyplot as plt
 
     from mla_tune.validate import InputError, is_png, make_parent, output_file
 
-    path = output_file(path, "plot", own=is_png, suffix=".png")   # never over a DB or a folder
-    fig = report_figure(report)
+    path = output_file(path, "plot", own=is_png, suffix=".png")
+    fig = figure()
     try:
         make_parent(path)
         fig.savefig(path, dpi=dpi, format="png")

@@ -29,10 +29,6 @@ from vllm_metax.core.tuned_config import ModelEntry
 FAR_STEPS = 1.0            # grid steps (octaves) from a bucket beyond which its choice is a guess
 WARN_SHARE = 0.10          # doctor warns when more of the steps than this are outside or far
 
-# the family a backend runs its decode with when it heads the entry's backend order
-_BACKEND_FAMILY = {"TRITON_MLA": decisions.TRITON, "FLASHMLA": decisions.FLASHMLA}
-
-
 @dataclass(frozen=True)
 class BucketLoad:
     """The recorded steps one tuned bucket serves."""
@@ -113,15 +109,13 @@ class TrafficReport:
 
 
 def _served(entry: ModelEntry, bucket) -> tuple[str, float | None]:
-    """(kernel name, measured time) of what the plugin serves in `bucket` under `entry`."""
-    first = next((b for b in entry.backend_order if b in ("FLASHINFER_MLA", *_BACKEND_FAMILY)), None)
-    if first in _BACKEND_FAMILY:
-        fam = _BACKEND_FAMILY[first]
-        fc = bucket.families.get(fam)
-        return fam, fc.time_us if fc is not None else None
-    side = decisions.side_kernel(bucket, page_size=entry.page_size)
-    fam = side[0] if side is not None else decisions.FLASHINFER
+    """(kernel name, measured time) of what the plugin serves in `bucket` under `entry`: what a
+    step at the bucket's own key runs (`decisions.decode_kernel`)."""
+    step = decisions.DecodeStep(bucket.batch_size, bucket.context_len, bucket.q_len)
+    fam = decisions.decode_kernel(entry, step).family
     fc = bucket.families.get(fam)
+    if fam != decisions.FLASHINFER:
+        return fam, fc.time_us if fc is not None else None
     name = fam if fam != decisions.FLASHINFER or fc is None else f"flashinfer {fc.params.get('backend', '')}"
     return name.strip(), fc.time_us if fc is not None else None
 
@@ -256,19 +250,8 @@ def traffic_figure(traffic: ModelTraffic, entry: ModelEntry | None = None):
 
 def plot_traffic(traffic: ModelTraffic, entry: ModelEntry | None, path, dpi: int = 110):
     """Write `traffic_figure` to a PNG (a new file or an earlier plot only); returns the path."""
-    import matplotlib.pyplot as plt
-
-    from mla_tune.validate import is_png, make_parent, output_file
-    path = output_file(path, "plot", own=is_png, suffix=".png")
-    fig = traffic_figure(traffic, entry)
-    try:
-        make_parent(path)
-        fig.savefig(path, dpi=dpi, format="png")
-    except OSError as e:
-        raise InputError(f"cannot write plot {path}: {e.strerror or e}") from None
-    finally:
-        plt.close(fig)
-    return path
+    from mla_tune.views.plot import write_png
+    return write_png(path, lambda: traffic_figure(traffic, entry), dpi)
 
 
 __all__ = ["BucketLoad", "FAR_STEPS", "TrafficReport", "WARN_SHARE", "config_for_traffic",
