@@ -32,15 +32,17 @@ def _bucket(b, c, time_us, default_us, q=1):
                      "flashinfer")
 
 
-def write_config(folder, buckets=None, page=64):
+def write_config(folder, buckets=None, page=64, prefill=()):
     buckets = buckets or [_bucket(1, 1024, 10.0, 12.0), _bucket(32, 4096, 100.0, 150.0)]
-    entry = tc.ModelEntry(DIMS, page, ["FLASHINFER_MLA", "TRITON_MLA"], buckets, "deepseek-v3", 8)
+    entry = tc.ModelEntry(DIMS, page, ["FLASHINFER_MLA", "TRITON_MLA"], buckets, "deepseek-v3", 8,
+                          prefill=list(prefill))
     return tc.write_tuned_config(tc.TunedConfig(DEVICE, {"test": True}, [entry]), folder)
 
 
-def write_traffic(path, decode: dict, device=DEVICE):
+def write_traffic(path, decode: dict, device=DEVICE, prefill=None):
     rec.write_counts(str(path), DIMS, _binned(decode),
-                     {}, device_name=device)
+                     {(c, rec.fine_bin(q), rec.fine_bin(k)): n for (c, q, k), n in (prefill or {}).items()},
+                     device_name=device)
     return path
 
 
@@ -133,3 +135,19 @@ def test_doctor_warns_when_the_traffic_is_far_from_the_buckets(tmp_path, monkeyp
     assert r.code == 0, r.output
     checks = {c["what"]: c for c in json.loads(r.stdout)["checks"]}
     assert checks["traffic"]["status"] == "warn"
+
+
+def test_prefill_plans_are_timed_by_their_prefill_bucket(tmp_path):
+    pre = [tc.PrefillBucket(True, 2048, 512, {"backend": "fa3"}, 50.0, 60.0),
+           tc.PrefillBucket(False, 256, 16384, {"backend": "fa2"}, 40.0, 80.0)]
+    cfg = tc.read_tuned_config(write_config(tmp_path, prefill=pre))
+    part = load_traffic(write_traffic(tmp_path / "t.db", {(1, 1024, 1): 1},
+                                      prefill={(True, 2048, 512): 6, (False, 256, 16384): 2,
+                                               (True, 65536, 65536): 2})).select()
+    p = traffic_report(part, cfg.models[0]).prefill
+    # the 64K plan snaps to (2048, 512): timed by it, and far
+    assert p.plans == 10 and p.far == 2 and p.timed == 10
+    assert p.tuned_us == pytest.approx((8 * 50 + 2 * 40) / 10)
+    assert p.untuned_us == pytest.approx((8 * 60 + 2 * 80) / 10)
+    assert traffic_report(part, tc.read_tuned_config(write_config(tmp_path / "np"))
+                          .models[0]).prefill.far == 10          # no prefill section: all far

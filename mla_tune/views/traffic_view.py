@@ -44,6 +44,19 @@ class BucketLoad:
 
 
 @dataclass(frozen=True)
+class PrefillLoad:
+    """The recorded prefill plans under the entry's prefill section: expected time per plan of
+    the tuned backend against the device default in the bucket each plan snaps to (same plan
+    kind), and the plans more than FAR_STEPS from it or of a kind with no tuned bucket."""
+
+    plans: int
+    far: int
+    timed: int
+    tuned_us: float | None
+    untuned_us: float | None
+
+
+@dataclass(frozen=True)
 class TrafficReport:
     traffic: str
     model: str
@@ -57,6 +70,7 @@ class TrafficReport:
     tuned_us: float | None          # expected per-step time over the timed steps
     untuned_us: float | None
     buckets: tuple = field(default_factory=tuple)      # BucketLoad, most steps first
+    prefill: "PrefillLoad | None" = None               # the recorded prefill plans, if any
 
     @property
     def speedup(self) -> float | None:
@@ -94,6 +108,13 @@ class TrafficReport:
                               f"the config serves {self.backend} first"))
         head.add(self.steps, self.tuned_us, self.untuned_us, self.speedup,
                  self.timed / self.steps if self.steps else 0.0, self.outside_share, self.far_share)
+        p = self.prefill
+        if p is not None:
+            head.caption += (f"; prefill: {p.plans} plans, "
+                             + (f"{p.tuned_us:.1f} us a plan tuned, {p.untuned_us:.1f} untuned, "
+                                if p.timed else "no tuned prefill bucket timed, ")
+                             + f"{100 * p.far / p.plans:.1f}% outside or > 1 grid step from the "
+                               "tuned prefill buckets")
         per = Table("Tuned buckets by recorded steps",
                     [Column("batch"), Column("context"), Column("q_len"), Column("steps", pct),
                      Column("kernel", justify="left"), Column("tuned us", us),
@@ -174,7 +195,27 @@ def traffic_report(traffic: ModelTraffic, entry: ModelEntry, config_path: str = 
                          entry.backend_order[0] if entry.backend_order else "-",
                          traffic.steps, outside, far, timed,
                          tuned / timed if timed else None, untuned / timed if timed else None,
-                         tuple(rows))
+                         tuple(rows), prefill_load(traffic, entry))
+
+
+def prefill_load(traffic: ModelTraffic, entry: ModelEntry) -> PrefillLoad | None:
+    """The recorded prefill plans looked up in the entry's prefill section (None: none recorded)."""
+    from vllm_metax.core.traffic import bin_center
+    if not traffic.prefill:
+        return None
+    far = timed = 0
+    tuned = untuned = 0.0
+    for p in traffic.prefill:
+        q, kv = bin_center(p.query_bin), bin_center(p.kv_bin)
+        b = entry.prefill_lookup(p.causal, q, kv)
+        if b is None or grid_steps(q, b.query_tokens) > FAR_STEPS or grid_steps(kv, b.kv_len) > FAR_STEPS:
+            far += p.plans
+        if b is not None and b.time_us and b.default_time_us:
+            timed += p.plans
+            tuned += p.plans * b.time_us
+            untuned += p.plans * b.default_time_us
+    return PrefillLoad(traffic.plans, far, timed, tuned / timed if timed else None,
+                       untuned / timed if timed else None)
 
 
 def entry_for_traffic(config, traffic: ModelTraffic) -> ModelEntry:
@@ -254,5 +295,5 @@ def plot_traffic(traffic: ModelTraffic, entry: ModelEntry | None, path, dpi: int
     return write_png(path, lambda: traffic_figure(traffic, entry), dpi)
 
 
-__all__ = ["BucketLoad", "FAR_STEPS", "TrafficReport", "WARN_SHARE", "config_for_traffic",
+__all__ = ["BucketLoad", "FAR_STEPS", "PrefillLoad", "prefill_load", "TrafficReport", "WARN_SHARE", "config_for_traffic",
            "entry_for_traffic", "plot_traffic", "traffic_figure", "traffic_report"]
