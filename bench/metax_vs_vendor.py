@@ -56,7 +56,7 @@ def tuned_candidate(entry, families: dict, backends, workload):
     backend that can run here decides (as the platform's backend order does)."""
     from mla_tune.families.base import Candidate
     from vllm_metax.backend.plan_choice import PlanChoice
-    from vllm_metax.core import decisions
+    from vllm_metax.core import choices, decisions
     from vllm_metax.core.serving import mla_backend_order
     from vllm_metax.core.choices import FLASHMLA_BACKEND, TRITON_BACKEND
     order, _ = mla_backend_order(entry.backend_order if entry is not None else None)
@@ -77,7 +77,7 @@ def tuned_candidate(entry, families: dict, backends, workload):
             return Candidate("triton", TRITON_BACKEND, page, params)
         params = dict(families["triton"].default_candidate(workload, page).params)
         params.pop("variant", None)
-        if served.variant != decisions.DEFAULT_TRITON_VARIANT:
+        if served.variant != choices.DEFAULT_TRITON_VARIANT:
             params["variant"] = served.variant
         return Candidate("triton", TRITON_BACKEND, page, params)
     page = entry.page_size if entry is not None else FLASHMLA_PAGE
@@ -93,7 +93,7 @@ def measure_all(args) -> dict:
     from mla_tune.measure.environment import capture_environment
     from mla_tune.measure.timing import default_pool_bytes
     from mla_tune.measure.trial import MeasureSettings
-    from vllm_metax.core import decisions, serving
+    from vllm_metax.core import choices, decisions, serving
     from vllm_metax.ops import device_backends
     from vllm_metax.core.profile import active_profile
     from vllm_metax.core.tuned_config import read_tuned_config
@@ -107,7 +107,7 @@ def measure_all(args) -> dict:
     fi, auto_fi, tr, fm = FlashInferFamily(), FlashInferFamily(fast_replan=False), TritonMLAFamily(), FlashMLAFamily()
     fm_ok = fm.available("cuda")
     say(f"FlashMLA: {'yes' if fm_ok.ok else 'no'} ({fm_ok.reason})")
-    families = {"flashinfer": fi, "triton": tr, "flashmla": fm, decisions.SPLIT: SplitFamily(),
+    families = {"flashinfer": fi, "triton": tr, "flashmla": fm, choices.SPLIT: SplitFamily(),
                 "flashmla_ok": fm_ok.ok}
     settings = MeasureSettings(device="cuda", warmup=args.warmup, samples=args.samples,
                                min_pool_bytes=default_pool_bytes("cuda"), check=True)

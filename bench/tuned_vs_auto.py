@@ -168,7 +168,7 @@ def measure_all(args) -> dict:
     from mla_tune.measure.trial import MeasureSettings
     from mla_tune.problem.roofline import measure_ceilings, workload_bytes
     from vllm_metax.backend.plan_choice import PlanChoice
-    from vllm_metax.core import decisions, serving
+    from vllm_metax.core import choices, decisions, serving
     from vllm_metax.ops import device_backends
     from vllm_metax.core.tuned_config import read_tuned_config
 
@@ -183,7 +183,7 @@ def measure_all(args) -> dict:
     split_fam, fa3 = SplitFamily(), FA3MLAFamily()
     fa3_ok = fa3.available("cuda")
     say(f"vLLM FA3-MLA column: {'yes' if fa3_ok.ok else 'no'} ({fa3_ok.reason})")
-    by_family = {decisions.SPLIT: split_fam, fa3.family: fa3, decisions.FLASHMLA: FlashMLAFamily()}
+    by_family = {choices.SPLIT: split_fam, fa3.family: fa3, choices.FLASHMLA: FlashMLAFamily()}
     settings = MeasureSettings(device="cuda", warmup=args.warmup, samples=args.samples,
                                min_pool_bytes=default_pool_bytes("cuda"), check=True)
     doc = {"environment": env, "ceilings": ceilings, "config": str(args.config), "settings": vars(args),

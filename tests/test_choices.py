@@ -10,7 +10,7 @@ import pytest
 from mla_tune.families import Candidate, check_candidate
 from mla_tune.tune.bench import parse_candidates
 from mla_tune.validate import InputError
-from vllm_metax.core import choices, decisions
+from vllm_metax.core import choices
 from vllm_metax.core import tuned_config as tc
 from vllm_metax.core import split_facts
 
@@ -43,7 +43,7 @@ def test_every_candidate_the_sweep_can_declare_is_a_config_the_plugin_serves():
         assert tc.check_params(c.family, dict(params), text) == params
         assert choices.check_params(c.family, typed.to_params(), text) == typed
         if c.family != "flashmla":
-            assert decisions.family_choice(c.family, params) == typed
+            assert choices.family_choice(c.family, params) == typed
 
 
 @pytest.mark.parametrize("family, params, bad, legal", [
@@ -93,7 +93,7 @@ def test_a_kv_chunk_with_a_backend_that_ignores_it_is_refused_not_dropped(backen
         tc.check_params("flashinfer", dict(params), "bucket")
     with pytest.raises(ValueError, match=r"kv_chunk is taken by backend fa2 or fa3 only"):
         check_candidate(Candidate.parse(f"flashinfer/{backend}/p64/kv_chunk=x2"))
-    assert decisions.family_choice("flashinfer", params) == choices.FlashInferChoice(backend)
+    assert choices.family_choice("flashinfer", params) == choices.FlashInferChoice(backend)
 
 
 @pytest.mark.parametrize("text, rule", [("triton/triton/p8/num_kv_splits=4", "a multiple of 16"),

@@ -223,7 +223,7 @@ def test_trials_rows_and_records_choose_alike(db):
 def test_a_split_pipe_that_wins_is_what_the_config_serves(db, tmp_path):
     # the split family's pipe knob, stored, chosen, emitted and read back as the plugin reads it
     from mla_tune.tune.emit import build_tuned_config
-    from vllm_metax.core import decisions, tuned_config as tc
+    from vllm_metax.core import choices, decisions, tuned_config as tc
     db.put(1, 8192, "flashinfer/fa3/p64", 26.0, default=True)
     db.put(1, 8192, "split/triton/p64/num_splits=128,partial=bfloat16", 16.4, default=True)
     db.put(1, 8192, "split/triton/p64/num_splits=64,partial=bfloat16", 19.0)
@@ -237,8 +237,8 @@ def test_a_split_pipe_that_wins_is_what_the_config_serves(db, tmp_path):
     path = tc.write_tuned_config(build_tuned_config(db.store), tmp_path)
     (entry,) = tc.read_tuned_config(path).models
     long, short = entry.lookup(1, 8192).bucket, entry.lookup(1, 1024).bucket
-    assert decisions.split_serves(long) == decisions.SplitChoice(128, "bfloat16", "t32x4")
+    assert decisions.split_serves(long) == choices.SplitChoice(128, "bfloat16", "t32x4")
     assert long.families["split"].params["pipe"] == "t32x4"
     # a gain within noise keeps the default: the measured pipe, written without the knob
-    assert decisions.split_serves(short) == decisions.SplitChoice(16, "bfloat16")
+    assert decisions.split_serves(short) == choices.SplitChoice(16, "bfloat16")
     assert "pipe" not in short.families["split"].params

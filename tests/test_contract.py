@@ -27,7 +27,7 @@ from mla_tune.families.base import Candidate
 from mla_tune.tune.emit import emit_config
 from mla_tune.problem.workload import custom_model, workload_for
 from mla_tune.store.results import ResultsStore
-from vllm_metax.core import decisions
+from vllm_metax.core import choices, decisions
 from vllm_metax.ops import device_backends
 from vllm_metax.core import tuned_config as tc
 from vllm_metax.core.device import DeviceInfo
@@ -101,7 +101,7 @@ def _check_every_bucket(entry: dict, fi, tr, page: int, flashinfer_expected, spl
         split = split_expected(b, md.cuda_graph) if split_expected else None
         if split is not None:
             from vllm_metax.ops.split_decode import SplitStep
-            assert md.backend == decisions.SPLIT and isinstance(md.kernel, SplitStep), b
+            assert md.backend == choices.SPLIT and isinstance(md.kernel, SplitStep), b
             assert (md.kernel.kernel.num_splits, str(md.kernel.kernel.ws_acc.dtype)) == \
                 (split.num_splits, f"torch.{split.partial}"), b
             pipe = split_decode.PIPES[split.pipe]

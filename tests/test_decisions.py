@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from vllm_metax.core import choices as ch
 from vllm_metax.core import decisions as d
 from vllm_metax.core import tuned_config as tc
 
@@ -31,14 +32,14 @@ def test_flashinfer_backends_per_device(is_metax, cap, allowed, default):
 
 def test_serve_plans_allowed_values_and_the_default_otherwise():
     hopper = d.flashinfer_backends(False, (9, 0))
-    assert hopper.serve(d.FlashInferChoice("fa2")) == "fa2"
-    assert hopper.serve(d.FlashInferChoice("fa3")) == "fa3"
-    assert hopper.serve(d.FlashInferChoice("auto")) == "fa3"      # old configs' baseline
-    assert hopper.serve(d.FlashInferChoice("xqa")) == "fa3"
+    assert hopper.serve(ch.FlashInferChoice("fa2")) == "fa2"
+    assert hopper.serve(ch.FlashInferChoice("fa3")) == "fa3"
+    assert hopper.serve(ch.FlashInferChoice("auto")) == "fa3"      # old configs' baseline
+    assert hopper.serve(ch.FlashInferChoice("xqa")) == "fa3"
     assert hopper.serve(None) == "fa3"
     metax = d.flashinfer_backends(True, (8, 0))
-    assert metax.serve(d.FlashInferChoice("fa3")) == "fa2"
-    assert metax.serve(d.FlashInferChoice("auto")) == "fa2"        # never auto on MetaX
+    assert metax.serve(ch.FlashInferChoice("fa3")) == "fa2"
+    assert metax.serve(ch.FlashInferChoice("auto")) == "fa2"        # never auto on MetaX
 
 
 # ---------------------------------------------------------------- model key and dtypes
@@ -67,14 +68,14 @@ def test_bucket_context_is_the_mean_length_of_any_sequence_type():
 # ---------------------------------------------------------------- family choices
 
 def test_family_choices_round_trip_and_keep_vllms_rule():
-    fi = d.family_choice("flashinfer", {"backend": "fa3"})
-    assert fi == d.FlashInferChoice("fa3") and d.family_choice("flashinfer", fi.to_params()) == fi
-    tuned = d.family_choice("triton", {"backend": "triton", "num_kv_splits": 16})
-    assert tuned == d.TritonChoice(16) and tuned.served_splits == 16
-    rule = d.family_choice("triton", {"backend": "triton", "num_kv_splits": 64, "rule": "vllm"})
-    assert rule == d.TritonChoice(64, True) and rule.served_splits is None
+    fi = ch.family_choice("flashinfer", {"backend": "fa3"})
+    assert fi == ch.FlashInferChoice("fa3") and ch.family_choice("flashinfer", fi.to_params()) == fi
+    tuned = ch.family_choice("triton", {"backend": "triton", "num_kv_splits": 16})
+    assert tuned == ch.TritonChoice(16) and tuned.served_splits == 16
+    rule = ch.family_choice("triton", {"backend": "triton", "num_kv_splits": 64, "rule": "vllm"})
+    assert rule == ch.TritonChoice(64, True) and rule.served_splits is None
     assert rule.to_params() == {"backend": "triton", "num_kv_splits": 64, "rule": "vllm"}
-    assert d.family_choice("triton", {"num_kv_splits": 8}) == d.TritonChoice(8)   # hand-written
+    assert ch.family_choice("triton", {"num_kv_splits": 8}) == ch.TritonChoice(8)   # hand-written
 
 
 @pytest.mark.parametrize("family, params", [
@@ -83,12 +84,12 @@ def test_family_choices_round_trip_and_keep_vllms_rule():
     ("triton", {"num_kv_splits": "8"}), ("reference", {"backend": "torch"}),
 ])
 def test_unusable_params_are_no_choice(family, params):
-    assert d.family_choice(family, params) is None
+    assert ch.family_choice(family, params) is None
 
 
 def test_bucket_choice_reads_a_tuned_config_bucket():
     b = tc.Bucket(1, 1024, 1, {"triton": tc.FamilyChoice({"num_kv_splits": 4, "rule": "vllm"})})
-    assert d.bucket_choice(b, "triton") == d.TritonChoice(4, True)
+    assert d.bucket_choice(b, "triton") == ch.TritonChoice(4, True)
     assert d.bucket_choice(b, "flashinfer") is None and d.bucket_choice(None, "triton") is None
 
 
@@ -127,12 +128,12 @@ def test_import_is_cheap():
 
 
 def test_flashinfer_kv_chunk_round_trips_and_unknown_values_mean_mlaplans_limit():
-    c = d.FlashInferChoice("fa3", "x0.5")
+    c = ch.FlashInferChoice("fa3", "x0.5")
     assert c.to_params() == {"backend": "fa3", "kv_chunk": "x0.5"}
-    assert d.family_choice("flashinfer", c.to_params()) == c and c.kv_chunk_factor == 0.5
-    assert d.FlashInferChoice("fa2", "none").kv_chunk_factor == float("inf")
-    assert d.FlashInferChoice("fa2").to_params() == {"backend": "fa2"}
-    assert d.FlashInferChoice("fa2").kv_chunk_factor is None
+    assert ch.family_choice("flashinfer", c.to_params()) == c and c.kv_chunk_factor == 0.5
+    assert ch.FlashInferChoice("fa2", "none").kv_chunk_factor == float("inf")
+    assert ch.FlashInferChoice("fa2").to_params() == {"backend": "fa2"}
+    assert ch.FlashInferChoice("fa2").kv_chunk_factor is None
     # a candidate's params with a value this version does not know: MLAPlan's limit, not a crash
-    assert d.family_choice("flashinfer", {"backend": "fa2", "kv_chunk": "x3"}) == d.FlashInferChoice("fa2")
-    assert [d.kv_chunk_factor(v) for v in ("x0.25", "x0.5", "x2", "x4")] == [0.25, 0.5, 2.0, 4.0]
+    assert ch.family_choice("flashinfer", {"backend": "fa2", "kv_chunk": "x3"}) == ch.FlashInferChoice("fa2")
+    assert [ch.kv_chunk_factor(v) for v in ("x0.25", "x0.5", "x2", "x4")] == [0.25, 0.5, 2.0, 4.0]

@@ -179,7 +179,7 @@ def test_flashinfer_mla_ranks_by_what_its_decode_serves_per_bucket(tmp_path, mon
     import shutil
     from pathlib import Path
 
-    from vllm_metax.core import decisions
+    from vllm_metax.core import choices, decisions
     monkeypatch.setenv("VLLM_METAX_PROFILE", "metax")
     db = tmp_path / "metax.db"
     shutil.copy(Path(__file__).resolve().parents[1] / "bench" / "results" / "metax_sweep_h100.db", db)
@@ -192,8 +192,8 @@ def test_flashinfer_mla_ranks_by_what_its_decode_serves_per_bucket(tmp_path, mon
     assert entry.backend_order == ["FLASHINFER_MLA", "FLASHMLA", "TRITON_MLA"]
     assert "FLASHINFER_MLA ahead of FLASHMLA" in entry.reason
     served = [decisions.side_kernel(b, page_size=entry.page_size) for b in entry.buckets]
-    kinds = {s[0] if s else decisions.FLASHINFER for s in served}
-    assert kinds == {decisions.SPLIT, decisions.FLASHMLA, decisions.FLASHINFER}
+    kinds = {s[0] if s else choices.FLASHINFER for s in served}
+    assert kinds == {choices.SPLIT, choices.FLASHMLA, choices.FLASHINFER}
 
 
 def test_an_order_flashinfer_mla_already_leads_is_kept(fx):

@@ -65,15 +65,15 @@ def test_side_kernel_order_is_split_then_flashmla_then_fa3():
     both = dict(fa3_mla=(FA3, 15.0))
     # FlashMLA best by 2x and FA3 not beaten by FlashInfer: FlashMLA comes first
     assert decisions.side_kernel(_bucket(4, 4096, 10.0, 20.0, **both), NVIDIA) == \
-        (decisions.FLASHMLA, choices.FlashMLAChoice())
+        (choices.FLASHMLA, choices.FlashMLAChoice())
     # FlashMLA best by less than the ratio: FA3 (vLLM's default, served unless FlashInfer won)
     assert decisions.side_kernel(_bucket(4, 4096, 19.5, 20.0, **both), NVIDIA) == \
-        (decisions.FA3, choices.FA3Choice(0))
+        (choices.FA3, choices.FA3Choice(0))
     split_best = _bucket(1, 4096, 10.0, 20.0, best="split", split=(SPLIT, 5.0), **both)
-    assert decisions.side_kernel(split_best, NVIDIA)[0] == decisions.SPLIT
+    assert decisions.side_kernel(split_best, NVIDIA)[0] == choices.SPLIT
     # the split kernel decodes q_len 1 only; FlashMLA is not the best family: FA3
     spec = _bucket(1, 4096, 10.0, 20.0, best="split", q_len=2, split=(SPLIT, 5.0), **both)
-    assert decisions.side_kernel(spec, NVIDIA)[0] == decisions.FA3
+    assert decisions.side_kernel(spec, NVIDIA)[0] == choices.FA3
     assert decisions.side_kernel(_bucket(4, 4096, 10.0, 20.0), NVIDIA, page_size=16) is None
     assert decisions.side_kernel(_bucket(4, 4096, 30.0, 20.0, best="flashinfer"), NVIDIA) is None
 
@@ -180,7 +180,7 @@ def test_on_metax_a_flashmla_bucket_runs_the_real_op_on_the_same_paged_cache(mon
         assert builder.choice.serves_flashmla() and builder._flashmla.op(False).library == op.VENDOR_LIBRARY
         seq_lens = [5, 300, 77, 64]
         md, bt, lens, num_pages = ps.build_decode(builder, seq_lens, 64)
-        assert md.backend == decisions.FLASHMLA and isinstance(md.kernel, op.FlashMLAStep)
+        assert md.backend == choices.FLASHMLA and isinstance(md.kernel, op.FlashMLAStep)
         assert md.paged is None and not md.return_lse and not ps.RecordingKernel.instances
         q, kv = _qkv(4, num_pages)
         out, lse = impl.forward_mqa((q[..., :512], q[..., 512:]), kv, SimpleNamespace(decode=md), None)
@@ -210,7 +210,7 @@ def test_multi_token_decode_in_a_flashmla_bucket_is_causal(monkeypatch, tmp_path
     try:
         builder, impl = ps.make_builder(vc), ps.make_impl(vc)
         md, bt, lens, num_pages = ps.build_decode(builder, [40, 9], 64, q_len=2)
-        assert md.backend == decisions.FLASHMLA and md.q_len == 2
+        assert md.backend == choices.FLASHMLA and md.q_len == 2
         q, kv = _qkv(4, num_pages)
         out, _ = impl.forward_mqa(q, kv, SimpleNamespace(decode=md), None)
         assert flash_mla.metadata_calls == [([40, 9], 2 * 16, 1)]
@@ -262,7 +262,7 @@ def test_on_hopper_the_op_gets_the_packed_cache_and_writes_the_impls_output(monk
         assert not builder.full_cudagraph
         md, bt, lens, num_pages = ps.build_decode(builder, [5, 300, 77], 64)
         kernel = reference_op[0]
-        assert md.backend == decisions.FLASHMLA and kernel.steps == 1
+        assert md.backend == choices.FLASHMLA and kernel.steps == 1
         q, kv = _qkv(3, num_pages)
         out, lse = impl.forward_mqa((q[..., :512], q[..., 512:]), kv, SimpleNamespace(decode=md), None)
         (call,) = kernel.calls
@@ -274,7 +274,7 @@ def test_on_hopper_the_op_gets_the_packed_cache_and_writes_the_impls_output(monk
         md2, bt2, lens2, pages2 = ps.build_decode(builder, [40, 9], 64, q_len=2)
         q2, kv2 = _qkv(4, pages2)
         out2, _ = impl.forward_mqa(q2, kv2, SimpleNamespace(decode=md2), None)
-        assert md2.backend == decisions.FLASHMLA and kernel.calls[-1]["out"] is None
+        assert md2.backend == choices.FLASHMLA and kernel.calls[-1]["out"] is None
         assert relative_error(out2, _reference(ps, q2, kv2, bt2, lens2, q_len=2)) < 1e-2
         # a step that asks for the decode LSE (context parallelism) plans FlashInfer
         builder.plan_lse = True
@@ -293,14 +293,14 @@ def test_in_cuda_graph_mode_the_ops_are_made_up_front_and_the_vote_decides(monke
         eager, graph = builder._flashmla.op(False), builder._flashmla.op(True)
         assert eager is not graph
         md, *_ = ps.build_decode(builder, [5, 300, 77, 10], 64)
-        assert md.cuda_graph and md.backend == decisions.FLASHMLA and md.kernel.kernel is graph
+        assert md.cuda_graph and md.backend == choices.FLASHMLA and md.kernel.kernel is graph
         assert graph.steps == 1 and eager.steps == 0
         # batch 16 (beyond the largest capture size 8): eager; FlashInfer's bucket plans FlashInfer
         md16, *_ = ps.build_decode(builder, [500] * 16, 64)
         assert not md16.cuda_graph and md16.backend == "fa3"
         # the graph of batch 8 takes the vote of the nearest tuned batch (4): FlashMLA
         md8, *_ = ps.build_decode(builder, [9000] * 8, 64)
-        assert md8.cuda_graph and md8.backend == decisions.FLASHMLA and md8.kernel.kernel is graph
+        assert md8.cuda_graph and md8.backend == choices.FLASHMLA and md8.kernel.kernel is graph
     finally:
         tc.clear_cache()
 
@@ -321,7 +321,7 @@ def test_flashmla_comes_before_fa3_and_fa3_takes_the_buckets_where_flashmla_is_o
         with caplog.at_level(logging.WARNING, logger=PLAN_LOG):
             builder = ps.make_builder(vc)                # without the double: a CPU, no FlashMLA here
         md, *_ = ps.build_decode(builder, [5, 300, 77], 64)
-        assert md.backend == (decisions.FLASHMLA if flashmla_here else decisions.FA3)
+        assert md.backend == (choices.FLASHMLA if flashmla_here else choices.FA3)
         assert builder.choice.flashmla_enabled == flashmla_here
         warned = sum("FlashMLA decode buckets cannot run" in r.getMessage() for r in caplog.records)
         assert warned == (0 if flashmla_here else 1)

@@ -101,7 +101,7 @@ def test_measure_times_a_graph_captured_candidate(fam):
 import os  # noqa: E402
 
 import plugin_support as ps  # noqa: E402
-from vllm_metax.core import decisions, tuned_config as tc  # noqa: E402
+from vllm_metax.core import choices, decisions, tuned_config as tc  # noqa: E402
 
 TOL = 2e-2
 
@@ -135,7 +135,7 @@ def test_flashinfer_mla_serves_a_tuned_fa3_bucket_eagerly(fam, model_root, param
     for seed, seq_lens in ((1, [1, 300, 4096]), (2, [5000, 64]), (3, [700] * 16)):
         bt, lens, common, num_pages = ps.ragged_batch(seq_lens, 64, device="cuda", seed=seed)
         md = builder.build(0, common)
-        assert md.decode.backend == decisions.FA3 and md.decode.paged is None
+        assert md.decode.backend == choices.FA3 and md.decode.paged is None
         q, kv = ps.decode_inputs(len(seq_lens), num_pages, seed)
         out, lse = impl.forward_mqa((q[..., :512], q[..., 512:]), kv, md, None)
         assert lse is None and relative_error(out, _reference(q, kv, bt, lens)) < TOL, seed
@@ -152,7 +152,7 @@ def test_fa3_under_full_cudagraph_capture_and_replay(fam, model_root):
         return step.forward(impl, md)
 
     md, bt, lens = step([100, 7, 3000, 64, 1, 512, 2047, 900], seed=1)
-    assert md.decode.cuda_graph and md.decode.backend == decisions.FA3
+    assert md.decode.cuda_graph and md.decode.backend == choices.FA3
     assert md.decode.kernel.kernel.num_splits == 32        # vLLM's bound in graphs for FA3's heuristic
     eager = forward(md)
     torch.cuda.synchronize()
@@ -166,7 +166,7 @@ def test_fa3_under_full_cudagraph_capture_and_replay(fam, model_root):
     for seed, seq_lens in ((2, [4096, 4096, 1, 1, 70, 800, 33, 1000]), (3, [5] * 8),
                            (4, [2000, 10, 10, 10, 10, 10, 10, 5000])):
         md2, bt2, lens2 = step(seq_lens, seed)
-        assert md2.decode.backend == decisions.FA3 and md2.decode.kernel.kernel is md.decode.kernel.kernel
+        assert md2.decode.backend == choices.FA3 and md2.decode.kernel.kernel is md.decode.kernel.kernel
         graph.replay()
         torch.cuda.synchronize()
         assert relative_error(captured, _reference(static_q, static_kv, bt2, lens2)) < TOL, seed

@@ -415,7 +415,7 @@ def test_tuned_kv_chunking_equals_reference(backend, heads, graph):
     if not _keyword_api(op):
         pytest.skip("kv_chunk needs the fast re-plan (FlashInfer 0.7's keyword API)")
     from mla_tune.problem.reference import mla_decode_reference, relative_error
-    from vllm_metax.core.decisions import kv_chunk_factor
+    from vllm_metax.core.choices import kv_chunk_factor
     from vllm_metax.ops.paged_metadata import build_paged_metadata
     from vllm_metax.core.choices import KV_CHUNKS
     page, scale = 64, 192 ** -0.5

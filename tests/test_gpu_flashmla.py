@@ -81,7 +81,7 @@ def test_measure_times_a_graph_captured_candidate(fm):
 import os  # noqa: E402
 
 import plugin_support as ps  # noqa: E402
-from vllm_metax.core import decisions, tuned_config as tc  # noqa: E402
+from vllm_metax.core import choices, tuned_config as tc  # noqa: E402
 
 TOL = 2e-2
 
@@ -121,7 +121,7 @@ def test_flashinfer_mla_serves_a_tuned_flashmla_bucket_eagerly(fm, model_root, m
     for seed, seq_lens in ((1, [1, 300, 4096]), (2, [5000, 64]), (3, [700] * 16)):
         bt, lens, common, num_pages = ps.ragged_batch(seq_lens, 64, device="cuda", seed=seed)
         md = builder.build(0, common)
-        assert md.decode.backend == decisions.FLASHMLA and isinstance(md.decode.kernel, FlashMLAStep)
+        assert md.decode.backend == choices.FLASHMLA and isinstance(md.decode.kernel, FlashMLAStep)
         q, kv = ps.decode_inputs(len(seq_lens), num_pages, seed)
         out, lse = impl.forward_mqa((q[..., :512], q[..., 512:]), kv, md, None)
         later, _ = impl.forward_mqa(q, kv, md, None)          # the next layer: the step's schedule
@@ -132,7 +132,7 @@ def test_flashinfer_mla_serves_a_tuned_flashmla_bucket_eagerly(fm, model_root, m
     # (built as vLLM's MLA build() builds a decode batch: with no speculative config, build() itself
     # would count 2-token requests as prefills)
     md, bt, lens, num_pages = ps.build_decode(builder, [700, 33, 2000], 64, q_len=2, seed=4, device="cuda")
-    assert md.backend == decisions.FLASHMLA and md.q_len == 2
+    assert md.backend == choices.FLASHMLA and md.q_len == 2
     q, kv = ps.decode_inputs(6, num_pages, 4)
     out, _ = impl.forward_mqa(q, kv, types.SimpleNamespace(decode=md), None)
     assert relative_error(out, _reference(q, kv, bt, lens, q_len=2)) < TOL
@@ -152,7 +152,7 @@ def test_flashmla_bucket_under_full_cudagraph_capture_and_replay(fm, model_root,
 
     lens1 = [100, 7, 3000, 64, 1, 512, 2047, 900]
     md, bt, lens = step(lens1, seed=1)
-    assert md.decode.cuda_graph and md.decode.backend == decisions.FLASHMLA
+    assert md.decode.cuda_graph and md.decode.backend == choices.FLASHMLA
     eager = forward(md)
     torch.cuda.synchronize()
     ref = _reference(static_q, static_kv, bt, lens)
@@ -168,7 +168,7 @@ def test_flashmla_bucket_under_full_cudagraph_capture_and_replay(fm, model_root,
     for seed, seq_lens in ((2, [4096, 4096, 1, 1, 70, 800, 33, 1000]), (3, [5] * 8),
                            (4, [2000, 10, 10, 10, 10, 10, 10, 5000])):
         md2, bt2, lens2 = step(seq_lens, seed)
-        assert md2.decode.backend == decisions.FLASHMLA and md2.decode.kernel.kernel is md.decode.kernel.kernel
+        assert md2.decode.backend == choices.FLASHMLA and md2.decode.kernel.kernel is md.decode.kernel.kernel
         graph.replay()
         torch.cuda.synchronize()
         assert relative_error(captured, _reference(static_q, static_kv, bt2, lens2)) < TOL, seed

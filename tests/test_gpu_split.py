@@ -20,7 +20,7 @@ from mla_tune.families import Candidate, get_family
 from mla_tune.problem.instance import make_problem
 from mla_tune.problem.reference import mla_decode_reference, relative_error
 from mla_tune.problem.workload import Workload
-from vllm_metax.core import decisions, tuned_config as tc
+from vllm_metax.core import choices, decisions, tuned_config as tc
 from vllm_metax.ops import split_decode as op
 
 pytestmark = [pytest.mark.gpu]
@@ -95,14 +95,14 @@ def test_flashinfer_mla_serves_a_tuned_split_bucket_eagerly(model_root):
     for seed, seq_lens in ((1, [1, 300, 4096]), (2, [5000, 64])):
         bt, lens, common, num_pages = ps.ragged_batch(seq_lens, 64, device=DEVICE, seed=seed)
         md = builder.build(0, common)
-        assert md.decode.backend == decisions.SPLIT and md.decode.paged is None
+        assert md.decode.backend == choices.SPLIT and md.decode.paged is None
         q, kv = ps.decode_inputs(len(seq_lens), num_pages, seed)
         out, lse = impl.forward_mqa((q[..., :512], q[..., 512:]), kv, md, None)
         assert lse is None and relative_error(out, _reference(q, kv, bt, lens)) < TOL
     # batch 8 is tuned to split too; a batch of 16 snaps to it: the same kernel
     bt, lens, common, num_pages = ps.ragged_batch([700] * 16, 64, device=DEVICE, seed=3)
     md = builder.build(0, common)
-    assert md.decode.backend == decisions.SPLIT and len(builder._split_kernels) == 1
+    assert md.decode.backend == choices.SPLIT and len(builder._split_kernels) == 1
     q, kv = ps.decode_inputs(16, num_pages, 3)
     out, _ = impl.forward_mqa((q[..., :512], q[..., 512:]), kv, md, None)
     assert relative_error(out, _reference(q, kv, bt, lens)) < TOL
@@ -123,7 +123,7 @@ def test_split_under_full_cudagraph_capture_and_replay(model_root, pipe):
         return step.forward(impl, md)
 
     md, bt, lens = step([100, 7, 3000, 64, 1, 512, 2047, 900], seed=1)
-    assert md.decode.cuda_graph and md.decode.backend == decisions.SPLIT
+    assert md.decode.cuda_graph and md.decode.backend == choices.SPLIT
     k = md.decode.kernel.kernel          # the tuned pipe's kernel (PDL: the merge a dependent launch)
     assert (k.block_n, k.pdl) == (op.PIPES[pipe].block_n, op.PIPES[pipe].pdl)
     eager = forward(md)
@@ -138,7 +138,7 @@ def test_split_under_full_cudagraph_capture_and_replay(model_root, pipe):
     for seed, seq_lens in ((2, [4096, 4096, 1, 1, 70, 800, 33, 1000]), (3, [5] * 8),
                            (4, [2000, 10, 10, 10, 10, 10, 10, 5000])):
         md2, bt2, lens2 = step(seq_lens, seed)
-        assert md2.decode.backend == decisions.SPLIT and md2.decode.kernel.kernel is md.decode.kernel.kernel
+        assert md2.decode.backend == choices.SPLIT and md2.decode.kernel.kernel is md.decode.kernel.kernel
         graph.replay()
         torch.cuda.synchronize()
         assert relative_error(captured, _reference(static_q, static_kv, bt2, lens2)) < TOL, seed

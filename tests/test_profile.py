@@ -137,7 +137,7 @@ def test_flashinfer_backends_are_the_device_rule_within_the_profile(on):
     metax = device_backends.device_flashinfer_backends("metax")
     assert metax.allowed == ("fa2",) and metax.default == "fa2"
     assert device_backends.device_prefill_backends("metax").allowed == ("fa2",)
-    assert metax.serve(decisions.FlashInferChoice("fa3")) == "fa2"      # the device default
+    assert metax.serve(choices.FlashInferChoice("fa3")) == "fa2"      # the device default
     on(METAX_DEV)          # a MetaX device under a forced nvidia profile still runs fa2 only
     assert device_backends.device_flashinfer_backends("nvidia").allowed == ("fa2",)
     on(AMPERE)
@@ -157,7 +157,7 @@ def test_a_split_pipe_the_profile_cannot_run_is_not_served(on):
     assert decisions.split_serves(_bucket("t32x4")).pipe == "t32x4"
     assert decisions.split_serves(_bucket("t32x4"), "metax") is None           # FlashInfer decodes
     assert decisions.split_serves(_bucket("t64-pdl"), "metax") is None
-    assert decisions.split_serves(_bucket(), "metax") == decisions.SplitChoice(16, "bfloat16")
+    assert decisions.split_serves(_bucket(), "metax") == choices.SplitChoice(16, "bfloat16")
     on(METAX_DEV)                                                              # the active profile
     assert decisions.split_serves(_bucket("t32x4")) is None
 
@@ -221,9 +221,9 @@ def test_the_triton_variant_is_a_knob_of_the_config_and_the_candidate():
     assert typed == choices.TritonChoice(4, False, "metax")
     assert typed.to_params() == {"backend": "triton", "num_kv_splits": 4, "variant": "metax"}
     assert choices.TritonChoice(4).to_params() == {"backend": "triton", "num_kv_splits": 4}
-    assert decisions.family_choice("triton", {"num_kv_splits": 4, "rule": "vllm", "variant": "metax"}) \
+    assert choices.family_choice("triton", {"num_kv_splits": 4, "rule": "vllm", "variant": "metax"}) \
         == choices.TritonChoice(4, True, "metax")
-    assert decisions.family_choice("triton", {"num_kv_splits": 4, "variant": "rocm"}) is None
+    assert choices.family_choice("triton", {"num_kv_splits": 4, "variant": "rocm"}) is None
     with pytest.raises(choices.ChoiceError, match="variant must be one of vllm, metax, got 'rocm'"):
         choices.check_params("triton", {"num_kv_splits": 4, "variant": "rocm"}, "b")
     with pytest.raises(choices.ChoiceError, match=r"variant=<vllm\|metax>"):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mla_tune.views import show
-from vllm_metax.core import decisions
+from vllm_metax.core import choices, decisions
 from vllm_metax.core import tuned_config as tc
 
 SHIPPED = sorted((Path(__file__).resolve().parents[1] / "vllm_metax" / "configs").glob("device_name=*.json"))
@@ -63,7 +63,7 @@ def test_show_names_the_kernel_flashinfer_mla_decodes_with(monkeypatch):
             families.add(served.family)
             compared += 1
     # the shipped configs exercise FlashInfer, the split kernel and vLLM's FA3
-    assert families == {decisions.FLASHINFER, decisions.SPLIT, decisions.FA3} and compared > 1000
+    assert families == {choices.FLASHINFER, choices.SPLIT, choices.FA3} and compared > 1000
 
 
 @pytest.mark.vllm
@@ -77,8 +77,8 @@ def test_show_names_the_split_count_and_launch_triton_mla_runs(cfg, entry, monke
     rules = 0
     for request in _requests(entry):
         shown = _shown(cfg, entry, request)
-        assert (shown.attention_backend, shown.family) == ("TRITON_MLA", decisions.TRITON), request
+        assert (shown.attention_backend, shown.family) == ("TRITON_MLA", choices.TRITON), request
         assert shown.params.get("num_kv_splits") == splits.choose(*request), request
-        assert shown.params.get("variant", decisions.DEFAULT_TRITON_VARIANT) == splits.launch(*request), request
+        assert shown.params.get("variant", choices.DEFAULT_TRITON_VARIANT) == splits.launch(*request), request
         rules += splits.choose(*request) is None
     assert rules      # the context window sent some lookups to vLLM's rule

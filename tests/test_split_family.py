@@ -17,7 +17,7 @@ import torch
 from mla_tune.families import Candidate, check_candidate, get_family
 from mla_tune.families.split import default_splits, useful_splits
 from mla_tune.problem.workload import model_preset, workload_for
-from vllm_metax.core import decisions, tuned_config as tc
+from vllm_metax.core import choices, decisions, tuned_config as tc
 from vllm_metax.ops import split_decode as op
 
 V3 = model_preset("deepseek-v3")
@@ -132,12 +132,12 @@ def test_the_tuned_config_takes_split_params_and_refuses_anything_else(tmp_path)
     back = tc.read_tuned_config(path).models[0].buckets
     # a config without `pipe` (every one written before the knob) serves the measured pipe t64
     assert back[0].best_family == "split" and decisions.bucket_choice(back[0], "split") == \
-        decisions.SplitChoice(16, "bfloat16") == decisions.SplitChoice(16, "bfloat16", "t64")
-    assert decisions.bucket_choice(back[1], "split") == decisions.SplitChoice(32, "bfloat16", "t32x4")
+        choices.SplitChoice(16, "bfloat16") == choices.SplitChoice(16, "bfloat16", "t64")
+    assert decisions.bucket_choice(back[1], "split") == choices.SplitChoice(32, "bfloat16", "t32x4")
     # what emit writes back: the served pipe is left out, any other named
-    assert decisions.SplitChoice(16, "bfloat16").to_params() == SPLIT
-    assert decisions.SplitChoice(32, "bfloat16", "t32x4").to_params() == piped
-    assert decisions.family_choice("split", {**SPLIT, "pipe": "t8"}) is None
+    assert choices.SplitChoice(16, "bfloat16").to_params() == SPLIT
+    assert choices.SplitChoice(32, "bfloat16", "t32x4").to_params() == piped
+    assert choices.family_choice("split", {**SPLIT, "pipe": "t8"}) is None
 
 
 def test_served_kernel_validates_its_knobs():
@@ -172,7 +172,7 @@ def test_served_kernel_validates_its_knobs():
 # ---------------------------------------------------------------- when the plugin serves it
 
 def test_split_serves_only_a_measured_win_of_at_least_the_choice_ratio():
-    assert decisions.split_serves(_bucket(1, 4096, 20.0, 30.0)) == decisions.SplitChoice(16, "bfloat16")
+    assert decisions.split_serves(_bucket(1, 4096, 20.0, 30.0)) == choices.SplitChoice(16, "bfloat16")
     assert decisions.split_serves(_bucket(1, 4096, 20.0, 20.0 * 1.049)) is None     # within noise
     assert decisions.split_serves(_bucket(1, 4096, 20.0, 21.0)) is not None         # 1.05x
     assert decisions.split_serves(_bucket(1, 4096, 20.0, 30.0, best="flashinfer")) is None
@@ -196,14 +196,14 @@ def test_plan_choice_per_step_and_per_graph():
         _bucket(8, 1024, 18.0, 18.4), _bucket(8, 8192, 40.0, 39.0, best="flashinfer"),
         _bucket(8, 32768, 130.0, 91.0, best="flashinfer"),
     ])
-    assert choice.split_for(1, 1000) == decisions.SplitChoice(16, "bfloat16")
-    assert choice.split_for(1, 30000) == decisions.SplitChoice(64, "bfloat16")
+    assert choice.split_for(1, 1000) == choices.SplitChoice(16, "bfloat16")
+    assert choice.split_for(1, 30000) == choices.SplitChoice(64, "bfloat16")
     assert choice.split_for(8, 1024) is None                    # 1.02x: FlashInfer keeps it
     assert choice.split_for(1, 1000, q_len=2) is None
     # a graph of batch 1: split serves 3/3 buckets; the knobs most name (16, 2 of 3)
-    assert choice.split_for(1, 5, graph=True) == decisions.SplitChoice(16, "bfloat16")
+    assert choice.split_for(1, 5, graph=True) == choices.SplitChoice(16, "bfloat16")
     assert choice.split_for(8, 1024, graph=True) is None         # 0 of 3
-    assert choice.split_for(2, 1024, graph=True) == decisions.SplitChoice(16, "bfloat16")   # nearest: 1
+    assert choice.split_for(2, 1024, graph=True) == choices.SplitChoice(16, "bfloat16")   # nearest: 1
     choice.disable_split("test")
     assert choice.split_for(1, 1000) is None and choice.split_for(1, 5, graph=True) is None
     assert choice.split_choices() == []
@@ -214,14 +214,14 @@ def test_split_choices_lists_each_served_knob_set_once():
     s64 = {**SPLIT, "num_splits": 64}
     choice = _plan_choice([_bucket(1, 1024, 13.0, 18.0), _bucket(1, 8192, 13.0, 18.0),
                            _bucket(1, 32768, 32.0, 42.0, params=s64), _bucket(2, 32768, 32.0, 33.0, params=s64)])
-    assert choice.split_choices() == [decisions.SplitChoice(16, "bfloat16"), decisions.SplitChoice(64, "bfloat16")]
+    assert choice.split_choices() == [choices.SplitChoice(16, "bfloat16"), choices.SplitChoice(64, "bfloat16")]
 
 
 @pytest.mark.vllm
 def test_graph_vote_ties_take_the_longest_contexts_knobs():
     s64 = {**SPLIT, "num_splits": 64}
     choice = _plan_choice([_bucket(1, 1024, 13.0, 18.0), _bucket(1, 32768, 32.0, 42.0, params=s64)])
-    assert choice.split_for(1, 1, graph=True) == decisions.SplitChoice(64, "bfloat16")
+    assert choice.split_for(1, 1, graph=True) == choices.SplitChoice(64, "bfloat16")
     choice = _plan_choice([_bucket(1, 1024, 13.0, 18.0), _bucket(1, 32768, 32.0, 30.0, best="flashinfer")])
     assert choice.split_for(1, 1, graph=True) is None            # 1 of 2 is not most
 
@@ -280,7 +280,7 @@ def test_a_tuned_split_bucket_is_served_with_the_steps_block_table_and_scale(spl
     assert checked == [4] and builder.choice.split_enabled      # made and checked up front
     impl = ps.make_impl(vc)
     md, bt, lens, num_pages = _decode(ps, builder, [5, 300, 77])
-    assert md.backend == decisions.SPLIT and md.paged is None and not ps.RecordingKernel.instances
+    assert md.backend == choices.SPLIT and md.paged is None and not ps.RecordingKernel.instances
     g = torch.Generator().manual_seed(3)
     q = torch.randn(3, ps.NUM_HEADS, 576, generator=g).to(torch.bfloat16)
     kv = torch.randn(num_pages, 16, 576, generator=g).to(torch.bfloat16)

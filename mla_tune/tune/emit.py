@@ -18,7 +18,7 @@ from mla_tune.tune import choose as choosing
 from mla_tune.problem.workload import WorkloadMix
 from mla_tune.store.records import TrialRecord
 from mla_tune.store.selection import CPU_RUN_KIND, TrialFilter, device_key, run_profile, select_trials
-from vllm_metax.core import decisions, tuned_config as tc
+from vllm_metax.core import choices, decisions, tuned_config as tc
 
 CPU_NOTE = ("measured with the CPU torch reference (no GPU): the page size exercises the pipeline; "
             "no kernel-family choices, backend order is the profile's untuned one, not a measurement")
@@ -93,7 +93,7 @@ def _bucket(b: choosing.BucketChoice) -> tc.Bucket:
         if f not in tc.FAMILIES or v.chosen is None:
             continue
         # written as the plugin reads it: the family's typed choice, "keep vLLM's rule" included
-        typed = decisions.family_choice(f, v.chosen.plan_params)
+        typed = choices.family_choice(f, v.chosen.plan_params)
         if typed is not None:
             fams[f] = tc.FamilyChoice(typed.to_params(), v.time_us, v.default_time_us,
                                       bool(v.significant))
@@ -113,7 +113,7 @@ def served_order(m: choosing.ModelChoice, buckets: list) -> tuple[list, str | No
     ahead of it (on a MetaX-profile sweep FlashMLA alone can rank first, while FLASHINFER_MLA
     serves FlashMLA's buckets and the split kernel's), FLASHINFER_MLA moves ahead of it. `buckets`
     are `m.buckets` as written (`_bucket`); an incomplete bucket keeps the ranking."""
-    order, fi = list(m.backend_order), choosing.ATTENTION_BACKEND[decisions.FLASHINFER]
+    order, fi = list(m.backend_order), choosing.ATTENTION_BACKEND[choices.FLASHINFER]
     if fi not in order or order[0] == fi:
         return order, None
     served = 0.0
@@ -121,7 +121,7 @@ def served_order(m: choosing.ModelChoice, buckets: list) -> tuple[list, str | No
         if bc.weight <= 0:
             continue
         side = decisions.side_kernel(b, page_size=m.page_size)
-        fc = b.families.get(side[0] if side else decisions.FLASHINFER)
+        fc = b.families.get(side[0] if side else choices.FLASHINFER)
         if fc is None or not fc.time_us:
             return order, None
         served += bc.weight * fc.time_us

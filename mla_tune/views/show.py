@@ -129,7 +129,7 @@ def served_kernel(entry, request: tuple) -> Served:
     """The kernel a decode step of `request` (batch, context, q_len) runs under `entry`, by the
     plugin's rule (`vllm_metax.core.decisions.decode_kernel`) for the entry's first attention
     backend, with why where it is not simply the bucket's best."""
-    from vllm_metax.core import decisions as d
+    from vllm_metax.core import choices as c, decisions as d
     if entry is None or not entry.backend_order:
         return Served(None, None, {}, "no attention backend in the entry")
     served = d.decode_kernel(entry, d.DecodeStep(*request))
@@ -137,9 +137,9 @@ def served_kernel(entry, request: tuple) -> Served:
     if bucket is None:
         return Served(backend, None, {}, "no tuned bucket: the plugin's defaults")
     params = served.choice.to_params()
-    if family == d.TRITON:
+    if family == c.TRITON:
         if served.choice.vllm_rule:
-            tuned = d.bucket_choice(bucket, d.TRITON)
+            tuned = d.bucket_choice(bucket, c.TRITON)
             params = {k: v for k, v in params.items() if k == "variant"}
             return Served(backend, family, params, "vLLM's num_kv_splits rule" + (
                 f" (context {request[1]} is more than {d.TRITON_CONTEXT_RATIO:g}x from the bucket's "
@@ -147,15 +147,15 @@ def served_kernel(entry, request: tuple) -> Served:
         return Served(backend, family, params)
     if backend == d.FLASHMLA_BACKEND_NAME:
         return Served(backend, family, {})
-    if family != d.FLASHINFER:
+    if family != c.FLASHINFER:
         return Served(backend, family, params,
-                      f"the bucket's FlashInfer choice not {d.SPLIT_MIN_GAIN:g}x faster" if family == d.FA3 else
+                      f"the bucket's FlashInfer choice not {d.SPLIT_MIN_GAIN:g}x faster" if family == c.FA3 else
                       f">= {d.SPLIT_MIN_GAIN:g}x faster than the bucket's FlashInfer choice")
-    if d.bucket_choice(bucket, d.FLASHINFER) is None:
+    if d.bucket_choice(bucket, c.FLASHINFER) is None:
         return Served(backend, family, {}, "no FlashInfer choice: the device default")
     note = "planned as the device default" if served.choice.backend == d.AUTO else ""
-    if bucket.best_family == d.SPLIT and request[2] != 1:
-        note = f"{d.SPLIT} measured faster at q_len 1, it serves q_len 1 only"
+    if bucket.best_family == c.SPLIT and request[2] != 1:
+        note = f"{c.SPLIT} measured faster at q_len 1, it serves q_len 1 only"
     elif bucket.best_family in d.SIDE_KERNELS:
         note = f"{bucket.best_family} measured faster, by less than {d.SPLIT_MIN_GAIN:g}x"
     return Served(backend, family, params, note)

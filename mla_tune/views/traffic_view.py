@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from mla_tune.store.traffic import ModelTraffic, grid_steps
 from mla_tune.validate import InputError
 from mla_tune.views.render import Column, OutputFormat, Table, render, times, to_csv
-from vllm_metax.core import decisions
+from vllm_metax.core import choices, decisions
 from vllm_metax.core.tuned_config import ModelEntry
 
 FAR_STEPS = 1.0            # grid steps (octaves) from a bucket beyond which its choice is a guess
@@ -135,9 +135,9 @@ def _served(entry: ModelEntry, bucket) -> tuple[str, float | None]:
     step = decisions.DecodeStep(bucket.batch_size, bucket.context_len, bucket.q_len)
     fam = decisions.decode_kernel(entry, step).family
     fc = bucket.families.get(fam)
-    if fam != decisions.FLASHINFER:
+    if fam != choices.FLASHINFER:
         return fam, fc.time_us if fc is not None else None
-    name = fam if fam != decisions.FLASHINFER or fc is None else f"flashinfer {fc.params.get('backend', '')}"
+    name = fam if fam != choices.FLASHINFER or fc is None else f"flashinfer {fc.params.get('backend', '')}"
     return name.strip(), fc.time_us if fc is not None else None
 
 
@@ -180,7 +180,7 @@ def traffic_report(traffic: ModelTraffic, entry: ModelEntry, config_path: str = 
         key = (b.batch_size, b.context_len, b.q_len)
         if key not in loads:
             kernel, t = _served(entry, b)
-            fi = b.families.get(decisions.FLASHINFER)
+            fi = b.families.get(choices.FLASHINFER)
             loads[key] = [kernel, t, fi.default_time_us if fi is not None else None, 0, 0]
         row = loads[key]
         row[3] += d.steps

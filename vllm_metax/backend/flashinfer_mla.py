@@ -47,7 +47,7 @@ from vllm_metax.backend.builder import HostLengthsBuilder
 from vllm_metax.backend.flashmla_buckets import FlashMLABuckets
 from vllm_metax.backend.impl_features import FeatureCheckedImpl
 from vllm_metax.backend.plan_choice import PlanChoice
-from vllm_metax.core import decisions
+from vllm_metax.core import choices, decisions
 from vllm_metax.core.log import get_logger, log_once
 from vllm_metax.ops.flashinfer_mla import (
     BackendRefused,
@@ -197,7 +197,7 @@ class FlashInferMLAMetadataBuilder(HostLengthsBuilder, MLACommonMetadataBuilder[
         while True:
             served = self.choice.kernel(num_decodes, context, q_len, graph, lse=self.plan_lse,
                                         page_size=self.page_size, skip=skip)
-            if served.family == decisions.FLASHINFER:
+            if served.family == choices.FLASHINFER:
                 break
             step = self._side_step(served, num_decodes, q_len, graph, block_table_tensor,
                                    seq_lens_device, query_start_loc_device, seq_lens)
@@ -244,10 +244,10 @@ class FlashInferMLAMetadataBuilder(HostLengthsBuilder, MLACommonMetadataBuilder[
         """The step of the side kernel `served` names, on this step's tensors; None where its op
         cannot run here (it is then turned off for the process, with one warning)."""
         block_table, lens = block_table_tensor[:num_decodes], seq_lens_device[:num_decodes]
-        if served.family == decisions.SPLIT:
+        if served.family == choices.SPLIT:
             kernel = self._split_kernel(served.choice)
             return None if kernel is None else split_decode.SplitStep(kernel, block_table, lens, self.sm_scale)
-        if served.family == decisions.FLASHMLA:
+        if served.family == choices.FLASHMLA:
             return self._flashmla.step(graph, block_table, lens, q_len)
         kernel = self._fa3_kernel(served.choice, graph)
         if kernel is None:
@@ -255,7 +255,7 @@ class FlashInferMLAMetadataBuilder(HostLengthsBuilder, MLACommonMetadataBuilder[
         return fa3_mla.FA3Step(kernel, block_table, lens, query_start_loc_device[:num_decodes + 1], q_len,
                                int(seq_lens.max()), self.q_dtype)
 
-    def _split_kernel(self, choice: decisions.SplitChoice) -> split_decode.SplitDecode | None:
+    def _split_kernel(self, choice: choices.SplitChoice) -> split_decode.SplitDecode | None:
         """The served kernel of these knobs, made once and checked once against a torch
         reference on this device (a compile error or a wrong result turns the split kernel off
         for the process, with one warning: FlashInfer decodes instead)."""
@@ -293,7 +293,7 @@ class FlashInferMLAMetadataBuilder(HostLengthsBuilder, MLACommonMetadataBuilder[
 
     # ------------------------------------------------------------ vLLM's FA3 MLA kernel
 
-    def _fa3_kernel(self, choice: decisions.FA3Choice, graph: bool) -> fa3_mla.FA3MLADecode | None:
+    def _fa3_kernel(self, choice: choices.FA3Choice, graph: bool) -> fa3_mla.FA3MLADecode | None:
         """The op of these knobs, made once (before any capture). Under CUDA graphs FA3's own
         split heuristic (num_splits 0) would size its buffers at capture: there the bound is
         vLLM's, 32 (`flash_attn_max_num_splits_for_cuda_graph`), as vLLM's FLASH_ATTN_MLA does."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import collections
 
-from vllm_metax.core import decisions
+from vllm_metax.core import choices, decisions
 from vllm_metax.core.log import get_logger
 from vllm_metax.core.tuned_config import ModelEntry
 from vllm_metax.ops import split_decode
@@ -17,7 +17,7 @@ from vllm_metax.ops import split_decode
 logger = get_logger(__name__)
 
 # the side kernels for people (the server log's summary)
-SIDE_NAMES = {decisions.SPLIT: "split-KV Triton", decisions.FLASHMLA: "FlashMLA", decisions.FA3: "vLLM FA3"}
+SIDE_NAMES = {choices.SPLIT: "split-KV Triton", choices.FLASHMLA: "FlashMLA", choices.FA3: "vLLM FA3"}
 
 
 class PlanChoice:
@@ -32,16 +32,16 @@ class PlanChoice:
         self._graph_split: dict = {}
         self.split_enabled = True
         # bucket -> the split kernel's knobs, where it serves that bucket (decided once, per file)
-        self._splits: dict[int, decisions.SplitChoice] = {} if entry is None else {
+        self._splits: dict[int, choices.SplitChoice] = {} if entry is None else {
             id(b): c for b in entry.buckets if b.q_len == 1 and (c := decisions.split_serves(b)) is not None}
         # bucket -> vLLM's FA3 MLA kernel's knobs, where it serves that bucket (any q_len)
-        self._fa3: dict[int, decisions.FA3Choice] = {} if entry is None else {
+        self._fa3: dict[int, choices.FA3Choice] = {} if entry is None else {
             id(b): c for b in entry.buckets if (c := decisions.fa3_serves(b)) is not None}
         self._graph_fa3: dict = {}
         self.fa3_enabled = True
         # bucket -> FlashMLA's choice, where it serves that bucket (any q_len; the builder checks
         # the KV block size, 64, and that a FlashMLA library runs here)
-        self._flashmla: dict[int, decisions.FlashMLAChoice] = {} if entry is None else {
+        self._flashmla: dict[int, choices.FlashMLAChoice] = {} if entry is None else {
             id(b): c for b in entry.buckets if (c := decisions.flashmla_serves(b)) is not None}
         self._graph_flashmla: dict = {}
         self.flashmla_enabled = True
@@ -63,7 +63,7 @@ class PlanChoice:
         if self.entry is None:
             return
         named = {c.backend for b in self.entry.buckets
-                 if (c := decisions.bucket_choice(b, decisions.FLASHINFER)) is not None}
+                 if (c := decisions.bucket_choice(b, choices.FLASHINFER)) is not None}
         unservable = sorted(named - set(self.allowed) - {decisions.AUTO})
         if unservable:
             logger.warning("vllm_metax MLA: the tuned config names FlashInfer backend(s) %s, which "
@@ -84,14 +84,14 @@ class PlanChoice:
         """The kernel a step of bucket `b` runs, for people (`decisions.flashinfer_mla_kernel`; a
         kernel turned off is skipped)."""
         served = decisions.flashinfer_mla_kernel(b, b.q_len, self.backends, skip=self.turned_off())
-        return (f"FlashInfer {served.choice.backend}" if served.family == decisions.FLASHINFER
+        return (f"FlashInfer {served.choice.backend}" if served.family == choices.FLASHINFER
                 else SIDE_NAMES[served.family])
 
     def turned_off(self) -> frozenset:
         """The side kernels that cannot run here (turned off for this process)."""
-        return frozenset(f for f, on in ((decisions.SPLIT, self.split_enabled),
-                                         (decisions.FLASHMLA, self.flashmla_enabled),
-                                         (decisions.FA3, self.fa3_enabled)) if not on)
+        return frozenset(f for f, on in ((choices.SPLIT, self.split_enabled),
+                                         (choices.FLASHMLA, self.flashmla_enabled),
+                                         (choices.FA3, self.fa3_enabled)) if not on)
 
     def kernel(self, batch_size: int, context_len: int, q_len: int = 1, graph: bool = False, *,
                lse: bool = False, page_size: int | None = None, skip=()) -> decisions.DecodeKernel:
@@ -105,39 +105,39 @@ class PlanChoice:
         found = self._lookup(batch_size, context_len, q_len)
         bucket = found.bucket if found is not None else None
         if graph:
-            asks = {decisions.SPLIT: self.split_for, decisions.FLASHMLA: self.flashmla_for,
-                    decisions.FA3: self.fa3_for}
+            asks = {choices.SPLIT: self.split_for, choices.FLASHMLA: self.flashmla_for,
+                    choices.FA3: self.fa3_for}
             skip |= decisions.without_lse(lse)
             side = next(((f, c) for f in decisions.SIDE_KERNELS if f not in skip
-                         and (f != decisions.FLASHMLA or decisions.flashmla_runs_at(page_size))
+                         and (f != choices.FLASHMLA or decisions.flashmla_runs_at(page_size))
                          and (c := asks[f](batch_size, context_len, q_len, graph=True)) is not None),
                         None)
             if side is not None:
                 return decisions.DecodeKernel(decisions.FLASHINFER_MLA, *side, bucket)
-            return decisions.DecodeKernel(decisions.FLASHINFER_MLA, decisions.FLASHINFER,
+            return decisions.DecodeKernel(decisions.FLASHINFER_MLA, choices.FLASHINFER,
                                           self._flashinfer(bucket, batch_size, q_len, graph), bucket)
         key = (id(bucket), q_len == 1, page_size, skip, lse)
         served = self._kernels.get(key)
         if served is None:
             served = self._kernels[key] = decisions.flashinfer_mla_kernel(
                 bucket, q_len, self.backends, page_size=page_size, skip=skip, lse=lse)
-        if served.family == decisions.SPLIT and not split_decode.fits(
+        if served.family == choices.SPLIT and not split_decode.fits(
                 self.entry.dims.num_heads, batch_size, served.choice.num_splits, served.choice.pipe):
             return self.kernel(batch_size, context_len, q_len, graph, lse=lse, page_size=page_size,
-                               skip=skip | {decisions.SPLIT})
+                               skip=skip | {choices.SPLIT})
         return served
 
-    def _flashinfer(self, bucket, batch_size: int, q_len: int, graph: bool) -> decisions.FlashInferChoice:
+    def _flashinfer(self, bucket, batch_size: int, q_len: int, graph: bool) -> choices.FlashInferChoice:
         """The FlashInfer backend value and KV chunking a step of `bucket` plans: the bucket's
         value where this device runs it (in a captured graph: its batch size's, `for_graph`), its
         chunking only where that value is the one tuned."""
-        typed = decisions.bucket_choice(bucket, decisions.FLASHINFER)
+        typed = decisions.bucket_choice(bucket, choices.FLASHINFER)
         backend = self.for_graph(batch_size, q_len) if graph else self.backends.serve(typed)
-        return decisions.FlashInferChoice(
+        return choices.FlashInferChoice(
             backend, typed.kv_chunk if typed is not None and typed.backend == backend else None)
 
     def for_bucket(self, bucket) -> str:
-        return self.backends.serve(decisions.bucket_choice(bucket, decisions.FLASHINFER))
+        return self.backends.serve(decisions.bucket_choice(bucket, choices.FLASHINFER))
 
     def for_step(self, batch_size: int, context_len: int, q_len: int = 1) -> str:
         """`context_len` is `decisions.bucket_context` of the batch's sequence lengths."""
@@ -171,7 +171,7 @@ class PlanChoice:
         return votes.most_common(1)[0][0] if votes else self.default
 
     def split_for(self, batch_size: int, context_len: int, q_len: int = 1,
-                  graph: bool = False) -> decisions.SplitChoice | None:
+                  graph: bool = False) -> choices.SplitChoice | None:
         """The split kernel's knobs where this step should run it instead of FlashInfer
         (`decisions.split_serves` of the nearest tuned bucket, for a launch its workspace holds),
         else None. A captured graph fixes
@@ -186,7 +186,7 @@ class PlanChoice:
         return choice
 
     def fa3_for(self, batch_size: int, context_len: int, q_len: int = 1,
-                graph: bool = False) -> decisions.FA3Choice | None:
+                graph: bool = False) -> choices.FA3Choice | None:
         """vLLM's FA3 kernel's knobs where this step should run it instead of FlashInfer
         (`decisions.fa3_serves` of the nearest tuned bucket), else None. A captured graph fixes
         its kernel for every context: FA3 there only where it serves most buckets of the nearest
@@ -196,7 +196,7 @@ class PlanChoice:
         return self._side_for(self._fa3, self._graph_fa3, batch_size, context_len, q_len, graph)
 
     def flashmla_for(self, batch_size: int, context_len: int, q_len: int = 1,
-                     graph: bool = False) -> decisions.FlashMLAChoice | None:
+                     graph: bool = False) -> choices.FlashMLAChoice | None:
         """FlashMLA's choice where this step should run it instead of FlashInfer
         (`decisions.flashmla_serves` of the nearest tuned bucket), else None. A captured graph
         fixes its kernel for every context: FlashMLA there only where it serves most buckets of

@@ -36,7 +36,7 @@ from vllm.v1.worker.workspace import current_workspace_manager, is_workspace_man
 
 from vllm_metax.backend import model_dims, traffic_recorder, user_block_size
 from vllm_metax.backend.builder import HostLengthsBuilder
-from vllm_metax.core import decisions, serving
+from vllm_metax.core import choices, decisions, serving
 from vllm_metax.core.device import detect_device
 from vllm_metax.core.log import get_logger, log_once
 from vllm_metax.core.profile import active_profile
@@ -70,7 +70,7 @@ vllm_num_kv_splits = _install_split_hook()
 # `decode_attention_fwd` ("vllm"), or vLLM's kernels launched with a vendor's settings
 # (`vllm_metax.ops.triton_launch`), wrapped like the split count.
 _VARIANT: contextvars.ContextVar[str] = contextvars.ContextVar(
-    "vllm_metax_triton_mla_variant", default=decisions.DEFAULT_TRITON_VARIANT)
+    "vllm_metax_triton_mla_variant", default=choices.DEFAULT_TRITON_VARIANT)
 
 
 def _install_launch_hook():
@@ -80,7 +80,7 @@ def _install_launch_hook():
 
     def decode_attention_fwd(*args, **kwargs):
         variant = _VARIANT.get()
-        if variant == decisions.DEFAULT_TRITON_VARIANT:
+        if variant == choices.DEFAULT_TRITON_VARIANT:
             return original(*args, **kwargs)
         from vllm_metax.ops import triton_launch
         return triton_launch.decode_attention_fwd(*args, variant=variant, **kwargs)
@@ -113,7 +113,7 @@ class TunedSplits:
 
     def _values(self):
         for b in (self.entry.buckets if self.entry else ()):
-            choice = decisions.bucket_choice(b, decisions.TRITON)
+            choice = decisions.bucket_choice(b, choices.TRITON)
             if choice is not None and choice.served_splits is not None:
                 yield choice.served_splits
 
@@ -189,7 +189,7 @@ def reserve_tuned_workspace(max_decode_rows: int, q_num_heads: int, kv_lora_rank
 @dataclass
 class MetaxTritonMLADecodeMetadata(MLACommonDecodeMetadata):
     num_kv_splits: int | None = None      # None: vLLM's rule
-    variant: str = decisions.DEFAULT_TRITON_VARIANT     # the kernels' launch
+    variant: str = choices.DEFAULT_TRITON_VARIANT     # the kernels' launch
 
 
 class MetaxTritonMLAMetadataBuilder(HostLengthsBuilder, TritonMLAMetadataBuilder):
@@ -208,7 +208,7 @@ class MetaxTritonMLAMetadataBuilder(HostLengthsBuilder, TritonMLAMetadataBuilder
             log_once(logger, logging.INFO, "vllm_metax TRITON_MLA: tuned num_kv_splits from %s",
                      self.tuned_splits.why)
         launches = sorted(self.tuned_splits.variants | {self.tuned_splits.default_variant})
-        if launches != [decisions.DEFAULT_TRITON_VARIANT]:
+        if launches != [choices.DEFAULT_TRITON_VARIANT]:
             log_once(logger, logging.INFO, "vllm_metax TRITON_MLA: kernel launch %s (untuned: %s)",
                      " / ".join(launches), self.tuned_splits.default_variant)
         reserve_tuned_workspace(vllm_config.scheduler_config.max_num_seqs * self.reorder_batch_threshold,
@@ -263,7 +263,7 @@ class MetaxTritonMLAImpl(TritonMLAImpl):
 
     def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
         splits = getattr(attn_metadata.decode, "num_kv_splits", None)
-        variant = getattr(attn_metadata.decode, "variant", decisions.DEFAULT_TRITON_VARIANT)
+        variant = getattr(attn_metadata.decode, "variant", choices.DEFAULT_TRITON_VARIANT)
         tokens = (_TUNED_SPLITS.set(splits), _VARIANT.set(variant))
         try:
             return super().forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)

@@ -2,7 +2,7 @@
 kv_chunk, whether it returns the decode LSE), its knobs' legal values and the params <-> typed
 choice parsing: the one definition (vllm-free, stdlib only) that the tuner (`mla_tune.families.check_candidate`, the
 families' `prepare`), `mla-tune bench`, the tuned-config reader (`tuned_config.check_params`) and
-the plugin (`decisions.family_choice`) all use.
+the plugin (`family_choice`) all use.
 
 A family's stored parameters are `{"backend": <value>, **knobs}`: a tuned config's bucket params,
 a measured candidate's plan parameters, and a candidate string `family/<backend>/p<page>/k=v,...`

@@ -9,7 +9,7 @@ Both sides import this module, so they cannot drift apart:
 * the lookup statistic (`bucket_context`): a batch's per-request KV lengths -> the bucket context
   the tuner measured (the mean; a uniform bucket of context c has every length c);
 * what each kernel family's stored parameters mean (`FlashInferChoice` with its KV chunking,
-  `TritonChoice`, `SplitChoice`; defined in `vllm_metax.core.choices`, re-exported here), "keep vLLM's
+  `TritonChoice`, `SplitChoice`; defined in `vllm_metax.core.choices`), "keep vLLM's
   rule" included, read by the plugin and written by `mla-tune emit`;
 * which kernel FLASHINFER_MLA's decode runs in a tuned bucket instead of FlashInfer, first that
   serves: the split kernel (`split_serves`, q_len 1 only), FlashMLA (`flashmla_serves`), vLLM's FA3
@@ -28,11 +28,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-# the typed choices, their knobs and the params <-> choice parsing: vllm_metax.core.choices (re-exported)
-from vllm_metax.core.choices import (  # noqa: F401
-    DEFAULT_TRITON_VARIANT, FA3, FLASHINFER, FLASHMLA, SPECS, SPLIT, TRITON, TRITON_BACKEND,
-    TRITON_VARIANTS, VLLM_RULE, FA3Choice, FlashInferChoice, FlashMLAChoice, SplitChoice,
-    TritonChoice, family_choice, kv_chunk_factor,
+# the typed choices, their knobs and the params <-> choice parsing: vllm_metax.core.choices (callers
+# import them from there)
+from vllm_metax.core.choices import (
+    FA3, FLASHINFER, FLASHMLA, SPECS, SPLIT, TRITON, FA3Choice, FlashInferChoice, FlashMLAChoice,
+    SplitChoice, TritonChoice, family_choice,
 )
 from vllm_metax.core.profile import Profile, active_profile, get_profile, why_unservable
 from vllm_metax.core.tuned_config import FLASHINFER_PREFILL_BACKENDS, VLLM_FA3_PREFILL, ModelDims
@@ -377,10 +377,10 @@ def bucket_choice(bucket, family: str) -> FlashInferChoice | TritonChoice | None
     return family_choice(family, fc.params) if fc is not None else None
 
 
-__all__ = ["AUTO", "DecodeKernel", "DecodeStep", "SIDE_KERNELS", "decode_kernel", "flashinfer_mla_kernel", "flashmla_runs_at", "DEFAULT_TRITON_VARIANT", "FALLBACK_BACKEND", "FLASHINFER", "FLASHMLA", "FlashInferBackends",
-           "FlashInferChoice", "FlashMLAChoice", "FA3", "FA3Choice", "fa3_serves", "flashmla_serves",
-           "side_kernel", "SPLIT", "SPLIT_MIN_GAIN", "SplitChoice",
-           "TRITON", "TRITON_CONTEXT_RATIO", "TRITON_VARIANTS", "triton_choice", "triton_launch", "triton_variants", "split_serves", "TritonChoice", "VLLM_RULE", "bucket_choice",
-           "bucket_context", "dtype_name",
-           "family_choice", "flashinfer_backends", "kv_chunk_factor", "model_key",
-           "prefill_backend", "prefill_backends", "prefill_statistic", "unservable_prefill"]
+__all__ = ["AUTO", "DecodeKernel", "DecodeStep", "SIDE_KERNELS", "decode_kernel",
+           "flashinfer_mla_kernel", "flashmla_runs_at", "FALLBACK_BACKEND", "FlashInferBackends",
+           "fa3_serves", "flashmla_serves", "side_kernel", "SPLIT_MIN_GAIN",
+           "TRITON_CONTEXT_RATIO", "triton_choice", "triton_launch", "triton_variants",
+           "split_serves", "bucket_choice", "bucket_context", "dtype_name", "flashinfer_backends",
+           "model_key", "prefill_backend", "prefill_backends", "prefill_statistic",
+           "unservable_prefill"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm_metax.core import decisions
+from vllm_metax.core import choices, decisions
 from vllm_metax.core.profile import NVIDIA, PROFILES, active_profile, get_profile
 from vllm_metax.core.tuned_config import ModelDims, ModelEntry, TunedConfig
 
@@ -63,10 +63,10 @@ def entry_for(config: TunedConfig, dims: ModelDims, block_size: int | None = Non
 
 def split_buckets(entry: ModelEntry) -> int:
     """The entry's decode buckets whose FLASHINFER_MLA step runs the split-KV kernel."""
-    return side_buckets(entry)[SIDE_KERNEL_NAMES[decisions.SPLIT]]
+    return side_buckets(entry)[SIDE_KERNEL_NAMES[choices.SPLIT]]
 
 
-SIDE_KERNEL_NAMES = {decisions.SPLIT: "split-KV", decisions.FLASHMLA: "FlashMLA", decisions.FA3: "vLLM FA3"}
+SIDE_KERNEL_NAMES = {choices.SPLIT: "split-KV", choices.FLASHMLA: "FlashMLA", choices.FA3: "vLLM FA3"}
 
 
 def side_buckets(entry: ModelEntry, profile=None) -> dict[str, int]:
@@ -76,7 +76,7 @@ def side_buckets(entry: ModelEntry, profile=None) -> dict[str, int]:
     counts = dict.fromkeys(SIDE_KERNEL_NAMES.values(), 0)
     for b in entry.buckets:
         served = decisions.flashinfer_mla_kernel(b, b.q_len, page_size=entry.page_size, profile=profile)
-        if served.family != decisions.FLASHINFER:
+        if served.family != choices.FLASHINFER:
             counts[SIDE_KERNEL_NAMES[served.family]] += 1
     return counts
 

@@ -296,7 +296,7 @@ class MLADecodeKernel:
         backends that need it (cutlass, trtllm-gen, xqa, cute-dsl: then run()'s split tensors
         must be adjacent views of one [..., ckv+kpe] tensor).
 
-        `kv_chunk` (a tuned choice, `vllm_metax.core.decisions.FlashInferChoice`) scales the KV chunk
+        `kv_chunk` (a tuned choice, `vllm_metax.core.choices.FlashInferChoice`) scales the KV chunk
         limit of the schedule (`mla_schedule.chunk_limit`; infinity: never split). Only the fast
         re-plan's numpy schedule can apply it, so it takes effect from the second plan with the
         same arguments on; a batch whose chunked schedule would not fit FlashInfer's buffers is

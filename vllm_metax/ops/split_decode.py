@@ -10,7 +10,7 @@ step form FLASHINFER_MLA's impl calls, and the check the plugin runs before it s
 This module imports nothing from mla_tune: it only needs torch and triton.
 
 `served(params, ...)` is the configuration the tuner measures and the plugin serves for the
-tuned-config family `split` (`vllm_metax.core.decisions.SplitChoice`): its knobs are the split count,
+tuned-config family `split` (`vllm_metax.core.choices.SplitChoice`): its knobs are the split count,
 the partials' dtype and the pipe (`PIPES`: tile size, pipeline stages, grouped page ids, head
 rows, PDL); the rest is fixed here (the TMA kernel `tma_kernel` at 8 warps, tokens as the
 dots' M below 64 head rows; the merge kernel with 64-column blocks and up to 128 splits in one
