@@ -150,3 +150,24 @@ def test_line_progress_prints_every_few_seconds_not_every_update():
     assert 10 <= len(lines) <= 12, lines         # start, one per 5 s, end
     assert lines[-1] == "sweep: 100/100 trials, 0:50, B100"
     assert "eta 0:45" in lines[1]                # 10 of 100 done after 5 s
+
+
+def test_a_bare_mla_tune_prints_the_help_and_exits_0():
+    res = run_main([])
+    assert res.code == 0 and res.exception is None, res.output
+    assert res.stdout.startswith("Usage: ") and "COMMAND [ARGS]" in res.stdout
+    assert "Commands:" in res.stdout
+    assert res.stderr == "" and "error" not in res.output
+
+
+def test_importing_the_cli_imports_no_kernel_or_plotting_library():
+    """`mla-tune --help` and `--version` answer before torch could load (it takes seconds):
+    the commands import what they measure or plot when they run."""
+    import subprocess
+    import sys
+    heavy = ["torch", "optuna", "matplotlib", "scipy", "vllm", "flashinfer", "triton"]
+    code = f"import sys, mla_tune.cli; print(sorted(m for m in {heavy!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

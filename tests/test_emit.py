@@ -1,6 +1,7 @@
 """mla_tune.tune.emit and `mla-tune emit`: results.db -> the tuned config the plugin reads."""
 
 import datetime
+from pathlib import Path
 import json
 import statistics
 
@@ -232,3 +233,24 @@ def test_a_metax_profile_choice_without_backend_families_puts_flashmla_first(fx)
     assert model_entries(choice, [], "metax")[0].backend_order[0] == "FLASHMLA"
     metax = dataclasses.replace(choice, device_name="MetaX C500")   # no profile named: the device's
     assert model_entries(metax, [])[0].backend_order[0] == "FLASHMLA"
+
+
+SHIPPED_CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("device_name=*.json"))
+
+
+@pytest.mark.parametrize("shipped", SHIPPED_CONFIGS, ids=lambda p: p.stem)
+def test_re_emitting_each_shipped_config_from_results_db_changes_nothing(shipped, tmp_path):
+    """`mla-tune emit --db results.db --all-devices`, as the README says, rewrites every shipped
+    config as it is (all of it: choices, reasons, provenance, the profile), but for the time it
+    was written."""
+    import shutil
+    from cli_support import run_main
+    shutil.copy(shipped.parent.parent / "results.db", tmp_path / "results.db")
+    res = run_main(["emit", "--db", "results.db", "--all-devices", "--configs-dir", "out"],
+                   cwd=tmp_path)
+    assert res.code == 0, res.output
+    old, new = json.loads(shipped.read_text()), json.loads((tmp_path / "out" / shipped.name).read_text())
+    for cfg in (old, new):
+        cfg["provenance"].pop("date")
+    assert new == old
+    assert new["provenance"]["profile"]

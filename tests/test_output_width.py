@@ -78,3 +78,61 @@ def test_sweep_summary_at_80_columns(fx):
               for v in b.families.values() if v.chosen}
     for label in labels:        # each whole on one line, not folded into a narrow column
         assert label in out, label
+
+
+def test_a_list_folds_between_its_pairs_and_no_line_ends_in_a_space():
+    wide = Table("a title long enough to be folded at eighty columns, " * 2,
+                 [Column(f"column {i}", justify="left") for i in range(8)],
+                 caption="a caption long enough to be folded at eighty columns, " * 2)
+    wide.add(*[f"value-{i}-" + "x" * 12 for i in range(8)])
+    out = _printed(to_rich([wide]))
+    _fits(out)
+    assert not [ln for ln in out.splitlines() if ln.endswith(" ")]
+    lines = out.splitlines()
+    for i in range(8):          # every `name value` pair whole on one line
+        assert any(f"column {i} value-{i}-" + "x" * 12 in ln for ln in lines), (i, out)
+    assert sum(ln.startswith("- ") for ln in lines) == 1          # one item, folded lines indented
+    assert all(ln.startswith("  ") for ln in lines[lines.index(next(
+        ln for ln in lines if ln.startswith("- "))) + 1:] if ln and "caption" not in ln
+               and "- " not in ln[:2] and "title" not in ln and "eighty" not in ln)
+
+
+def test_an_empty_section_is_one_line_not_a_box():
+    out = _printed(to_rich([Table("nothing here", [Column("batch"), Column("name")])]))
+    assert out.splitlines() == ["nothing here", "(none)", ""]
+
+
+@pytest.mark.parametrize("args", [[], ["--full"]])
+def test_report_at_80_columns_has_no_trailing_spaces(fx, args):
+    res = runner.invoke(app, ["report", "--db", str(fx.path), *args], env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    assert not [ln for ln in res.stdout.splitlines() if ln != ln.rstrip()]
+
+
+def test_the_shipped_summary_is_short_and_one_style_at_80_columns():
+    """The shipped results.db (two GPUs, 4 model entries each, prefill): every fastest-per-bucket
+    grid a table (not a table on one GPU and a list on the other), the whole summary a page
+    per GPU, not 200 lines."""
+    from pathlib import Path
+    db = Path(__file__).resolve().parent.parent / "results.db"
+    res = runner.invoke(app, ["report", "--db", str(db)], env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    out = res.stdout
+    _fits(out)
+    flat = " ".join(out.split())
+    assert flat.count("fastest per bucket") == 4 and out.count("┃    batch ┃   L1024") == 4
+    assert "- batch" not in out and "e+0" not in out
+    assert len(out.splitlines()) <= 160, len(out.splitlines())
+
+
+def test_report_into_a_closed_pipe_exits_0_quietly(fx):
+    """`mla-tune report | head -1`: the reader leaves early; the command says nothing and exits
+    0 (rich's own answer was exit 1; click's too)."""
+    import subprocess
+    import sys
+    p = subprocess.Popen([sys.executable, "-m", "mla_tune", "report", "--db", str(fx.path),
+                          "--full"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env={**__import__("os").environ, "COLUMNS": "80"})
+    p.stdout.close()              # the reader is gone before the first line
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) == 0 and err == "", err

@@ -185,7 +185,7 @@ def test_cli_markdown(fx):
     md = res.stdout
     assert md.startswith("# mla-tune report")
     assert "## NVIDIA H200 · deepseek-v3 tp8 H16 (R512 P64 bfloat16): candidates per workload" in md
-    assert "| B1 L1024 | flashinfer/fa3/p64 | 7.43 |" in md
+    assert "| B1 L1024 | flashinfer/fa3/p64 | 7.4 |" in md
     assert "## cpu [CPU torch reference" in md
 
 
@@ -243,3 +243,12 @@ def test_cpu_reference_timings_are_no_verdict(fx, full):
     assert ("global choice: none" in text) if full else ("CPU reference time per bucket" in text)
     gpu = render_report(_report(fx, device=H200), "markdown")
     assert CPU_CAVEAT not in gpu and ": verdict" in gpu
+
+
+def test_one_time_format_everywhere():
+    """Microseconds read the same in every view and reason: no `1.979e+04` beside `8727`, no
+    `6,020` in the sweep against `6020.0` in the report."""
+    from mla_tune.problem.units import us, us_text
+    assert [us(v) for v in (8.44, 591.6, 999.96, 6020.0, 19786.4, None, float("nan"))] == \
+        ["8.4", "591.6", "1000", "6020", "19786", "-", "-"]
+    assert us_text(19786.4) == "19786 us"

@@ -57,6 +57,13 @@ class Commands(TyperGroup):
             if os.environ.get("MLA_TUNE_DEBUG"):
                 raise
             fail(str(e), exit_code_of(e))
+        except BrokenPipeError:
+            # the reader closed the pipe (`report | head`): it has what it asked for, so no message
+            # and exit 0, as `head` gives (click would exit 1 here, and `-f csv | head -1`, all
+            # in one write, exits 0)
+            from mla_tune import faults
+            faults.silence_stdout()
+            raise typer.Exit(0) from None
 
 
 app = typer.Typer(
@@ -84,7 +91,15 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
                                        help="Print the version and exit.")):
     """Tune MLA decode attention (FlashInfer, Triton MLA, split-KV) on this GPU; emit the config
     the vllm_metax plugin loads. Start with `mla-tune sweep`, then `mla-tune report`."""
-console = Console()
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        # rich's own answer is SystemExit(1); a closed pipe is the reader's choice (`| head`), not
+        # a failure: raise it where Commands.invoke and main() turn it into a quiet exit 0
+        self.quiet = True
+        raise BrokenPipeError(errno.EPIPE, "the reader closed the pipe")
+
+
+console = _Console()
 err_console = Console(stderr=True)
 
 # The target profiles (vllm_metax.core.profile) as a Typer choice: --profile on every command
@@ -171,7 +186,7 @@ def _exit(code: int):
     except OSError as e:
         faults.silence_stdout()
         if e.errno == errno.EPIPE:       # `mla-tune report | head`: the reader has all it wanted
-            sys.exit(EXIT_FAILURE)
+            sys.exit(code)
         err_console.print(f"[bold red]error:[/] cannot write the output: {escape(faults.describe(e))}",
                           highlight=False, soft_wrap=True)
         sys.exit(EXIT_FAILURE)
@@ -197,6 +212,11 @@ def main() -> None:
         import click
         if isinstance(e, (click.exceptions.Abort, typer.Abort)):
             sys.exit(1)
+        # a bare `mla-tune` asks what the tool does: the help on stdout, exit 0 (click >= 8.2
+        # makes it a usage error, exit 2); by name, as typer itself tells it from its vendored click
+        if type(e).__name__ == "NoArgsIsHelpError":
+            typer.echo(e.ctx.get_help())
+            _exit(0)
         # typer >= 0.20 vendors click (typer._click): its usage errors are TyperExceptions
         if isinstance(e, (click.ClickException, typer.TyperException)):
             if e.format_message():     # empty when no arguments made typer print the help
@@ -209,9 +229,9 @@ def main() -> None:
             err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             sys.exit(exit_code_of(e))
         if faults.is_fault(e):                # a full disk, a read-only folder, a closed output
-            if isinstance(e, OSError) and e.errno == errno.EPIPE:
+            if isinstance(e, OSError) and e.errno == errno.EPIPE:     # as Commands.invoke
                 faults.silence_stdout()
-                sys.exit(EXIT_FAILURE)
+                sys.exit(0)
             if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EBADF) and e.filename is None:
                 faults.silence_stdout()       # most likely the output itself
             err_console.print(f"[bold red]error:[/] {escape(faults.describe(e))}", highlight=False,

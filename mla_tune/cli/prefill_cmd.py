@@ -74,6 +74,7 @@ def prefill_sweep(
 ):
     from mla_tune.measure.trial import MeasureSettings
     from mla_tune.problem.defaults import KERNEL_METRIC
+    from mla_tune.problem.units import us_text
     from mla_tune.store.sqlite_file import is_results_db
     from mla_tune.tune.prefill import PrefillSweepConfig, plan_prefill_buckets, run_prefill_sweep
     from mla_tune.validate import output_file
@@ -102,7 +103,7 @@ def prefill_sweep(
     def progress(w, results):
         for r in results:
             xs = sorted((r.samples or {}).get(KERNEL_METRIC) or [])
-            what = f"{xs[len(xs) // 2]:.1f} us" if xs else f"{r.invalid_reason}: {(r.message or '')[:80]}"
+            what = us_text(xs[len(xs) // 2]) if xs else f"{r.invalid_reason}: {(r.message or '')[:80]}"
             console.print(f"{escape(w.label())}  {escape(r.candidate.key)}  {escape(what)}",
                           highlight=False)
 

@@ -19,6 +19,7 @@ from mla_tune.cli.app import (EXIT_FAILURE, ProfileName, app, console, err_conso
 from mla_tune.measure.worker import Isolation
 from mla_tune.problem.defaults import SWEEP_PAGE_SIZES
 from mla_tune.store.traffic import DEFAULT_SHARE
+from mla_tune.problem.units import us_text
 from mla_tune.tune.verdict import MIN_RATIO
 from mla_tune.tune.search import SearchMode as Mode
 from mla_tune.tune.sweep_config import CPU_FAMILIES, GPU_FAMILIES
@@ -28,12 +29,6 @@ from vllm_metax.core.profile import METAX, PROFILES
 EPILOG = ("Exit codes: 0 done; 1 nothing could be measured (no kernel family runs here, or no "
           "valid trial); 2 bad input (flags, files, DB); 130 interrupted (finished trials are "
           "stored: rerun the same command to resume).")
-
-
-def _us(v) -> str:
-    if v is None:
-        return "-"
-    return f"{v:,.1f}" if v < 1000 else f"{v:,.0f}"
 
 
 class RichObserver:
@@ -100,7 +95,7 @@ class RichObserver:
         if self.lines is not None:
             self.lines.update(advance=1)
         if best is not None:
-            self.progress.update(self.task, best=escape(f"best {best.candidate.key} {_us(best.value)} us"))
+            self.progress.update(self.task, best=escape(f"best {best.candidate.key} {us_text(best.value)}"))
 
     def on_bucket_done(self, bo) -> None:
         so = bo.search
@@ -111,7 +106,7 @@ class RichObserver:
         b = so.best
         extra = "" if so.stopped == "complete" else f" [yellow]({so.stopped})[/]"
         inval = f", {bo.invalid} invalid" if bo.invalid else ""
-        best = f"best {escape(b.candidate.key)} {_us(b.value)} us" if b else "[red]no valid candidate[/]"
+        best = f"best {escape(b.candidate.key)} {us_text(b.value)}" if b else "[red]no valid candidate[/]"
         self.progress.console.print(
             f"[green]done[/] {escape(bo.bucket.label)}: {so.mode} {len(so.evaluations)}/{so.space_size}"
             f" ({so.measured} measured{inval}) {best}{extra}", highlight=False)

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 from mla_tune.problem.defaults import DEFAULT_PAGE_SIZE, KERNEL_METRIC
+from mla_tune.problem.units import us_text
 from mla_tune.problem.workload import WorkloadMix
 from mla_tune.store.records import TrialRecord, as_records
 from mla_tune.tune.verdict import MIN_RATIO, P_THRESHOLD, Measured, decide, min_p_value
@@ -305,7 +306,7 @@ def _choose_model(device_name, g, rows, mix, p_threshold, min_ratio, default_pag
     rest = sorted((f for f in families if f not in ranked),
                   key=lambda f: min((_rank(t) for t in totals if t.family == f), default=(0, math.inf)))
     family_order = tuple(ranked + rest)
-    order_reason = "; ".join(f"{t.family} {t.total_us:.4g} us ({t.covered}/{t.of})"
+    order_reason = "; ".join(f"{t.family} {us_text(t.total_us)} ({t.covered}/{t.of})"
                              for t in at_page) or "no family measured"
     if page is not None:
         order_reason = f"weighted total at page {page}: {order_reason}"
@@ -381,7 +382,7 @@ def _global_page(totals: list, default_page_size: int, min_ratio: float) -> tupl
     best = min(totals, key=_rank)
     page = best.page_size
     page_reason = (f"page {page}: smallest weighted total ({best.family}, "
-                   f"{best.total_us:.4g} us over {best.covered}/{best.of} buckets)")
+                   f"{us_text(best.total_us)} over {best.covered}/{best.of} buckets)")
     at_default = next((t for t in totals if t.family == best.family
                        and t.page_size == default_page_size), None)
     if page == default_page_size:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from mla_tune.tune import choose as choosing
 from mla_tune.problem.workload import WorkloadMix
+from mla_tune.problem.units import us_text
 from mla_tune.store.records import TrialRecord
 from mla_tune.store.selection import CPU_RUN_KIND, TrialFilter, device_key, run_profile, select_trials
 from vllm_metax.core import choices, decisions, tuned_config as tc
@@ -133,8 +134,8 @@ def served_order(m: choosing.ModelChoice, buckets: list) -> tuple[list, str | No
     rest = [b for b in order if b != fi]
     rest.insert(rest.index(ahead[0]), fi)
     return rest, (f"FLASHINFER_MLA ahead of {' and '.join(ahead)}: what its decode serves per bucket "
-                  f"(split-KV, FlashMLA, vLLM FA3 or FlashInfer) totals {served:.4g} us, "
-                  f"{ahead[0]} alone {totals[ahead[0]].total_us:.4g} us")
+                  f"(split-KV, FlashMLA, vLLM FA3 or FlashInfer) totals {us_text(served)}, "
+                  f"{ahead[0]} alone {us_text(totals[ahead[0]].total_us)}")
 
 
 def model_entries(choice: choosing.Choice, notes: list[str],

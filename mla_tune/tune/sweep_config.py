@@ -7,14 +7,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from mla_tune.measure.trial import MeasureSettings
 from mla_tune.problem.defaults import SWEEP_PAGE_SIZES
 from mla_tune.problem.workload import WorkloadMix
 from mla_tune.tune.search import GRID_MAX, PATIENCE, SearchPolicy
 from mla_tune.tune.verdict import MIN_RATIO, P_THRESHOLD
 from vllm_metax.core.profile import NVIDIA, PROFILES, Profile, active_profile, get_profile
+
+if TYPE_CHECKING:       # measure.trial imports torch: `mla-tune --help` must not wait for it
+    from mla_tune.measure.trial import MeasureSettings
 
 # A GPU sweep's default families are its profile's (`vllm_metax.core.profile.Profile.sweep_families`):
 # on NVIDIA flashinfer, triton, split and fa3_mla (vLLM's FA3 MLA kernel, Hopper only: refused with

@@ -3,6 +3,7 @@ of `mla_tune.views.render`."""
 
 from __future__ import annotations
 
+from mla_tune.problem.units import us
 from mla_tune.views.render import Column, OutputFormat, Table, render, to_csv
 
 BENCH_CPU_NOTE = ("CPU torch reference: the correctness oracle's timings on this CPU, not a "
@@ -21,8 +22,8 @@ def _status(r: dict) -> str:
 
 
 BENCH_COLUMNS = [Column("workload", justify="left"), Column("candidate", justify="left"),
-                 Column("median us", ".1f"), Column("spread", _pct), Column("% floor", ".0f"),
-                 Column("GB/s", ".0f"), Column("TFLOP/s", ".0f"), Column("plan us", ".0f"),
+                 Column("median us", us), Column("spread", _pct), Column("% floor", ".0f"),
+                 Column("GB/s", ".0f"), Column("TFLOP/s", ".0f"), Column("plan us", us),
                  Column("compile s", ".2f"), Column("rel err", ".1e"),
                  Column("status", justify="left", wrap=True)]
 

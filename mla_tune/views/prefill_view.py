@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from mla_tune.store.records import TrialRecord
 from mla_tune.store.selection import TrialFilter
+from mla_tune.problem.units import us
 from mla_tune.views.render import Column, Table
 
 
@@ -100,16 +101,18 @@ def prefill_tables(lines: list[PrefillLine], full: bool = True) -> list[Table]:
     tables = []
     for (device, model, heads), group in groups.items():
         backends = sorted({b for ln in group for b in (*ln.times_us, *ln.invalid)})
-        cols = [Column("plan", justify="left"), Column("q tokens"), Column("requests"),
-                Column("KV/request")] + [Column(f"{b} us", ".1f") for b in backends] + [
+        # short names: three backends (fa2, fa3, vllm_fa3) fit 80 columns as a table
+        cols = [Column("plan", justify="left"), Column("tokens"), Column("req"),
+                Column("KV/req")] + [Column(b, us) for b in backends] + [
                 Column("served", justify="left"), Column("gain", ".2f")]
         shown = group if full else [ln for ln in group if ln.significant]
         kept = sum(not ln.significant for ln in group)
         defaults = sorted({ln.default for ln in group if ln.default})
-        t = Table(f"MLA prefill backend: {device}, {model} H{heads}", cols,
+        t = Table(f"MLA prefill backend: {device}, {model} H{heads}: time per backend, us", cols,
                   caption=f"{len(group)} prefill buckets; {kept} keep the device default "
                           f"({', '.join(defaults) or '-'}){'' if full else ' (--full lists them)'}; "
-                          "a value replaces it at p < 0.002 and >= 1.05x (`mla-tune emit`)")
+                          "a backend replaces it at p < 0.002 and >= 1.05x; tokens: the step's "
+                          "query tokens over req requests of KV/req tokens each")
         for ln in shown:
             t.add(ln.kind, ln.query_tokens, ln.requests, ln.kv_len,
                   *[ln.times_us.get(b) for b in backends], ln.chosen,

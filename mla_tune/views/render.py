@@ -124,18 +124,21 @@ class FitTable:
         return self.natural_width() <= width
 
     def __rich_console__(self, console, options):
-        from rich.text import Text
-        # title and caption as lines of their own: the console's width, not the table's
-        yield Text(self.table.title, style="bold")
+        # title and caption as lines of their own: the console's width, not the table's; wrapped
+        # here at words (rich's own wrap leaves a space at the end of each folded line)
+        width = options.max_width
+        yield from _wrapped(self.table.title, width, style="bold")
         if not self.table.columns:
             pass            # a title and its caption: a note, no rows
-        elif self.fits(options.max_width):
+        elif not self.table.rows:
+            yield _line("(none)")         # one line, not a box around one empty row
+        elif self.fits(width):
             yield self._table()
         else:
-            yield from self._list()
+            yield from self._list(width)
         if self.table.caption:
-            yield Text(self.table.caption, style="dim")
-        yield Text("")
+            yield from _wrapped(self.table.caption, width, style="dim")
+        yield _line("")
 
     def _table(self):
         from rich.markup import escape
@@ -148,19 +151,51 @@ class FitTable:
                           overflow="fold" if c.wrap else "ellipsis")
         for r in self.cells:
             rt.add_row(*(Text(v) for v in r))
-        if not t.rows:
-            rt.add_row(*(["(none)"] + [""] * (len(t.columns) - 1)))
         return rt
 
-    def _list(self):
-        """The list form: one `- name value, ...` line per row (empty cells left out)."""
-        from rich.text import Text
+    def _list(self, width: int):
+        """The list form: one `- name value, ...` item per row (empty cells left out), folded
+        only between its `name value` pairs, the folded lines indented under the first."""
         t = self.table
-        if not t.rows:
-            yield Text("(none)")
         for r in self.cells:
             pairs = [f"{c.name} {v}" for c, v in zip(t.columns, r) if v not in ("", "-")]
-            yield Text("- " + ", ".join(pairs))
+            for ln in _pack(pairs, width):
+                yield _line(ln)
+
+
+def _line(text: str, style: str = ""):
+    """One line as rich prints it: never folded again, nothing added at its end."""
+    from rich.text import Text
+    return Text(text, style=style, no_wrap=True, overflow="ignore", end="\n")
+
+
+def _wrapped(text: str, width: int, style: str = ""):
+    """Prose folded at words to `width`, no line ending in a space."""
+    import textwrap
+    for ln in textwrap.wrap(text, max(width, 20), break_long_words=False,
+                            break_on_hyphens=False) or [""]:
+        yield _line(ln, style)
+
+
+def _pack(pairs: list[str], width: int, indent: str = "  ") -> list[str]:
+    """`- a, b, c` folded between items to `width`; an item longer than a line of its own is
+    folded at its words."""
+    import textwrap
+    lines, cur = [], "-"
+    for i, p in enumerate(pairs):
+        item = p + ("," if i < len(pairs) - 1 else "")
+        if cur == "-" or len(cur) + 1 + len(item) <= width:
+            cur = f"{cur} {item}"
+        else:
+            lines.append(cur)
+            cur = indent + item
+        if len(cur) > width:         # one long item (a reason): folded at its words
+            parts = textwrap.wrap(cur, width, subsequent_indent=indent, break_long_words=False,
+                                  break_on_hyphens=False)
+            lines += parts[:-1]
+            cur = parts[-1]
+    lines.append(cur)
+    return lines
 
 
 def times(v) -> str:

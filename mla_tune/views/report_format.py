@@ -4,6 +4,9 @@ summary, every candidate line as CSV, and `render_report(report, fmt)` choosing 
 
 from __future__ import annotations
 
+import dataclasses
+
+from mla_tune.problem.units import us
 from mla_tune.views import prefill_view
 from mla_tune.views.render import Column, OutputFormat, Table, render, times, to_csv
 from mla_tune.views.report import CPU_CAVEAT, CPU_LABEL, DeviceReport, Report
@@ -35,13 +38,13 @@ RUN_COLUMNS = [Column("run", justify="right"), Column("kind", justify="left"),
                Column("SMs"), Column("copy GB/s", ".0f"), Column("matmul TFLOP/s", ".0f")]
 
 CANDIDATE_COLUMNS = [Column("workload", justify="left"), Column("candidate", justify="left"),
-                     Column("median us", ".2f"), Column("spread", _pct), Column("n"),
+                     Column("median us", us), Column("spread", _pct), Column("n"),
                      Column("% roofline", ".1f"), Column("vs default", times),
                      Column("choice", justify="left"), Column("status", lambda s: _short(s), "left", wrap=True)]
 
 BUCKET_COLUMNS = [Column("batch"), Column("context"), Column("q"), Column("family", justify="left"),
-                  Column("chosen", justify="left"), Column("median us", ".2f"),
-                  Column("default us", ".2f"), Column("gain", times), Column("% roofline", ".1f"),
+                  Column("chosen", justify="left"), Column("median us", us),
+                  Column("default us", us), Column("gain", times), Column("% roofline", ".1f"),
                   Column("best", justify="left"), Column("why", justify="left", wrap=True)]
 
 GLOBAL_COLUMNS = [Column("model entry", justify="left"), Column("page size"),
@@ -105,41 +108,76 @@ def _best_cell(b) -> str | None:
     if v is None or v.chosen is None or v.time_us is None:
         return None
     star = "*" if v.significant else ""
-    return f"{_FAMILY_ABBR.get(b.best_family, b.best_family)} {v.time_us:.1f}{star}"
+    return f"{_FAMILY_ABBR.get(b.best_family, b.best_family)} {us(v.time_us)}{star}"
+
+
+def _grid_key(m) -> tuple:
+    """Model entries that share one grid: all but their request lengths (uniform, zipf ...)."""
+    return (m.model, m.tp_size, m.num_heads, m.kv_lora_rank, m.qk_rope_head_dim, m.q_dtype,
+            m.kv_dtype, m.page_size)
+
+
+def _totals_text(m) -> str:
+    """The weighted total of each family at the entry's page, fastest first: `f3 8419, fi 8727`
+    (`(3/4)` where a family has no valid candidate in some buckets)."""
+    at = sorted((t for t in m.totals if t.page_size == m.page_size),
+                key=lambda t: (-t.covered, t.total_us))
+    return ", ".join(f"{_FAMILY_ABBR.get(t.family, t.family)} {us(t.total_us)}"
+                     + ("" if t.complete else f" ({t.covered}/{t.of})") for t in at) or "-"
 
 
 def summary_tables(report: Report) -> list[Table]:
     """The one-screen view: per model entry the fastest family and its time in every bucket
-    (batch x context), then the global choice with its reason. `report_tables` has everything."""
+    (batch x context; the entry's non-uniform request lengths as rows of the same grid), then
+    the verdict per entry (page size, backend order, the weighted totals that ranked it) and
+    the prefill buckets where a backend beat the default. `report_tables` has everything."""
     tables = []
     for d in report.devices:
         title = _device_title(d)
+        grids: dict = {}
         for m in d.choice.models:
-            contexts = sorted({b.context_len for b in m.buckets})
-            rows = sorted({(b.q_len, b.batch_size) for b in m.buckets})
-            cells = {(b.q_len, b.batch_size, b.context_len): _best_cell(b) for b in m.buckets}
-            show_q = any(q != 1 for q, _ in rows)
+            grids.setdefault(_grid_key(m), []).append(m)
+        for entries in grids.values():
+            m0 = next((m for m in entries if m.ragged == "uniform"), entries[0])
+            buckets = [(m.ragged, b) for m in entries for b in m.buckets]
+            contexts = sorted({b.context_len for _, b in buckets})
+            rows = sorted({(r != "uniform", r, b.q_len, b.batch_size) for r, b in buckets})
+            cells = {(r, b.q_len, b.batch_size, b.context_len): _best_cell(b) for r, b in buckets}
+            show_q = any(q != 1 for _, _, q, _ in rows)
             cols = [Column("batch")] + ([Column("q")] if show_q else []) + [
                 Column(f"L{c}", justify="right") for c in contexts]
-            page = f"page {m.page_size}" if m.page_size is not None else "no page chosen"
+            page = f"page {m0.page_size}" if m0.page_size is not None else "no page chosen"
+            name = entry_title(dataclasses.replace(m0, ragged="uniform"))
             if d.is_reference:
                 cells = {k: v and v.rstrip("*") for k, v in cells.items()}
-                t = Table(f"{title} · {entry_title(m)}: CPU reference time per bucket, us", cols,
+                t = Table(f"{title} · {name}: CPU reference time per bucket, us", cols,
                           caption=CPU_CAVEAT)
             else:
-                t = Table(f"{title} · {entry_title(m)}: fastest per bucket, us ({page})", cols,
-                          caption=_legend({b.best_family for b in m.buckets}) + "; * = the "
-                                  "tuned choice beat its family default significantly")
-            for q, bsz in rows:
-                t.add(bsz, *([q] if show_q else []), *[cells.get((q, bsz, c)) for c in contexts])
+                t = Table(f"{title} · {name}: fastest per bucket, us ({page})", cols,
+                          caption=_legend({b.best_family for _, b in buckets}) + "; * = beat "
+                                  "its family default significantly"
+                                  + ("; a `zipf` row: lengths drawn around the column's mean"
+                                     if any(r != "uniform" for r, _ in buckets) else ""))
+            for _, r, q, bsz in rows:
+                t.add(bsz if r == "uniform" else f"{bsz} {r}", *([q] if show_q else []),
+                      *[cells.get((r, q, bsz, c)) for c in contexts])
             tables.append(t)
         if d.is_reference:
             continue        # CPU_CAVEAT: no verdict from the CPU reference
-        t = Table(f"{title}: verdict", GLOBAL_COLUMNS,
+        t = Table(f"{title}: verdict (weighted totals in us)",
+                  [Column("model entry", justify="left"), Column("page"),
+                   Column("backend order", justify="left"),
+                   Column("totals", justify="left", wrap=True)],
                   caption=f"{len(d.workloads)} workloads, {sum(len(w.lines) for w in d.workloads)} "
-                          "candidate lines: `mla-tune report --full` lists them"
+                          "candidate lines; `mla-tune report --full` lists them and says why"
                           + ("; " + "; ".join(d.choice.notes) if d.choice.notes else ""))
-        _add_global_rows(t, d)
+        models = {m.model for m in d.choice.models}
+        for m in d.choice.models:
+            name = f"{m.model} " if len(models) > 1 else ""
+            tp = f"tp{m.tp_size} " if m.tp_size else ""
+            lengths = "" if m.ragged == "uniform" else f" {m.ragged}"
+            t.add(f"{name}{tp}H{m.num_heads}{lengths}", m.page_size,
+                  " > ".join(m.backend_order) or " > ".join(m.family_order), _totals_text(m))
         tables.append(t)
     tables += prefill_view.prefill_tables(report.prefill, full=False)
     return tables

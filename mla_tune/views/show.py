@@ -7,6 +7,7 @@ import dataclasses
 from pathlib import Path
 
 from mla_tune.store.selection import device_key
+from mla_tune.problem.units import us, us_text
 from mla_tune.views.render import Column, OutputFormat, Table, render, times, to_csv
 
 
@@ -62,7 +63,7 @@ def _params_text(p: dict, family: str = "") -> str:
 
 CONFIG_BUCKET_COLUMNS = [Column("batch"), Column("context"), Column("q"),
                          Column("family", justify="left"), Column("params", justify="left"),
-                         Column("time us", ".2f"), Column("default us", ".2f"),
+                         Column("time us", us), Column("default us", us),
                          Column("gain", times), Column("significant"), Column("best", justify="left")]
 
 
@@ -97,7 +98,7 @@ def config_tables(cfg) -> list[Table]:
             pt = Table(f"{title} · {_dims_title(e)}: MLA prefill backend per plan",
                        [Column("plan", justify="left"), Column("query tokens"),
                         Column("kv per request"), Column("backend", justify="left"),
-                        Column("time us", ".2f"), Column("default us", ".2f"),
+                        Column("time us", us), Column("default us", us),
                         Column("gain", times), Column("significant")])
             for p in e.prefill:
                 gain = p.default_time_us / p.time_us if p.time_us and p.default_time_us else None
@@ -214,7 +215,7 @@ def lookup_tables(cfg, request: tuple) -> list[Table]:
         b = a.bucket
         match = "exact" if a.exact else "nearest" if a.in_range else "outside tuned range"
         choices = "" if b is None else "; ".join(
-            f"{f}: {_params_text(c.params, f)}" + (f" {c.time_us:.1f} us" if c.time_us else "")
+            f"{f}: {_params_text(c.params, f)}" + (f" {us_text(c.time_us)}" if c.time_us else "")
             for f, c in sorted(b.families.items(), key=lambda x: (x[0] != b.best_family, x[0])))
         t.add(_dims_title(a.entry), a.served.text(), a.entry.page_size,
               None if b is None else f"B{b.batch_size} L{b.context_len} q{b.q_len}",

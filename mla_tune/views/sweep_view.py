@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from mla_tune.problem.units import us_text
 from mla_tune.views.render import Column, Table
 from mla_tune.views.report import CPU_CAVEAT
 from vllm_metax.core.choices import SPECS
@@ -18,10 +19,6 @@ def candidate_label(m) -> str:
         return m.backend
     one = m.family in SPECS and SPECS[m.family].backends == (m.backend,)    # not worth showing
     return knobs if m.backend == m.family or one else f"{m.backend} {knobs}"
-
-
-def _us(v) -> str:
-    return "-" if v is None else f"{v:,.1f}" if v < 1000 else f"{v:,.0f}"
 
 
 def verdict_text(v, reference: bool = False) -> str:
@@ -48,7 +45,7 @@ def _cell(v, reference: bool) -> str | None:
     if v is None or v.chosen is None:
         return None if v is None else "none valid"
     verdict = verdict_text(v, reference)
-    return f"{candidate_label(v.chosen)} {_us(v.time_us)} us" + (f" {verdict}" if verdict else "")
+    return f"{candidate_label(v.chosen)} {us_text(v.time_us)}" + (f" {verdict}" if verdict else "")
 
 
 def summary_tables(choice) -> list[Table]:

@@ -1,0 +1,20 @@
+"""How a kernel time reads for people, in one place: every view, progress line and reason string
+(the sweep's, the report's, `show`'s, the `why` a tuned config carries) formats microseconds here,
+so one time reads the same wherever it is printed (never `1.979e+04` beside `8727`)."""
+
+from __future__ import annotations
+
+import math
+
+
+def us(value) -> str:
+    """Microseconds without the unit: one decimal below 1000 (`16.6`), whole above (`19790`); '-'
+    for none. No thousands separator: the same digits a CSV or `-f json` carries."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return f"{value:.1f}" if abs(value) < 999.95 else f"{value:.0f}"
+
+
+def us_text(value) -> str:
+    """Microseconds with the unit: `8727 us`."""
+    return f"{us(value)} us"
