@@ -36,8 +36,9 @@ class IntRange:
 
     @property
     def typer(self) -> dict:
-        """The same range as typer.Option keyword arguments."""
-        return {"min": self.lo, "max": self.hi}
+        """The same range as typer.Option keyword arguments. A bound no one types (an SQLite id's
+        2**63 - 1) is left to check() so --help does not print it: `[x>=1]`."""
+        return {"min": self.lo, "max": self.hi if self.hi < 2 ** 53 else None}
 
     def check(self, name: str, v) -> int:
         if isinstance(v, bool) or not isinstance(v, int):

@@ -171,3 +171,61 @@ def test_importing_the_cli_imports_no_kernel_or_plotting_library():
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_the_flag_names_section_names_only_aliases_a_command_parses():
+    from mla_tune.cli.docs import old_spellings
+    found = old_spellings()
+    assert set(found) == set(OLD_SPELLINGS)          # every kept spelling still parses somewhere
+    assert found["--batch"] == ["bench"] and found["--out"] == ["emit"]
+    res = run_main(["sweep", "--batch", "4", "--dry-run"])
+    assert res.code == 2 and "No such option" in res.stderr
+
+
+def test_help_describes_every_option_with_a_capital_and_no_giant_range():
+    for name, command in get_command(app).commands.items():
+        for p in command.params:
+            if p.param_type_name != "option" or p.hidden:
+                continue
+            assert p.help, (name, p.opts)
+            assert p.help[0].isupper() or p.help[0] in "`$-", (name, p.opts, p.help[:30])
+    for command in COMMANDS:
+        out = _help(command).stdout
+        assert "9223372036854775807" not in out and "{" not in out.splitlines()[0], command
+
+
+def test_usage_lines_name_arguments_as_clis_do():
+    assert _help("show").stdout.startswith("Usage: mla-tune show [OPTIONS] FILE\n")
+    assert _help("bench").stdout.startswith("Usage: mla-tune bench [OPTIONS] CANDIDATE...\n")
+    assert _help("merge").stdout.startswith("Usage: mla-tune merge [OPTIONS] SOURCES...\n")
+
+
+@pytest.mark.parametrize("batches", ["1-100", "3-64", "2-48"])
+def test_a_range_that_is_not_powers_of_two_is_refused_not_cut(tmp_path, batches):
+    res = run_main(["sweep", "--dry-run", "--batches", batches], cwd=tmp_path)
+    assert res.code == 2 and res.stdout == "" and "not one" in res.stderr, res.output
+    assert len(res.stderr.strip().splitlines()) == 1
+    assert "1-64" in run_main(["sweep", "--dry-run", "--batches", "1-100"]).stderr
+
+
+def test_the_dry_run_says_one_count_when_every_bucket_has_the_same():
+    res = run_main(["sweep", "--dry-run", "--batches", "1", "--contexts", "256"])
+    assert res.code == 0, res.output
+    flat = " ".join(res.stdout.split())
+    import re
+    assert re.search(r", \d+ candidates each", flat) and not re.search(r"\d+-\d+ candidates", flat)
+
+
+def test_a_cpu_sweep_names_one_winner_in_its_progress_and_its_table(tmp_path):
+    """The CPU reference has no chosen page: its table names each bucket's fastest page, the
+    candidate its progress line called best."""
+    import re
+    from results_fixture import build_fixture_db
+    fx = build_fixture_db(tmp_path / "r.db")
+    res = run_main(["sweep", "--replay", fx.path, "--device-name", "cpu"])
+    assert res.code == 0, res.output
+    flat = " ".join(res.stdout.split())
+    best = re.findall(r"L(\d+): grid \S+ \(\d+ measured\) best reference/torch/p(\d+) ([\d.]+) us", flat)
+    assert best
+    for ctx, page, t in best:
+        assert re.search(rf"\b{ctx} │ torch p{page} {re.escape(t)} us", res.stdout), (ctx, page, t)

@@ -136,3 +136,15 @@ def test_report_into_a_closed_pipe_exits_0_quietly(fx):
     p.stdout.close()              # the reader is gone before the first line
     err = p.stderr.read().decode()
     assert p.wait(timeout=300) == 0 and err == "", err
+
+
+def test_a_prose_column_never_folds_a_word_in_two():
+    """doctor's detail column at 80 columns: a class path stays whole (a list where it cannot)."""
+    path = "vllm_metax.backend.flashinfer_mla.FlashInferMLABackendWithALongName"
+    t = Table("Checks", [Column("check", justify="left"), Column("status", justify="left"),
+                         Column("detail", justify="left", wrap=True)])
+    t.add("platform plugin", "ok", f"would activate: {path} (a reason long enough to wrap)")
+    t.add("device", "ok", "short")
+    out = _printed(to_rich([t]))
+    _fits(out)
+    assert path in out

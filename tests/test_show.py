@@ -209,3 +209,20 @@ def test_lookup_applies_tritons_context_window_as_the_server_does(cfg_path, cont
     assert served["params"].get("num_kv_splits") == splits
     if splits is None:
         assert "vLLM's num_kv_splits rule" in served["note"] and "more than 2x" in served["note"]
+
+
+def test_show_prints_no_python_dict(cfg_path):
+    res = runner.invoke(app, ["show", str(cfg_path)], env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    assert "{'" not in res.stdout and "['" not in res.stdout
+    assert "p_threshold 0.002" in " ".join(res.stdout.split())
+
+
+def test_lookup_takes_sizes_as_the_size_flags_write_them(cfg_path):
+    """`--lookup 32,6k` as `--contexts 4K`: one parser for sizes."""
+    got = [json.loads(_show(cfg_path, "--lookup", lk, "-f", "json").stdout)["request"]
+           for lk in ("32,6k", "32,6K", "32,6144")]
+    assert got == [[32, 6144, 1]] * 3
+    for bad in ("32,6x", "32,٦٤", "32,6k,1,1"):
+        res = _show(cfg_path, "--lookup", bad)
+        assert res.exit_code == 2 and "--lookup takes" in res.stderr, res.output

@@ -41,6 +41,21 @@ def _hide_old_spellings(command) -> None:
         param.get_help_record = help_record
 
 
+def _conventional_usage(command) -> None:
+    """Arguments on the usage line as click and most CLIs write them (`FILE`, `CANDIDATE...`,
+    `[SOURCES]...`), not typer 0.29's `{file}` and `{CANDIDATE...}...`."""
+    for param in getattr(command, "params", ()):
+        if param.param_type_name != "argument":
+            continue
+
+        def usage(_p=param) -> str:
+            name = _p.metavar or _p.name.upper()
+            if _p.nargs != 1 and not name.endswith("..."):
+                name += "..."
+            return name if _p.required else f"[{name}]"
+        param._usage_display_name = usage          # what typer's usage line asks each argument
+
+
 class Commands(TyperGroup):
     """The app's command group: where the library's known errors become one red line and an exit
     code, for every command (the commands themselves catch nothing)."""
@@ -49,6 +64,7 @@ class Commands(TyperGroup):
         super().__init__(*args, **kw)
         for command in self.commands.values():
             _hide_old_spellings(command)
+            _conventional_usage(command)
 
     def invoke(self, ctx):
         try:
@@ -111,7 +127,7 @@ def profile_option(what: str, default: str = ""):
     """The --profile option; `what` says what it does, `default` what it is when not given."""
     default = default or f"${PROFILE_ENV}, else the device's: metax on a MetaX GPU"
     return typer.Option(None, "--profile", case_sensitive=False,
-                        help=f"target profile, {' or '.join(PROFILE_NAMES)}: {what} (default: "
+                        help=f"Target profile, {' or '.join(PROFILE_NAMES)}: {what} (default: "
                              f"{default})")
 
 

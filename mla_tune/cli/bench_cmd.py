@@ -29,7 +29,7 @@ HELP = ("Measure the given candidates directly (no search) and print median, spr
 
 
 # the arguments, in --help order (module constants keep the command itself a few lines of glue)
-CANDIDATES = typer.Argument(..., metavar="CANDIDATE...", help="family/backend/p<page>[/knob=value], "
+CANDIDATES = typer.Argument(..., metavar="CANDIDATE...", help="Family/backend/p<page>[/knob=value], "
                             "e.g. flashinfer/fa3/p64")
 MODEL = typer.Option("deepseek-v3", help="Model preset (mla_tune/problem/models.json)")
 HEADS = typer.Option(None, help="Custom model with this many heads per rank (R=512, P=64) instead "
@@ -49,7 +49,7 @@ SAMPLES = typer.Option(None, help="Kernel samples per candidate (default: GPU 10
 ROUNDS = typer.Option(5, help="Interleaving rounds (samples are split over them)", **INT["rounds"].typer)
 WARMUP = typer.Option(5, help="Warm-up runs after compile", **INT["warmup"].typer)
 PLAN_SAMPLES = typer.Option(50, help="Host plan() samples per candidate", **INT["plan_samples"].typer)
-DEVICE = typer.Option(None, help="cuda or cpu (default: cuda when available)")
+DEVICE = typer.Option(None, help="Device to measure on: cuda or cpu (default: cuda when available)")
 CHECK = typer.Option(True, help="Correctness gate against the torch reference")
 CEILINGS = typer.Option(True, help="Measure copy/matmul ceilings for %-of-floor (CUDA only)")
 DB = PathOption(None, "--db", metavar="DB", help="Results DB to store trials in (default: "

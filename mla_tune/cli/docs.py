@@ -42,12 +42,29 @@ def command_names() -> list[str]:
     return list(get_command(app).commands)
 
 
+def old_spellings() -> dict[str, list[str]]:
+    """Each old spelling a command still parses -> the commands that parse it (read from the
+    commands themselves, so the section below cannot name an alias that does not exist)."""
+    from typer.main import get_command
+
+    from mla_tune.cli import app
+    from mla_tune.cli.app import OLD_SPELLINGS
+    out: dict[str, list[str]] = {}
+    for name, command in get_command(app).commands.items():
+        for param in command.params:
+            for opt in getattr(param, "opts", ()):
+                if opt in OLD_SPELLINGS:
+                    out.setdefault(opt, []).append(name)
+    return out
+
+
 def old_spellings_section() -> str:
     from mla_tune.cli.app import OLD_SPELLINGS
-    rows = "\n".join(f"| `{old}` | `{new}` |" for old, new in OLD_SPELLINGS.items())
+    rows = "\n".join(f"| `{old}` | `{OLD_SPELLINGS[old]}` | {', '.join(cmds)} |"
+                     for old, cmds in old_spellings().items())
     return ("## Flag names\n\nOne name per idea across commands. These older spellings still work "
-            "for one release, and are left out of `--help`:\n\n| old | now |\n|---|---|\n"
-            + rows + "\n")
+            "for one release, only in the commands named, and are left out of `--help`:\n\n"
+            "| old | now | accepted by |\n|---|---|---|\n" + rows + "\n")
 
 
 def cli_markdown() -> str:

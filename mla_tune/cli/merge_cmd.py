@@ -19,8 +19,8 @@ HELP = ("Copy the runs, workloads, trials and samples of other results DBs into 
 @app.command("merge", help=HELP, short_help="Copy other results DBs into one, idempotently.", epilog="Exit codes: 0 merged; 2 bad input (a file that is not "
              "a results DB, the target itself); nothing is written then.")
 def merge(
-    sources: List[Path] = typer.Argument(..., help="results DBs to copy from (never modified)"),
-    db: Path = typer.Option(Path("results.db"), "--db", help="the results DB to merge into "
+    sources: List[Path] = typer.Argument(..., help="Results DBs to copy from (never modified)"),
+    db: Path = typer.Option(Path("results.db"), "--db", help="The results DB to merge into "
                             "(created if missing)"),
 ):
     from mla_tune.store.merge import merge_into

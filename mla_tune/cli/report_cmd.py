@@ -53,7 +53,8 @@ def _weights(mix: Optional[Path], traffic: Optional[Path]):
 
 def _filter(device, model, run):
     from mla_tune.store.selection import TrialFilter
-    return TrialFilter(device, model, tuple(run or ()))
+    from mla_tune.validate import INT
+    return TrialFilter(device, model, tuple(INT["run"].check("--run", r) for r in run or ()))
 
 
 def _traffic_report(ctx, traffic: Path, config: Optional[Path], format, plot: Optional[Path]):
@@ -80,7 +81,7 @@ def report(
     db: Optional[Path] = PathOption(None, "--db", help=DB_HELP),
     format: OutputFormat = typer.Option(OutputFormat.table, "--format", "-f", help=FORMAT_HELP,
                                         case_sensitive=False),
-    full: bool = typer.Option(False, "--full", help="table/markdown: every candidate of every "
+    full: bool = typer.Option(False, "--full", help="Table and markdown: every candidate of every "
                               "workload, the runs and the per-bucket verdicts (default: the "
                               "one-screen summary; json and csv always carry everything)"),
     plot: Optional[Path] = PathOption(None, "--plot", help="Also write plots to this PNG (a new "
@@ -176,8 +177,9 @@ def show(
                                          "(default: this machine's accelerator, if it has one)"),
     format: OutputFormat = typer.Option(OutputFormat.table, "--format", "-f", help=FORMAT_HELP,
                                         case_sensitive=False),
-    lookup: Optional[str] = typer.Option(None, "--lookup", help="BATCH,CONTEXT[,Q_LEN]: which bucket "
-                                         "serves this request (snapped on a log2 scale)"),
+    lookup: Optional[str] = typer.Option(None, "--lookup", help="BATCH,CONTEXT[,Q_LEN], e.g. 32,6K: "
+                                         "which bucket serves this request (snapped on a log2 "
+                                         "scale)"),
 ):
     """Validate a tuned config as the plugin reads it, and print it."""
     from mla_tune.views.show import check_config_device, parse_lookup, render_config

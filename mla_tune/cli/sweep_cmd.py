@@ -20,6 +20,7 @@ from mla_tune.measure.worker import Isolation
 from mla_tune.problem.defaults import SWEEP_PAGE_SIZES
 from mla_tune.store.traffic import DEFAULT_SHARE
 from mla_tune.problem.units import us_text
+from mla_tune.problem.workload import DTYPES
 from mla_tune.tune.verdict import MIN_RATIO
 from mla_tune.tune.search import SearchMode as Mode
 from mla_tune.tune.sweep_config import CPU_FAMILIES, GPU_FAMILIES
@@ -198,27 +199,27 @@ REPLAY_ONLY = ("device_name",)
 
 
 # the options, in --help order (module constants keep the command itself a few lines of glue)
-DB = PathOption(None, "--db", help="results DB (SQLite) to store every trial in (default: "
+DB = PathOption(None, "--db", help="Results DB (SQLite) to store every trial in (default: "
                 "results.db; without CUDA results-cpu.db)")
-MODEL = typer.Option(None, "--model", "-m", help="model preset (heads, MLA dims; default deepseek-v3)")
-TP = typer.Option(None, "--tp", help="tensor-parallel size; repeat for several (default: GPU 1 and "
+MODEL = typer.Option(None, "--model", "-m", help="Model preset (heads, MLA dims; default deepseek-v3)")
+TP = typer.Option(None, "--tp", help="Tensor-parallel size; repeat for several (default: GPU 1 and "
                   "8, CPU 8)", **INT["tp"].typer)
-BATCHES = typer.Option(None, "--batches", help="batch sizes: '1-128' (powers of two) or '1,4,16' "
+BATCHES = typer.Option(None, "--batches", help="Batch sizes: '1-128' (powers of two) or '1,4,16' "
                        "(default: GPU 1-128, CPU 1,4)")
-CONTEXTS = typer.Option(None, "--contexts", help="context lengths: '1K-32K' (powers of two) or "
+CONTEXTS = typer.Option(None, "--contexts", help="Context lengths: '1K-32K' (powers of two) or "
                         "'1024,4096' (default: GPU 1K-32K, CPU 256,1024)")
-Q_LEN = typer.Option(None, "--q-len", help="query tokens per request; repeat (q_len > 1 = "
+Q_LEN = typer.Option(None, "--q-len", help="Query tokens per request; repeat (q_len > 1 = "
                      "speculative decode, causal; default 1)", **INT["q_len"].typer)
-LENGTHS = typer.Option(None, "--lengths", "--ragged", help="per-request context lengths in a "
+LENGTHS = typer.Option(None, "--lengths", "--ragged", help="Per-request context lengths in a "
                        "bucket: uniform, zipf, uniform-random, lognormal, or a CSV file of request "
                        "lengths (a column context_len, length, prompt_len, ...) resampled to each "
                        "bucket, its mean scaled to the bucket's context (default: uniform, plus "
                        "the GPU's zipf buckets)")
-Q_DTYPE = typer.Option("bfloat16", "--q-dtype")
-KV_DTYPE = typer.Option("bfloat16", "--kv-dtype")
+Q_DTYPE = typer.Option("bfloat16", "--q-dtype", help=f"Query dtype: {' or '.join(DTYPES)}")
+KV_DTYPE = typer.Option("bfloat16", "--kv-dtype", help=f"KV-cache dtype: {' or '.join(DTYPES)}")
 PAGE_SIZE = typer.Option(None, "--page-size", help="KV page sizes (powers of two, 1-256); repeat "
                          f"(default {', '.join(map(str, SWEEP_PAGE_SIZES))})")
-FAMILY = typer.Option(None, "--family", help=f"kernel families; repeat (default: GPU "
+FAMILY = typer.Option(None, "--family", help=f"Kernel families; repeat (default: GPU "
                       f"{', '.join(GPU_FAMILIES)}, --profile metax: "
                       f"{', '.join(PROFILES[METAX].sweep_families)}; CPU {', '.join(CPU_FAMILIES)}; "
                       "opt-in: flashmla)")
@@ -226,55 +227,55 @@ PROFILE = profile_option("limit every family to what that target runs (metax: Fl
                          "through the flat API, no TMA or PDL split pipes, the vendor's Triton "
                          "launch beside vLLM's, FlashMLA at page 64); recorded with the results "
                          "and in the config")
-MODE = typer.Option(Mode.auto, "--mode", help="auto (grid when the space is small), grid, tpe")
-GRID_MAX = typer.Option(64, "--grid-max", help="auto: largest space searched exhaustively",
+MODE = typer.Option(Mode.auto, "--mode", help="Auto (grid when the space is small), grid, tpe")
+GRID_MAX = typer.Option(64, "--grid-max", help="Auto: largest space searched exhaustively",
                         **INT["grid_max"].typer)
-TRIALS = typer.Option(None, "--trials", help="most candidates evaluated per bucket (default: grid "
+TRIALS = typer.Option(None, "--trials", help="Most candidates evaluated per bucket (default: grid "
                       "all, TPE a quarter of the space)", **INT["trials"].typer)
 PATIENCE = typer.Option(32, "--patience", help="TPE: stop a bucket after this many new trials "
                         "without improvement (0: never)", **INT["patience"].typer)
-TIME_BUDGET = typer.Option(None, "--time-budget", help="wall-time budget: 600, 9m, 1h (default: "
+TIME_BUDGET = typer.Option(None, "--time-budget", help="Wall-time budget: 600, 9m, 1h (default: "
                            "GPU 9m, CPU none; 0: none)")
-TIMEOUT = typer.Option(None, "--timeout", help="seconds one candidate may take (JIT included) "
+TIMEOUT = typer.Option(None, "--timeout", help="Seconds one candidate may take (JIT included) "
                        "before it counts as hung", **FLOAT["timeout"].typer)
-SAMPLES = typer.Option(None, "--samples", help="kernel samples per candidate", **INT["samples"].typer)
-WARMUP = typer.Option(None, "--warmup", help="warm-up runs per candidate", **INT["warmup"].typer)
-ISOLATION = typer.Option(Isolation.auto, "--isolation", help="process: measure in a worker process "
+SAMPLES = typer.Option(None, "--samples", help="Kernel samples per candidate", **INT["samples"].typer)
+WARMUP = typer.Option(None, "--warmup", help="Warm-up runs per candidate", **INT["warmup"].typer)
+ISOLATION = typer.Option(Isolation.auto, "--isolation", help="Process: measure in a worker process "
                          "replaced after a crash or hang; inline: in this process; auto: process "
                          "unless only the CPU reference runs")
-REMEASURE = typer.Option(False, "--remeasure", help="measure again what the DB already holds")
-REPLAY = PathOption(None, "--replay", help="run the search over this DB's stored measurements "
+REMEASURE = typer.Option(False, "--remeasure", help="Measure again what the DB already holds")
+REPLAY = PathOption(None, "--replay", help="Run the search over this DB's stored measurements "
                     "instead of measuring (no GPU needed)")
-DEVICE_NAME = typer.Option(None, "--device-name", help="replay: the device whose trials to use "
+DEVICE_NAME = typer.Option(None, "--device-name", help="Replay: the device whose trials to use "
                            "when the DB holds several")
 MIX = PathOption(None, "--mix", help="CSV of batch,context,weight rows: the workload mix the page "
                  "size is chosen for (default uniform); every row must be a swept bucket")
-TRAFFIC = PathOption(None, "--traffic", help="a server's recorded traffic (VLLM_METAX_TRAFFIC=FILE "
+TRAFFIC = PathOption(None, "--traffic", help="A server's recorded traffic (VLLM_METAX_TRAFFIC=FILE "
                      "on the server): the buckets are the log2 cells holding --traffic-share of its "
                      "decode steps (instead of --batches/--contexts/--q-len; the TP size is the "
                      "one whose heads per rank it recorded), weighted by its step counts for the "
                      "page size and backend order; with --replay, the weights only")
-TRAFFIC_SHARE = typer.Option(DEFAULT_SHARE, "--traffic-share", help="the share of the recorded "
+TRAFFIC_SHARE = typer.Option(DEFAULT_SHARE, "--traffic-share", help="The share of the recorded "
                              "steps the buckets cover", **FLOAT["share"].typer)
-MIN_RATIO_OPT = typer.Option(MIN_RATIO, "--min-ratio", help="smallest speed-up that displaces a "
+MIN_RATIO_OPT = typer.Option(MIN_RATIO, "--min-ratio", help="Smallest speed-up that displaces a "
                              "default", **FLOAT["min_ratio"].typer)
-SEED = typer.Option(0, "--seed", help="sampler seed", **INT["seed"].typer)
-NAME = typer.Option("sweep", "--name", help="label stored with each trial and the optuna study")
-CONFIGS_DIR = PathOption(Path("configs"), "--configs-dir", help="where the tuned config goes")
-EMIT = typer.Option(None, "--emit/--no-emit", help="write the tuned config (default: on a GPU yes; "
+SEED = typer.Option(0, "--seed", help="Sampler seed", **INT["seed"].typer)
+NAME = typer.Option("sweep", "--name", help="Label stored with each trial and the optuna study")
+CONFIGS_DIR = PathOption(Path("configs"), "--configs-dir", help="Where the tuned config goes")
+EMIT = typer.Option(None, "--emit/--no-emit", help="Write the tuned config (default: on a GPU yes; "
                     "without CUDA no: the CPU reference is not a serving device)")
-JOURNAL = PathOption(None, "--journal", help="optuna journal file (default: next to the DB, "
+JOURNAL = PathOption(None, "--journal", help="Optuna journal file (default: next to the DB, "
                      "<db>.optuna.log)")
-GPUS = typer.Option(None, "--gpus", help="one worker process per GPU, e.g. 0,1,2,3 or all (each "
+GPUS = typer.Option(None, "--gpus", help="One worker process per GPU, e.g. 0,1,2,3 or all (each "
                     "with CUDA_VISIBLE_DEVICES set to its GPU); they share the optuna storage, "
                     "each candidate measured once")
-STORAGE = typer.Option(None, "--storage", help="optuna storage shared by workers: "
+STORAGE = typer.Option(None, "--storage", help="Optuna storage shared by workers: "
                        "postgresql://user:pw@host/db for several hosts, or a journal file "
                        "(default: <db>.optuna.log)")
 HEARTBEAT = typer.Option(10, "--heartbeat", help="RDB storage: seconds between heartbeats of a "
                          "claimed trial; a trial silent for 2x this is retried elsewhere")
-QUIET = typer.Option(False, "--quiet", "-q", help="no progress bar or progress lines")
-DRY_RUN = typer.Option(False, "--dry-run", help="check the flags and print every bucket's search "
+QUIET = typer.Option(False, "--quiet", "-q", help="No progress bar or progress lines")
+DRY_RUN = typer.Option(False, "--dry-run", help="Check the flags and print every bucket's search "
                        "plan; measure and write nothing")
 
 

@@ -60,7 +60,7 @@ def plan_buckets(model: ModelDims, tp_sizes: Sequence[int], batch_sizes: Sequenc
     return out
 
 
-_SIZE = re.compile(r"^\s*(\d{1,12})\s*([kKmM]?)\s*$")
+_SIZE = re.compile(r"^\s*([0-9]{1,12})\s*([kKmM]?)\s*$")     # ASCII digits: "٦٤" is no size
 
 
 def _size(text: str) -> int:
@@ -68,6 +68,11 @@ def _size(text: str) -> int:
     if not m:
         raise ValueError(f"not a size: {text!r} (use e.g. 16, 4K, 1M)")
     return int(m.group(1)) * {"": 1, "k": 1024, "m": 1024 * 1024}[m.group(2).lower()]
+
+
+def parse_size(text: str) -> int:
+    """One size as every size flag writes it: '6144', '6k', '4K', '1M' -> an int; ValueError."""
+    return _size(text)
 
 
 def parse_sizes(text: str, kind: str | None = None) -> list[int]:
@@ -81,7 +86,16 @@ def parse_sizes(text: str, kind: str | None = None) -> list[int]:
             lo_v, hi_v = _size(lo), _size(hi)
             if kind and hi_v > INT[kind].hi:
                 raise ValueError(f"{kind} sizes must be in {INT[kind].lo}..{INT[kind].hi}")
-            return log2_grid(lo_v, hi_v)
+            grid = log2_grid(lo_v, hi_v)
+            off = [v for v in (lo_v, hi_v) if v & (v - 1)]
+            if off:     # never measure other sizes than the ones written without saying so
+                up = 1 << (hi_v - 1).bit_length()
+                raise ValueError(
+                    f"a range steps over powers of two and {off[0]} is not one: "
+                    f"{lo.strip()}-{hi.strip()} would measure {grid[0]}-{grid[-1]}; write "
+                    f"{grid[0]}-{grid[-1]}" + (f" or {grid[0]}-{up}" if up != grid[-1] else "")
+                    + ", or list each size, comma-separated")
+            return grid
         parts = text.split(",")
         if not text or any(not t.strip() for t in parts):
             raise ValueError("empty entry")

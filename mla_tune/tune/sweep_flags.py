@@ -82,7 +82,8 @@ def estimate_note(plan: SweepPlan) -> str:
     sizes = [len(p.space) for p in plan.buckets]
     modes = sorted({p.mode for p in plan.buckets})
     dropped = sum(len(p.space.dropped) for p in plan.buckets)
-    return (f"{n} buckets, {min(sizes, default=0)}-{max(sizes, default=0)} candidates each, "
+    lo, hi = min(sizes, default=0), max(sizes, default=0)
+    return (f"{n} buckets, {lo if lo == hi else f'{lo}-{hi}'} candidates each, "
             f"search {'/'.join(modes) or '-'}, up to {plan.planned_trials} trials"
             + (f" ({dropped} dropped by constraints)" if dropped else ""))
 

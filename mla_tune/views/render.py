@@ -112,12 +112,16 @@ class FitTable:
         self.cells = [[cell(v, c.fmt) for v, c in zip(r, table.columns)] for r in table.rows]
 
     def natural_width(self) -> int:
-        """Columns at their longest cell (prose capped at WRAP_WIDTH), plus rich's borders and
+        """Columns at their longest cell (prose capped at WRAP_WIDTH, but never narrower than its
+        longest word: a class path or a file name is not folded in two), plus rich's borders and
         padding (3 per column, 1 more)."""
         total = 1
         for i, c in enumerate(self.table.columns):
             w = max([len(c.name)] + [len(r[i]) for r in self.cells])
-            total += (min(w, max(WRAP_WIDTH, len(c.name))) if c.wrap else w) + 3
+            if c.wrap:
+                word = max((len(x) for r in self.cells for x in r[i].split()), default=0)
+                w = max(min(w, max(WRAP_WIDTH, len(c.name))), word)
+            total += w + 3
         return total
 
     def fits(self, width: int) -> bool:

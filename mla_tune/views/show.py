@@ -12,13 +12,20 @@ from mla_tune.views.render import Column, OutputFormat, Table, render, times, to
 
 
 def parse_lookup(text: str) -> tuple[int, int, int]:
-    """`--lookup BATCH,CONTEXT[,Q_LEN]` -> (batch, context, q_len); InputError when malformed."""
-    from mla_tune.validate import InputError, ascii_int, check_int
+    """`--lookup BATCH,CONTEXT[,Q_LEN]` -> (batch, context, q_len), each a size as --batches and
+    --contexts write one (`32,6k`, `32,4K,2`); InputError when malformed."""
+    from mla_tune.tune.buckets import parse_size
+    from mla_tune.validate import InputError, check_int
     parts = text.split(",")
-    if len(parts) not in (2, 3) or any(ascii_int(p, 19) is None for p in parts):
-        raise InputError(f"--lookup takes BATCH,CONTEXT[,Q_LEN] as positive integers, got {text!r}")
-    vals = [check_int(k, int(p), "--lookup " + k.replace("_", " "))
-            for k, p in zip(("batch", "context", "q_len"), parts)]
+    try:
+        if len(parts) not in (2, 3):
+            raise ValueError
+        sizes = [parse_size(p) for p in parts]
+    except ValueError:
+        raise InputError(f"--lookup takes BATCH,CONTEXT[,Q_LEN] as positive sizes (32,6000 or "
+                         f"32,6K), got {text[:80]!r}") from None
+    vals = [check_int(k, v, "--lookup " + k.replace("_", " "))
+            for k, v in zip(("batch", "context", "q_len"), sizes)]
     return (vals[0], vals[1], vals[2] if len(vals) == 3 else 1)
 
 
@@ -41,6 +48,16 @@ def check_config_device(cfg, path, device: str | None = None) -> None:
     if device_key(device) != device_key(cfg.device_name):
         raise TunedConfigError(f"{path}: written for device {cfg.device_name!r}, not {device!r} "
                                f"({where}); pass --device {cfg.device_name!r} to inspect it anyway")
+
+
+def _value_text(v) -> str:
+    """A provenance value for people: a list as `a, b`, a dict as `key value; key value` (the
+    rules, the environment), never Python's repr."""
+    if isinstance(v, dict):
+        return "; ".join(f"{k} {_value_text(x)}" for k, x in v.items())
+    if isinstance(v, list):
+        return ", ".join(_value_text(x) for x in v)
+    return str(v)
 
 
 def _dims_title(e) -> str:
@@ -73,8 +90,7 @@ def config_tables(cfg) -> list[Table]:
     t = Table(f"{title}: provenance", [Column("field", justify="left"),
                                        Column("value", justify="left", wrap=True)])
     for k, v in cfg.provenance.items():
-        flat = isinstance(v, list) and all(not isinstance(x, (list, dict)) for x in v)
-        t.add(k, ", ".join(map(str, v)) if flat else v)
+        t.add(k, _value_text(v) if isinstance(v, (list, dict)) else v)
     tables = [t]
     g = Table(f"{title}: global choice per model", [Column("model entry", justify="left"),
               Column("page size"), Column("backend order", justify="left"),

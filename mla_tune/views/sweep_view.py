@@ -44,8 +44,18 @@ def verdict_text(v, reference: bool = False) -> str:
 def _cell(v, reference: bool) -> str | None:
     if v is None or v.chosen is None:
         return None if v is None else "none valid"
+    if reference:       # no page is chosen for the CPU: the fastest page, as the progress said
+        return f"{candidate_label(v.chosen)} p{v.chosen.page_size} {us_text(v.time_us)}"
     verdict = verdict_text(v, reference)
     return f"{candidate_label(v.chosen)} {us_text(v.time_us)}" + (f" {verdict}" if verdict else "")
+
+
+def _fastest_page(b, family: str):
+    """The CPU reference's verdict in a bucket at its fastest page (the candidate the sweep's
+    progress line named best), not at the page a GPU's choice would fix."""
+    at = [pv[family] for pv in b.per_page.values()
+          if family in pv and pv[family].time_us is not None]
+    return min(at, key=lambda v: v.time_us) if at else b.families.get(family)
 
 
 def summary_tables(choice) -> list[Table]:
@@ -76,7 +86,7 @@ def summary_tables(choice) -> list[Table]:
         for b in m.buckets:
             cells = []
             for f in fams:
-                c = _cell(b.families.get(f), reference)
+                c = _cell(_fastest_page(b, f) if reference else b.families.get(f), reference)
                 if c and len(fams) > 1 and f == b.best_family and not reference:
                     c = "*" + c
                 cells.append(c)
