@@ -249,6 +249,6 @@ def test_one_time_format_everywhere():
     """Microseconds read the same in every view and reason: no `1.979e+04` beside `8727`, no
     `6,020` in the sweep against `6020.0` in the report."""
     from mla_tune.problem.units import us, us_text
-    assert [us(v) for v in (8.44, 591.6, 999.96, 6020.0, 19786.4, None, float("nan"))] == \
-        ["8.4", "591.6", "1000", "6020", "19786", "-", "-"]
+    assert [us(v) for v in (8.44, 99.96, 591.6, 6020.0, 19786.4, None, float("nan"))] == \
+        ["8.4", "100", "592", "6020", "19786", "-", "-"]
     assert us_text(19786.4) == "19786 us"

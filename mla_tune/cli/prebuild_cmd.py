@@ -26,19 +26,19 @@ HELP = ("Build the FlashInfer JIT modules a tuned config serves, ahead of the se
              "once after install.", epilog="Exit codes: 0 every module built (or --dry-run); "
              "1 a module failed to build; 2 bad input (no config, no target, no nvcc).")
 def prebuild(
-    config: Optional[str] = typer.Option(None, "--config", help="tuned config file (default: the "
+    config: Optional[str] = typer.Option(None, "--config", help="Tuned config file (default: the "
                                          "one the plugin loads on this GPU, as `mla-tune doctor` "
                                          "finds it)"),
-    model: Optional[str] = typer.Option(None, "--model", help="only the entry this model preset "
+    model: Optional[str] = typer.Option(None, "--model", help="Only the entry this model preset "
                                         "runs with (e.g. deepseek-v3; default: every entry)"),
-    tp: int = typer.Option(1, "--tp", help="tensor-parallel size the --model is served at",
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel size the --model is served at",
                            **INT["tp"].typer),
-    arch: Optional[str] = typer.Option(None, "--arch", help="target GPU arch as FlashInfer's "
+    arch: Optional[str] = typer.Option(None, "--arch", help="Target GPU arch as FlashInfer's "
                                        "FLASHINFER_CUDA_ARCH_LIST spells it, e.g. 9.0a for "
                                        "H100/H200 (default: this GPU's)"),
-    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="compiler processes at once "
+    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="Compiler processes at once "
                                        "(default: the CPU count)", **INT["jobs"].typer),
-    dry_run: bool = typer.Option(False, "--dry-run", help="list the modules and whether each is "
+    dry_run: bool = typer.Option(False, "--dry-run", help="List the modules and whether each is "
                                  "built; build nothing"),
 ):
     from mla_tune.measure import served_prebuild as sp

@@ -8,11 +8,12 @@ import math
 
 
 def us(value) -> str:
-    """Microseconds without the unit: one decimal below 1000 (`16.6`), whole above (`19790`); '-'
-    for none. No thousands separator: the same digits a CSV or `-f json` carries."""
+    """Microseconds without the unit: one decimal below 100 (`16.6`), whole from there (`146`,
+    `19790`: a tenth of a percent, far under the run-to-run noise); '-' for none. No thousands
+    separator: the same digits a CSV or `-f json` carries."""
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "-"
-    return f"{value:.1f}" if abs(value) < 999.95 else f"{value:.0f}"
+    return f"{value:.1f}" if abs(value) < 99.95 else f"{value:.0f}"
 
 
 def us_text(value) -> str:
