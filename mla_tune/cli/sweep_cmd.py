@@ -211,10 +211,9 @@ CONTEXTS = typer.Option(None, "--contexts", help="Context lengths: '1K-32K' (pow
 Q_LEN = typer.Option(None, "--q-len", help="Query tokens per request; repeat (q_len > 1 = "
                      "speculative decode, causal; default 1)", **INT["q_len"].typer)
 LENGTHS = typer.Option(None, "--lengths", "--ragged", help="Per-request context lengths in a "
-                       "bucket: uniform, zipf, uniform-random, lognormal, or a CSV file of request "
-                       "lengths (a column context_len, length, prompt_len, ...) resampled to each "
-                       "bucket, its mean scaled to the bucket's context (default: uniform, plus "
-                       "the GPU's zipf buckets)")
+                       "bucket: uniform, zipf, uniform-random, lognormal, or a CSV of request "
+                       "lengths (column context_len, length, prompt_len ...) scaled to each "
+                       "bucket's context (default: uniform, plus the GPU's zipf buckets)")
 Q_DTYPE = typer.Option("bfloat16", "--q-dtype", help=f"Query dtype: {' or '.join(DTYPES)}")
 KV_DTYPE = typer.Option("bfloat16", "--kv-dtype", help=f"KV-cache dtype: {' or '.join(DTYPES)}")
 PAGE_SIZE = typer.Option(None, "--page-size", help="KV page sizes (powers of two, 1-256); repeat "
@@ -227,8 +226,8 @@ PROFILE = profile_option("limit every family to what that target runs (metax: Fl
                          "through the flat API, no TMA or PDL split pipes, the vendor's Triton "
                          "launch beside vLLM's, FlashMLA at page 64); recorded with the results "
                          "and in the config")
-MODE = typer.Option(Mode.auto, "--mode", help="Auto (grid when the space is small), grid, tpe")
-GRID_MAX = typer.Option(64, "--grid-max", help="Auto: largest space searched exhaustively",
+MODE = typer.Option(Mode.auto, "--mode", help="Search: auto (grid when the space is small), grid or tpe")
+GRID_MAX = typer.Option(64, "--grid-max", help="Largest space auto searches exhaustively",
                         **INT["grid_max"].typer)
 TRIALS = typer.Option(None, "--trials", help="Most candidates evaluated per bucket (default: grid "
                       "all, TPE a quarter of the space)", **INT["trials"].typer)
