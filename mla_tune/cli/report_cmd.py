@@ -172,7 +172,8 @@ def emit(
 
 @app.command("show", short_help="Validate and print a tuned config; --lookup: what is served.")
 def show(
-    file: Path = PathArgument(..., help="A tuned config, e.g. configs/device_name=NVIDIA_H200.json"),
+    file: Path = PathArgument(..., metavar="FILE",
+                              help="A tuned config, e.g. configs/device_name=NVIDIA_H200.json"),
     device: Optional[str] = typer.Option(None, "--device", help="The device it must be for "
                                          "(default: this machine's accelerator, if it has one)"),
     format: OutputFormat = typer.Option(OutputFormat.table, "--format", "-f", help=FORMAT_HELP,
