@@ -227,5 +227,8 @@ def test_a_cpu_sweep_names_one_winner_in_its_progress_and_its_table(tmp_path):
     flat = " ".join(res.stdout.split())
     best = re.findall(r"L(\d+): grid \S+ \(\d+ measured\) best reference/torch/p(\d+) ([\d.]+) us", flat)
     assert best
-    for ctx, page, t in best:
+    rep = run_main(["report", "--db", fx.path, "--device", "cpu"])
+    assert rep.code == 0, rep.output
+    for ctx, page, t in best:       # the report's CPU grid names the same candidate and time
         assert re.search(rf"\b{ctx} │ torch p{page} {re.escape(t)} us", res.stdout), (ctx, page, t)
+        assert f"ref p{page} {t}" in rep.stdout, (ctx, page, t)
