@@ -54,6 +54,13 @@ def scratch() -> Path:
     (w / "journal.log").write_text("this is my journal, not optuna's\n")
     (w / "report.png").write_text("not a png\n")
     sqlite3.connect(w / "blank.sqlite").execute("create table t (x)").connection.close()
+    # one file under other names (#52): links to a DB-to-be and to results.db, a hard link, and a
+    # link to a file that does not exist
+    os.symlink("x.db", w / "link-x.db")
+    os.symlink("results.db", w / "link-results.db")
+    os.link(w / "results.db", w / "hard-results.db")
+    (w / "elsewhere").mkdir()
+    os.symlink("elsewhere/t.db", w / "dangling.db")
     doc = json.loads((w / "h200.json").read_text())
     bad_cfgs = {
         "page0": lambda d: d["models"][0]["global"].__setitem__("page_size", 0),
@@ -183,6 +190,21 @@ def cases(w: Path) -> list[list[str]]:
         c.append(["sweep", "--replay", db, "-q"] + extra)
     for p in ["bin", "dir", "blank.sqlite", "nope.db", "/dev/zero"]:
         c.append(["sweep", "--replay", p, "-q"])
+    # one file for two roles, however spelt; a dangling link (#52): refused, nothing written
+    n = ["--no-emit"]
+    for roles in (["--db", "x.db", "--journal", "x.db"], ["--db", "x.db", "--storage", "x.db"],
+                  ["--db", "x.db", "--storage", "sqlite:///x.db"],
+                  ["--db", "x.db", "--storage", f"sqlite:///{w / 'x.db'}"],
+                  ["--db", "./x.db", "--journal", "x.db"], ["--db", "x.db", "--journal", "link-x.db"],
+                  ["--db", "x.db", "--journal", "dir/../x.db"],
+                  ["--db", db, "--journal", "hard-results.db"], ["--db", db, "--storage", "link-results.db"],
+                  ["--db", "x.db", "--emit", "--configs-dir", "x.db"],
+                  ["--db", "x.db", "--gpus", "0,1", "--storage", "./x.db"],
+                  ["--db", "dangling.db"], ["--db", "x.db", "--journal", "dangling.db"]):
+        c.append(s + roles + ([] if "--emit" in roles else n))
+    c += [["merge", db, "--db", db], ["merge", "./" + db, "--db", db], ["merge", db, "--db", "link-results.db"],
+          ["merge", "hard-results.db", "--db", str(w / db)], ["merge", db, "--db", "dangling.db"],
+          ["emit", "--db", db, "--configs-dir", "./" + db], ["report", "--db", db, "--plot", "link-results.db"]]
     c += [["sweep", "--bogus"], ["sweep", "--tp"], ["frobnicate"], ["report", "extra-arg"]]
     return c
 
@@ -195,7 +217,7 @@ def run_one(args, w: Path, exe: str):
 
 PLUGIN_SNIPPET = r"""
 import logging, sys, os, json
-from vllm_metax import tuned_config as tc
+from vllm_metax.core import tuned_config as tc
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
 name = "NVIDIA H200"
 try:
