@@ -1,6 +1,6 @@
-"""What the plugin's MLA metadata builders share (FLASHINFER_MLA's and TRITON_MLA's): vLLM's common
-attention metadata kept through `build` for `_build_decode`, and from it the decode rows' lengths
-on the host.
+"""What the plugin's MLA metadata builders share (FLASHINFER_MLA's, FLASHMLA's, TRITON_MLA's):
+vLLM's common attention metadata kept through `build` for `_build_decode`, and from it the decode
+rows' lengths on the host; the uniform decode batches of FLASHINFER_MLA and FLASHMLA.
 
 vLLM's `MLACommonMetadataBuilder.build` hands `_build_decode` the device sequence lengths only
 (each rank's own under decode context parallelism); both builders decide on host lengths. The
@@ -15,6 +15,9 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
+
+from vllm.model_executor.layers.attention.mla_attention import QueryLenSupport
+from vllm.v1.attention.backend import AttentionCGSupport
 
 
 class HostLengthsBuilder:
@@ -49,3 +52,12 @@ class HostLengthsBuilder:
         """Draft tokens per request a step may carry (vLLM's upper bound counts them)."""
         spec = self.vllm_config.speculative_config
         return (spec.num_speculative_tokens or 0) if spec is not None else 0
+
+
+class UniformDecodeBuilder(HostLengthsBuilder):
+    """HostLengthsBuilder for the builders whose decode runs uniform batches (FLASHINFER_MLA's,
+    FLASHMLA's): every request of a step has the same query length, and a uniform batch replays
+    as a full CUDA graph."""
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+    query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.UNIFORM

@@ -33,17 +33,15 @@ from vllm.model_executor.layers.attention.mla_attention import (
     MLACommonImpl,
     MLACommonMetadata,
     MLACommonMetadataBuilder,
-    QueryLenSupport,
 )
 from vllm.platforms.interface import DeviceCapability
 from vllm.v1.attention.backend import (
-    AttentionCGSupport,
     AttentionLayer,
     MultipleOf,
 )
 
 from vllm_metax.backend import served_entry, served_modules, traffic_recorder
-from vllm_metax.backend.builder import HostLengthsBuilder
+from vllm_metax.backend.builder import UniformDecodeBuilder
 from vllm_metax.backend.flashmla_buckets import FlashMLABuckets
 from vllm_metax.backend.impl_features import FeatureCheckedImpl
 from vllm_metax.backend.plan_choice import PlanChoice
@@ -94,11 +92,9 @@ class FlashInferMLAMetadata(MLACommonMetadata[FlashInferMLADecodeMetadata]):
     pass
 
 
-class FlashInferMLAMetadataBuilder(HostLengthsBuilder, MLACommonMetadataBuilder[FlashInferMLAMetadata]):
-    # Full CUDA graphs for uniform decode batches: one wrapper per captured (batch, q_len) with
-    # persistent metadata buffers; fa2/fa3 re-plan into them before each replay.
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
-    query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.UNIFORM
+class FlashInferMLAMetadataBuilder(UniformDecodeBuilder, MLACommonMetadataBuilder[FlashInferMLAMetadata]):
+    # Full CUDA graphs for uniform decode batches (UniformDecodeBuilder): one wrapper per captured
+    # (batch, q_len) with persistent metadata buffers; fa2/fa3 re-plan into them before each replay.
     EXACT_HOST_LENGTHS: ClassVar[bool] = True      # FlashInfer plans the step from them
 
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config: VllmConfig,

@@ -31,10 +31,9 @@ from vllm.model_executor.layers.attention.mla_attention import (
     MLACommonImpl,
     MLACommonMetadata,
     MLACommonMetadataBuilder,
-    QueryLenSupport,
 )
 from vllm.platforms.interface import DeviceCapability
-from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer
+from vllm.v1.attention.backend import AttentionLayer
 from vllm.v1.attention.backends.mla.flashmla import FlashMLABackend
 from vllm.v1.attention.backends.utils import (
     reshape_attn_output_for_spec_decode,
@@ -42,7 +41,7 @@ from vllm.v1.attention.backends.utils import (
 )
 
 from vllm_metax.backend import traffic_recorder
-from vllm_metax.backend.builder import HostLengthsBuilder
+from vllm_metax.backend.builder import UniformDecodeBuilder
 from vllm_metax.backend.impl_features import FeatureCheckedImpl
 from vllm_metax.core import decisions
 from vllm_metax.core.log import get_logger, log_once
@@ -64,9 +63,7 @@ class MetaxFlashMLAMetadata(MLACommonMetadata[MetaxFlashMLADecodeMetadata]):
     pass
 
 
-class MetaxFlashMLAMetadataBuilder(HostLengthsBuilder, MLACommonMetadataBuilder[MetaxFlashMLAMetadata]):
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
-    query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.UNIFORM
+class MetaxFlashMLAMetadataBuilder(UniformDecodeBuilder, MLACommonMetadataBuilder[MetaxFlashMLAMetadata]):
     reorder_batch_threshold: int = 128      # vLLM's FlashMLA value: small prefills decode
     # host lengths only for a recording server's traffic (a statistic: vLLM's upper bound serves)
     EXACT_HOST_LENGTHS: ClassVar[bool] = False
