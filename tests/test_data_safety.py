@@ -297,3 +297,22 @@ def test_an_unset_fault_point_is_one_global_test():
     assert r.returncode == 0, r.stderr
     assert set(fault_points.EVENTS) >= {"db-created", "journal-written", "trial-prepared",
                                         "trial-stored", "merge-copied", "emit-written"}
+
+
+def test_a_study_whose_creator_died_before_naming_itself_is_taken_over_soon(tmp_path):
+    """A kill right after the journal's first write leaves a study with no seeder named: the
+    next sweep takes it over after UNNAMED_SEEDER_S, not after the full SEED_WAIT_S (60 s)."""
+    import time
+    from mla_tune.families.base import Candidate
+    from mla_tune.tune import shared_bucket as sb
+    from mla_tune.tune.search_space import SearchSpace
+    from mla_tune.tune.study_storage import open_storage, quiet_optuna
+    storage = open_storage(tmp_path / "s.log")
+    quiet_optuna().create_study(study_name="bucket", storage=storage)    # then the creator died
+    cands = [Candidate("reference", "torch", p) for p in (16, 64, 128)]
+    space = SearchSpace.build(cands, cands[:1])
+    t0 = time.monotonic()
+    b = sb.SharedBucket(storage, "bucket", space)
+    assert b.open(space.candidates, {"mode": "grid"}) is False
+    assert time.monotonic() - t0 < sb.SEED_WAIT_S / 2
+    assert len(b.study.trials) == 3 and b.uid

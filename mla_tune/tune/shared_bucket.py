@@ -32,6 +32,10 @@ from mla_tune.faults import process_alive
 from mla_tune.tune.study_storage import quiet_optuna, retry_callback
 
 SEED_WAIT_S = 60.0        # how long a worker waits for another process to finish seeding a study
+# a study whose creator has not named itself this long after it was found: the creator died
+# between creating it and naming itself (a kill at the journal's first write), not a slow one
+# (naming follows creation at once)
+UNNAMED_SEEDER_S = 10.0
 HOST = socket.gethostname()
 
 
@@ -122,12 +126,15 @@ class SharedBucket:
             self.study.set_user_attr("uid", uuid.uuid4().hex)
             self.study.set_user_attr("seeding", self.worker)
             self._seed(seed, attrs)
-        end = time.monotonic() + wait_s
+        start = time.monotonic()
+        end = start + wait_s
         while "seeded" not in self.study.user_attrs:
             seeder = self.study.user_attrs.get("seeding", "")
             host, _, pid = seeder.rpartition(":")
             if (seeder == self.worker or (host == HOST and pid.isascii() and pid.isdigit() and len(pid) < 10
-                                          and not process_alive(int(pid)))) or time.monotonic() > end:
+                                          and not process_alive(int(pid)))
+                    or (not seeder and time.monotonic() > start + min(wait_s, UNNAMED_SEEDER_S))
+                    or time.monotonic() > end):
                 # its creator died while enqueueing (a kill in the first moments of a sweep):
                 # enqueue what is missing and go on
                 self.study.set_user_attr("uid", self.study.user_attrs.get("uid") or uuid.uuid4().hex)
