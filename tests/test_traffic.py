@@ -15,7 +15,7 @@ from mla_tune.store import traffic as tr
 from mla_tune.tune.choose import bucket_weights
 from vllm_metax.core import traffic as rec
 from vllm_metax.core.tuned_config import ModelDims
-from vllm_metax.core.tuned_config.schema import _nearest
+from vllm_metax.core.tuned_config.schema import nearest
 
 DIMS = ModelDims(16, 512, 64, "bfloat16", "bfloat16")
 OTHER = ModelDims(128, 512, 64, "bfloat16", "bfloat16")
@@ -36,8 +36,8 @@ def test_log2_cells_are_what_the_lookup_snaps_to():
     grid = [1 << k for k in range(23)]
     values = list(range(1, 70000)) + [random.Random(1).randrange(1, 1 << 22) for _ in range(20000)]
     for x in values:
-        assert rec.log2_cell(rec.fine_bin(x)) == _nearest(grid, x), x
-        assert tr.log2_of(x) == _nearest(grid, x)
+        assert rec.log2_cell(rec.fine_bin(x)) == nearest(grid, x), x
+        assert tr.log2_of(x) == nearest(grid, x)
 
 
 def test_the_recorded_key_is_the_lookups(tmp_path):

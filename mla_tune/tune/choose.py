@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable
 
 from mla_tune.problem.defaults import DEFAULT_PAGE_SIZE, KERNEL_METRIC
 from mla_tune.problem.units import us_text
@@ -43,6 +43,7 @@ from mla_tune.problem.workload import WorkloadMix
 from mla_tune.store.records import TrialRecord, as_records
 from mla_tune.tune.verdict import MIN_RATIO, P_THRESHOLD, Measured, decide, min_p_value
 from vllm_metax.core.choices import SPECS
+from vllm_metax.core.tuned_config.schema import nearest
 
 METRIC = KERNEL_METRIC            # what winners are chosen by
 # sweep family -> vLLM's attention backend (`KernelSpec.attention_backend`; the plugin serves
@@ -206,14 +207,11 @@ def tp_size_of(model: str, heads_per_rank: int) -> int | None:
     return total // heads_per_rank if heads_per_rank and total % heads_per_rank == 0 else None
 
 
-def _log2_nearest(values: Sequence[int], v: int) -> int:
-    return min(values, key=lambda x: (abs(math.log2(max(x, 1)) - math.log2(max(v, 1))), x))
-
-
 def bucket_weights(mix: WorkloadMix | None, keys: Iterable[tuple[int, int, int]]) -> dict:
     """(batch, context, q_len) -> weight. Uniform without a mix; otherwise every mix row adds its
     weight to the nearest bucket on a log2 scale (batch first, then context), as the plugin's
-    lookup snaps: a (batch, context) row for every q_len of that (batch, context); a (batch,
+    lookup snaps (`schema.nearest`, the one rule): a (batch, context) row for every q_len of that
+    (batch, context); a (batch,
     context, q_len) row (a recorded traffic) to the bucket of its q_len, snapped first as the
     lookup does (`ModelEntry.lookup`)."""
     keys = list(keys)
@@ -226,12 +224,12 @@ def bucket_weights(mix: WorkloadMix | None, keys: Iterable[tuple[int, int, int]]
     for row, w in mix.weights.items():
         b, c = row[0], row[1]
         if len(row) > 2:
-            q = row[2] if row[2] in q_lens else _log2_nearest(q_lens, row[2])
+            q = row[2] if row[2] in q_lens else nearest(q_lens, row[2])
             at_q = [k for k in keys if k[2] == q]
         else:
             at_q = keys
-        nb = _log2_nearest(sorted({k[0] for k in at_q}), b)
-        nc = _log2_nearest(sorted({k[1] for k in at_q if k[0] == nb}), c)
+        nb = nearest(sorted({k[0] for k in at_q}), b)
+        nc = nearest(sorted({k[1] for k in at_q if k[0] == nb}), c)
         for k in at_q:
             if k[0] == nb and k[1] == nc:
                 out[k] += w

@@ -145,11 +145,11 @@ class ModelEntry:
         """The nearest tuned bucket on a log2 scale (batch first, then context)."""
         if not self._grid:
             return None
-        q = q_len if q_len in self._grid else _nearest(sorted(self._grid), q_len)
+        q = q_len if q_len in self._grid else nearest(sorted(self._grid), q_len)
         batches, per_batch = self._grid[q]
-        b = _nearest(batches, batch_size)
+        b = nearest(batches, batch_size)
         contexts, cells = per_batch[b]
-        c = _nearest(contexts, context_len)
+        c = nearest(contexts, context_len)
         in_range = (batches[0] <= batch_size <= batches[-1] and contexts[0] <= context_len <= contexts[-1])
         exact = q == q_len and b == batch_size and c == context_len
         return Lookup(cells[c], exact, in_range)
@@ -161,12 +161,14 @@ class ModelEntry:
         if found is None:
             return None
         qs, per_q = found
-        q = _nearest(qs, query_tokens)
+        q = nearest(qs, query_tokens)
         ks, cells = per_q[q]
-        return cells[_nearest(ks, kv_len)]
+        return cells[nearest(ks, kv_len)]
 
 
-def _nearest(sorted_keys: list, value: int) -> int:
+def nearest(sorted_keys: list, value: int) -> int:
+    """The key of `sorted_keys` nearest `value` on a log2 scale (a tie: the smaller): the one
+    snapping rule of every tuned-config lookup, and of the tuner's mix weights."""
     i = bisect.bisect_left(sorted_keys, value)
     if i == 0:
         return sorted_keys[0]
