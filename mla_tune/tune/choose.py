@@ -211,9 +211,8 @@ def bucket_weights(mix: WorkloadMix | None, keys: Iterable[tuple[int, int, int]]
     """(batch, context, q_len) -> weight. Uniform without a mix; otherwise every mix row adds its
     weight to the nearest bucket on a log2 scale (batch first, then context), as the plugin's
     lookup snaps (`schema.nearest`, the one rule): a (batch, context) row for every q_len of that
-    (batch, context); a (batch,
-    context, q_len) row (a recorded traffic) to the bucket of its q_len, snapped first as the
-    lookup does (`ModelEntry.lookup`)."""
+    (batch, context); a (batch, context, q_len) row (a recorded traffic) to the bucket of its
+    q_len, snapped first as the lookup does (`ModelEntry.lookup`)."""
     keys = list(keys)
     if mix is None or not mix.weights:
         return {k: 1.0 for k in keys}
