@@ -196,4 +196,4 @@ def test_replay_chooses_the_page_by_the_recorded_steps(tmp_path):
     r = run_main(["sweep", "--replay", db, "--traffic", traffic], cwd=tmp_path)
     text = " ".join(r.output.split())
     assert r.code == 0 and "on NVIDIA H200, page 64" in text
-    assert "flashinfer 1.9e+04 us (2/2)" in text           # 900 x 10 us + 100 x 100 us
+    assert "flashinfer 19000 us (2/2)" in text             # 900 x 10 us + 100 x 100 us
