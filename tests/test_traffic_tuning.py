@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+import traffic_support
 from cli_support import run_main
 from mla_tune.families.base import Candidate
 from mla_tune.problem.roofline import workload_bytes, workload_flops
@@ -17,15 +18,6 @@ from mla_tune.tune import traffic_plan
 from vllm_metax.core import traffic as rec
 from vllm_metax.core.tuned_config import ModelDims
 
-def _binned(decode: dict) -> dict:
-    """(batch, context, q_len) -> steps as the recorder keys them (contexts of one bin add up)."""
-    out: dict = {}
-    for (b, c, q), n in decode.items():
-        k = (b, q, rec.fine_bin(c))
-        out[k] = out.get(k, 0) + n
-    return out
-
-
 H16 = ModelDims(16, 512, 64, "bfloat16", "bfloat16")       # DeepSeek-V3 at TP8
 H128 = ModelDims(128, 512, 64, "bfloat16", "bfloat16")     # ... at TP1
 DEVICE = "NVIDIA H200"
@@ -34,9 +26,7 @@ DEVICE = "NVIDIA H200"
 def write_traffic(path, decode: dict, prefill: dict | None = None, dims=H16):
     """A traffic file as the plugin writes it: decode (batch, context, q_len) -> steps, prefill
     (causal, query tokens, KV per request) -> plans."""
-    rec.write_counts(str(path), dims, _binned(decode),
-                     {(c, rec.fine_bin(q), rec.fine_bin(k)): n for (c, q, k), n in (prefill or {}).items()})
-    return path
+    return traffic_support.write_traffic(path, dims, decode, prefill)
 
 
 # per (batch, context): the time of FlashInfer fa3 at page 64 and at page 16 (each page's default)

@@ -8,20 +8,12 @@ import json
 
 import pytest
 
+import traffic_support
 from cli_support import run_main
 from mla_tune.store.traffic import load_traffic
 from mla_tune.views import doctor
 from mla_tune.views.traffic_view import traffic_report
-from vllm_metax.core import traffic as rec
 from vllm_metax.core import tuned_config as tc
-
-def _binned(decode: dict) -> dict:
-    """(batch, context, q_len) -> steps as the recorder keys them (contexts of one bin add up)."""
-    out: dict = {}
-    for (b, c, q), n in decode.items():
-        k = (b, q, rec.fine_bin(c))
-        out[k] = out.get(k, 0) + n
-    return out
 
 DEVICE = "NVIDIA H200"
 DIMS = tc.ModelDims(16, 512, 64, "bfloat16", "bfloat16")
@@ -40,10 +32,7 @@ def write_config(folder, buckets=None, page=64, prefill=()):
 
 
 def write_traffic(path, decode: dict, device=DEVICE, prefill=None):
-    rec.write_counts(str(path), DIMS, _binned(decode),
-                     {(c, rec.fine_bin(q), rec.fine_bin(k)): n for (c, q, k), n in (prefill or {}).items()},
-                     device_name=device)
-    return path
+    return traffic_support.write_traffic(path, DIMS, decode, prefill, device)
 
 
 TRAFFIC = {(1, 1000, 1): 900, (30, 4500, 1): 100, (256, 65536, 1): 50, (1, 1024, 2): 50}
