@@ -197,6 +197,27 @@ def test_flashinfer_mla_ranks_by_what_its_decode_serves_per_bucket(tmp_path, mon
     assert kinds == {choices.SPLIT, choices.FLASHMLA, choices.FLASHINFER}
 
 
+def test_the_served_order_counts_the_side_kernels_of_the_target_profile_not_this_machines(
+        tmp_path, monkeypatch):
+    """A MetaX-target entry emitted on an NVIDIA host: vLLM's FA3 (which the metax target does not
+    run) must not count in what FLASHINFER_MLA's decode serves, however fast it measured."""
+    import dataclasses
+    import shutil
+
+    from mla_tune.tune.emit import _bucket, served_order
+    monkeypatch.setenv("VLLM_METAX_PROFILE", "nvidia")           # this machine's profile
+    db = tmp_path / "metax.db"
+    shutil.copy(Path(__file__).resolve().parents[1] / "bench" / "results" / "metax_sweep_h100.db", db)
+    with ResultsStore(db, create=False) as s:
+        (m,) = [m for m in choosing.choose_from_store(s).models if m.ragged == "uniform"]
+    buckets = [_bucket(b) for b in m.buckets]
+    fast_fa3 = tc.FamilyChoice({"backend": "fa3", "num_splits": 0}, 1.0, 1.0, False)
+    with_fa3 = [dataclasses.replace(b, families={**b.families, "fa3_mla": fast_fa3}) for b in buckets]
+    assert served_order(m, with_fa3, "nvidia") != served_order(m, buckets, "nvidia")
+    assert served_order(m, with_fa3, "metax") == served_order(m, buckets, "metax")
+    assert "FLASHINFER_MLA ahead of FLASHMLA" in served_order(m, buckets, "metax")[1]
+
+
 def test_an_order_flashinfer_mla_already_leads_is_kept(fx):
     from mla_tune.tune.emit import _bucket, served_order
     with ResultsStore(fx.path) as s:
@@ -204,7 +225,7 @@ def test_an_order_flashinfer_mla_already_leads_is_kept(fx):
     led = [m for m in choice.models if m.backend_order and m.backend_order[0] == "FLASHINFER_MLA"]
     assert led
     for m in led:
-        assert served_order(m, [_bucket(b) for b in m.buckets]) == (list(m.backend_order), None)
+        assert served_order(m, [_bucket(b) for b in m.buckets], "nvidia") == (list(m.backend_order), None)
 
 
 @pytest.mark.parametrize("device, first", [("cpu", "FLASHINFER_MLA")])

@@ -11,15 +11,20 @@ the same significance rule).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 from pathlib import Path
 
+from mla_tune import __version__
 from mla_tune.tune import choose as choosing
 from mla_tune.problem.workload import WorkloadMix
 from mla_tune.problem.units import us_text
 from mla_tune.store.records import TrialRecord
 from mla_tune.store.selection import CPU_RUN_KIND, TrialFilter, device_key, run_profile, select_trials
+from mla_tune.validate import is_packaged_configs
 from vllm_metax.core import choices, decisions, tuned_config as tc
+from vllm_metax.core import device as core_device
+from vllm_metax.core.profile import PROVENANCE_KEY, get_profile
 
 CPU_NOTE = ("measured with the CPU torch reference (no GPU): the page size exercises the pipeline; "
             "no kernel-family choices, backend order is the profile's untuned one, not a measurement")
@@ -45,8 +50,7 @@ def pick_device(records: list[TrialRecord], device: str | None = None) -> str:
         return hit[0]
     if len(names) == 1:
         return names[0]
-    from vllm_metax.core.device import detect_device
-    here = detect_device().name
+    here = core_device.detect_device().name
     hit = [n for n in names if device_key(n) == device_key(here)]
     if hit:
         return hit[0]
@@ -62,8 +66,6 @@ def _collapse(values: list):
 def provenance(device_name: str, runs: list[dict], choice: choosing.Choice, results_db: str | None,
                mix: WorkloadMix | None, notes: list[str]) -> dict:
     """Where a config's numbers come from: device, environment of the runs, rules, date."""
-    from mla_tune import __version__
-    from vllm_metax.core.profile import PROVENANCE_KEY
     p = {"device_name": device_name, "kind": choice.kind or _collapse([r.get("kind") for r in runs])}
     # the target profile the numbers were measured under: what the plugin compares with its own
     p[PROVENANCE_KEY] = _collapse([run_profile(r) for r in runs])
@@ -105,7 +107,7 @@ def _bucket(b: choosing.BucketChoice) -> tc.Bucket:
     return tc.Bucket(b.batch_size, b.lookup_context or b.context_len, b.q_len, fams, best)
 
 
-def served_order(m: choosing.ModelChoice, buckets: list) -> tuple[list, str | None]:
+def served_order(m: choosing.ModelChoice, buckets: list, profile) -> tuple[list, str | None]:
     """The entry's attention-backend order and, where it differs from the families' ranking, why.
 
     The families are ranked by their own weighted totals (`choose`), but FLASHINFER_MLA's decode
@@ -113,7 +115,8 @@ def served_order(m: choosing.ModelChoice, buckets: list) -> tuple[list, str | No
     gives them: its total is that of what it serves per bucket. Where that beats a backend ranked
     ahead of it (on a MetaX-profile sweep FlashMLA alone can rank first, while FLASHINFER_MLA
     serves FlashMLA's buckets and the split kernel's), FLASHINFER_MLA moves ahead of it. `buckets`
-    are `m.buckets` as written (`_bucket`); an incomplete bucket keeps the ranking."""
+    are `m.buckets` as written (`_bucket`); an incomplete bucket keeps the ranking. The side kernels
+    are those the target `profile` (the config's, not this machine's) serves."""
     order, fi = list(m.backend_order), choosing.ATTENTION_BACKEND[choices.FLASHINFER]
     if fi not in order or order[0] == fi:
         return order, None
@@ -121,7 +124,7 @@ def served_order(m: choosing.ModelChoice, buckets: list) -> tuple[list, str | No
     for bc, b in zip(m.buckets, buckets):
         if bc.weight <= 0:
             continue
-        side = decisions.side_kernel(b, page_size=m.page_size)
+        side = decisions.side_kernel(b, profile, page_size=m.page_size)
         fc = b.families.get(side[0] if side else choices.FLASHINFER)
         if fc is None or not fc.time_us:
             return order, None
@@ -153,8 +156,7 @@ def model_entries(choice: choosing.Choice, notes: list[str],
     attention-backend family gets the untuned order of the target `profile` (`Profile.mla_order`;
     None: the one the device name implies).
     """
-    from vllm_metax.core.profile import get_profile
-    untuned_order = list(get_profile(profile or run_profile({"device_name": choice.device_name})).mla_order)
+    target = get_profile(profile or run_profile({"device_name": choice.device_name}))
     by_dims: dict = {}
     ordered = sorted(choice.models, key=lambda m: (m.ragged != "uniform", -len(m.buckets), m.model))
     for m in ordered:
@@ -183,12 +185,12 @@ def model_entries(choice: choosing.Choice, notes: list[str],
                          f"({base.reason.split(';')[0]}...), not written")
             continue
         buckets = [_bucket(b) for b in m.buckets]
-        order, served_note = served_order(m, buckets)
+        order, served_note = served_order(m, buckets, target)
         reason = f"{m.page_reason}; {m.order_reason}" + (f"; {served_note}" if served_note else "")
         if m.ragged != "uniform":
             reason += f"; measured with {m.ragged} context lengths"
         if not order:
-            order = untuned_order
+            order = list(target.mla_order)
             reason += "; no vLLM attention-backend family measured: backend order not tuned"
         by_dims[dims] = tc.ModelEntry(dims, int(m.page_size), order, buckets, m.model, m.tp_size, reason)
     return list(by_dims.values())
@@ -217,7 +219,6 @@ def build_tuned_config(store, flt: TrialFilter = TrialFilter(), mix: WorkloadMix
 
     Every model measured on the device goes into its one file, not only the latest sweep's.
     """
-    import dataclasses
     records = select_trials(store, flt)
     device = pick_device(records, flt.device)
     records = [r for r in records if r.device_name == device]
@@ -251,7 +252,7 @@ def with_prefill(cfg: tc.TunedConfig, prefill: list, **choose_kw) -> tc.TunedCon
     TrialRecords); prefill measured for dims without a decode entry is noted, not written."""
     if not prefill:
         return cfg
-    import dataclasses
+    # lazy: the prefill choice imports the measuring side (torch), which a decode-only emit never needs
     from mla_tune.tune.prefill import choose_prefill, prefill_buckets
     sections = {dims: prefill_buckets(vs) for dims, vs in choose_prefill(prefill, **choose_kw).items()}
     notes = cfg.provenance.setdefault("notes", [])
@@ -289,7 +290,6 @@ def config_to_emit(source, out_dir: str | Path = "configs", *, store=None,
     else:
         cfg = build_tuned_config(source, TrialFilter(device, model, tuple(runs), profile), mix,
                                  **choose_kw)
-    from mla_tune.validate import is_packaged_configs
     if not cpu_ok and device_key(cfg.device_name) == "cpu" and is_packaged_configs(out_dir):
         raise EmitError(f"not writing the CPU reference's config into the packaged {out_dir} (the "
                         "vLLM plugin loads it; the CPU is not a serving device): name the folder "
