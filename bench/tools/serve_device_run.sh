@@ -16,12 +16,7 @@
 #                 .fijit/flashinfer_jit.tar.xz, serve-env.sh unpacks it (no rebuild at server start)
 #   PREFILL_AFTER=1  after the servers, the prefill sweep into /tmp/work/results.db and the config
 #                 emitted again (decode + prefill), both into $OUT
-set -u
-start=$(date +%s)
-total=${TOTAL_S:-585}
-left() { echo $(( total - ($(date +%s) - start) )); }
-source bench/tools/serve-env.sh || exit 3
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+source bench/tools/serve-call.sh   # set -u, the clock (start, total, left), the serving env, the GPU line
 python3 -c "import vllm.entrypoints.openai.api_server, vllm.benchmarks.serve, vllm._C_stable_libtorch; print('serve imports ok')" 2>&1 | tail -3
 echo "setup $(( $(date +%s) - start )) s"
 W=/tmp/work; mkdir -p $W

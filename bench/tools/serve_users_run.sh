@@ -8,12 +8,7 @@
 #                model (DeepSeek-V3's layers on one TP8 rank) tuned and vLLM's own: CELLS x REPEATS
 #                with a decode profile (attention's share of a step)
 # Results: $OUT/serve_bench_<phase>.{json,md}, $OUT/logs_<phase>.tgz; copied every 20 s while running.
-set -u
-start=$(date +%s)
-total=${TOTAL_S:-585}
-left() { echo $(( total - ($(date +%s) - start) )); }
-source bench/tools/serve-env.sh || exit 3
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+source bench/tools/serve-call.sh   # set -u, the clock (start, total, left), the serving env, the GPU line
 W=/tmp/work; C=/tmp/cache; mkdir -p $W $C
 phase=${PHASE:-cold}
 serve=$W/serve_$phase
