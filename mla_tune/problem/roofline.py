@@ -49,6 +49,9 @@ def arithmetic_intensity(workload: Workload) -> float:
 
 @dataclass(frozen=True)
 class Floor:
+    """The two lower bounds on one step's time (us): the fewest bytes at the copy ceiling, the
+    FLOPs at the matmul ceiling; the step can beat neither."""
+
     memory_us: float
     compute_us: float
 
