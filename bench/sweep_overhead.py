@@ -87,8 +87,8 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=20)
     args = ap.parse_args()
     from mla_tune.families import register_family
-    from mla_tune.tune.sweep import run_sweep
-    from mla_tune.tune.sweep_flags import build_config
+    from mla_tune.tune.sweep.run import run_sweep
+    from mla_tune.tune.sweep.request import build_config
     # the worker process imports the stand-in by name: bench/ (and the checkout) on its path
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(Path(__file__).resolve().parent)] + [p for p in sys.path if p])

@@ -6,7 +6,7 @@ from typer.testing import CliRunner
 
 from mla_tune.cli import app
 from mla_tune.cli.app import EXIT_FAILURE, EXIT_USER_ERROR, exit_code_of, known_errors
-from mla_tune.tune.sweep_config import SweepError, SweepInputError
+from mla_tune.tune.sweep.config import SweepError, SweepInputError
 
 runner = CliRunner()
 

@@ -58,7 +58,7 @@ def test_version_is_the_package_version():
 
 
 def test_sweep_help_is_short_and_names_the_real_default_families():
-    from mla_tune.tune.sweep_config import GPU_FAMILIES
+    from mla_tune.tune.sweep.config import GPU_FAMILIES
     out = _help("sweep").stdout
     assert len(out.splitlines()) < 130
     flat = " ".join(out.split())

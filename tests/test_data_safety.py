@@ -304,7 +304,7 @@ def test_a_study_whose_creator_died_before_naming_itself_is_taken_over_soon(tmp_
     next sweep takes it over after UNNAMED_SEEDER_S, not after the full SEED_WAIT_S (60 s)."""
     import time
     from mla_tune.families.base import Candidate
-    from mla_tune.tune import shared_bucket as sb
+    from mla_tune.tune.sweep import shared_bucket as sb
     from mla_tune.tune.search_space import SearchSpace
     from mla_tune.tune.study_storage import open_storage, quiet_optuna
     storage = open_storage(tmp_path / "s.log")

@@ -20,9 +20,9 @@ from typer.testing import CliRunner
 
 from mla_tune.families.base import Candidate
 from mla_tune.cli import app
-from mla_tune.tune.distributed import parse_gpus
+from mla_tune.tune.sweep.distributed import parse_gpus
 from mla_tune.tune.search_space import SearchSpace
-from mla_tune.tune.shared_bucket import Heartbeat, SharedBucket
+from mla_tune.tune.sweep.shared_bucket import Heartbeat, SharedBucket
 from mla_tune.tune.study_storage import open_storage
 from mla_tune.store.results import ResultsStore
 
@@ -336,8 +336,8 @@ def test_rdb_heartbeat_fails_a_silent_claim_and_retries_it_postgres(postgres_url
 
 def test_a_new_results_db_beside_an_old_journal_measures_afresh(tmp_path):
     # the journal's studies belong to the DB they were made for: `rm results.db` starts over
-    from mla_tune.tune.sweep import run_sweep
-    from mla_tune.tune.sweep_flags import build_config
+    from mla_tune.tune.sweep.run import run_sweep
+    from mla_tune.tune.sweep.request import build_config
     db = tmp_path / "results.db"
     cfg = dict(db=db, device="cpu", isolation="inline", emit=False, batches="1", contexts="64",
                page_sizes=[16, 64], samples=3, warmup=1)

@@ -19,8 +19,8 @@ from mla_tune.store.results import ResultsStore
 
 def stored_workload(row):
     return StoredWorkload.from_row(row).problem
-from mla_tune.tune.buckets import resolve_lengths
-from mla_tune.tune.sweep_flags import build_config
+from mla_tune.tune.sweep.buckets import resolve_lengths
+from mla_tune.tune.sweep.request import build_config
 from vllm_metax.core.decisions import bucket_context
 
 V3 = model_preset("deepseek-v3")

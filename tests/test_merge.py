@@ -104,8 +104,8 @@ def test_a_copy_of_an_old_schema_db_merged_into_its_migrated_copy_adds_nothing(t
 
 
 def test_merge_of_two_sweeps_adds_the_others_trials(tmp_path):
-    from mla_tune.tune.sweep import run_sweep
-    from mla_tune.tune.sweep_flags import build_config
+    from mla_tune.tune.sweep.run import run_sweep
+    from mla_tune.tune.sweep.request import build_config
     dbs = []
     for i, batches in enumerate(("1", "2")):
         db = tmp_path / f"host{i}.db"

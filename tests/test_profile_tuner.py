@@ -84,7 +84,7 @@ def test_triton_under_metax_adds_the_vendor_launch_and_makes_it_the_default(monk
 
 
 def test_the_sweep_resolves_the_profiles_families_and_skips_what_its_target_lacks():
-    from mla_tune.tune.sweep_plan import resolve_families
+    from mla_tune.tune.sweep.plan import resolve_families
     _, skipped = resolve_families(["fa3_mla", "reference"], "cpu", "metax")
     assert "does not run fa3_mla" in skipped["fa3_mla"]
     available, skipped = resolve_families(None, "cuda", "metax")
@@ -95,8 +95,8 @@ def test_the_sweep_resolves_the_profiles_families_and_skips_what_its_target_lack
 
 def test_the_plan_and_the_run_record_carry_the_profile(tmp_path):
     from mla_tune.measure.environment import capture_environment
-    from mla_tune.tune.sweep_flags import build_config
-    from mla_tune.tune.sweep_plan import plan_sweep
+    from mla_tune.tune.sweep.request import build_config
+    from mla_tune.tune.sweep.plan import plan_sweep
     cfg = build_config(batches="1", contexts="256", tp_sizes=[8], device="cpu",
                        db=tmp_path / "r.db", profile="metax")
     plan, _ = plan_sweep(cfg)

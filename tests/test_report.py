@@ -221,7 +221,7 @@ def test_the_summary_legend_names_the_families_the_table_shows():
 
 def test_missing_default_db_points_at_the_shipped_results_db(fx, tmp_path, monkeypatch):
     import shutil
-    monkeypatch.setattr("mla_tune.tune.buckets.detect_device", lambda: "cpu")
+    monkeypatch.setattr("mla_tune.tune.sweep.buckets.detect_device", lambda: "cpu")
     work = tmp_path / "checkout"
     work.mkdir()
     shutil.copy(fx.path, work / "results.db")

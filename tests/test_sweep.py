@@ -15,12 +15,12 @@ import sweep_families
 from mla_tune.cli import app
 from mla_tune.problem.workload import ProblemError, model_preset
 from mla_tune.store.results import ResultsStore
-from mla_tune.tune.buckets import (default_space, journal_path_for, parse_duration, parse_sizes,
+from mla_tune.tune.sweep.buckets import (default_space, journal_path_for, parse_duration, parse_sizes,
                                    plan_buckets)
-from mla_tune.tune.sweep import run_sweep
-from mla_tune.tune.sweep_config import SweepConfig
-from mla_tune.tune.sweep_flags import build_config
-from mla_tune.tune.sweep_plan import CPU_REFERENCE_NOTE
+from mla_tune.tune.sweep.run import run_sweep
+from mla_tune.tune.sweep.config import SweepConfig
+from mla_tune.tune.sweep.request import build_config
+from mla_tune.tune.sweep.plan import CPU_REFERENCE_NOTE
 
 TESTS = Path(__file__).resolve().parent
 V3 = model_preset("deepseek-v3")
@@ -139,7 +139,7 @@ def test_rerun_measures_nothing_twice(cpu_sweep):
 
 def test_replay_over_the_cpu_db_reaches_the_same_winners(cpu_sweep):
     from mla_tune.tune.choose import choose_from_store
-    from mla_tune.tune.replay import replay_sweep
+    from mla_tune.tune.sweep.replay import replay_sweep
     d, db, _ = cpu_sweep
     with ResultsStore(db, create=False) as s:
         direct = choose_from_store(s)
@@ -261,10 +261,11 @@ class VirtualClock:
 
 def virtual_budget_clock(monkeypatch) -> VirtualClock:
     """Every module that spends or checks a sweep's time budget reads the virtual clock."""
-    from mla_tune.tune import search, sweep_measure, sweep_run, sweep_shared, sweep_start
+    from mla_tune.tune import search
+    from mla_tune.tune.sweep import in_process, measure, shared, start
 
     clock = VirtualClock()
-    for module in (search, sweep_measure, sweep_run, sweep_shared, sweep_start):
+    for module in (search, measure, in_process, shared, start):
         monkeypatch.setattr(module, "time", clock)
     monkeypatch.setattr(sweep_families.SlowStartBackend, "pause", staticmethod(clock.sleep))
     return clock
@@ -298,7 +299,7 @@ def test_time_budget_is_shared_by_expected_cost_and_slack_moves_on():
     left time unused: shares now follow trials x bytes moved, and an early finish is re-shared."""
     from mla_tune.families import Candidate
     from mla_tune.tune.search_space import SearchSpace
-    from mla_tune.tune.sweep_plan import PlannedBucket, budget_share, bucket_weight
+    from mla_tune.tune.sweep.plan import PlannedBucket, budget_share, bucket_weight
 
     buckets = plan_buckets(model_preset("deepseek-v3"), [8], [1, 128], [1024, 32768])
 
@@ -417,8 +418,8 @@ def test_a_script_without_a_main_guard_can_sweep_in_a_worker(tmp_path):
     script = tmp_path / "my_sweep.py"
     script.write_text(
         "import sys\nfrom pathlib import Path\n"
-        "from mla_tune.tune.sweep import run_sweep\n"
-        "from mla_tune.tune.sweep_flags import build_config\n"
+        "from mla_tune.tune.sweep.run import run_sweep\n"
+        "from mla_tune.tune.sweep.request import build_config\n"
         "out = run_sweep(build_config(db=Path(sys.argv[1]), device='cpu', isolation='process',\n"
         "    emit=False, batches='1', contexts='64', page_sizes=[16], samples=3, warmup=1))\n"
         "print('measured', out.measured)\n")
@@ -461,7 +462,7 @@ def test_v1_results_db_gains_the_default_mark(tmp_path):
 
 def test_ceilings_subprocess_without_cuda_returns_nothing():
     """On a machine without CUDA the child fails and the run record simply has no ceilings."""
-    from mla_tune.tune.sweep_start import ceilings_in_subprocess
+    from mla_tune.tune.sweep.start import ceilings_in_subprocess
     import torch
     if torch.cuda.is_available():
         import pytest
@@ -470,7 +471,7 @@ def test_ceilings_subprocess_without_cuda_returns_nothing():
 
 
 def test_the_ceilings_probe_runs_beside_the_worker_and_is_ended(monkeypatch):
-    from mla_tune.tune import sweep_start
+    from mla_tune.tune.sweep import start as sweep_start
     monkeypatch.setattr(sweep_start.CeilingsProbe, "CODE",
                         "import json, time; time.sleep(0.2); print(json.dumps({'copy_gbps': 1.0}))")
     probe = sweep_start.CeilingsProbe(timeout=30).start()
@@ -483,8 +484,8 @@ def test_the_ceilings_probe_runs_beside_the_worker_and_is_ended(monkeypatch):
 
 
 def test_the_time_line_splits_the_wall():
-    from mla_tune.tune.sweep_outcome import SweepOutcome
-    from mla_tune.tune.sweep_plan import SweepPlan
+    from mla_tune.tune.sweep.outcome import SweepOutcome
+    from mla_tune.tune.sweep.plan import SweepPlan
     o = SweepOutcome(SweepPlan("cuda", "gpu", [], {}, []), seconds=100.0,
                      time_split={"samples_s": 20.0, "jit_s": 10.0, "measure_s": 60.0, "startup_s": 15.0,
                                  "plan_s": 8.0, "choose_s": 2.0})
@@ -509,8 +510,8 @@ def test_the_worker_split_adds_up_to_other_measuring():
     from mla_tune.families.reference import ReferenceFamily
     from mla_tune.measure import trial
     from mla_tune.measure.trial import PHASES, MeasureSettings
-    from mla_tune.tune.sweep_outcome import PHASE_NAMES, SweepOutcome
-    from mla_tune.tune.sweep_plan import SweepPlan
+    from mla_tune.tune.sweep.outcome import PHASE_NAMES, SweepOutcome
+    from mla_tune.tune.sweep.plan import SweepPlan
     from mla_tune.families import Candidate
     from mla_tune.problem.workload import custom_model, workload_for
     assert tuple(PHASE_NAMES) == PHASES
@@ -551,7 +552,7 @@ def test_a_gpu_sweep_starts_its_worker_before_planning_and_surfaces_its_start_er
     thread; on the CPU nothing is started."""
     from mla_tune.measure import worker as worker_mod
     from mla_tune.measure.trial import MeasureSettings
-    from mla_tune.tune import sweep_start
+    from mla_tune.tune.sweep import start as sweep_start
     monkeypatch.setenv("MLA_TUNE_JIT_PREBUILD", "0")
     monkeypatch.setattr(sweep_start.CeilingsProbe, "CODE", "print('{}')")
     buckets = plan_buckets(model_preset("deepseek-v3"), [8], [1], [256])

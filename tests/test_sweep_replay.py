@@ -10,10 +10,10 @@ import pytest
 from bench_support import load_bench
 
 from mla_tune.families.base import Candidate
-from mla_tune.tune.replay import replay_sweep
+from mla_tune.tune.sweep.replay import replay_sweep
 from mla_tune.tune.search import Evaluation, SearchPolicy, search
 from mla_tune.tune.search_space import SearchSpace
-from mla_tune.tune.sweep_config import SweepConfig
+from mla_tune.tune.sweep.config import SweepConfig
 
 
 def bench_module():

@@ -93,7 +93,7 @@ def test_prefill_plan_makes_the_recorded_plans(tmp_path):
 
 
 def test_build_config_takes_the_traffic_cells(tmp_path):
-    from mla_tune.tune.sweep_flags import build_config
+    from mla_tune.tune.sweep.request import build_config
     cfg = build_config(tp_sizes=[8], cells=[(32, 4096, 2), (1, 1024, 1)], device="cuda",
                        db=tmp_path / "r.db")
     assert [(b.tp_size, b.workload.batch_size, b.workload.context_len, b.workload.q_len)

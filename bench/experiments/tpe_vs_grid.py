@@ -111,8 +111,8 @@ def build_landscape_db(path: str | Path, buckets=BUCKETS, tp: int = 8, seed: int
 
 def compare(path: str | Path, seeds=(0, 1, 2, 3, 4), **policy) -> list[dict]:
     """Replay grid once and TPE per seed over the DB; one row per (bucket, seed)."""
-    from mla_tune.tune.replay import replay_sweep
-    from mla_tune.tune.sweep_config import SweepConfig
+    from mla_tune.tune.sweep.replay import replay_sweep
+    from mla_tune.tune.sweep.config import SweepConfig
 
     grid = replay_sweep(path, SweepConfig(buckets=[], mode="grid", emit=False))
     grid_by = {(b.bucket.workload.batch_size, b.bucket.workload.context_len): b for b in grid.buckets}

@@ -29,6 +29,6 @@ try:
     import transformers, vllm.v1.attention.ops.triton_decode_attention
 except Exception as e:
     print('device-setup: warm import:', type(e).__name__, e)
-import mla_tune.tune.sweep, mla_tune.measure.worker, mla_tune.measure.trial, mla_tune.families.flashinfer, mla_tune.families.triton_mla
+import mla_tune.tune.sweep.run, mla_tune.measure.worker, mla_tune.measure.trial, mla_tune.families.flashinfer, mla_tune.families.triton_mla
 " > /dev/null 2>&1
 echo "device-setup: byte-compiled the unpacked packages and the image's in $(python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.1f}')" "$t0" "$(date +%s.%N)") s (an install step, outside every timing)"

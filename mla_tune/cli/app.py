@@ -168,7 +168,7 @@ def known_errors() -> tuple:
     from mla_tune.tune.study_storage import StorageError
     from mla_tune.tune.emit import EmitError
     from mla_tune.tune.prefill import PrefillSweepError
-    from mla_tune.tune.sweep_config import SweepError
+    from mla_tune.tune.sweep.config import SweepError
     from mla_tune.validate import InputError
     from mla_tune.views.report import ReportError
     from vllm_metax.core.tuned_config import TunedConfigError
@@ -178,7 +178,7 @@ def known_errors() -> tuple:
 
 def exit_code_of(error: Exception) -> int:
     """2 for bad input; 1 for a job that ran and failed (a sweep that could not measure)."""
-    from mla_tune.tune.sweep_config import SweepError
+    from mla_tune.tune.sweep.config import SweepError
     if isinstance(error, SweepError) and not isinstance(error, ValueError):
         return EXIT_FAILURE
     return EXIT_USER_ERROR

@@ -23,7 +23,7 @@ HELP = ("Measure the MLA prefill backend (FlashInfer ragged prefill fa2/fa3 and,
 
 
 def _ints(text: str, flag: str) -> list[int]:
-    from mla_tune.tune.buckets import parse_sizes     # the one size-list syntax ('256,1K', '1K-64K')
+    from mla_tune.tune.sweep.buckets import parse_sizes     # the one size-list syntax ('256,1K', '1K-64K')
     try:
         return parse_sizes(text, "context")
     except ValueError as e:

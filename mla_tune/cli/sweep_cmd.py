@@ -23,7 +23,7 @@ from mla_tune.problem.units import us_text
 from mla_tune.problem.workload import DTYPES
 from mla_tune.tune.verdict import MIN_RATIO
 from mla_tune.tune.search import SearchMode as Mode
-from mla_tune.tune.sweep_config import CPU_FAMILIES, GPU_FAMILIES
+from mla_tune.tune.sweep.config import CPU_FAMILIES, GPU_FAMILIES
 from mla_tune.validate import FLOAT, INT, PathOption
 from vllm_metax.core.profile import METAX, PROFILES
 
@@ -45,7 +45,7 @@ class RichObserver:
 
     # -------------------------------------------------------------- events
     def on_start(self, plan) -> None:
-        from mla_tune.tune.sweep_flags import estimate_note
+        from mla_tune.tune.sweep.request import estimate_note
         self.plan = plan
         self.done = 0
         if plan.note:
@@ -166,7 +166,7 @@ def print_summary(outcome) -> None:
 
 def _bucket_filter(model, tp, batches, contexts, q_len):
     """Replay: which stored buckets to search (flags given narrow them; none given: all)."""
-    from mla_tune.tune.buckets import parse_sizes
+    from mla_tune.tune.sweep.buckets import parse_sizes
     from mla_tune.validate import check_name
     if model is not None:
         check_name("--model", model)
@@ -299,8 +299,8 @@ def sweep(
 ):
     """Measure each bucket's candidates, store every trial, choose winners, emit the config."""
     flags = {k: v for k, v in locals().items() if k != "ctx"}     # as typer converted them
-    from mla_tune.tune.sweep import run_sweep
-    from mla_tune.tune.sweep_config import SweepError
+    from mla_tune.tune.sweep.run import run_sweep
+    from mla_tune.tune.sweep.config import SweepError
     from mla_tune.validate import InputError
 
     gpu_list = _checked_combination(ctx, flags)
@@ -328,7 +328,7 @@ def sweep(
 
 def _checked_combination(ctx, f: dict) -> list[str] | None:
     """Flags that exclude each other refused; the --gpus list (None without it)."""
-    from mla_tune.tune.distributed import parse_gpus
+    from mla_tune.tune.sweep.distributed import parse_gpus
     replay = f["replay"]
     ignored = given(ctx, *(LIVE_ONLY if replay is not None else REPLAY_ONLY))
     if ignored:
@@ -386,8 +386,8 @@ def _weights(f: dict):
 
 def _replay(f: dict, kw: dict, observer):
     """--replay: the search over the DB's stored measurements (nothing measured or written)."""
-    from mla_tune.tune.replay import replay_sweep
-    from mla_tune.tune.sweep_config import SweepConfig
+    from mla_tune.tune.sweep.replay import replay_sweep
+    from mla_tune.tune.sweep.config import SweepConfig
     if f["dry_run"]:
         fail("--dry-run plans a live sweep; a --replay measures nothing already")
     config = SweepConfig(buckets=[], **{**kw, "emit": False, "journal": False, "storage": None})
@@ -398,8 +398,8 @@ def _replay(f: dict, kw: dict, observer):
 
 def _live_config(ctx, f: dict, kw: dict):
     """The live sweep's SweepConfig from the flags, this machine's defaults filling the gaps."""
-    from mla_tune.tune.buckets import default_db, detect_device
-    from mla_tune.tune.sweep_flags import build_config
+    from mla_tune.tune.sweep.buckets import default_db, detect_device
+    from mla_tune.tune.sweep.request import build_config
     emit = f["emit"]
     device = detect_device()
     cpu = not device.startswith("cuda")
@@ -426,9 +426,9 @@ def _live_config(ctx, f: dict, kw: dict):
 
 def _dry_run(config) -> None:
     """--dry-run: every input checked as a live sweep checks it, then its plan; nothing runs."""
-    from mla_tune.tune.sweep_check import check_sweep_config
-    from mla_tune.tune.sweep_plan import plan_sweep
-    from mla_tune.tune.sweep_flags import estimate_note
+    from mla_tune.tune.sweep.check import check_sweep_config
+    from mla_tune.tune.sweep.plan import plan_sweep
+    from mla_tune.tune.sweep.request import estimate_note
     from mla_tune.views.render import to_rich
     from mla_tune.views.sweep_view import plan_tables
     config = check_sweep_config(config)

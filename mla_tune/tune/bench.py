@@ -94,7 +94,7 @@ def plan_bench(texts: list[str], *, model: str, heads: int | None, tp: int | Non
     """A bench invocation's values checked and the device's defaults (bench_defaults) filling
     the gaps; `rounds` is cut to the samples unless given explicitly (then it is an error)."""
     from mla_tune.store.sqlite_file import is_results_db
-    from mla_tune.tune.buckets import default_db, parse_sizes     # the one size-list rule, sweep's
+    from mla_tune.tune.sweep.buckets import default_db, parse_sizes     # the one size-list rule, sweep's
     from mla_tune.validate import check_kv_tokens, output_file
     cands = parse_candidates(texts)
     dev = bench_device(device)

@@ -41,7 +41,7 @@ def db_to_read(named=None, device: str | None = None):
     (`default_db`); a default that does not exist while the shipped GPU DB does is a ReportError
     that points at it (a fresh CPU checkout has results.db but no results-cpu.db)."""
     from pathlib import Path
-    from mla_tune.tune.buckets import GPU_DB, default_db
+    from mla_tune.tune.sweep.buckets import GPU_DB, default_db
     if named is not None:
         return Path(named)
     path = default_db(device)

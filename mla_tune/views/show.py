@@ -14,7 +14,7 @@ from mla_tune.views.render import Column, OutputFormat, Table, render, times, to
 def parse_lookup(text: str) -> tuple[int, int, int]:
     """`--lookup BATCH,CONTEXT[,Q_LEN]` -> (batch, context, q_len), each a size as --batches and
     --contexts write one (`32,6k`, `32,4K,2`); InputError when malformed."""
-    from mla_tune.tune.buckets import parse_size
+    from mla_tune.tune.sweep.buckets import parse_size
     from mla_tune.validate import InputError, check_int
     parts = text.split(",")
     try:

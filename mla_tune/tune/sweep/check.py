@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from mla_tune.tune.buckets import default_db, detect_device, journal_path_for
-from mla_tune.tune.sweep_config import SweepConfig, SweepError, SweepInputError, sweep_profile
+from mla_tune.tune.sweep.buckets import default_db, detect_device, journal_path_for
+from mla_tune.tune.sweep.config import SweepConfig, SweepError, SweepInputError, sweep_profile
 from vllm_metax.core.profile import get_profile
-from mla_tune.tune.sweep_plan import resolve_families
+from mla_tune.tune.sweep.plan import resolve_families
 
 
 def check_search_settings(config: SweepConfig) -> None:

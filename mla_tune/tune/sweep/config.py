@@ -1,7 +1,7 @@
 """What a sweep is asked to do (SweepConfig), the families it runs by default, and its errors.
 
-A SweepConfig is built from command-line values by sweep_flags.build_config, checked by
-sweep_check.check_sweep_config and run by sweep.run_sweep."""
+A SweepConfig is built from command-line values by request.build_config, checked by
+check.check_sweep_config and run by sweep.run_sweep."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ class SweepConfig:
     command: str = ""
     storage: str | None = None          # shared optuna storage: RDB URL or journal file (None: journal)
     heartbeat_s: int | None = None      # RDB storages: heartbeat of a claimed trial
-    gpus: Sequence[str] | None = None   # one worker process per GPU (mla_tune.tune.distributed)
+    gpus: Sequence[str] | None = None   # one worker process per GPU (mla_tune.tune.sweep.distributed)
     worker_index: int = 0
     worker_count: int = 1
     role: str = "single"                # single | worker (measures only) | final (after workers)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mla_tune.tune.sweep_config import SweepConfig
-from mla_tune.tune.sweep_outcome import SweepOutcome
+from mla_tune.tune.sweep.config import SweepConfig
+from mla_tune.tune.sweep.outcome import SweepOutcome
 
 
 def finish_sweep(outcome: SweepOutcome, config: SweepConfig, store, device_name: str) -> None:

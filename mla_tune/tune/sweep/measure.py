@@ -13,10 +13,10 @@ from mla_tune import fault_points
 from mla_tune.families.base import Candidate
 from mla_tune.problem.defaults import KERNEL_METRIC
 from mla_tune.tune.search import Evaluation, SearchPolicy
-from mla_tune.tune.sweep_config import SweepConfig
-from mla_tune.tune.sweep_outcome import SweepObserver, SweepOutcome
-from mla_tune.tune.sweep_plan import PlannedBucket, SweepPlan, unsupported_key
-from mla_tune.tune.sweep_start import CeilingsProbe, ceilings_in_subprocess
+from mla_tune.tune.sweep.config import SweepConfig
+from mla_tune.tune.sweep.outcome import SweepObserver, SweepOutcome
+from mla_tune.tune.sweep.plan import PlannedBucket, SweepPlan, unsupported_key
+from mla_tune.tune.sweep.start import CeilingsProbe, ceilings_in_subprocess
 
 JIT_S = 0.5      # a preparation longer than this is first-use compilation, not the bucket's search
 
@@ -29,7 +29,7 @@ class Measurer:
         self.store, self.runner, self.plan, self.config = store, runner, plan, config
         self.outcome, self.obs, self.refused, self.device_name = outcome, obs, refused, device_name
         self.run_id: int | None = None
-        self.ceilings: CeilingsProbe | None = None     # started early on a GPU (sweep_start)
+        self.ceilings: CeilingsProbe | None = None     # started early on a GPU (start)
         self.first_round = True     # the sweep's first round trip to the worker is still to come
 
     def _run(self) -> int:

@@ -6,10 +6,10 @@ from __future__ import annotations
 from typing import Sequence
 
 from mla_tune.problem.workload import DTYPES, model_preset
-from mla_tune.tune.buckets import (default_db, default_space, detect_device, measure_settings,
+from mla_tune.tune.sweep.buckets import (default_db, default_space, detect_device, measure_settings,
                                    parse_duration, parse_sizes, plan_buckets, resolve_lengths)
-from mla_tune.tune.sweep_config import SweepConfig
-from mla_tune.tune.sweep_plan import SweepPlan
+from mla_tune.tune.sweep.config import SweepConfig
+from mla_tune.tune.sweep.plan import SweepPlan
 
 
 def build_config(*, model: str = "deepseek-v3", tp_sizes: Sequence[int] | None = None,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from mla_tune.tune.sweep_config import SweepConfig, default_families, sweep_profile
+from mla_tune.tune.sweep.config import SweepConfig, default_families, sweep_profile
 
 
 class CeilingsProbe:

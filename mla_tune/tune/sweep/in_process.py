@@ -1,9 +1,9 @@
 """A sweep in this process (the only one, or one worker of `--gpus`): check, start the worker
 early, plan, search every bucket measuring what the store does not hold yet, then choose and
-emit (sweep_finish). Every trial is committed as its batch returns; rerunning is a resume.
+emit (finish). Every trial is committed as its batch returns; rerunning is a resume.
 
 With `time_budget_s`, each bucket gets its share of the time left in proportion to its expected
-cost (sweep_plan.bucket_weight; first-use JIT, worker start-up and the run's one-time set-up do
+cost (plan.bucket_weight; first-use JIT, worker start-up and the run's one-time set-up do
 not count against it); buckets cut short are counted in `stopped_early`, and a rerun continues them.
 """
 
@@ -12,18 +12,18 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from mla_tune.tune.buckets import default_space, measure_settings
+from mla_tune.tune.sweep.buckets import default_space, measure_settings
 from mla_tune.tune.search import SearchOutcome, search
-from mla_tune.tune.sweep_check import check_families, check_sweep_config
-from mla_tune.tune.sweep_config import SweepConfig, SweepError, sweep_profile
-from mla_tune.tune.sweep_finish import finish_sweep
-from mla_tune.tune.sweep_measure import Measurer
-from mla_tune.tune.sweep_outcome import BucketOutcome, SweepObserver, SweepOutcome
-from mla_tune.tune.sweep_plan import (bucket_weight, budget_share, device_name_of, plan_bucket,
+from mla_tune.tune.sweep.check import check_families, check_sweep_config
+from mla_tune.tune.sweep.config import SweepConfig, SweepError, sweep_profile
+from mla_tune.tune.sweep.finish import finish_sweep
+from mla_tune.tune.sweep.measure import Measurer
+from mla_tune.tune.sweep.outcome import BucketOutcome, SweepObserver, SweepOutcome
+from mla_tune.tune.sweep.plan import (bucket_weight, budget_share, device_name_of, plan_bucket,
                                       plan_sweep, space_for, study_name, tag_remeasure)
-from mla_tune.tune.sweep_shared import (POLL_S, add_finished_elsewhere, claim_and_measure,
+from mla_tune.tune.sweep.shared import (POLL_S, add_finished_elsewhere, claim_and_measure,
                                         open_sweep_storage, shared_bucket)
-from mla_tune.tune.sweep_start import CeilingsProbe, EarlyStart
+from mla_tune.tune.sweep.start import CeilingsProbe, EarlyStart
 
 
 def run_in_process(config: SweepConfig, observer: SweepObserver | None = None) -> SweepOutcome:
@@ -125,7 +125,7 @@ class _LiveSweep:
                     f"{storage.rebuilt.name}, studies rebuilt from {plan.db}")
             plan.note = f"{plan.note} {note}".strip()
         if storage is not None:
-            from mla_tune.tune.shared_bucket import Heartbeat
+            from mla_tune.tune.sweep.shared_bucket import Heartbeat
             from mla_tune.tune.study_storage import heartbeat_on
             if heartbeat_on(storage):
                 self.heartbeat = Heartbeat(storage, storage.get_heartbeat_interval())

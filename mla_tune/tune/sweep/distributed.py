@@ -62,9 +62,9 @@ def run_workers(config, gpus: Sequence[str], observer=None, poll_s: float = POLL
     and emits. Returns the final pass's SweepOutcome with the workers' counts added and
     `workers` (WorkerReport per GPU)."""
     from mla_tune.families import family_targets
-    from mla_tune.tune.sweep_config import SweepError
-    from mla_tune.tune.sweep_run import run_in_process
-    from mla_tune.tune.sweep_shared import seed_studies
+    from mla_tune.tune.sweep.config import SweepError
+    from mla_tune.tune.sweep.in_process import run_in_process
+    from mla_tune.tune.sweep.shared import seed_studies
     t0 = time.monotonic()
     seed_studies(config)              # before any worker runs: no study is seeded by a worker that dies
     tmp = Path(tempfile.mkdtemp(prefix="mla-tune-workers-"))
@@ -80,7 +80,7 @@ def run_workers(config, gpus: Sequence[str], observer=None, poll_s: float = POLL
             # each worker its share of the host's cores: torch's thread pools would fight otherwise
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // len(gpus))))
             log = open(tmp / f"worker{i}.log", "wb")
-            p = subprocess.Popen([sys.executable, "-m", "mla_tune.tune.distributed", str(payload),
+            p = subprocess.Popen([sys.executable, "-m", "mla_tune.tune.sweep.distributed", str(payload),
                                   str(tmp / f"worker{i}.json")], env=env, stdout=log,
                                  stderr=subprocess.STDOUT, start_new_session=False)
             log.close()
@@ -140,7 +140,7 @@ class _HeldSummary:
 
 def _worker_main(payload: str, report: str) -> int:
     from mla_tune.families import register_family
-    from mla_tune.tune.sweep_run import run_in_process
+    from mla_tune.tune.sweep.in_process import run_in_process
     with open(payload, "rb") as f:
         job = pickle.load(f)
     sys.path[:0] = [p for p in job["path"] if p not in sys.path]   # the launcher's modules too

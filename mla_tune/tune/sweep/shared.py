@@ -8,9 +8,9 @@ from __future__ import annotations
 import time
 
 from mla_tune.tune.search import Evaluation, SearchOutcome, SearchPolicy, tpe_sampler
-from mla_tune.tune.sweep_config import SweepConfig, SweepError, SweepInputError
-from mla_tune.tune.sweep_outcome import SweepOutcome
-from mla_tune.tune.sweep_plan import (PlannedBucket, SweepPlan, device_name_of, plan_sweep, space_for,
+from mla_tune.tune.sweep.config import SweepConfig, SweepError, SweepInputError
+from mla_tune.tune.sweep.outcome import SweepOutcome
+from mla_tune.tune.sweep.plan import (PlannedBucket, SweepPlan, device_name_of, plan_sweep, space_for,
                                       study_name, tag_remeasure)
 
 POLL_S = 0.5     # how often a worker looks again at trials that other workers hold
@@ -30,7 +30,7 @@ def shared_bucket(storage, config: SweepConfig, plan: SweepPlan, p: PlannedBucke
     so: with its grid (in measuring order, cut to its budget), or for TPE with the family
     defaults (TPE proposes the rest). With `store` (the results DB a journal belongs to), the
     study is checked against the DB: what it says was measured and the DB lacks is measured again."""
-    from mla_tune.tune.shared_bucket import SharedBucket
+    from mla_tune.tune.sweep.shared_bucket import SharedBucket
     declared = space_for(p.bucket, backends, config.page_sizes, {})
     name = f"{study_name(config, p.bucket, declared)} | {p.mode} | {device_name}"
     if plan.db_uid:     # a journal serves the workers of one results DB, and only that DB

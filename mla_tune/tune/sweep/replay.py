@@ -9,15 +9,15 @@ from pathlib import Path
 
 from mla_tune.families.base import Candidate
 from mla_tune.problem.workload import Workload
-from mla_tune.tune.buckets import Bucket
+from mla_tune.tune.sweep.buckets import Bucket
 from mla_tune.tune.search import Evaluation, search
 from mla_tune.tune.search_space import SearchSpace
-from mla_tune.tune.sweep_check import check_search_settings
-from mla_tune.tune.sweep_config import SweepConfig, SweepInputError
-from mla_tune.tune.sweep_finish import choose_winners
-from mla_tune.tune.sweep_measure import kernel_median, note_best
-from mla_tune.tune.sweep_outcome import BucketOutcome, SweepObserver, SweepOutcome
-from mla_tune.tune.sweep_plan import SweepPlan, plan_bucket, study_name
+from mla_tune.tune.sweep.check import check_search_settings
+from mla_tune.tune.sweep.config import SweepConfig, SweepInputError
+from mla_tune.tune.sweep.finish import choose_winners
+from mla_tune.tune.sweep.measure import kernel_median, note_best
+from mla_tune.tune.sweep.outcome import BucketOutcome, SweepObserver, SweepOutcome
+from mla_tune.tune.sweep.plan import SweepPlan, plan_bucket, study_name
 
 
 def stored_buckets(rows: list) -> list[Bucket]:

@@ -16,9 +16,9 @@ from typing import Sequence
 
 from mla_tune.families.base import Candidate, CandidateInvalid
 from mla_tune.problem.workload import ProblemError, Workload
-from mla_tune.tune.buckets import Bucket, default_db, detect_device, journal_path_for
+from mla_tune.tune.sweep.buckets import Bucket, default_db, detect_device, journal_path_for
 from mla_tune.tune.search_space import SearchSpace
-from mla_tune.tune.sweep_config import SweepConfig, SweepInputError, default_families, sweep_profile
+from mla_tune.tune.sweep.config import SweepConfig, SweepInputError, default_families, sweep_profile
 from vllm_metax.core.choices import KNOBS
 from vllm_metax.core.profile import active_profile, get_profile
 
