@@ -49,7 +49,7 @@ def prefill_metadata(q_lens, device, chunk_kv_lens=None, dtype=torch.bfloat16, c
     """The fields of vLLM's MLACommonPrefillMetadata a prefill backend reads, with one context
     chunk whose per-request context lengths are `chunk_kv_lens` (or one chunk per list in
     `chunks`). Each chunk carries vLLM's host fields (token_slice, num_context_tokens,
-    request_slice, max_query_len, max_seq_len) beside its device index pointers, as vLLM 0.33.0's
+    request_slice, max_query_len, max_seq_len, seq_lens) beside its device index pointers, as vLLM 0.33.0's
     ContextChunk does."""
     chunked = None
     if chunk_kv_lens is not None:
@@ -58,7 +58,8 @@ def prefill_metadata(q_lens, device, chunk_kv_lens=None, dtype=torch.bfloat16, c
         chunked = SimpleNamespace(chunks=[SimpleNamespace(
             index=i, query_start_loc=indptr(q_lens, device), cu_seq_lens=indptr(kv, device),
             token_slice=slice(0, sum(q_lens)), num_context_tokens=sum(kv),
-            request_slice=slice(0, len(q_lens)), max_query_len=max(q_lens), max_seq_len=max(kv))
+            request_slice=slice(0, len(q_lens)), max_query_len=max(q_lens), max_seq_len=max(kv),
+            seq_lens=torch.tensor(kv, dtype=torch.int32))
             for i, kv in enumerate(chunks)])
     return SimpleNamespace(query_start_loc=indptr(q_lens, device),
                            query_lens_cpu=torch.tensor(q_lens, dtype=torch.int32),

@@ -6,6 +6,7 @@ with the float64 reference from exactly the planned index pointers)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 
@@ -339,6 +340,35 @@ def test_device_index_pointers_without_host_lengths_plan_the_default(plugin, vll
     meta = SimpleNamespace(query_start_loc=torch.tensor([0, 256], device="meta"),
                            cu_seq_lens=torch.tensor([0, 16384], device="meta"))
     assert chunk_statistic(meta) is None
+
+
+def test_context_chunks_plan_from_host_index_pointers(plugin, vllm_config, tmp_path, monkeypatch):
+    """A prompt that continues cached context plans every chunk from vLLM's host fields: its device
+    index pointers here live on the meta device, where reading them (FlashInfer's copy to the
+    host, a sync on a GPU) fails."""
+    _install(tmp_path, monkeypatch)
+    b = _backend(vllm_config)
+    q_lens, chunks = [300, 212, 7], [[3000, 5000, 64], [1000, 24, 8]]
+    md = prefill_metadata(q_lens, "cpu", chunks=chunks)
+    for c in md.chunked_context.chunks:
+        c.query_start_loc, c.cu_seq_lens = c.query_start_loc.to("meta"), c.cu_seq_lens.to("meta")
+    b.prepare_metadata(md)
+    for i, kv in enumerate(chunks):
+        plan = b._chunks[i].wrapper.plans[-1]
+        assert plan["qo"].tolist() == [0, 300, 512, 519] and plan["kv"].tolist() == [0, *itertools.accumulate(kv)]
+        assert plan["qo"].device.type == plan["kv"].device.type == "cpu" and not plan["causal"]
+    # a chunk over a slice of the prefills (vLLM splits the context of several requests into
+    # chunks by its workspace) takes that slice's query lengths
+    md = prefill_metadata(q_lens, "cpu", chunks=[[3000]])
+    c = md.chunked_context.chunks[0]
+    c.request_slice, c.query_start_loc = slice(1, 2), torch.tensor([0, 212], dtype=torch.int32)
+    b.prepare_metadata(md)
+    assert b._chunks[0].wrapper.plans[-1]["qo"].tolist() == [0, 212]
+    # without vLLM's host lengths the device pointers are planned (FlashInfer copies them)
+    md = prefill_metadata(q_lens, "cpu", chunks=[[3000, 5000, 64]])
+    del md.chunked_context.chunks[0].seq_lens
+    b.prepare_metadata(md)
+    assert b._chunks[0].wrapper.plans[-1]["kv"].tolist() == [0, 3000, 8000, 8064]
 
 
 def test_plans_that_switch_backends_reuse_their_wrappers(plugin, vllm_config, tmp_path, monkeypatch):

@@ -7,13 +7,13 @@ FLASHINFER prefill name, which upstream reserves for Blackwell's cutlass kernel.
 vLLM's MLA layer calls it for the new tokens of each prefill (causal) and, for prompts that
 continue cached context, once per workspace-sized context chunk (non-causal); it merges the
 chunks by their natural-log LSE, which this backend converts from FlashInfer's base 2.
-Plans are made from host index pointers where vLLM gives them (no device sync for the new
-tokens). Which backend each plan runs (the new tokens' plan and every context chunk's, each
-separately) comes from the tuned config's prefill section for the model, looked up by the plan's
-kind, total query tokens and mean KV tokens per request (`vllm_metax.core.decisions.prefill_backend`);
-untuned, the device default. A value the device may not run is never planned (one warning, the
-default instead); a backend value FlashInfer refuses here falls back to fa2 for good, with one
-warning.
+Plans are made from host index pointers where vLLM gives them (no device sync, for the new tokens
+and for every context chunk). Which backend each plan runs (the new tokens' plan and every context
+chunk's, each separately) comes from the tuned config's prefill section for the model, looked up by
+the plan's kind, total query tokens and mean KV tokens per request
+(`vllm_metax.core.decisions.prefill_backend`); untuned, the device default. A value the device may
+not run is never planned (one warning, the default instead); a backend value FlashInfer refuses here
+falls back to fa2 for good, with one warning.
 """
 
 from __future__ import annotations
@@ -84,6 +84,30 @@ def chunk_statistic(chunk) -> tuple[int, int] | None:
     if q is None or kv is None:
         return None
     return decisions.prefill_statistic(q, kv, chunk.cu_seq_lens.shape[0] - 1)
+
+
+def _host_indptr(lens: torch.Tensor) -> torch.Tensor:
+    """A CSR index pointer on the host from per-request lengths on the host."""
+    out = torch.zeros(lens.shape[0] + 1, dtype=torch.int32)
+    torch.cumsum(lens, 0, out=out[1:])
+    return out
+
+
+def chunk_host_indptrs(chunk, query_lens_cpu) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A context chunk's query and KV index pointers on the host, equal to its device
+    `query_start_loc` and `cu_seq_lens`: vLLM 0.33.0 builds those from the prefills' host query
+    lengths (the chunk's `request_slice` of them) and the chunk's host `seq_lens`. Planned from
+    these, FlashInfer copies nothing back from the device: a device copy would sync the step
+    with the GPU, and under vLLM's async scheduling every prefill step that continues a prompt
+    would lose its host/GPU overlap. None where vLLM did not give the host fields."""
+    seq_lens, rs = getattr(chunk, "seq_lens", None), getattr(chunk, "request_slice", None)
+    if (query_lens_cpu is None or not isinstance(seq_lens, torch.Tensor) or not isinstance(rs, slice)
+            or seq_lens.device.type != "cpu" or query_lens_cpu.device.type != "cpu"):
+        return None
+    q_lens = query_lens_cpu[rs]
+    if q_lens.shape[0] != seq_lens.shape[0]:
+        return None
+    return _host_indptr(q_lens), _host_indptr(seq_lens)
 
 
 def _lse_for_vllm(kernel, lse: torch.Tensor) -> torch.Tensor:
@@ -229,8 +253,7 @@ class FlashInferMLAPrefillBackend(MLAPrefillBackend):
         lens = prefill_metadata.query_lens_cpu
         statistic = None
         if lens is not None:        # host index pointers: no device sync for the new tokens
-            qo_indptr = torch.zeros(lens.shape[0] + 1, dtype=torch.int32)
-            torch.cumsum(lens, 0, out=qo_indptr[1:])
+            qo_indptr = _host_indptr(lens)
             total = int(qo_indptr[-1])
             # causal new tokens: each request's KV is its own query tokens
             statistic = decisions.prefill_statistic(total, total, lens.shape[0])
@@ -242,7 +265,9 @@ class FlashInferMLAPrefillBackend(MLAPrefillBackend):
         chunked = prefill_metadata.chunked_context
         if chunked is not None:
             for chunk in chunked.chunks:
-                self._plan(chunk.index, chunk.query_start_loc, chunk.cu_seq_lens, False, q_dtype,
+                cu_q, cu_kv = (chunk_host_indptrs(chunk, lens)
+                               or (chunk.query_start_loc, chunk.cu_seq_lens))
+                self._plan(chunk.index, cu_q, cu_kv, False, q_dtype,
                            out_dtype, device, chunk_statistic(chunk),
                            (chunk.query_start_loc, chunk.cu_seq_lens,
                             getattr(chunk, "max_query_len", None), getattr(chunk, "max_seq_len", None)))
