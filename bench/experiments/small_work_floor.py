@@ -67,34 +67,13 @@ def _kernels(torch, step):
             for name, ts in per.items()}
 
 
-def _graph_us(torch, step, cache, cold: bool, reps: int = 50):
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        step()
-        torch.cuda.synchronize()
-        with torch.cuda.graph(g, stream=s):
-            step()
-    flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.float32, device="cuda")
-    ts = []
-    for _ in range(reps):
-        if cold:
-            flush.zero_()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1000)
-    return statistics.median(ts)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=".")
     ap.add_argument("--backends", default="fa3,fa2")
     args = ap.parse_args(argv)
     import torch
+    from bench.experiments.graph_replay import replay_median_us
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU, and torch sees none here: run it on the GPU machine")
     rows, lines = [], []
@@ -104,9 +83,9 @@ def main(argv=None) -> int:
         for backend in args.backends.split(","):
             for kv_chunk in (None, float("inf")):
                 try:
-                    _, step, cache = _setup(torch, heads, batch, ctx, backend, kv_chunk)
+                    _, step, _ = _setup(torch, heads, batch, ctx, backend, kv_chunk)
                     kernels = _kernels(torch, step)
-                    warm, cold = _graph_us(torch, step, cache, False), _graph_us(torch, step, cache, True)
+                    warm, cold = replay_median_us(step, 50), replay_median_us(step, 50, cold_l2=True)
                 except Exception as e:  # noqa: BLE001 - a refusal or failure is reported, not fatal
                     lines.append(f"H{heads} B{batch} L{ctx} {backend} kv_chunk={kv_chunk}: {type(e).__name__}: {e}")
                     continue

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -29,6 +28,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
+
+from bench.experiments.graph_replay import replay_median_us  # noqa: E402
 
 R, P, PAGE = 512, 64, 64
 SHAPES = [  # heads, batch, context, splits (the one-wave count the sweep chose)
@@ -72,24 +73,6 @@ def _stream_kernel(CKV_DESC, KPE_DESC, BT, SEQ, OUT, stride_bt, NUM_SPLITS,
     tl.store(OUT + pid * (R + P) + R + tl.arange(0, P), acc_p)
 
 
-def graph_time(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1000.0)
-    return statistics.median(times)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results")
@@ -111,7 +94,7 @@ def main() -> int:
         row = {"heads": heads, "batch": batch, "context": ctx, "splits": splits, "kv_gb": gbytes}
         for pipe in ("t64", "t32x4"):
             k = op.served(splits, "bfloat16", heads, PAGE, batch, dev, pipe=pipe)
-            row[f"{pipe}_us"] = graph_time(lambda: k.run(q[..., :R], q[..., R:], cache[..., :R], cache[..., R:],
+            row[f"{pipe}_us"] = replay_median_us(lambda: k.run(q[..., :R], q[..., R:], cache[..., :R], cache[..., R:],
                                                           bt, lens, 192 ** -0.5, out), args.reps)
         hb = -(-heads // op.default_block_h(heads))
         flat = cache.view(-1, R + P)
@@ -126,14 +109,14 @@ def main() -> int:
                                                     PAGE=PAGE, BLOCK_N=bn, R=R, P=P, ROWSUM=rowsum,
                                                     num_warps=8, num_stages=stages)
             try:
-                row[f"{label}_us"] = graph_time(stream, args.reps)
+                row[f"{label}_us"] = replay_median_us(stream, args.reps)
             except Exception as e:  # noqa: BLE001 - a probe that does not fit is a row, not the end
                 row[f"{label}_us"] = None
                 row[f"{label}_error"] = f"{type(e).__name__}: {str(e)[:160]}"
         # the copy bound of the same bytes: one device-to-device copy of the cache's used pages
         used = cache[: pages]
         dst = torch.empty_like(used)
-        row["copy_us"] = graph_time(lambda: dst.copy_(used), args.reps)
+        row["copy_us"] = replay_median_us(lambda: dst.copy_(used), args.reps)
         rows.append(row)
         cells = [f"{k[:-3]} {v:.1f} us ({gbytes / v * 1e6:.0f} GB/s, {row['copy_us'] / (2 * v):.0%} of copy bandwidth)"
                  for k, v in row.items() if k.endswith("_us") and v and k != "copy_us"]
