@@ -237,8 +237,18 @@ def test_a_layer_with_another_scale_is_not_run_with_this_plan(fb, base_config):
     impl = ps.make_impl(_config(base_config), scale=1.0)
     md, _, _, num_pages = _decode(builder, [12])
     q, kv = _qkv(1, num_pages)
-    with pytest.raises(ValueError, match="sm_scale"):
+    with pytest.raises(ValueError, match="softmax scale"):
         _forward(impl, md, q[..., 192:], q[..., 128:192], kv)
+
+
+def test_a_cache_of_another_block_size_is_not_run_with_this_plan(fb, base_config):
+    builder = ps.make_builder(_config(base_config))
+    impl = ps.make_impl(_config(base_config))
+    md, _, _, num_pages = _decode(builder, [12])
+    q, kv = _qkv(1, num_pages)
+    with pytest.raises(ValueError,
+                       match=f"FLASHINFER_MLA planned KV block size {PAGE}, the cache pages hold {PAGE // 2}"):
+        _forward(impl, md, q[..., 192:], q[..., 128:192], kv.view(2 * num_pages, PAGE // 2, -1))
 
 
 def test_impl_refuses_what_it_cannot_do(fb, base_config):

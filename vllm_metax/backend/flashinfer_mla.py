@@ -404,12 +404,7 @@ class FlashInferMLAImpl(FeatureCheckedImpl, MLACommonImpl[FlashInferMLAMetadata]
             q_nope, q_pe = q[..., : self.kv_lora_rank], q[..., self.kv_lora_rank:]
         if q_nope.shape[0] != decode.num_rows:
             raise ValueError(f"planned {decode.num_rows} decode rows, got {q_nope.shape[0]}")
-        if decode.sm_scale != self.scale:
-            raise ValueError(f"the step was planned with sm_scale {decode.sm_scale}, "
-                             f"this layer's scale is {self.scale}")
-        if kv_c_and_k_pe_cache.shape[1] != decode.page_size:
-            raise ValueError(f"planned page size {decode.page_size}, "
-                             f"KV cache pages hold {kv_c_and_k_pe_cache.shape[1]}")
+        self.check_planned(decode.sm_scale, decode.page_size, kv_c_and_k_pe_cache)
         ckv = kv_c_and_k_pe_cache[..., : self.kv_lora_rank]
         kpe = kv_c_and_k_pe_cache[..., self.kv_lora_rank:]
         out = torch.empty(q_nope.shape, dtype=q_nope.dtype, device=q_nope.device)

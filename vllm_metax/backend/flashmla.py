@@ -145,12 +145,7 @@ class MetaxFlashMLAImpl(FeatureCheckedImpl, MLACommonImpl[MetaxFlashMLAMetadata]
                     kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: MetaxFlashMLAMetadata,
                     layer: AttentionLayer) -> tuple[torch.Tensor, torch.Tensor | None]:
         decode = self.planned_decode(attn_metadata)
-        if decode.kernel.softmax_scale != self.scale:
-            raise ValueError(f"the step was planned with softmax scale {decode.kernel.softmax_scale}, "
-                             f"this layer's scale is {self.scale}")
-        if kv_c_and_k_pe_cache.shape[1] != op.PAGE_SIZE:
-            raise ValueError(f"FLASHMLA needs KV block size {op.PAGE_SIZE}, the cache pages hold "
-                             f"{kv_c_and_k_pe_cache.shape[1]}")
+        self.check_planned(decode.kernel.softmax_scale, op.PAGE_SIZE, kv_c_and_k_pe_cache)
         if isinstance(q, tuple):
             q = torch.cat(q, dim=-1)
         num_decodes = decode.block_table.shape[0]

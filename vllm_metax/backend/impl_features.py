@@ -1,6 +1,6 @@
 """What the plugin's MLA attention impls (FLASHINFER_MLA's, FLASHMLA's) share: the layer features
 their decode kernels do not compute, refused at construction in one NotImplementedError, the
-context parallelism they do not run, and the planned decode step they read."""
+context parallelism they do not run, and the planned decode step they read and check."""
 
 from __future__ import annotations
 
@@ -29,6 +29,16 @@ class FeatureCheckedImpl:
         decode = attn_metadata.decode
         assert decode is not None and decode.kernel is not None, "decode step was not planned"
         return decode
+
+    def check_planned(self, planned_scale: float, planned_page_size: int, kv_cache) -> None:
+        """Refuse to run a step planned for another layer's softmax scale or another KV block
+        size than the cache's (`kv_cache`: [pages, block size, ...])."""
+        if planned_scale != self.scale:
+            raise ValueError(f"the step was planned with softmax scale {planned_scale}, "
+                             f"this layer's scale is {self.scale}")
+        if kv_cache.shape[1] != planned_page_size:
+            raise ValueError(f"{self.backend_name} planned KV block size {planned_page_size}, "
+                             f"the cache pages hold {kv_cache.shape[1]}")
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  alibi_slopes: list[float] | None, sliding_window: int | None, kv_cache_dtype: str,
