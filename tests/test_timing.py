@@ -67,6 +67,29 @@ def test_interleaved_rotates_order_and_splits_samples():
     assert blocks == ["abc", "bca", "cab"]
 
 
+def test_sampling_in_rounds_rotates_stops_early_and_keeps_a_failure():
+    from mla_tune.measure.sampling import sample_in_rounds
+    order = []
+
+    class Timer:
+        def __init__(self, key, value, fail_at=None):
+            self.key, self.value, self.fail_at, self.calls = key, value, fail_at, 0
+
+        def sample(self, n):
+            order.append(self.key)
+            self.calls += 1
+            if self.calls == self.fail_at:
+                raise RuntimeError(f"{self.key} lost its context")
+            return [self.value] * n
+
+    timers = {"a": Timer("a", 1.0), "b": Timer("b", 2.0, fail_at=2), "c": Timer("c", 5.0)}
+    # c knows its median after one round; b fails in its second; a takes all 7 (3 + 3 + 1)
+    got, errors = sample_in_rounds(timers, samples=7, rounds=3, enough=lambda xs: xs[0] == 5.0)
+    assert "".join(order) == "abc" + "ba" + "a"         # the order rotated by one per round
+    assert got == {"a": [1.0] * 7, "b": [2.0] * 3, "c": [5.0] * 3}
+    assert list(errors) == ["b"] and "lost its context" in str(errors["b"])
+
+
 def test_interleaved_keeps_failures_as_data_and_goes_on():
     log = []
     fam = Recording(log, fail={"b": CandidateInvalid("unsupported", "b refuses this device"),

@@ -45,6 +45,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.experiments.shape_run import add_shape_run_options, ints, read_earlier_run  # noqa: E402
+from mla_tune.measure.sampling import sample_in_rounds  # noqa: E402
 from mla_tune.tune.verdict import MIN_RATIO, P_THRESHOLD  # noqa: E402
 from mla_tune.problem.workload import model_preset  # noqa: E402
 
@@ -533,27 +534,12 @@ def _timer_cls(runs_per_graph: int):
     return type("PrefillTimer", (KernelTimer,), {"RUNS_PER_GRAPH": max(1, runs_per_graph)})
 
 
-def _sample_interleaved(timers: dict, settings: Settings) -> dict:
+def _sample_interleaved(timers: dict, settings: Settings) -> tuple[dict, dict]:
     """Every timer's samples, `rounds` rounds each taking a slice of every timer, the order rotated
-    by one per round (drift spreads over all); a timer that fails keeps its error."""
-    res = {k: [] for k in timers}
-    errors = {}
-    per = max(1, math.ceil(settings.samples / max(settings.rounds, 1)))
-    keys = list(timers)
-    for r in range(max(settings.rounds, 1)):
-        live = [k for k in keys if k not in errors]
-        if not live:
-            break
-        j = r % len(live)
-        for k in live[j:] + live[:j]:
-            want = min(per, settings.samples - len(res[k]))
-            if want <= 0:
-                continue
-            try:
-                res[k].extend(timers[k].sample(want))
-            except Exception as e:  # noqa: BLE001 - a failed sample is data
-                errors[k] = f"{type(e).__name__}: {e}"
-    return res, errors
+    by one per round (drift spreads over all; the sweep's `sample_in_rounds`); a timer that fails
+    keeps its error."""
+    res, errors = sample_in_rounds(timers, settings.samples, settings.rounds)
+    return res, {k: f"{type(e).__name__}: {e}" for k, e in errors.items()}
 
 
 def _stats(samples) -> dict:

@@ -16,6 +16,7 @@ import time
 from typing import Callable, Sequence
 
 from mla_tune.families.base import Candidate, CandidateInvalid
+from mla_tune.measure.sampling import sample_in_rounds
 from mla_tune.measure.timing import KernelTimer, TimedSamples
 from mla_tune.measure.trial import TOLERANCE, MeasureSettings, TrialResult, invalid_result
 from mla_tune.problem.defaults import KERNEL_METRIC, PLAN_METRIC
@@ -83,21 +84,8 @@ def measure_prefill(entries: Sequence[tuple[object, Candidate]], w: PrefillWorkl
             results[i] = invalid_result(c, exc)
         if on_prepared is not None:
             on_prepared(c, i not in results)
-    samples = {i: [] for i in timers}
-    per_round = max(1, math.ceil(settings.samples / max(rounds, 1)))
-    for r in range(max(rounds, 1)):
-        live = [i for i in timers if i not in results]
-        if not live:
-            break
-        k = r % len(live)
-        for i in live[k:] + live[:k]:
-            want = min(per_round, settings.samples - len(samples[i]))
-            if want <= 0:
-                continue
-            try:
-                samples[i].extend(timers[i].sample(want))
-            except Exception as exc:  # noqa: BLE001
-                results[i] = invalid_result(entries[i][1], exc)
+    samples, errors = sample_in_rounds(timers, settings.samples, rounds)
+    results.update({i: invalid_result(entries[i][1], exc) for i, exc in errors.items()})
     out = []
     for i, (_, c) in enumerate(entries):
         if i not in results:

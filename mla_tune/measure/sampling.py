@@ -1,4 +1,5 @@
-"""When a candidate has enough samples: a distribution-free confidence interval of the median.
+"""How a batch of candidates is sampled: in interleaved rounds (`sample_in_rounds`), each leaving
+once it has enough samples: a distribution-free confidence interval of the median.
 
 The sweep's verdicts (mla_tune.tune.choose) call a candidate faster than its family default only
 when Mann-Whitney gives p < 0.002 and the medians differ by >= 1.05x. Sampling stops early for a
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
+from typing import Callable
 
 MIN_SAMPLES = 10
 REL_WIDTH = 0.02
@@ -53,3 +55,26 @@ def enough_samples(xs, min_samples: int = MIN_SAMPLES, rel_width: float = REL_WI
     s = sorted(xs)
     med = s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
     return med > 0 and (hi - lo) <= rel_width * med
+
+
+def sample_in_rounds(timers: dict, samples: int, rounds: int,
+                     enough: Callable | None = None) -> tuple[dict, dict]:
+    """(samples, errors) by key: up to `samples` from every timer (`.sample(n)` -> a list), ceil(samples
+    / rounds) per round, the order rotated by one per round so drift spreads over all. A timer leaves
+    the rounds when its sampling raised (the exception in `errors`), it has `samples`, or `enough`
+    (its samples so far) says so."""
+    per_round = max(1, math.ceil(samples / max(rounds, 1)))
+    got = {k: [] for k in timers}
+    errors: dict = {}
+    live, r = list(timers), 0
+    while live:
+        j = r % len(live)
+        for k in live[j:] + live[:j]:
+            try:
+                got[k].extend(timers[k].sample(min(per_round, samples - len(got[k]))))
+            except Exception as exc:  # noqa: BLE001 - a failed sample is data: the caller records it
+                errors[k] = exc
+        r += 1
+        live = [k for k in live if k not in errors and len(got[k]) < samples
+                and not (enough is not None and enough(got[k]))]
+    return got, errors

@@ -8,7 +8,6 @@ wall-clock loop, labelled as such in the run record.
 
 from __future__ import annotations
 
-import math
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -17,7 +16,7 @@ from typing import Callable, Sequence
 import torch
 
 from mla_tune.families.base import Candidate, CandidateInvalid
-from mla_tune.measure.sampling import REL_WIDTH, enough_samples
+from mla_tune.measure.sampling import REL_WIDTH, enough_samples, sample_in_rounds
 from mla_tune.measure.timing import KernelTimer, TimedSamples, time_prepared, warm_up
 from mla_tune.problem.defaults import KERNEL_METRIC, PLAN_METRIC
 from mla_tune.problem.workload import Workload
@@ -261,22 +260,15 @@ def _prepare(e: _Entry, workload: Workload, settings, cache: ProblemCache) -> No
 
 
 def _sample_rounds(live: list[_Entry], settings, rounds: int) -> None:
-    """ceil(samples / rounds) samples from every live candidate per round, the order rotated by
-    one per round, until each has its samples, failed, or knows its median well enough."""
-    per_round = max(1, math.ceil(settings.samples / max(rounds, 1)))
+    """`sample_in_rounds` over the live candidates, each leaving early once it knows its median
+    well enough (from settings.min_samples on); a failed sampling is the candidate's result."""
     least = settings.samples if settings.min_samples is None else settings.min_samples
-    r = 0
-    while live:
-        k = r % len(live)
-        for e in live[k:] + live[:k]:
-            want = min(per_round, settings.samples - len(e.kernel_us))
-            try:
-                e.kernel_us.extend(e.timer.sample(want))
-            except Exception as exc:  # noqa: BLE001
-                e.result = invalid_result(e.candidate, exc)
-        r += 1
-        live = [e for e in live if e.result is None and len(e.kernel_us) < settings.samples
-                and not enough_samples(e.kernel_us, least, REL_WIDTH)]
+    got, errors = sample_in_rounds({i: e.timer for i, e in enumerate(live)}, settings.samples, rounds,
+                                   lambda xs: enough_samples(xs, least, REL_WIDTH))
+    for i, e in enumerate(live):
+        e.kernel_us.extend(got[i])
+        if i in errors:
+            e.result = invalid_result(e.candidate, errors[i])
 
 
 def _finished(e: _Entry) -> TrialResult:
