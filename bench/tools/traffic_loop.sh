@@ -26,6 +26,8 @@
 #                         says how many steps had q_len 2). SPEC= (empty) serves without drafts
 #   SHARE=0.99            sweep --traffic-share
 #   SWEEP_BUDGET=240      sweep --time-budget (s)
+#   CACHE_ROOT=/tmp/cache serve_bench --cache-root: both servers start on the caches an earlier call's
+#                         h16 tuned server left there (serve_users_run.sh), not cold
 #   DRY=1                 print what each phase would run; run nothing (works on the CPU)
 #
 # The carry: .dev and .fa3 leave no room for the tracked results.db (34 MB), so leave the tracked
@@ -61,7 +63,7 @@ serve() {                     # serve_bench's tuned setup with a config folder i
   local folder=$1 out=$2
   run timeout ${SERVE_S:-560} python3 bench/serve_bench.py --out "$out" --models "$model" \
     --setups tuned --workloads "$workload" --repeats "$repeats" "${cells[@]}" \
-    ${folder:+--config-folder "$folder"} "${serve_args[@]}"
+    ${folder:+--config-folder "$folder"} ${CACHE_ROOT:+--cache-root "$CACHE_ROOT"} "${serve_args[@]}"
 }
 
 if [ "$phase" = record ] || [ "$phase" = all ]; then
