@@ -88,16 +88,16 @@ def main() -> int:
     args = ap.parse_args()
     from mla_tune.families import register_family
     from mla_tune.tune.sweep.run import run_sweep
-    from mla_tune.tune.sweep.request import build_config
+    from mla_tune.tune.sweep.request import SweepRequest
     # the worker process imports the stand-in by name: bench/ (and the checkout) on its path
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(Path(__file__).resolve().parent)] + [p for p in sys.path if p])
     register_family("gpulike", "sweep_overhead:GpuLike")
     with tempfile.TemporaryDirectory() as d:
-        cfg = build_config(model="deepseek-v3", tp_sizes=[8], batches=args.batches,
-                           contexts=args.contexts, device="cpu", families=["gpulike"],
+        cfg = SweepRequest(model="deepseek-v3", tp=[8], batches=args.batches,
+                           contexts=args.contexts, device="cpu", family=["gpulike"],
                            db=Path(d) / "r.db", samples=args.samples, emit=False,
-                           isolation="process")
+                           isolation="process").config()
         t = time.monotonic()
         out = run_sweep(cfg)
         wall = time.monotonic() - t

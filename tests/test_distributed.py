@@ -337,13 +337,13 @@ def test_rdb_heartbeat_fails_a_silent_claim_and_retries_it_postgres(postgres_url
 def test_a_new_results_db_beside_an_old_journal_measures_afresh(tmp_path):
     # the journal's studies belong to the DB they were made for: `rm results.db` starts over
     from mla_tune.tune.sweep.run import run_sweep
-    from mla_tune.tune.sweep.request import build_config
+    from mla_tune.tune.sweep.request import SweepRequest
     db = tmp_path / "results.db"
     cfg = dict(db=db, device="cpu", isolation="inline", emit=False, batches="1", contexts="64",
-               page_sizes=[16, 64], samples=3, warmup=1)
-    assert run_sweep(build_config(**cfg)).measured == 2
-    assert run_sweep(build_config(**cfg)).measured == 0          # resumed: all done
+               page_size=[16, 64], samples=3, warmup=1)
+    assert run_sweep(SweepRequest(**cfg).config()).measured == 2
+    assert run_sweep(SweepRequest(**cfg).config()).measured == 0          # resumed: all done
     for p in tmp_path.glob("results.db*"):
         p.unlink()
-    again = run_sweep(build_config(**cfg))
+    again = run_sweep(SweepRequest(**cfg).config())
     assert (again.measured, again.cached) == (2, 0) and len(stored(db)) == 2

@@ -20,7 +20,7 @@ from mla_tune.store.results import ResultsStore
 def stored_workload(row):
     return StoredWorkload.from_row(row).problem
 from mla_tune.tune.sweep.buckets import resolve_lengths
-from mla_tune.tune.sweep.request import build_config
+from mla_tune.tune.sweep.request import SweepRequest
 from vllm_metax.core.decisions import bucket_context
 
 V3 = model_preset("deepseek-v3")
@@ -108,13 +108,13 @@ def test_the_shipped_older_db_still_reads_byte_for_byte(tmp_path):
 
 
 def test_the_default_gpu_sweep_holds_zipf_buckets_and_lengths_narrow_it():
-    cfg = build_config(device="cuda", db=Path("unused.db"))
+    cfg = SweepRequest(device="cuda", db=Path("unused.db")).config()
     kinds = [b.workload.ragged for b in cfg.buckets]
     assert kinds.count("uniform") == 96 and kinds.count("zipf") == 8
-    only = build_config(device="cuda", db=Path("unused.db"), ragged="lognormal", batches="8",
-                        contexts="1024")
+    only = SweepRequest(device="cuda", db=Path("unused.db"), lengths="lognormal", batches="8",
+                        contexts="1024").config()
     assert [b.workload.ragged for b in only.buckets] == ["lognormal", "lognormal"]
-    assert [b.workload.ragged for b in build_config(device="cpu").buckets] == ["uniform"] * 4
+    assert [b.workload.ragged for b in SweepRequest(device="cpu").config().buckets] == ["uniform"] * 4
 
 
 def test_cli_sweeps_a_trace_and_refuses_bad_files_without_writing(tmp_path):

@@ -105,12 +105,12 @@ def test_a_copy_of_an_old_schema_db_merged_into_its_migrated_copy_adds_nothing(t
 
 def test_merge_of_two_sweeps_adds_the_others_trials(tmp_path):
     from mla_tune.tune.sweep.run import run_sweep
-    from mla_tune.tune.sweep.request import build_config
+    from mla_tune.tune.sweep.request import SweepRequest
     dbs = []
     for i, batches in enumerate(("1", "2")):
         db = tmp_path / f"host{i}.db"
-        run_sweep(build_config(db=db, device="cpu", isolation="inline", emit=False, batches=batches,
-                               contexts="64", page_sizes=[16, 64], samples=3, warmup=1))
+        run_sweep(SweepRequest(db=db, device="cpu", isolation="inline", emit=False, batches=batches,
+                               contexts="64", page_size=[16, 64], samples=3, warmup=1).config())
         dbs.append(db)
     counts = merge_into(dbs[0], [dbs[1]])
     assert counts[0].trials == 2 and counts[0].runs == 1

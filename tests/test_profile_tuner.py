@@ -95,10 +95,10 @@ def test_the_sweep_resolves_the_profiles_families_and_skips_what_its_target_lack
 
 def test_the_plan_and_the_run_record_carry_the_profile(tmp_path):
     from mla_tune.measure.environment import capture_environment
-    from mla_tune.tune.sweep.request import build_config
+    from mla_tune.tune.sweep.request import SweepRequest
     from mla_tune.tune.sweep.plan import plan_sweep
-    cfg = build_config(batches="1", contexts="256", tp_sizes=[8], device="cpu",
-                       db=tmp_path / "r.db", profile="metax")
+    cfg = SweepRequest(batches="1", contexts="256", tp=[8], device="cpu",
+                       db=tmp_path / "r.db", profile="metax").config()
     plan, _ = plan_sweep(cfg)
     assert plan.profile == "metax"
     assert capture_environment("cpu-reference", "", "metax")["profile"] == "metax"

@@ -19,7 +19,7 @@ from mla_tune.tune.sweep.buckets import (default_space, journal_path_for, parse_
                                    plan_buckets)
 from mla_tune.tune.sweep.run import run_sweep
 from mla_tune.tune.sweep.config import SweepConfig
-from mla_tune.tune.sweep.request import build_config
+from mla_tune.tune.sweep.request import SweepRequest
 from mla_tune.tune.sweep.plan import CPU_REFERENCE_NOTE
 
 TESTS = Path(__file__).resolve().parent
@@ -162,14 +162,14 @@ def test_replay_over_the_cpu_db_reaches_the_same_winners(cpu_sweep):
 def test_resume_after_a_partial_sweep(tmp_path):
     db = tmp_path / "r.db"
     small = dict(db=db, device="cpu", isolation="inline", emit=False, batches="1",
-                 contexts="64", page_sizes=[1, 16, 64], samples=3, warmup=1)
-    first = run_sweep(build_config(**small))
+                 contexts="64", page_size=[1, 16, 64], samples=3, warmup=1)
+    first = run_sweep(SweepRequest(**small).config())
     assert (first.measured, first.cached) == (3, 0)
-    second = run_sweep(build_config(**{**small, "batches": "1,2"}))
+    second = run_sweep(SweepRequest(**{**small, "batches": "1,2"}).config())
     assert (second.measured, second.cached) == (3, 3)          # only the new bucket is measured
     keys = trial_keys(db)
     assert len(keys) == len(set(keys)) == 6
-    third = run_sweep(build_config(**{**small, "remeasure": True}))
+    third = run_sweep(SweepRequest(**{**small, "remeasure": True}).config())
     assert third.measured == 3 and len(trial_keys(db)) == 9      # asked for: measured again
     with ResultsStore(db, create=False) as s:
         assert len(s.runs()) == 3
@@ -233,11 +233,11 @@ def test_kill_9_and_rerun_keeps_every_finished_trial(tmp_path):
 
 def test_time_budget_stops_and_a_rerun_continues(tmp_path):
     db = tmp_path / "r.db"
-    cfg = dict(db=db, device="cpu", emit=False, families=["sleepy"], batches="1,2,4",
-               contexts="64", page_sizes=[16, 64, 128], samples=3, warmup=1, isolation="inline")
-    cut = run_sweep(build_config(**cfg, time_budget="1s"))
+    cfg = dict(db=db, device="cpu", emit=False, family=["sleepy"], batches="1,2,4",
+               contexts="64", page_size=[16, 64, 128], samples=3, warmup=1, isolation="inline")
+    cut = run_sweep(SweepRequest(**cfg, time_budget="1s").config())
     assert cut.stopped_early >= 1 and cut.measured < 9
-    rest = run_sweep(build_config(**cfg))
+    rest = run_sweep(SweepRequest(**cfg).config())
     assert rest.cached == cut.measured and rest.measured == 9 - cut.measured
     assert len(set(trial_keys(db))) == len(trial_keys(db)) == 9
 
@@ -281,16 +281,16 @@ def test_the_first_round_trips_start_up_costs_are_not_the_first_buckets_share(tm
     monkeypatch.setattr(sweep_families.SlowStartBackend, "first_pause_s", 2.0)
     db = tmp_path / "r.db"
     cfg = dict(db=db, device="cpu", emit=False, batches="1,2,4", contexts="64",
-               page_sizes=[16, 64, 128], samples=3, warmup=1, isolation="inline", time_budget="5s")
+               page_size=[16, 64, 128], samples=3, warmup=1, isolation="inline", time_budget="5s")
     t0 = clock.now
-    out = run_sweep(build_config(**cfg, families=["slowstart"]))
+    out = run_sweep(SweepRequest(**cfg, family=["slowstart"]).config())
     assert clock.now - t0 == pytest.approx(2.0)          # the one start-up pause, nothing else
     assert out.stopped_early == 0 and out.measured == 9
     assert len(set(trial_keys(db))) == 9
     # the control: a pause in every candidate's first run is the search's own time, and is cut
     monkeypatch.setattr(sweep_families.SlowStartBackend, "first_pause_s", 1.0)
     monkeypatch.setattr(sweep_families.SlowStartBackend, "each", True)
-    cut = run_sweep(build_config(**{**cfg, "db": tmp_path / "c.db"}, families=["slowstart"]))
+    cut = run_sweep(SweepRequest(**{**cfg, "db": tmp_path / "c.db"}, family=["slowstart"]).config())
     assert cut.stopped_early >= 1 and cut.measured < 9
 
 
@@ -322,8 +322,8 @@ def test_time_budget_is_shared_by_expected_cost_and_slack_moves_on():
 
 def test_sweep_survives_crashing_and_hanging_candidates(tmp_path):
     db = tmp_path / "r.db"
-    cfg = build_config(db=db, device="cpu", emit=False, families=["faulty"], batches="1,2",
-                       contexts="64", page_sizes=[16], samples=3, warmup=1, timeout_s=2.0)
+    cfg = SweepRequest(db=db, device="cpu", emit=False, family=["faulty"], batches="1,2",
+                       contexts="64", page_size=[16], samples=3, warmup=1, timeout=2.0).config()
     out = run_sweep(cfg)
     assert out.faults == 8 and out.restarts >= 8
     with ResultsStore(db, create=False) as s:
@@ -350,22 +350,22 @@ def test_a_refusal_is_learnt_once_for_every_later_bucket(tmp_path):
     # was rebuilt only for the bucket right after a new refusal
     db = tmp_path / "r.db"
     sweep_families.RefusingBackend.prepared.clear()
-    cfg = build_config(db=db, device="cpu", emit=False, families=["refusing"], batches="1,2,4,8",
-                       contexts="64", page_sizes=[16], samples=2, warmup=1, isolation="inline")
+    cfg = SweepRequest(db=db, device="cpu", emit=False, family=["refusing"], batches="1,2,4,8",
+                       contexts="64", page_size=[16], samples=2, warmup=1, isolation="inline").config()
     out = run_sweep(cfg)
     assert [b for b, _ in sweep_families.RefusingBackend.prepared].count("refuse") == 1
     assert [len(b.planned.space.dropped) for b in out.buckets] == [0, 1, 1, 1]
     assert [k for _, k in trial_keys(db)].count("refusing/refuse/p16") == 1   # stored, visible
     # a later sweep on the same DB knows the refusal from the store
     sweep_families.RefusingBackend.prepared.clear()
-    run_sweep(build_config(db=db, device="cpu", emit=False, families=["refusing"], batches="16",
-                           contexts="64", page_sizes=[16], samples=2, warmup=1, isolation="inline"))
+    run_sweep(SweepRequest(db=db, device="cpu", emit=False, family=["refusing"], batches="16",
+                           contexts="64", page_size=[16], samples=2, warmup=1, isolation="inline").config())
     assert {b for b, _ in sweep_families.RefusingBackend.prepared} == {"torch"}
 
 
 def test_tpe_mode_live_on_the_cpu(tmp_path):
-    out = run_sweep(build_config(db=tmp_path / "r.db", device="cpu", emit=False, mode="tpe",
-                                 isolation="inline", batches="1", contexts="64", samples=3, warmup=1))
+    out = run_sweep(SweepRequest(db=tmp_path / "r.db", device="cpu", emit=False, mode="tpe",
+                                 isolation="inline", batches="1", contexts="64", samples=3, warmup=1).config())
     (b,) = out.buckets
     assert b.search.mode == "tpe" and b.search.stopped == "complete" and out.measured == 3
 
@@ -419,9 +419,9 @@ def test_a_script_without_a_main_guard_can_sweep_in_a_worker(tmp_path):
     script.write_text(
         "import sys\nfrom pathlib import Path\n"
         "from mla_tune.tune.sweep.run import run_sweep\n"
-        "from mla_tune.tune.sweep.request import build_config\n"
-        "out = run_sweep(build_config(db=Path(sys.argv[1]), device='cpu', isolation='process',\n"
-        "    emit=False, batches='1', contexts='64', page_sizes=[16], samples=3, warmup=1))\n"
+        "from mla_tune.tune.sweep.request import SweepRequest\n"
+        "out = run_sweep(SweepRequest(db=Path(sys.argv[1]), device='cpu', isolation='process',\n"
+        "    emit=False, batches='1', contexts='64', page_size=[16], samples=3, warmup=1).config())\n"
         "print('measured', out.measured)\n")
     res = subprocess.run([sys.executable, str(script), str(tmp_path / "r.db")], capture_output=True,
                          text=True, timeout=120, cwd=tmp_path)

@@ -92,12 +92,13 @@ def test_prefill_plan_makes_the_recorded_plans(tmp_path):
         (True, 2048, 512, 4, 16), (False, 256, 16384, 1, 16)]
 
 
-def test_build_config_takes_the_traffic_cells(tmp_path):
-    from mla_tune.tune.sweep.request import build_config
-    cfg = build_config(tp_sizes=[8], cells=[(32, 4096, 2), (1, 1024, 1)], device="cuda",
-                       db=tmp_path / "r.db")
+def test_a_sweep_request_takes_the_traffic_cells(tmp_path):
+    from mla_tune.tune.sweep.request import SweepRequest
+    path = write_traffic(tmp_path / "t.db", {(32, 4096, 2): 700, (1, 1024, 1): 300})
+    cfg = SweepRequest(traffic=path, traffic_share=1.0, device="cuda", db=tmp_path / "r.db").config()
     assert [(b.tp_size, b.workload.batch_size, b.workload.context_len, b.workload.q_len)
             for b in cfg.buckets] == [(8, 32, 4096, 2), (8, 1, 1024, 1)]      # no default zipf extras
+    assert cfg.mix is not None           # the page size and order are weighed by the steps
 
 
 # ---------------------------------------------------------------- the CLI

@@ -15,16 +15,20 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColum
                            TimeElapsedColumn, TimeRemainingColumn)
 
 from mla_tune.cli.app import (EXIT_FAILURE, ProfileName, app, console, err_console, fail, given,
-                              print_view, profile_option, profile_value)
+                              print_view, profile_option)
+from mla_tune.cli.progress import LineProgress
 from mla_tune.measure.worker import Isolation
 from mla_tune.problem.defaults import SWEEP_PAGE_SIZES
 from mla_tune.store.traffic import DEFAULT_SHARE
 from mla_tune.problem.units import us_text
 from mla_tune.problem.workload import DTYPES
 from mla_tune.tune.verdict import MIN_RATIO
+from mla_tune.tune import search
 from mla_tune.tune.search import SearchMode as Mode
-from mla_tune.tune.sweep.config import CPU_FAMILIES, GPU_FAMILIES
-from mla_tune.validate import FLOAT, INT, PathOption
+from mla_tune.tune.sweep.config import CPU_FAMILIES, GPU_FAMILIES, HEARTBEAT_S, SweepError
+from mla_tune.validate import FLOAT, INT, InputError, PathOption
+from mla_tune.views.render import to_rich
+from mla_tune.views.sweep_view import plan_tables, summary_tables
 from vllm_metax.core.profile import METAX, PROFILES
 
 EPILOG = ("Exit codes: 0 done; 1 nothing could be measured (no kernel family runs here, or no "
@@ -45,7 +49,6 @@ class RichObserver:
 
     # -------------------------------------------------------------- events
     def on_start(self, plan) -> None:
-        from mla_tune.tune.sweep.request import estimate_note
         self.plan = plan
         self.done = 0
         if plan.note:
@@ -55,14 +58,13 @@ class RichObserver:
             console.print(f"[yellow]skipped {escape(fam)}:[/] {escape(why)}")
         where = f"replay of {plan.db}" if plan.replay else f"device {plan.device}, DB {plan.db}"
         console.print(f"sweep on {escape(where)}; families: {', '.join(plan.families) or '-'}")
-        console.print(escape(estimate_note(plan)))
+        console.print(escape(plan.estimate_note()))
         if plan.journal:
             console.print(f"optuna study: {escape(str(plan.journal))} "
                           f"(view with `optuna-dashboard {escape(str(plan.journal))}`)")
         elif getattr(plan, "storage", ""):
             console.print(f"optuna storage: {escape(plan.storage)} (shared with every worker on it)")
         if not self.quiet and not console.is_terminal:
-            from mla_tune.cli.progress import LineProgress
             self.lines = LineProgress(err_console, "sweep", plan.planned_trials, "trials")
         self.progress = Progress(
             SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -132,8 +134,6 @@ class RichObserver:
 def print_summary(outcome) -> None:
     """The end-of-sweep tables: per model entry, per bucket and family the chosen candidate, its
     time and its gain over the family default (n.s. = no significant difference)."""
-    from mla_tune.views.render import to_rich
-    from mla_tune.views.sweep_view import summary_tables
     ch = outcome.choice
     if ch is None:
         console.print("[red]no trials to choose from[/]")
@@ -164,24 +164,6 @@ def print_summary(outcome) -> None:
         console.print(f"[yellow]{escape(o.emit_note)}[/]")
 
 
-def _bucket_filter(model, tp, batches, contexts, q_len):
-    """Replay: which stored buckets to search (flags given narrow them; none given: all)."""
-    from mla_tune.tune.sweep.buckets import parse_sizes
-    from mla_tune.validate import check_name
-    if model is not None:
-        check_name("--model", model)
-    want_b = set(parse_sizes(batches, "batch")) if batches is not None else None
-    want_c = set(parse_sizes(contexts, "context")) if contexts is not None else None
-
-    def keep(b) -> bool:
-        w = b.workload
-        return ((model is None or b.model == model.lower()) and (not tp or b.tp_size in tp)
-                and (want_b is None or w.batch_size in want_b)
-                and (want_c is None or w.context_len in want_c) and (not q_len or w.q_len in q_len))
-
-    return keep
-
-
 HELP = (
     "Measure each bucket's candidates, store every trial, choose winners, emit the config.\n\n"
     "Buckets are batch x context (log2 steps) x q_len at each --tp; each is searched with optuna "
@@ -191,12 +173,6 @@ HELP = (
     "config (the CPU is not a serving device) unless --emit.\n\n"
     "Rerun the same command to resume: nothing already in the DB is measured again (unless "
     "--remeasure). --replay runs the search over a DB's stored measurements instead (no GPU).")
-
-# flags that only a live sweep uses, and the one only a replay uses: given to the other, refused
-LIVE_ONLY = ("db", "lengths", "q_dtype", "kv_dtype", "page_size", "family", "time_budget", "timeout",
-             "samples", "warmup", "isolation", "remeasure", "configs_dir", "emit", "journal", "name")
-REPLAY_ONLY = ("device_name",)
-
 
 # the options, in --help order (module constants keep the command itself a few lines of glue)
 DB = PathOption(None, "--db", help="Results DB (SQLite) to store every trial in (default: "
@@ -227,11 +203,11 @@ PROFILE = profile_option("limit every family to what that target runs (metax: Fl
                          "launch beside vLLM's, FlashMLA at page 64); recorded with the results "
                          "and in the config")
 MODE = typer.Option(Mode.auto, "--mode", help="Search: auto (grid when the space is small), grid or tpe")
-GRID_MAX = typer.Option(64, "--grid-max", help="Largest space auto searches exhaustively",
+GRID_MAX = typer.Option(search.GRID_MAX, "--grid-max", help="Largest space auto searches exhaustively",
                         **INT["grid_max"].typer)
 TRIALS = typer.Option(None, "--trials", help="Most candidates evaluated per bucket (default: grid "
                       "all, TPE a quarter of the space)", **INT["trials"].typer)
-PATIENCE = typer.Option(32, "--patience", help="TPE: stop a bucket after this many new trials "
+PATIENCE = typer.Option(search.PATIENCE, "--patience", help="TPE: stop a bucket after this many new trials "
                         "without improvement (0: never)", **INT["patience"].typer)
 TIME_BUDGET = typer.Option(None, "--time-budget", help="Wall-time budget: 600, 9m, 1h (default: "
                            "GPU 9m, CPU none; 0: none)")
@@ -271,7 +247,7 @@ GPUS = typer.Option(None, "--gpus", help="One worker process per GPU, e.g. 0,1,2
 STORAGE = typer.Option(None, "--storage", help="Optuna storage shared by workers: "
                        "postgresql://user:pw@host/db for several hosts, or a journal file "
                        "(default: <db>.optuna.log)")
-HEARTBEAT = typer.Option(10, "--heartbeat", help="RDB storage: seconds between heartbeats of a "
+HEARTBEAT = typer.Option(HEARTBEAT_S, "--heartbeat", help="RDB storage: seconds between heartbeats of a "
                          "claimed trial; a trial silent for 2x this is retried elsewhere")
 QUIET = typer.Option(False, "--quiet", "-q", help="No progress bar or progress lines")
 DRY_RUN = typer.Option(False, "--dry-run", help="Check the flags and print every bucket's search "
@@ -298,20 +274,23 @@ def sweep(
     heartbeat: int = HEARTBEAT, quiet: bool = QUIET, dry_run: bool = DRY_RUN,
 ):
     """Measure each bucket's candidates, store every trial, choose winners, emit the config."""
-    flags = {k: v for k, v in locals().items() if k != "ctx"}     # as typer converted them
+    # the sweep's modules import torch: here, so that `mla-tune --help` does not wait for it
+    from mla_tune.tune.sweep.replay import replay_sweep
+    from mla_tune.tune.sweep.request import SweepRequest
     from mla_tune.tune.sweep.run import run_sweep
-    from mla_tune.tune.sweep.config import SweepError
-    from mla_tune.validate import InputError
-
-    gpu_list = _checked_combination(ctx, flags)
+    # the flags as the library takes them: an enum flag (--mode, --profile) as its value
+    flags = {k: getattr(v, "value", v) for k, v in ctx.params.items() if k != "quiet"}
+    request = SweepRequest(**flags, given=frozenset(given(ctx, *flags)),
+                           command=" ".join(shlex.quote(a) for a in ["mla-tune"] + sys.argv[1:]))
     try:
-        flags["traffic_plan"] = _traffic_plan(flags)
-        kw = _search_flags(ctx, flags, gpu_list)
         observer = RichObserver(quiet)
         if replay is not None:
-            outcome = _replay(flags, kw, observer)
+            outcome = replay_sweep(replay, request.replay_config(), observer,
+                                   device_name=device_name, where=request.replay_filter())
         else:
-            config = _live_config(ctx, flags, kw)
+            config = request.config()
+            if request.traffic_plan is not None:
+                console.print(escape(request.traffic_plan.note), highlight=False, soft_wrap=True)
             if dry_run:
                 return _dry_run(config)
             try:
@@ -326,113 +305,12 @@ def sweep(
         fail("no candidate produced a valid measurement", EXIT_FAILURE)
 
 
-def _checked_combination(ctx, f: dict) -> list[str] | None:
-    """Flags that exclude each other refused; the --gpus list (None without it)."""
-    from mla_tune.tune.sweep.distributed import parse_gpus
-    replay = f["replay"]
-    ignored = given(ctx, *(LIVE_ONLY if replay is not None else REPLAY_ONLY))
-    if ignored:
-        what = "a replay (it measures and writes nothing)" if replay is not None else "a live sweep"
-        flags = ", ".join("--" + n.replace("_", "-") for n in ignored)
-        fail(f"{flags} {'does' if len(ignored) == 1 else 'do'} not apply to {what}; "
-             f"{'drop --replay' if replay is not None else 'add --replay DB'} or the flag")
-    if f["traffic"] is not None:
-        clash = given(ctx, "mix") + ([] if replay is not None else given(ctx, "batches", "contexts", "q_len"))
-        if clash:
-            fail(f"--traffic decides the buckets and weights; drop "
-                 f"{', '.join('--' + n.replace('_', '-') for n in clash)}")
-    elif given(ctx, "traffic_share"):
-        fail("--traffic-share applies only with --traffic FILE")
-    if f["heartbeat"] < 1:
-        fail(f"--heartbeat must be at least 1 s, got {f['heartbeat']}")
-    if f["storage"] is not None and f["journal"] is not None:
-        fail("--storage and --journal exclude each other (a journal file is a --storage)")
-    gpu_list = parse_gpus(f["gpus"]) if f["gpus"] is not None else None
-    if gpu_list and replay is not None:
-        fail("--gpus measures; --replay measures nothing: use one of them")
-    return gpu_list
-
-
-def _search_flags(ctx, f: dict, gpu_list) -> dict:
-    """The SweepConfig fields a live sweep and a replay take alike."""
-    from mla_tune.problem.workload import WorkloadMix
-    return dict(families=f["family"], profile=profile_value(f["profile"]), mode=f["mode"].value,
-                grid_max=f["grid_max"],
-                max_trials=f["trials"], patience=f["patience"] or None, seed=f["seed"],
-                isolation=f["isolation"].value, remeasure=f["remeasure"], name=f["name"],
-                journal=f["journal"], mix=_weights(f),
-                min_ratio=f["min_ratio"], configs_dir=f["configs_dir"], storage=f["storage"],
-                heartbeat_s=f["heartbeat"] if given(ctx, "heartbeat") else None, gpus=gpu_list,
-                command=" ".join(shlex.quote(a) for a in ["mla-tune"] + sys.argv[1:]))
-
-
-def _traffic_plan(f: dict):
-    """The decode plan of --traffic (None without it), checked against --model and --tp."""
-    if f["traffic"] is None:
-        return None
-    from mla_tune.tune.traffic_plan import decode_plan
-    FLOAT["share"].check("--traffic-share", f["traffic_share"])
-    return decode_plan(f["traffic"], f["traffic_share"], f["model"] or "deepseek-v3", f["tp"])
-
-
-def _weights(f: dict):
-    """The weights of the page-size and order choice: --traffic's step counts, --mix, or None."""
-    plan = f["traffic_plan"]
-    if plan is not None:
-        return plan.mix
-    from mla_tune.problem.workload import WorkloadMix
-    return WorkloadMix.from_file(str(f["mix"])) if f["mix"] else None
-
-
-def _replay(f: dict, kw: dict, observer):
-    """--replay: the search over the DB's stored measurements (nothing measured or written)."""
-    from mla_tune.tune.sweep.replay import replay_sweep
-    from mla_tune.tune.sweep.config import SweepConfig
-    if f["dry_run"]:
-        fail("--dry-run plans a live sweep; a --replay measures nothing already")
-    config = SweepConfig(buckets=[], **{**kw, "emit": False, "journal": False, "storage": None})
-    return replay_sweep(f["replay"], config, observer, device_name=f["device_name"],
-                        where=_bucket_filter(f["model"], f["tp"], f["batches"], f["contexts"],
-                                             f["q_len"]))
-
-
-def _live_config(ctx, f: dict, kw: dict):
-    """The live sweep's SweepConfig from the flags, this machine's defaults filling the gaps."""
-    from mla_tune.tune.sweep.buckets import default_db, detect_device
-    from mla_tune.tune.sweep.request import build_config
-    emit = f["emit"]
-    device = detect_device()
-    cpu = not device.startswith("cuda")
-    if emit and cpu and not given(ctx, "configs_dir"):
-        fail("--emit without CUDA writes the CPU reference's config: name the folder with "
-             "--configs-dir (the packaged configs/ are for serving devices)")
-    if given(ctx, "configs_dir") and not (emit if emit is not None else not cpu):
-        fail("--configs-dir applies only when the sweep writes a tuned config: "
-             + ("add --emit (without CUDA none is written by default)" if cpu and emit is None
-                else "drop --no-emit"))
-    plan = f["traffic_plan"]
-    if plan is not None:
-        console.print(escape(plan.note), highlight=False, soft_wrap=True)
-    return build_config(model=f["model"] if f["model"] is not None else "deepseek-v3",
-                        tp_sizes=[plan.tp_size] if plan is not None else f["tp"],
-                        cells=plan.cells if plan is not None else None,
-                        batches=f["batches"], contexts=f["contexts"],
-                        q_lens=f["q_len"] or (1,), ragged=f["lengths"], q_dtype=f["q_dtype"],
-                        kv_dtype=f["kv_dtype"], page_sizes=f["page_size"], samples=f["samples"],
-                        warmup=f["warmup"], timeout_s=f["timeout"], time_budget=f["time_budget"],
-                        device=device, db=f["db"] if f["db"] is not None else default_db(device),
-                        emit=emit if emit is not None else not cpu, **kw)
-
-
 def _dry_run(config) -> None:
     """--dry-run: every input checked as a live sweep checks it, then its plan; nothing runs."""
     from mla_tune.tune.sweep.check import check_sweep_config
     from mla_tune.tune.sweep.plan import plan_sweep
-    from mla_tune.tune.sweep.request import estimate_note
-    from mla_tune.views.render import to_rich
-    from mla_tune.views.sweep_view import plan_tables
     config = check_sweep_config(config)
     plan, _ = plan_sweep(config)
     if plan.note:
         console.print(escape(plan.note), highlight=False)
-    print_view(to_rich(plan_tables(plan, estimate_note(plan))))
+    print_view(to_rich(plan_tables(plan, plan.estimate_note())))

@@ -5,7 +5,7 @@ the CLI can read `config` without loading torch):
     run.py            run_sweep(config, observer): the entry point (in process, or one worker per GPU)
     buckets.py        plan_buckets(...) -> [Bucket]; the device's default space; flag parsers
     config.py         SweepConfig: what to measure and how; SweepError, SweepInputError
-    request.py        build_config(**flags) -> SweepConfig; estimate_note(plan)
+    request.py        SweepRequest: the command's flags, their one check, the SweepConfig they make
     check.py          check_sweep_config(config): every input checked before anything is written
     plan.py           plan_sweep(config, store) -> SweepPlan: families, spaces, modes, budgets
     start.py          EarlyStart, CeilingsProbe: what starts before planning

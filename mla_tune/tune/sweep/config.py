@@ -1,7 +1,7 @@
 """What a sweep is asked to do (SweepConfig), the families it runs by default, and its errors.
 
-A SweepConfig is built from command-line values by request.build_config, checked by
-check.check_sweep_config and run by sweep.run_sweep."""
+A SweepConfig is built from a command's flags by request.SweepRequest.config, checked by
+check.check_sweep_config and run by run.run_sweep."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ if TYPE_CHECKING:       # measure.trial imports torch: `mla-tune --help` must no
 # and split.
 GPU_FAMILIES = PROFILES[NVIDIA].sweep_families
 CPU_FAMILIES = ("reference",)
+HEARTBEAT_S = 10        # RDB storages: seconds between heartbeats of a claimed trial
 
 
 def sweep_profile(config) -> Profile:

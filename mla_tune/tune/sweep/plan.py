@@ -62,6 +62,16 @@ class SweepPlan:
     def planned_trials(self) -> int:
         return sum(p.budget for p in self.buckets)
 
+    def estimate_note(self) -> str:
+        """One line: buckets, candidates, modes."""
+        sizes = [len(p.space) for p in self.buckets]
+        modes = sorted({p.mode for p in self.buckets})
+        dropped = sum(len(p.space.dropped) for p in self.buckets)
+        lo, hi = min(sizes, default=0), max(sizes, default=0)
+        return (f"{len(self.buckets)} buckets, {lo if lo == hi else f'{lo}-{hi}'} candidates each, "
+                f"search {'/'.join(modes) or '-'}, up to {self.planned_trials} trials"
+                + (f" ({dropped} dropped by constraints)" if dropped else ""))
+
 
 def resolve_families(requested: Sequence[str] | None, device: str,
                      profile=None) -> tuple[dict, dict]:
