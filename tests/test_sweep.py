@@ -584,3 +584,38 @@ def test_a_gpu_sweep_starts_its_worker_before_planning_and_surfaces_its_start_er
     assert cpu.runner is None and cpu.ceilings is None and cpu.prebuild is None
     assert cpu.wait() < 0.1
     cpu.close()
+
+
+# ---------------------------------------------------------------- the request and its one check
+
+def test_a_page_no_family_of_the_sweep_runs_at_is_refused_by_its_spec(tmp_path):
+    from mla_tune.tune.sweep.check import check_page_sizes
+    from mla_tune.validate import InputError
+    res = runner.invoke(app, ["sweep", "--family", "triton", "--page-size", "8", "--page-size", "64",
+                              "--db", str(tmp_path / "r.db"), "--dry-run"])
+    assert res.exit_code == 2, res.output
+    assert "--page-size 8: no kernel family of this sweep runs at it (triton: page a multiple of 16)" \
+        in " ".join(res.output.split())
+    assert list(tmp_path.iterdir()) == []
+    check_page_sizes([8, 64], ["triton", "flashinfer"])      # FlashInfer runs any page
+    check_page_sizes([8], ["reference"])                     # no spec: any page
+    with pytest.raises(InputError, match="flashmla: page 64"):
+        check_page_sizes([64, 32], ["flashmla"])
+    with pytest.raises(InputError, match="must be one of"):
+        check_page_sizes([48], ["flashinfer"])                # not a block size the plugin serves
+
+
+def test_a_request_built_in_code_is_checked_as_the_command_is():
+    from mla_tune.validate import InputError
+    req = SweepRequest(replay=Path("r.db"), samples=5, tp=[], family=("triton",))
+    assert req.tp is None and req.family == ("triton",)       # a flag given no value is not given
+    assert req.given == {"replay", "samples", "family"}        # what differs from the defaults
+    with pytest.raises(InputError, match="--family, --samples do not apply to a replay"):
+        req.replay_config()
+    with pytest.raises(InputError, match="--storage and --journal exclude each other"):
+        SweepRequest(device="cpu", storage="s.log", journal=Path("j.log")).config()
+    with pytest.raises(InputError, match="--device-name does not apply to a live sweep"):
+        SweepRequest(device="cpu", device_name="NVIDIA H200").config()
+    # the command line's own `given`: a flag set to its default value is still given
+    with pytest.raises(InputError, match="--name does not apply to a replay"):
+        SweepRequest(replay=Path("r.db"), given=frozenset({"replay", "name"})).replay_config()

@@ -15,10 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from mla_tune.measure.sampling import MIN_SAMPLES
+from mla_tune.measure.timing import KernelTimer
 from mla_tune.measure.trial import MeasureSettings
 from mla_tune.problem.defaults import SWEEP_PAGE_SIZES
 from mla_tune.problem.workload import (RAGGED_KINDS, LengthTrace, ModelDims, ProblemError, Workload,
                                       load_trace, log2_grid, workload_for)
+from mla_tune.validate import INT, InputError, MAX_LIST
 
 
 # ---------------------------------------------------------------- buckets
@@ -78,7 +81,6 @@ def parse_size(text: str) -> int:
 def parse_sizes(text: str, kind: str | None = None) -> list[int]:
     """'1-128' (powers of two from 1 to 128), '1K-32K', '1,4,16' or '4096' -> sorted sizes; with
     `kind` ("batch", "context") each is checked against that kind's range."""
-    from mla_tune.validate import MAX_LIST, INT, InputError
     try:
         text = text.strip()
         if "-" in text or ":" in text:
@@ -184,10 +186,8 @@ def measure_settings(device: str, samples: int, warmup: int) -> MeasureSettings:
     candidate (`mla-tune bench` takes more); a GPU sweep's single warm-up run comes on top of
     the correctness run and the two eager runs before capture (timing.KernelTimer), so first
     launches stay out of every sample."""
-    from mla_tune.measure.sampling import MIN_SAMPLES
     rounds = 5
     if str(device).startswith("cuda"):
-        from mla_tune.measure.timing import KernelTimer
         rounds = max(1, math.ceil(samples / KernelTimer.RUNS_PER_GRAPH))
     return MeasureSettings(device=device, warmup=warmup, samples=samples,
                            plan_samples=SWEEP_PLAN_SAMPLES, min_samples=min(MIN_SAMPLES, samples),

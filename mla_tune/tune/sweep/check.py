@@ -6,15 +6,20 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from mla_tune import validate as v
+from mla_tune.families import family_names
+from mla_tune.store.sqlite_file import is_results_db
+from mla_tune.tune.study_storage import check_rdb_url, is_rdb_url, storage_file
 from mla_tune.tune.sweep.buckets import default_db, detect_device, journal_path_for
-from mla_tune.tune.sweep.config import SweepConfig, SweepError, SweepInputError, sweep_profile
-from vllm_metax.core.profile import get_profile
+from mla_tune.tune.sweep.config import (SweepConfig, SweepError, SweepInputError, default_families,
+                                        sweep_profile)
 from mla_tune.tune.sweep.plan import resolve_families
+from vllm_metax.core.choices import SPECS
+from vllm_metax.core.profile import get_profile
 
 
 def check_search_settings(config: SweepConfig) -> None:
     """The search and choice settings a live sweep and a replay share, each by its rule."""
-    from mla_tune import validate as v
     v.check_int("seed", config.seed, "--seed")
     v.check_int("grid_max", config.grid_max, "--grid-max")
     if config.max_trials is not None:
@@ -30,8 +35,6 @@ def check_sweep_config(config: SweepConfig, families: bool = True) -> SweepConfi
     journal, no config. Returns the config with `device`, `db` and `emit` resolved.
     `families=False` leaves out whether any kernel family can run here (check_families: it
     imports the kernels' packages, FlashInfer and vLLM, seconds of the sweep's start-up)."""
-    from mla_tune import validate as v
-    from mla_tune.store.sqlite_file import is_results_db
     device = config.device or detect_device()
     db = Path(config.db) if config.db is not None else default_db(device)
     emit = config.emit if config.emit is not None else device.startswith("cuda")
@@ -44,10 +47,6 @@ def check_sweep_config(config: SweepConfig, families: bool = True) -> SweepConfi
     v.check_name("--name", config.name)
     v.check_float("timeout", config.timeout_s, "--timeout")
     v.check_float("time_budget", config.time_budget_s, "--time-budget")
-    if not config.page_sizes:
-        raise v.InputError("no page size to sweep")
-    for p in config.page_sizes:
-        v.check_page_size(p, "--page-size")
     if config.settings is not None:
         v.check_int("samples", config.settings.samples, "--samples")
         v.check_int("warmup", config.settings.warmup, "--warmup")
@@ -57,12 +56,13 @@ def check_sweep_config(config: SweepConfig, families: bool = True) -> SweepConfi
     if not config.buckets:
         raise v.InputError("no bucket to sweep")
     if config.families is not None:
-        from mla_tune.families import family_names
         names = list(config.families)
         unknown = [n for n in names if n not in family_names()]
         if not names or unknown:
             raise SweepInputError(f"unknown kernel family {', '.join(map(repr, unknown or ['']))}; "
                                   f"known: {', '.join(family_names())}")
+    check_page_sizes(config.page_sizes,
+                     config.families or default_families(device, sweep_profile(config)))
     if config.mix is not None:
         config.mix.check_covers({(b.workload.batch_size, b.workload.context_len)
                                  for b in config.buckets}, "the sweep's buckets")
@@ -82,13 +82,29 @@ def check_sweep_config(config: SweepConfig, families: bool = True) -> SweepConfi
     return config
 
 
+def check_page_sizes(page_sizes, families) -> None:
+    """The sweep's page sizes, checked here only: each a KV block size the plugin serves
+    (tuned_config.PAGE_SIZES), and one that a family of the sweep runs at (its spec's page rule,
+    `vllm_metax.core.choices.SPECS`), so no page asked for is left out without a word. A family
+    without a spec (the CPU reference, a test's) runs at any page."""
+    if not page_sizes:
+        raise v.InputError("no page size to sweep")
+    for p in page_sizes:
+        v.check_page_size(p, "--page-size")
+    rules = {f: SPECS[f].page for f in families if f in SPECS}
+    if len(rules) < len(families):
+        return
+    for p in page_sizes:
+        if not any(rule.allows(p) for rule in rules.values()):
+            raise v.InputError(f"--page-size {p}: no kernel family of this sweep runs at it ("
+                               + "; ".join(f"{f}: page {rule}" for f, rule in rules.items()) + ")")
+
+
 def check_sweep_paths(db, journal, storage, configs_dir) -> None:
     """The files a sweep writes are distinct files (validate.check_distinct_paths): the results
     DB, the optuna journal or a --storage's file (a sqlite:/// URL's included), the configs
     folder. A journal written over the results DB would be set aside as damaged with the DB's
     trials in it."""
-    from mla_tune import validate as v
-    from mla_tune.tune.study_storage import storage_file
     v.check_distinct_paths(("--db", db), ("--journal", journal),
                            ("--storage", storage_file(storage) if storage is not None else None),
                            ("--configs-dir", configs_dir))
@@ -99,8 +115,6 @@ def check_storage(config: SweepConfig) -> None:
     journal (or new, or empty) in a folder that can take it; an RDB URL must parse, and a
     SQLite one must name optuna's own DB (never a results DB or another file); a heartbeat is
     bounded and applies to an RDB storage only."""
-    from mla_tune import validate as v
-    from mla_tune.tune.study_storage import check_rdb_url, is_rdb_url
     storage = config.storage
     if storage is not None:
         if not str(storage).strip():

@@ -21,13 +21,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
+from mla_tune.families import family_targets, register_family
+from mla_tune.tune.sweep.config import SweepError
+from mla_tune.tune.sweep.in_process import run_in_process
+from mla_tune.tune.sweep.shared import seed_studies
+from mla_tune.validate import InputError, ascii_int
+
 POLL_S = 0.5              # how often the launcher looks at its worker processes
 
 
 def parse_gpus(text: str) -> list[str]:
     """'0,1,2' -> ['0', '1', '2'] (what each worker's CUDA_VISIBLE_DEVICES is set to); '4' alone
     is GPU 4, 'all' is every GPU torch sees."""
-    from mla_tune.validate import InputError
     t = (text or "").strip()
     if t == "all":
         import torch
@@ -36,7 +41,6 @@ def parse_gpus(text: str) -> list[str]:
             raise InputError("--gpus all: torch sees no CUDA device here (name the worker slots, "
                              "e.g. --gpus 0,1, to run CPU-reference workers)")
         return [str(i) for i in range(n)]
-    from mla_tune.validate import ascii_int
     parts = [p.strip() for p in t.split(",")]
     if not t or any(ascii_int(p, 4) is None for p in parts):
         raise InputError(f"bad --gpus {text!r}: GPU indices separated by commas, e.g. 0,1,2,3, or all")
@@ -61,10 +65,6 @@ def run_workers(config, gpus: Sequence[str], observer=None, poll_s: float = POLL
     storage, then, in this process, a final pass: it measures what dead workers left, chooses
     and emits. Returns the final pass's SweepOutcome with the workers' counts added and
     `workers` (WorkerReport per GPU)."""
-    from mla_tune.families import family_targets
-    from mla_tune.tune.sweep.config import SweepError
-    from mla_tune.tune.sweep.in_process import run_in_process
-    from mla_tune.tune.sweep.shared import seed_studies
     t0 = time.monotonic()
     seed_studies(config)              # before any worker runs: no study is seeded by a worker that dies
     tmp = Path(tempfile.mkdtemp(prefix="mla-tune-workers-"))
@@ -139,8 +139,6 @@ class _HeldSummary:
 
 
 def _worker_main(payload: str, report: str) -> int:
-    from mla_tune.families import register_family
-    from mla_tune.tune.sweep.in_process import run_in_process
     with open(payload, "rb") as f:
         job = pickle.load(f)
     sys.path[:0] = [p for p in job["path"] if p not in sys.path]   # the launcher's modules too

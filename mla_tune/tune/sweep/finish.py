@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mla_tune.store.selection import profile_clause
+from mla_tune.tune.choose import choose
+from mla_tune.tune.emit import emit_config
 from mla_tune.tune.sweep.config import SweepConfig
 from mla_tune.tune.sweep.outcome import SweepOutcome
 
@@ -27,7 +30,6 @@ def finish_sweep(outcome: SweepOutcome, config: SweepConfig, store, device_name:
 def rows_for(store, workload_ids: list, device_name: str, profile: str = "") -> list:
     """The stored trial rows of these workloads on this device (measured under `profile`, where
     given)."""
-    from mla_tune.store.selection import profile_clause
     clause, more = profile_clause(profile) if profile else ("1=1", [])
     rows = []
     ids = sorted(set(i for i in workload_ids if i is not None))
@@ -40,7 +42,6 @@ def rows_for(store, workload_ids: list, device_name: str, profile: str = "") -> 
 
 def choose_winners(rows: list, config: SweepConfig, device_name: str):
     """choose.choose over `rows` with the config's mix and rules (None without rows)."""
-    from mla_tune.tune.choose import choose
     if not rows:
         return None
     return choose(rows, config.mix, device_name=device_name, p_threshold=config.p_threshold,
@@ -48,19 +49,12 @@ def choose_winners(rows: list, config: SweepConfig, device_name: str):
 
 
 def emit_tuned_config(outcome: SweepOutcome, config: SweepConfig, store=None) -> tuple[Path | None, str]:
-    """Write the tuned config of `outcome.choice` through mla_tune.tune.emit.emit_config (the report
-    side's writer), if that module is installed; (path, "") or (None, why not)."""
-    try:
-        from mla_tune.tune import emit
-    except ImportError:
-        return None, "mla_tune.tune.emit is not available: no tuned config written"
-    fn = getattr(emit, "emit_config", None)
-    if fn is None:
-        return None, "mla_tune.tune.emit has no emit_config: no tuned config written"
+    """Write the tuned config of `outcome.choice` through mla_tune.tune.emit.emit_config (the
+    writer `mla-tune emit` uses); (path, "") or (None, why not)."""
     try:
         # config.emit is True here: for the CPU reference that was asked for explicitly
-        path = fn(outcome.choice, config.configs_dir, store=store, mix=config.mix, cpu_ok=True,
-                  profile=outcome.plan.profile or None)
+        path = emit_config(outcome.choice, config.configs_dir, store=store, mix=config.mix,
+                           cpu_ok=True, profile=outcome.plan.profile or None)
     except Exception as e:  # noqa: BLE001 - the trials are stored; the config can be emitted later
         return None, (f"no tuned config written ({type(e).__name__}: {e}); the trials are stored: "
                       f"`mla-tune emit --db {config.db}` writes it later")

@@ -12,8 +12,14 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from mla_tune.tune.sweep.buckets import default_space, measure_settings
+from mla_tune import faults
+from mla_tune.measure.jit_prebuild import finish_prebuild, start_triton_prebuild, triton_jobs
+from mla_tune.measure.worker import make_runner
+from mla_tune.problem.roofline import workload_bytes, workload_flops
+from mla_tune.store.results import ResultsStore
 from mla_tune.tune.search import SearchOutcome, search
+from mla_tune.tune.study_storage import heartbeat_on, is_rdb_url, open_storage
+from mla_tune.tune.sweep.buckets import default_space, measure_settings
 from mla_tune.tune.sweep.check import check_families, check_sweep_config
 from mla_tune.tune.sweep.config import SweepConfig, SweepError, sweep_profile
 from mla_tune.tune.sweep.finish import finish_sweep
@@ -23,6 +29,7 @@ from mla_tune.tune.sweep.plan import (bucket_weight, budget_share, device_name_o
                                       plan_sweep, space_for, study_name, tag_remeasure)
 from mla_tune.tune.sweep.shared import (POLL_S, add_finished_elsewhere, claim_and_measure,
                                         open_sweep_storage, shared_bucket)
+from mla_tune.tune.sweep.shared_bucket import Heartbeat
 from mla_tune.tune.sweep.start import CeilingsProbe, EarlyStart
 
 
@@ -40,7 +47,6 @@ def run_in_process(config: SweepConfig, observer: SweepObserver | None = None) -
             run.stop_measuring()
         return run.finish()
     except Exception as e:
-        from mla_tune import faults
         if faults.is_fault(e):       # a full disk, a folder turned read-only: one line, resumable
             raise SweepError(faults.sweep_stopped(e, run.config.db)) from None
         raise
@@ -95,8 +101,6 @@ class _LiveSweep:
 
     def _plan(self, families: tuple) -> None:
         """The RDB storage reached, the results DB opened, every bucket's space planned."""
-        from mla_tune.store.results import ResultsStore
-        from mla_tune.tune.study_storage import is_rdb_url, open_storage
         config = self.config
         if config.storage and is_rdb_url(config.storage):
             # reached (or refused) before the results DB is made: a bad URL leaves no file behind
@@ -106,12 +110,10 @@ class _LiveSweep:
 
     def _workloads_and_studies(self) -> None:
         """The Triton prebuild, every bucket's workload row, the shared storage and heartbeat."""
-        from mla_tune.problem.roofline import workload_bytes, workload_flops
         plan = self.plan
         if plan.kind == "gpu" and ("triton" in plan.families or "split" in plan.families):
             # and the Triton kernels (vLLM's: one specialisation per heads, page and splits; the
             # split family's: per heads, pipe and partials), on a pool
-            from mla_tune.measure.jit_prebuild import start_triton_prebuild, triton_jobs
             self.triton_prebuild = start_triton_prebuild(triton_jobs(
                 ((p.bucket.workload, p.space.candidates) for p in plan.buckets if len(p.space)),
                 plan.profile or None))
@@ -125,15 +127,12 @@ class _LiveSweep:
                     f"{storage.rebuilt.name}, studies rebuilt from {plan.db}")
             plan.note = f"{plan.note} {note}".strip()
         if storage is not None:
-            from mla_tune.tune.sweep.shared_bucket import Heartbeat
-            from mla_tune.tune.study_storage import heartbeat_on
             if heartbeat_on(storage):
                 self.heartbeat = Heartbeat(storage, storage.get_heartbeat_interval())
 
     def _start_measuring(self) -> None:
         """The runner (the early-started worker, or one made now) and the Measurer; on a GPU the
         ceilings probe, and what is left of the worker's start-up is waited for here."""
-        from mla_tune.measure.worker import make_runner
         plan, early = self.plan, self.early
         self.runner = early.runner or make_runner(self.settings, self.config.isolation,
                                                   self.config.timeout_s, plan.families)
@@ -250,7 +249,6 @@ class _LiveSweep:
         self.early.close()            # the worker and the probe
         for proc in (self.early.prebuild, self.triton_prebuild):
             if proc is not None:
-                from mla_tune.measure.jit_prebuild import finish_prebuild
                 finish_prebuild(proc)
         if self.heartbeat is not None:
             self.heartbeat.close()

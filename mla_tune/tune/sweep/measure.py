@@ -11,7 +11,9 @@ from dataclasses import replace
 
 from mla_tune import fault_points
 from mla_tune.families.base import Candidate
+from mla_tune.measure.environment import capture_environment
 from mla_tune.problem.defaults import KERNEL_METRIC
+from mla_tune.store.selection import profile_clause
 from mla_tune.tune.search import Evaluation, SearchPolicy
 from mla_tune.tune.sweep.config import SweepConfig
 from mla_tune.tune.sweep.outcome import SweepObserver, SweepOutcome
@@ -34,7 +36,6 @@ class Measurer:
 
     def _run(self) -> int:
         if self.run_id is None:     # a rerun that measures nothing adds no run record
-            from mla_tune.measure.environment import capture_environment
             env = capture_environment(self.plan.kind, self.config.command, self.plan.profile or None)
             if self.config.role == "worker" or os.environ.get("CUDA_VISIBLE_DEVICES"):
                 # workers of one host differ by GPU: their run records say which
@@ -173,7 +174,6 @@ def note_best(best: list, ev: Evaluation) -> None:
 def _cached(store, workload_id: int, device_name: str, profile: str = "") -> dict:
     """candidate key -> latest trial row of this workload on this device, measured under
     `profile` (one key may run another kernel under another target's profile)."""
-    from mla_tune.store.selection import profile_clause
     where, args = "t.workload_id = ? and r.device_name = ?", [workload_id, device_name]
     if profile:
         clause, more = profile_clause(profile)

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mla_tune.families.base import Candidate
-from mla_tune.tune.sweep.buckets import Bucket
 from mla_tune.tune.search import Evaluation, SearchOutcome
+from mla_tune.tune.sweep.buckets import Bucket
 from mla_tune.tune.sweep.plan import PlannedBucket, SweepPlan
 
 

@@ -9,16 +9,23 @@ time budget. Nothing runs.
 
 from __future__ import annotations
 
+import hashlib
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from mla_tune.families import family_names, get_family
 from mla_tune.families.base import Candidate, CandidateInvalid
+from mla_tune.problem.roofline import workload_bytes
 from mla_tune.problem.workload import ProblemError, Workload
-from mla_tune.tune.sweep.buckets import Bucket, default_db, detect_device, journal_path_for
+from mla_tune.store.selection import profile_clause
 from mla_tune.tune.search_space import SearchSpace
+from mla_tune.tune.study_storage import is_rdb_url, redact
+from mla_tune.tune.sweep.buckets import Bucket, default_db, detect_device, journal_path_for
 from mla_tune.tune.sweep.config import SweepConfig, SweepInputError, default_families, sweep_profile
+from vllm_metax.core import device as core_device
 from vllm_metax.core.choices import KNOBS
 from vllm_metax.core.profile import active_profile, get_profile
 
@@ -79,7 +86,6 @@ def resolve_families(requested: Sequence[str] | None, device: str,
     `profile`'s target (None: the active profile). Unknown names raise SweepInputError; `None`
     picks by device (the profile's families on a GPU, CPU_FAMILIES without); a named family the
     profile's target does not run is skipped, saying so."""
-    from mla_tune.families import family_names, get_family
     prof = get_profile(profile) if profile is not None else active_profile()
     names = list(requested) if requested else list(default_families(device, prof))
     unknown = [n for n in names if n not in family_names()]
@@ -147,7 +153,6 @@ def study_name(config: SweepConfig, b: Bucket, space: SearchSpace | None = None)
     name = f"{config.name} | {b.label} | {w.q_dtype}/{w.kv_dtype} | seed {w.seed}"
     if space is None:
         return name
-    import hashlib
     digest = hashlib.sha1("\n".join(sorted(c.key for c in space.candidates)).encode()).hexdigest()
     return f"{name} | space {digest[:10]}" + (f" | {config.study_tag}" if config.study_tag else "")
 
@@ -181,7 +186,6 @@ def plan_sweep(config: SweepConfig, store=None, families: tuple | None = None) -
     db = Path(config.db) if config.db is not None else default_db(device)
     journal, storage = None, ""
     if config.storage:
-        from mla_tune.tune.study_storage import is_rdb_url, redact
         if is_rdb_url(config.storage):
             storage = redact(config.storage)
         else:
@@ -198,21 +202,18 @@ def tag_remeasure(config: SweepConfig) -> None:
     """--remeasure measures everything again: in studies of its own, shared by this launch's
     workers (the tag is set once, by the first process that plans)."""
     if config.remeasure and not config.study_tag:
-        import uuid
         config.study_tag = f"remeasure {time.strftime('%Y%m%dT%H%M%S')} {uuid.uuid4().hex[:6]}"
 
 
 def device_name_of(device: str) -> str:
     """The name trials are stored under: the GPU's (vllm_metax.core.device), or "cpu"."""
-    from vllm_metax.core.device import detect_device as detect
-    return detect().name if device.startswith("cuda") else "cpu"
+    return core_device.detect_device().name if device.startswith("cuda") else "cpu"
 
 
 def refusals(store, device: str, profile: str | None = None) -> dict:
     """unsupported_key -> (workload label, first line of the refusal) of every candidate this
     device refused in an earlier sweep of the store (under `profile`, where given: a refusal of
     one target's kernel says nothing of another's)."""
-    from mla_tune.store.selection import profile_clause
     out = {}
     name = device_name_of(device)
     where, args = "r.device_name = ? and t.status = 'invalid' and t.invalid_reason = 'unsupported'", [name]
@@ -238,7 +239,6 @@ TRIAL_FIXED_BYTES = 1e9
 
 def bucket_weight(p: PlannedBucket) -> float:
     """Expected relative cost of searching bucket p: trials x (fixed + bytes-proportional part)."""
-    from mla_tune.problem.roofline import workload_bytes
     trials = max(1, min(p.budget or len(p.space), len(p.space)))
     return trials * (1.0 + workload_bytes(p.bucket.workload) / TRIAL_FIXED_BYTES)
 

@@ -9,9 +9,12 @@ from pathlib import Path
 
 from mla_tune.families.base import Candidate
 from mla_tune.problem.workload import Workload
-from mla_tune.tune.sweep.buckets import Bucket
+from mla_tune.store.results import ResultsStore
+from mla_tune.store.selection import profile_clause
+from mla_tune.tune.choose import family_default, latest_trials, tp_size_of
 from mla_tune.tune.search import Evaluation, search
 from mla_tune.tune.search_space import SearchSpace
+from mla_tune.tune.sweep.buckets import Bucket
 from mla_tune.tune.sweep.check import check_search_settings
 from mla_tune.tune.sweep.config import SweepConfig, SweepInputError
 from mla_tune.tune.sweep.finish import choose_winners
@@ -22,7 +25,6 @@ from mla_tune.tune.sweep.plan import SweepPlan, plan_bucket, study_name
 
 def stored_buckets(rows: list) -> list[Bucket]:
     """The buckets a set of trial rows covers, in a stable order."""
-    from mla_tune.tune.choose import tp_size_of
     seen = {}
     for r in rows:
         if r["workload_id"] in seen:
@@ -73,9 +75,6 @@ def replay_sweep(source: str | Path, config: SweepConfig, observer: SweepObserve
 def _stored_rows(source, device_name: str | None, profile: str | None = None) -> tuple[list, str]:
     """The latest stored trial of each candidate in `source` of one device (the one named, or
     the only one), and that device's name; measured under `profile`, where given."""
-    from mla_tune.store.results import ResultsStore
-    from mla_tune.store.selection import profile_clause
-    from mla_tune.tune.choose import latest_trials
     with ResultsStore(source, create=False) as store:
         rows = latest_trials(store.trials(*(profile_clause(profile) if profile else ("1=1", ()))))
     devices = sorted({r["device_name"] for r in rows})
@@ -149,7 +148,6 @@ def _workload_key_of(r: dict) -> tuple:
 
 
 def _defaults_from_backends(b: Bucket, brows: list, cands: dict) -> list:
-    from mla_tune.tune.choose import family_default
     out = []
     for fam, page in sorted({(r["family"], r["page_size"]) for r in brows}):
         key = family_default(fam, b.workload, page)

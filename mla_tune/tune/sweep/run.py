@@ -3,9 +3,11 @@ in one worker process per GPU. The package's docstring maps its parts."""
 
 from __future__ import annotations
 
+from mla_tune.tune.sweep.check import check_sweep_config
 from mla_tune.tune.sweep.config import SweepConfig
-from mla_tune.tune.sweep.outcome import SweepObserver, SweepOutcome
+from mla_tune.tune.sweep.distributed import run_workers
 from mla_tune.tune.sweep.in_process import run_in_process
+from mla_tune.tune.sweep.outcome import SweepObserver, SweepOutcome
 
 
 def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> SweepOutcome:
@@ -14,8 +16,6 @@ def run_sweep(config: SweepConfig, observer: SweepObserver | None = None) -> Swe
     With `config.gpus`, one worker process per GPU shares the work (distributed.run_workers).
     Raises SweepError when no kernel family can run here, StoreError for a DB it must not touch."""
     if config.gpus:
-        from mla_tune.tune.sweep.distributed import run_workers
-        from mla_tune.tune.sweep.check import check_sweep_config
         # the launcher seeds the shared studies (results DB, storage) before any worker checks
         # its inputs: every input checked here first, before anything is written
         check_sweep_config(config, families=False)

@@ -7,18 +7,21 @@ from __future__ import annotations
 
 import time
 
+from mla_tune.problem.roofline import workload_bytes, workload_flops
+from mla_tune.store.results import ResultsStore
 from mla_tune.tune.search import Evaluation, SearchOutcome, SearchPolicy, tpe_sampler
+from mla_tune.tune.study_storage import open_storage
 from mla_tune.tune.sweep.config import SweepConfig, SweepError, SweepInputError
 from mla_tune.tune.sweep.outcome import SweepOutcome
 from mla_tune.tune.sweep.plan import (PlannedBucket, SweepPlan, device_name_of, plan_sweep, space_for,
                                       study_name, tag_remeasure)
+from mla_tune.tune.sweep.shared_bucket import SharedBucket
 
 POLL_S = 0.5     # how often a worker looks again at trials that other workers hold
 
 
 def open_sweep_storage(config: SweepConfig, plan: SweepPlan):
     """The optuna storage the plan's studies live in (None: in memory)."""
-    from mla_tune.tune.study_storage import open_storage
     if config.storage:
         return open_storage(config.storage, config.heartbeat_s)
     return open_storage(plan.journal) if plan.journal else None
@@ -30,7 +33,6 @@ def shared_bucket(storage, config: SweepConfig, plan: SweepPlan, p: PlannedBucke
     so: with its grid (in measuring order, cut to its budget), or for TPE with the family
     defaults (TPE proposes the rest). With `store` (the results DB a journal belongs to), the
     study is checked against the DB: what it says was measured and the DB lacks is measured again."""
-    from mla_tune.tune.sweep.shared_bucket import SharedBucket
     declared = space_for(p.bucket, backends, config.page_sizes, {})
     name = f"{study_name(config, p.bucket, declared)} | {p.mode} | {device_name}"
     if plan.db_uid:     # a journal serves the workers of one results DB, and only that DB
@@ -53,8 +55,6 @@ def shared_bucket(storage, config: SweepConfig, plan: SweepPlan, p: PlannedBucke
 def seed_studies(config: SweepConfig) -> int:
     """Create and seed every bucket's shared study (what `--gpus` does before its workers
     start); the number of studies this call created."""
-    from mla_tune.problem.roofline import workload_bytes, workload_flops
-    from mla_tune.store.results import ResultsStore
     tag_remeasure(config)
     with ResultsStore(config.db) as store:
         plan, ctx = plan_sweep(config, store)

@@ -28,7 +28,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from mla_tune.families.base import Candidate
 from mla_tune.faults import process_alive
+from mla_tune.tune.search import Evaluation
 from mla_tune.tune.study_storage import quiet_optuna, retry_callback
 
 SEED_WAIT_S = 60.0        # how long a worker waits for another process to finish seeding a study
@@ -185,7 +187,6 @@ class SharedBucket:
 
     def candidate(self, key: str):
         """The candidate a trial's key stands for (the declared one, else parsed)."""
-        from mla_tune.families.base import Candidate
         for c in self.space.candidates:
             if c.key == key:
                 return c
@@ -308,7 +309,6 @@ class SharedBucket:
 
     def known(self) -> dict:
         """candidate key -> Evaluation of what the study's workers finished (cached for us)."""
-        from mla_tune.tune.search import Evaluation
         return {k: Evaluation(self.candidate(k), v, True, reason, tid)
                 for k, (v, reason, tid) in self.finished().items()}
 

@@ -4,8 +4,14 @@ measured in a child process for the run record)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import threading
 import time
 
+from mla_tune.measure.jit_prebuild import start_prebuild
+from mla_tune.measure.worker import make_runner
 from mla_tune.tune.sweep.config import SweepConfig, default_families, sweep_profile
 
 
@@ -23,8 +29,6 @@ class CeilingsProbe:
         self.proc = None
 
     def start(self) -> "CeilingsProbe":
-        import subprocess
-        import sys
         try:
             self.proc = subprocess.Popen([sys.executable, "-c", self.CODE], stdout=subprocess.PIPE,
                                          stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True)
@@ -33,8 +37,6 @@ class CeilingsProbe:
         return self
 
     def result(self) -> dict:
-        import json
-        import subprocess
         if self.proc is None:
             return {}
         try:
@@ -67,8 +69,6 @@ class EarlyStart:
     the CPU, or with isolation inline, nothing starts."""
 
     def __init__(self, config: SweepConfig, settings):
-        import threading
-        from mla_tune.measure.worker import make_runner
         self.runner = self.ceilings = self.prebuild = None
         self.error: BaseException | None = None
         self._thread = None
@@ -77,7 +77,6 @@ class EarlyStart:
         families = config.families or default_families(config.device, sweep_profile(config))
         self.runner = make_runner(settings, config.isolation, config.timeout_s, list(families))
         if "flashinfer" in families:
-            from mla_tune.measure.jit_prebuild import start_prebuild
             self.prebuild = start_prebuild([b.workload for b in config.buckets])
         if getattr(self.runner, "isolated", False):
             self.ceilings = CeilingsProbe().start()
