@@ -4,10 +4,7 @@
 # suite, then the default sweep with its config and bench/tuned_vs_auto.py (bench/tools/h200_sweep.sh)
 # in what is left of TOTAL_S (default 585 s). PYTEST_S caps the tests (default 270 s). The DB and
 # config stay in /tmp/work and /tmp/tuned for a chained call (bench/tools/serve_device_run.sh).
-set -u
-start=$(date +%s)
-total=${TOTAL_S:-585}
-left() { echo $(( total - ($(date +%s) - start) )); }
+source bench/tools/call-clock.sh   # set -u; start, total (TOTAL_S), left
 source bench/tools/device-setup.sh
 if [ -f .fa3/_vllm_fa3_C.abi3.so.xz ]; then
   d=$(python3 -c "import importlib.util as u, os; print(os.path.join(os.path.dirname(u.find_spec('vllm').origin), 'vllm_flash_attn'))")

@@ -7,10 +7,7 @@
 # SWEEP_ARGS overrides the bucket grid (default: the CLI's defaults); SWEEP_BUDGET the sweep's
 # seconds (default 55% of the total). The full default grid (96 buckets, ~2,400 trials at the
 # 5.8 trials/s measured on 2026-12-02) wants about 8 minutes: `SWEEP_BUDGET=480 bash bench/tools/h200_final.sh 590`.
-set -u
-total=${1:-540}
-start=$(date +%s)
-left() { echo $(( total - ($(date +%s) - start) )); }
+TOTAL_S=${1:-540} source bench/tools/call-clock.sh   # set -u; start, total, left
 source bench/tools/device-setup.sh
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 

@@ -10,10 +10,7 @@
 # emits the config again (decode + prefill sections) before the comparison. SWEEP_BUDGET caps the sweep (default 420 s, so the call fits 600 s even if it is slow; the goal
 # is <= 150 s, where the cap does not bind); MLA_TUNE_JIT_PREBUILD=0 compiles FlashInfer in the
 # worker instead of in the background.
-set -u
-total=${1:-590}
-start=$(date +%s)
-left() { echo $(( total - ($(date +%s) - start) )); }
+TOTAL_S=${1:-590} source bench/tools/call-clock.sh   # set -u; start, total, left
 source bench/tools/device-setup.sh
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 ls /tmp/fiws 2>/dev/null | head -3 | sed 's/^/JIT cache present: /'

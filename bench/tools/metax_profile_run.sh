@@ -19,10 +19,7 @@
 #   SERVE=1: then bench/serve_bench.py in the profile (tuned, untuned = the vendor's default order,
 #     triton16); needs `vllm serve`'s packages: carry .dev/site.tar.xz .dev/vllm.tar.xz
 #     .dev/_C_stable_libtorch.abi3.so.xz .dev/vllm.version .m026 (and .mx), about 48 MB
-set -u
-start=$(date +%s)
-total=${TOTAL_S:-585}
-left() { echo $(( total - ($(date +%s) - start) )); }
+source bench/tools/call-clock.sh   # set -u; start, total (TOTAL_S), left
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/site /tmp/fiws026
 if [ -f .carry/flashinfer.tar.xz ]; then
   source bench/tools/device-setup.sh > /dev/null     # vLLM, the wheels, the project (FlashInfer 0.7 beneath)
