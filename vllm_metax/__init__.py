@@ -14,21 +14,23 @@ tuner and plugin share, the kernels both run); this module, `platform.py`, `work
 
 from __future__ import annotations
 
+# every entry point asks `should_activate` first: the device module is needed in every process
+from vllm_metax.core import device
+from vllm_metax.core.log import get_logger
+
 PLATFORM_CLASS = "vllm_metax.platform.MetaxPlatform"
 
 
 def should_activate() -> tuple[bool, str]:
     """Whether the platform plugin activates here, and why (also shown by `mla-tune doctor`)."""
-    from vllm_metax.core.device import FORCE_ENV, detect_device, forced
-
-    if forced():
-        return True, f"forced by ${FORCE_ENV}"
-    dev = detect_device()
+    if device.forced():
+        return True, f"forced by ${device.FORCE_ENV}"
+    dev = device.detect_device()
     if dev.is_metax:
         return True, f"MetaX device {dev.name!r} found through {dev.source}"
     if dev.source == "none":
-        return False, f"no accelerator found (set ${FORCE_ENV}=1 to force)"
-    return False, f"{dev.name!r} is not a MetaX device (set ${FORCE_ENV}=1 to force)"
+        return False, f"no accelerator found (set ${device.FORCE_ENV}=1 to force)"
+    return False, f"{dev.name!r} is not a MetaX device (set ${device.FORCE_ENV}=1 to force)"
 
 
 def register() -> str | None:
@@ -38,15 +40,13 @@ def register() -> str | None:
     it here, in the server's first process (`vllm_metax.core.traffic.resolve_path`)."""
     active, _ = should_activate()
     if active:
-        from vllm_metax.core.distribution import clash_message, other_owners
-        from vllm_metax.core.traffic import resolve_path
+        # lazy: only where the platform is active (vLLM imports this package in every process,
+        # on machines where it stays inactive too)
+        from vllm_metax.core import distribution, traffic
 
-        resolve_path()      # a traffic folder -> this server's file, before any process is spawned
-
-        message = clash_message(other_owners())
+        traffic.resolve_path()      # a traffic folder -> this server's file, before any process is spawned
+        message = distribution.clash_message(distribution.other_owners())
         if message:
-            from vllm_metax.core.log import get_logger
-
             get_logger(__name__).warning("vllm_metax: %s", message)
     return PLATFORM_CLASS if active else None
 
@@ -60,7 +60,7 @@ def register_attention_backends() -> None:
     """
     if not should_activate()[0]:
         return
-    from vllm_metax.platform import register_backends
+    from vllm_metax.platform import register_backends   # lazy: imports vLLM and torch
 
     register_backends()
 
@@ -72,7 +72,7 @@ def register_custom_ops() -> dict | None:
     what each op runs, or None."""
     if not should_activate()[0]:
         return None
-    from vllm_metax.core.log import get_logger
+    # lazy: only where the platform is active (the platform module imports vLLM and torch)
     from vllm_metax.custom_ops import register_cuda_forward, route_merge_attn_states, summary
     from vllm_metax.platform import compiled_ops
 

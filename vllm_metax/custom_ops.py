@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import importlib
 
+import torch
+
 from vllm_metax.core.log import get_logger
 from vllm_metax.kernels import has_op
 
@@ -64,6 +66,7 @@ def register_cuda_forward(has=None, loader=_load) -> dict[str, str]:
     """Register, once per process, an out-of-tree subclass of each op in CUDA_FORWARD whose
     `forward_oot` is vLLM's `forward_cuda`. Returns what each op runs, by class name: "compiled",
     or why PyTorch's code stays. Never raises: an op that cannot be swapped keeps vLLM's default."""
+    # lazy: vLLM's custom_op module resolves the current platform on import (vllm_metax.platform)
     from vllm.model_executor.custom_op import CustomOp, op_registry_oot
 
     has = has or has_op
@@ -107,8 +110,7 @@ def compiled_merge(fallback):
     (`head * num_tokens + token`), so they reach it contiguous (a copy of a few hundred KB at most),
     and an `output_lse` that is a strided view (the continuation merge writes a slice) keeps
     vLLM's merge."""
-    import torch
-    from vllm import _custom_ops
+    from vllm import _custom_ops   # lazy: warns where vLLM has no vllm._C; loaded only where the op is
 
     head_multiple = {torch.float32: 4, torch.float16: 8, torch.bfloat16: 8}   # the kernel's dtypes
 
@@ -137,8 +139,6 @@ MERGE_ARGS = ("output", "output_lse", "prefix_output", "prefix_lse", "suffix_out
 def _merge_signature_mismatch() -> str | None:
     """Why the registered `_C.merge_attn_states` is not the one vLLM 0.33 calls (another build's,
     MetaX's `mcoplib` say, with the older six-argument kernel that wants contiguous heads), or None."""
-    import torch
-
     try:
         names = tuple(a.name for a in torch.ops._C.merge_attn_states.default._schema.arguments)
     except (AttributeError, RuntimeError) as e:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 
+import torch
+
 from vllm_metax.core.log import get_logger
 
 logger = get_logger(__name__)
@@ -45,7 +47,6 @@ class KernelReport:
 
 def has_op(qualname: str) -> bool:
     """Whether `torch.ops.<namespace>.<op>` is registered (no import side effects beyond torch)."""
-    import torch
 
     namespace, op = qualname.split(".", 1)
     try:

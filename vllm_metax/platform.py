@@ -9,6 +9,7 @@ build exposes it) and `vllm_metax.core.device`.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from datetime import timedelta
 from functools import cache
@@ -16,8 +17,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vllm import envs
 from vllm.logger import init_logger
 from vllm.platforms.interface import DeviceCapability, Platform, PlatformEnum
+from vllm.v1.attention.backends.mla.prefill.registry import (
+    MLAPrefillBackendEnum,
+    register_mla_prefill_backend,
+)
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
 from vllm_metax.backend import served_entry
@@ -27,6 +33,11 @@ from vllm_metax.core.profile import PROFILE_ENV, profile_source
 from vllm_metax.core.serving import mla_backend_order
 from vllm_metax.core.traffic import TRAFFIC_ENV
 from vllm_metax.core.tuned_config import FOLDER_ENV, PACKAGED_ENV, STRICT_ENV
+from vllm_metax.kernels import load_compiled_ops, missing_kernels_message
+
+# vllm.config (and what imports it: vLLM's custom_op module, so vllm_metax.custom_ops) is imported
+# inside the methods that need it: it resolves vLLM's `current_platform` on import, and this
+# module is imported while vLLM resolves it.
 
 if TYPE_CHECKING:
     from torch.distributed import PrefixStore, ProcessGroup
@@ -62,11 +73,6 @@ OWN_ENV_VARS = frozenset({FORCE_ENV, FOLDER_ENV, STRICT_ENV, PACKAGED_ENV, PROFI
 def register_backends() -> None:
     """Point FLASHINFER_MLA, TRITON_MLA, FLASHMLA and the FLASHINFER MLA prefill at the plugin's
     backends (idempotent)."""
-    from vllm.v1.attention.backends.mla.prefill.registry import (
-        MLAPrefillBackendEnum,
-        register_mla_prefill_backend,
-    )
-
     for backend, path in PLUGIN_BACKENDS.items():
         if AttentionBackendEnum[backend].get_path() != path:
             register_backend(AttentionBackendEnum[backend], class_path=path)
@@ -169,7 +175,6 @@ class MetaxPlatform(Platform):
         (the worker refuses to start without them: vllm_metax.worker)."""
         report = compiled_ops()
         if report.missing:
-            from vllm_metax.kernels import missing_kernels_message
             logger.warning_once(missing_kernels_message(report))
 
     @classmethod
@@ -177,7 +182,7 @@ class MetaxPlatform(Platform):
         """CudaPlatform's provider order for vLLM's IR ops (rms_norm, fused_add_rms_norm): its
         compiled `vllm_c` kernels first where they are loaded and inductor does not compile, not
         the base platform's PyTorch code (vllm_metax.custom_ops)."""
-        from vllm.config.compilation import CompilationMode
+        from vllm.config.compilation import CompilationMode    # lazy: see the imports
         from vllm.config.kernel import IrOpPriorityConfig
 
         from vllm_metax.custom_ops import ir_op_priority
@@ -235,6 +240,7 @@ class MetaxPlatform(Platform):
     def stateless_init_device_torch_dist_pg(cls, backend: str, prefix_store: "PrefixStore",
                                             group_rank: int, group_size: int,
                                             timeout: timedelta) -> "ProcessGroup":
+        # lazy: a torch built without NCCL has no ProcessGroupNCCL (only this method needs it)
         from torch.distributed import ProcessGroup
         from torch.distributed.distributed_c10d import ProcessGroupNCCL
 
@@ -250,8 +256,6 @@ class MetaxPlatform(Platform):
     @classmethod
     def validate_environ(cls, hard_fail: bool) -> None:
         """vLLM's check of unknown VLLM_* variables, knowing this plugin's own."""
-        from vllm import envs
-
         for env in os.environ:
             if env.startswith("VLLM_") and env not in envs.environment_variables \
                     and env not in OWN_ENV_VARS:
@@ -322,8 +326,6 @@ class MetaxPlatform(Platform):
                                     ) -> "type[MLAPrefillBackend]":
         """The first valid MLA prefill backend of MLA_PREFILL_ORDER; ValueError with every
         backend's reasons when none is."""
-        from vllm.v1.attention.backends.mla.prefill.registry import MLAPrefillBackendEnum
-
         register_backends()
         capability = cls.get_device_capability()
         invalid: dict = {}
@@ -370,7 +372,7 @@ class MetaxPlatform(Platform):
     @classmethod
     def _tuned_entry_for_selection(cls, attn_selector_config, num_heads):
         """The served entry for the model keyed with the dtypes vLLM selects a backend for."""
-        from vllm.config import get_current_vllm_config_or_none
+        from vllm.config import get_current_vllm_config_or_none    # lazy: see the imports
 
         vllm_config = get_current_vllm_config_or_none()
         if vllm_config is None:
@@ -426,8 +428,6 @@ class MetaxPlatform(Platform):
 def flashinfer_autotune_missing() -> str | None:
     """Why vLLM's FlashInfer autotune cannot run with the FlashInfer installed here (None: it can,
     or there is no FlashInfer, which vLLM checks itself)."""
-    import importlib.util
-
     if importlib.util.find_spec("flashinfer") is None:
         return None
     try:
@@ -445,8 +445,6 @@ def flashinfer_autotune_missing() -> str | None:
 @cache
 def compiled_ops():
     """What this process loaded of vLLM's compiled ops (a vllm_metax.kernels.KernelReport)."""
-    from vllm_metax.kernels import load_compiled_ops
-
     return load_compiled_ops(detect_device().is_metax)
 
 

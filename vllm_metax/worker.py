@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from vllm.v1.worker.gpu_worker import Worker
 
+from vllm_metax.core import traffic
 from vllm_metax.kernels import MissingKernelsError, missing_kernels_message
+from vllm_metax.platform import compiled_ops
 
 
 class MetaxWorker(Worker):
     def init_device(self):
-        from vllm_metax.platform import compiled_ops
-
         report = compiled_ops()
         if report.missing:
             raise MissingKernelsError(missing_kernels_message(report))
@@ -21,7 +21,5 @@ class MetaxWorker(Worker):
 
     def compile_or_warm_up_model(self):
         out = super().compile_or_warm_up_model()
-        from vllm_metax.core.traffic import discard_warmup
-
-        discard_warmup()            # the dummy batches so far are no server traffic
+        traffic.discard_warmup()    # the dummy batches so far are no server traffic
         return out

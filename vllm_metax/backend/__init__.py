@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 
-from vllm_metax.core import decisions, profile, serving
+from vllm_metax.core import decisions, profile, serving, traffic
 from vllm_metax.core.device import detect_device
 from vllm_metax.core.log import get_logger, log_once
 from vllm_metax.core.tuned_config import ModelDims, ModelEntry, load_tuned_config
@@ -25,6 +26,7 @@ def model_dims(vllm_config, num_heads: int | None = None, *, q_dtype=None,
     if model_config is None or not getattr(model_config, "use_mla", False):
         return None
     try:
+        # lazy: `mla-tune prebuild` reads this package (served_modules) without vLLM
         from vllm.model_executor.layers.attention.mla_attention import get_mla_dims
 
         mla = get_mla_dims(model_config)
@@ -88,12 +90,10 @@ def traffic_recorder(vllm_config, num_heads: int | None = None, *, kv_dtype=None
     or None: recording is off (`VLLM_METAX_TRAFFIC` unset), the model has no MLA key, or this
     process is not the first tensor- or pipeline-parallel rank of its replica (those ranks see
     the same steps; only one of them counts them)."""
-    import os
-
-    from vllm_metax.core import traffic
     if not os.environ.get(traffic.TRAFFIC_ENV, "").strip():
         return None
     try:
+        # lazy, as in model_dims
         from vllm.distributed.parallel_state import (get_pp_group, get_tensor_model_parallel_rank,
                                                      model_parallel_is_initialized)
         if model_parallel_is_initialized() and (get_tensor_model_parallel_rank() != 0

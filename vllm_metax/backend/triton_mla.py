@@ -41,6 +41,7 @@ from vllm_metax.core.device import detect_device
 from vllm_metax.core.log import get_logger, log_once
 from vllm_metax.core.profile import active_profile
 from vllm_metax.core.tuned_config import ModelDims, ModelEntry, load_tuned_config
+from vllm_metax.ops import triton_launch
 
 logger = get_logger(__name__)
 
@@ -82,7 +83,6 @@ def _install_launch_hook():
         variant = _VARIANT.get()
         if variant == choices.DEFAULT_TRITON_VARIANT:
             return original(*args, **kwargs)
-        from vllm_metax.ops import triton_launch
         return triton_launch.decode_attention_fwd(*args, variant=variant, **kwargs)
 
     decode_attention_fwd.__wrapped__ = original

@@ -52,7 +52,7 @@ def detect_device() -> DeviceInfo:
         sm, cap = _torch_props()
         return DeviceInfo(name, "pymxsml", True, sm, cap)
     try:
-        import torch
+        import torch    # lazy: core/ imports the standard library only (read while vLLM starts)
         if torch.cuda.is_available():
             props = torch.cuda.get_device_properties(0)
             return DeviceInfo(props.name, "torch", is_metax_name(props.name),
@@ -64,7 +64,7 @@ def detect_device() -> DeviceInfo:
 
 def _torch_props():
     try:
-        import torch
+        import torch    # lazy, as in detect_device
         if torch.cuda.is_available():
             p = torch.cuda.get_device_properties(0)
             return p.multi_processor_count, (p.major, p.minor)

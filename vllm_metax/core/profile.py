@@ -24,7 +24,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from vllm_metax.core import choices
+from vllm_metax.core import choices, device
 from vllm_metax.core.log import get_logger, log_once
 from vllm_metax.core.split_facts import PIPES
 
@@ -104,7 +104,6 @@ def profile_source() -> tuple[Profile, str]:
             return PROFILES[raw.lower()], f"${PROFILE_ENV}={raw}"
         log_once(logger, logging.WARNING, "vllm_metax: %s=%r is not a profile (known: %s); detecting the device "
                  "instead", PROFILE_ENV, raw[:40], ", ".join(PROFILE_NAMES))
-    from vllm_metax.core import device
     dev = device.detect_device()
     if dev.is_metax:
         return PROFILES[METAX], f"detected: {dev.name} is a MetaX device (via {dev.source})"

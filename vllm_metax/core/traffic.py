@@ -32,6 +32,7 @@ from __future__ import annotations
 import atexit
 import math
 import os
+import socket
 import threading
 import time
 
@@ -88,7 +89,6 @@ def resolve_path(environ=None) -> str | None:
     if not raw:
         return None
     if raw.endswith(("/", os.sep)) or os.path.isdir(raw):
-        import socket
         raw = os.path.join(raw, f"traffic-{socket.gethostname()}-{os.getpid()}.db")
         env[TRAFFIC_ENV] = raw
     return raw
@@ -188,8 +188,7 @@ def write_counts(path: str, dims, decode: dict, prefill: dict, started: float = 
     """Add `decode` ((batch, q_len, context bin) -> steps) and `prefill` ((causal, query bin,
     kv bin) -> plans) of model key `dims` into the traffic file at `path` (created if missing),
     in one transaction that waits for other writers."""
-    import socket
-    import sqlite3
+    import sqlite3      # lazy: only a recording server writes; the config reader never loads sqlite
     model = model_label(dims)
     conn = sqlite3.connect(path, timeout=60, isolation_level=None)
     try:

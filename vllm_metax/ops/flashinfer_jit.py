@@ -35,7 +35,7 @@ class JitUnknown(RuntimeError):
 
 
 def _torch_dtype(name: str):
-    import torch
+    import torch    # lazy: naming modules and their cache folders (doctor, prebuild's plan) needs no torch
     return getattr(torch, name)
 
 
@@ -43,6 +43,7 @@ def jit_functions():
     """FlashInfer's module generators and names (flashinfer.jit.attention.modules); raises
     JitUnknown when this FlashInfer has none (MetaX's 0.2.x build, a broken install)."""
     try:
+        # lazy: FlashInfer is optional; a broken install is JitUnknown, not an import error
         from flashinfer.jit.attention import modules
         from flashinfer.jit import env
     except Exception as e:  # a broken install raises more than ImportError

@@ -26,14 +26,16 @@ from __future__ import annotations
 import functools
 import inspect
 from dataclasses import dataclass
+from importlib import metadata
 from typing import Optional
 
 import torch
 
 from vllm_metax.core.log import get_logger
 from vllm_metax.ops import fast_replan as fr
-from vllm_metax.ops.paged_metadata import PagedMetadata
+from vllm_metax.ops.paged_metadata import PagedMetadata, build_paged_metadata
 from vllm_metax.core.choices import FLASHINFER_BACKENDS
+from vllm_metax.core.profile import active_profile
 
 logger = get_logger(__name__)
 
@@ -56,7 +58,6 @@ WORKSPACE_BYTES = 128 << 20      # FlashInfer's recommended float workspace for 
 
 def _profile_api() -> str | None:
     """The FlashInfer API form the active target profile plans through (None: as installed)."""
-    from vllm_metax.core.profile import active_profile
     return active_profile().flashinfer_api
 
 
@@ -131,6 +132,7 @@ def _accepted_backends(wrapper_cls: type, form: str) -> tuple:
 @functools.lru_cache(maxsize=1)
 def _cached_api() -> FlashInferAPI:
     try:
+        # lazy: FlashInfer is optional, and a broken install must be an answer, not an import error
         import flashinfer.mla as mla
     except Exception as e:  # a broken install raises more than ImportError (seen: AttributeError)
         raise FlashInferUnavailable(f"cannot import flashinfer.mla: {type(e).__name__}: {e}") from None
@@ -141,7 +143,6 @@ def _cached_api() -> FlashInferAPI:
         version = str(getattr(flashinfer, "__version__", "unknown"))
     except Exception:
         pass
-    from importlib import metadata
     for dist in ("flashinfer-python", "flashinfer"):
         try:
             metadata.version(dist)
@@ -409,7 +410,6 @@ def probe_backend(backend: str, device: torch.device | str = "cuda", num_heads: 
 
 @functools.lru_cache(maxsize=None)
 def _probe(backend, device, num_heads, head_dim_ckv, head_dim_kpe, page_size, dtype, api):
-    from vllm_metax.ops.paged_metadata import build_paged_metadata
     lens = torch.tensor([page_size + 3, 1], dtype=torch.int32)
     pages = int(((lens + page_size - 1) // page_size).sum())
     block_table = torch.arange(pages, dtype=torch.int32, device=device).reshape(1, -1).repeat(2, 1)

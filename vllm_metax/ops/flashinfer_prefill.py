@@ -34,6 +34,7 @@ LSE_FLASHINFER, LSE_VLLM = "flashinfer", "vllm"
 def ragged_wrapper_cls() -> type:
     """FlashInfer's ragged prefill wrapper class; raises FlashInferUnavailable."""
     try:
+        # lazy: FlashInfer is optional, and a broken install must be an answer, not an import error
         from flashinfer import BatchPrefillWithRaggedKVCacheWrapper
     except Exception as e:  # a broken install raises more than ImportError
         raise FlashInferUnavailable(

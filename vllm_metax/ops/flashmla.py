@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm_metax.core import device as core_device
 from vllm_metax.core.choices import FLASHMLA, SPECS
 from vllm_metax.ops.vllm_library import VllmLibrary, hopper_reason
 
@@ -62,7 +63,7 @@ def vendor_interface():
     """The flash_mla package's (get_mla_metadata, flash_mla_with_kvcache), or (None, why not).
     Never raises."""
     try:
-        import flash_mla
+        import flash_mla    # lazy: optional (the MetaX vendor's package); absent is an answer
     except Exception as e:  # noqa: BLE001 - a broken install is "not here", with its reason
         return None, f"the flash_mla package is not importable ({type(e).__name__}: {str(e)[:200]})"
     for mod in (flash_mla, getattr(flash_mla, "flash_mla_interface", None)):
@@ -74,8 +75,7 @@ def vendor_interface():
 
 
 def _on_metax() -> bool:
-    from vllm_metax.core import device
-    return device.detect_device().is_metax
+    return core_device.detect_device().is_metax
 
 
 def flashmla_library(device=None, capability: tuple | None = None) -> tuple[str | None, str]:

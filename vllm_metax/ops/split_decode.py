@@ -30,6 +30,8 @@ try:
 except ImportError:     # an older or vendor Triton (MetaX's: no TMA there): the pointer kernel only
     _TensorDescriptor = None
 
+from vllm_metax.core import device as core_device
+from vllm_metax.core.profile import active_profile, get_profile
 from vllm_metax.core.split_facts import (  # noqa: F401 - the kernel's facts, re-exported
     MAX_PROGRAMS, PARTIAL_DTYPES, PIPES, SERVED_PIPE, Pipe, default_block_h,
 )
@@ -283,7 +285,6 @@ def tma_supported(device, profile=None) -> bool:
     GPU of compute capability 9 or later (Hopper's tensor-memory accelerator; MetaX GPUs, found
     by pymxsml or their name, have none); a CPU tensor runs it under Triton's interpreter. Never
     under a profile whose target has no TMA (`profile`, default: the active one: metax)."""
-    from vllm_metax.core.profile import active_profile, get_profile
     if _TensorDescriptor is None:
         return False
     if not (active_profile() if profile is None else get_profile(profile)).split_tma:
@@ -291,8 +292,7 @@ def tma_supported(device, profile=None) -> bool:
     dev = torch.device(device)
     if dev.type != "cuda":
         return dev.type == "cpu"
-    from vllm_metax.core.device import detect_device
-    if detect_device().is_metax:
+    if core_device.detect_device().is_metax:
         return False
     try:
         return torch.cuda.get_device_capability(dev)[0] >= 9
