@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol, runtime_checkable
 
 from mla_tune.problem.workload import Workload
+from mla_tune.validate import InputError, ascii_int, check_page_size
+from vllm_metax.core.choices import ChoiceError, candidate_choice
+from vllm_metax.core.profile import why_unservable
 
 
 @dataclass(frozen=True)
@@ -38,7 +41,6 @@ class Candidate:
     def parse(cls, text: str) -> "Candidate":
         """Inverse of `key`: 'flashinfer/fa3/p64' or 'triton/triton/p16/num_kv_splits=8'.
         The page size must be one the plugin can serve (vllm_metax.core.tuned_config.PAGE_SIZES)."""
-        from mla_tune.validate import InputError, ascii_int, check_page_size
         parts = text.strip().split("/")
         if (len(parts) < 3 or not parts[0] or not parts[1] or not parts[2].startswith("p")
                 or ascii_int(parts[2][1:], 11) is None or parts[2][1:] != parts[2][1:].strip()):
@@ -78,7 +80,6 @@ class CandidateInvalid(Exception):
 def refuse_outside_profile(candidate: Candidate, profile) -> None:
     """CandidateInvalid("unsupported") for a candidate `profile`'s target cannot run
     (`vllm_metax.core.profile.why_unservable`): measured data that no config of it may name."""
-    from vllm_metax.core.profile import why_unservable
     why = why_unservable(candidate.family, {"backend": candidate.backend, **candidate.params}, profile)
     if why:
         raise CandidateInvalid("unsupported", f"{candidate.key}: {why} (profile {profile.name})")
@@ -99,7 +100,6 @@ def refuse_where_it_cannot_run(kernel: str, why_shapes: str | None, device, avai
 def typed_choice(candidate: Candidate):
     """The candidate's typed choice by the plugin's one rule (`vllm_metax.core.choices`); a knob
     the family does not take is CandidateInvalid("unsupported"), the measurement's refusal."""
-    from vllm_metax.core.choices import ChoiceError, candidate_choice
     try:
         return candidate_choice(candidate.family, candidate.backend, candidate.params, candidate.key)
     except ChoiceError as e:

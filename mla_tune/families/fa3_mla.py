@@ -22,6 +22,7 @@ from mla_tune.families.base import (Availability, Candidate, CandidateInvalid, P
 from mla_tune.problem.instance import torch_dtype
 from mla_tune.problem.workload import Workload
 from vllm_metax.core.choices import FA3 as FAMILY, FA3_BACKEND as BACKEND, SPECS
+from vllm_metax.ops import fa3_mla as op
 
 SPEC = SPECS[FAMILY]
 
@@ -31,18 +32,12 @@ SPLITS = (0, 1, 2, 4, 8, 16, 32)
 VLLM_GRAPH_SPLITS = 32
 
 
-def _op():
-    from vllm_metax.ops import fa3_mla
-    return fa3_mla
-
-
 class FA3MLAFamily:
     family = FAMILY
 
     def available(self, device: str) -> Availability:
         if not str(device).startswith("cuda"):
             return Availability(False, "vLLM's FA3 MLA needs a CUDA device")
-        op = _op()
         ok, why = op.fa3_available(device)
         return Availability(ok, why or f"vLLM's FA3 MLA decode ({op.library_path().name})")
 
@@ -63,7 +58,6 @@ class FA3MLAFamily:
         return Candidate(self.family, BACKEND, page_size, {"num_splits": VLLM_GRAPH_SPLITS})
 
     def prepare(self, workload: Workload, candidate: Candidate, problem) -> Prepared:
-        op = _op()
         choice = typed_choice(candidate)
         q_dt, kv_dt = torch_dtype(workload.q_dtype), torch_dtype(workload.kv_dtype)
         dev = problem.device

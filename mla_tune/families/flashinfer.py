@@ -49,20 +49,19 @@ from mla_tune.problem.defaults import DEFAULT_PAGE_SIZE
 from mla_tune.problem.workload import Workload
 from mla_tune.problem.instance import torch_dtype
 from vllm_metax.core.choices import FLASHINFER, KV_CHUNKS, SPECS
+from vllm_metax.core.profile import target_profile
+from vllm_metax.ops import flashinfer_mla as op
+from vllm_metax.ops.device_backends import device_flashinfer_backends
+from vllm_metax.ops.fast_replan import ENABLED as FAST_REPLAN
+from vllm_metax.ops.paged_metadata import build_paged_metadata
 
 FAMILY = FLASHINFER
 SPEC = SPECS[FAMILY]
 
 
-def _op():
-    from vllm_metax.ops import flashinfer_mla
-    return flashinfer_mla
-
-
 def device_backends(profile=None):
     """The plugin's FlashInfer backend rule for the visible device under `profile` (None: the
     active one)."""
-    from vllm_metax.ops.device_backends import device_flashinfer_backends
     return device_flashinfer_backends(profile)
 
 
@@ -74,12 +73,10 @@ class FlashInferFamily:
         """`api` forces the flat or keyword FlashInfer API form (tests); default: the profile's
         (`profile`, None: the active one), else detected. `fast_replan` is MLADecodeKernel's (on,
         as the plugin runs it; off times FlashInfer's own plan())."""
-        from vllm_metax.core.profile import active_profile, get_profile
-        self.profile = get_profile(profile) if profile is not None else active_profile()
+        self.profile = target_profile(profile)
         self.api = api or self.profile.flashinfer_api
         self.workspace_bytes = workspace_bytes
-        from vllm_metax.ops.fast_replan import ENABLED
-        self.fast_replan = ENABLED if fast_replan is None else fast_replan
+        self.fast_replan = FAST_REPLAN if fast_replan is None else fast_replan
 
     # ------------------------------------------------------------------ protocol
     def available(self, device: str) -> Availability:
@@ -87,13 +84,12 @@ class FlashInferFamily:
             return Availability(False, "FlashInfer MLA needs a CUDA device")
         if not torch.cuda.is_available():
             return Availability(False, "torch sees no CUDA device")
-        ok, why = _op().flashinfer_available()
+        ok, why = op.flashinfer_available()
         return Availability(ok, why)
 
     def backends(self) -> tuple:
         """The backend values the plugin may plan on this device that the installed FlashInfer
         accepts, in the plugin's order."""
-        op = _op()
         try:
             accepted = set(op.concrete_backends())
         except op.FlashInferUnavailable:
@@ -110,7 +106,6 @@ class FlashInferFamily:
         return out
 
     def _keyword_api(self) -> bool:
-        op = _op()
         try:
             return self.api != op.API_FLAT and op.flashinfer_api().form == op.API_KEYWORD
         except op.FlashInferUnavailable:
@@ -123,7 +118,6 @@ class FlashInferFamily:
 
     def prepare(self, workload: Workload, candidate: Candidate, problem) -> Prepared:
         """Plan the candidate over `problem` (first plan JIT-compiles: `compile_s`)."""
-        op = _op()
         choice = typed_choice(candidate)
         refuse_outside_profile(candidate, self.profile)
         kv_chunk, factor = choice.kv_chunk, choice.kv_chunk_factor
@@ -135,7 +129,6 @@ class FlashInferFamily:
             raise CandidateInvalid("unsupported", f"flashinfer {api.version} does not accept backend "
                                    f"{candidate.backend!r} (accepts {', '.join(api.backends)})")
         device = problem.device
-        from vllm_metax.ops.paged_metadata import build_paged_metadata
         try:
             kernel = op.MLADecodeKernel(self._workspace(device), candidate.backend, api=self.api,
                                         fast_replan=self.fast_replan)
@@ -183,7 +176,6 @@ class FlashInferFamily:
     # ------------------------------------------------------------------ helpers
     def _workspace(self, device) -> torch.Tensor:
         # one workspace per candidate: interleaved candidates must not share scratch space
-        op = _op()
         return op.make_workspace(device, self.workspace_bytes or op.WORKSPACE_BYTES)
 
 

@@ -22,8 +22,15 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from mla_tune.families.base import Availability, Candidate, CandidateInvalid, Prepared
+from mla_tune.problem.instance import torch_dtype
 from mla_tune.problem.prefill import QK_NOPE, QK_ROPE, V_DIM, PrefillProblem, PrefillWorkload
+from vllm_metax.ops.device_backends import device_prefill_backends
+from vllm_metax.ops.fa3_prefill import BACKEND as VLLM_FA3, FA3PrefillKernel
+from vllm_metax.ops.flashinfer_mla import WORKSPACE_BYTES, BackendRefused, make_workspace
+from vllm_metax.ops.flashinfer_prefill import PREFILL_BACKENDS, MLAPrefillKernel, prefill_available
 
 FAMILY = "flashinfer_prefill"
 PAGE = 1                      # ragged KV: no pages
@@ -31,7 +38,6 @@ PAGE = 1                      # ragged KV: no pages
 
 def device_backends():
     """The plugin's prefill backend rule for the visible device."""
-    from vllm_metax.ops.device_backends import device_prefill_backends
     return device_prefill_backends()
 
 
@@ -51,17 +57,13 @@ class FlashInferPrefillFamily:
             return Availability(True, "stand-in ragged wrapper")
         if not str(device).startswith("cuda"):
             return Availability(False, "FlashInfer prefill needs a CUDA device")
-        import torch
         if not torch.cuda.is_available():
             return Availability(False, "torch sees no CUDA device")
-        from vllm_metax.ops.flashinfer_prefill import prefill_available
         ok, why = prefill_available()
         return Availability(ok, why)
 
     def backends(self) -> tuple:
         """The prefill backend values the plugin may plan here that an op runs, its order."""
-        from vllm_metax.ops.fa3_prefill import BACKEND as VLLM_FA3
-        from vllm_metax.ops.flashinfer_prefill import PREFILL_BACKENDS
         return tuple(b for b in device_backends().allowed if b in PREFILL_BACKENDS or b == VLLM_FA3)
 
     def space(self, workload: PrefillWorkload) -> list[Candidate]:
@@ -74,14 +76,9 @@ class FlashInferPrefillFamily:
     def prepare(self, workload: PrefillWorkload, candidate: Candidate,
                 problem: PrefillProblem) -> Prepared:
         """Plan the candidate over `problem` (the first plan and run JIT-compile: `compile_s`)."""
-        import torch
-        from mla_tune.problem.instance import torch_dtype
-        from vllm_metax.ops.flashinfer_mla import WORKSPACE_BYTES, BackendRefused, make_workspace
-        from vllm_metax.ops.flashinfer_prefill import PREFILL_BACKENDS, MLAPrefillKernel
         if candidate.params:
             raise CandidateInvalid("unsupported", f"FlashInfer prefill has no knob "
                                    f"{sorted(candidate.params)}; its one choice is the backend")
-        from vllm_metax.ops.fa3_prefill import BACKEND as VLLM_FA3, FA3PrefillKernel
         fa3 = candidate.backend == VLLM_FA3
         if candidate.backend not in PREFILL_BACKENDS and not fa3:
             raise CandidateInvalid("unsupported", f"prefill backend must be one of "

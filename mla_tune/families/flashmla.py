@@ -27,13 +27,10 @@ from mla_tune.families.triton_mla import packed_query
 from mla_tune.problem.instance import torch_dtype
 from mla_tune.problem.workload import Workload
 from vllm_metax.core.choices import FLASHMLA as FAMILY, FLASHMLA_BACKEND as BACKEND, SPECS
+from vllm_metax.core.profile import target_profile
+from vllm_metax.ops import flashmla as op
 
 SPEC = SPECS[FAMILY]
-
-
-def _op():
-    from vllm_metax.ops import flashmla
-    return flashmla
 
 
 class FlashMLAFamily:
@@ -42,13 +39,11 @@ class FlashMLAFamily:
     def __init__(self, profile=None):
         """`profile`: the target profile (None: the active one), whose FlashMLA page size (64 on
         both targets) is the family's one page."""
-        from vllm_metax.core.profile import active_profile, get_profile
-        self.profile = get_profile(profile) if profile is not None else active_profile()
+        self.profile = target_profile(profile)
 
     def available(self, device: str) -> Availability:
         if not str(device).startswith("cuda"):
             return Availability(False, "FlashMLA needs a CUDA device")
-        op = _op()
         library, why = op.flashmla_library(device)
         if library is None:
             return Availability(False, why)
@@ -64,7 +59,6 @@ class FlashMLAFamily:
         return Candidate(self.family, BACKEND, page_size)
 
     def prepare(self, workload: Workload, candidate: Candidate, problem) -> Prepared:
-        op = _op()
         if candidate.backend != BACKEND or candidate.params:
             raise CandidateInvalid("unsupported", f"{candidate.key}: FlashMLA has one candidate, "
                                    f"{SPEC.form}")

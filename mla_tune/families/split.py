@@ -29,6 +29,7 @@ most SMALL_WORK_TOKENS KV tokens.
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -38,6 +39,7 @@ from mla_tune.families.base import (Availability, Candidate, CandidateInvalid, P
 from mla_tune.problem.workload import Workload
 from vllm_metax.core.choices import SPECS, SPLIT as FAMILY
 from vllm_metax.core.choices import SPLIT_BACKEND as BACKEND
+from vllm_metax.core.profile import target_profile
 from vllm_metax.core.split_facts import SERVED_PIPE   # its candidates carry no `pipe` knob
 
 (PAGE,) = SPECS[FAMILY].sweep_pages      # the one page it is measured (and served) at: the spec's
@@ -54,7 +56,7 @@ SMALL_WORK_TOKENS = 16384
 
 
 def _op():
-    from vllm_metax.ops import split_decode
+    from vllm_metax.ops import split_decode    # lazy: it imports Triton, which may be absent (`available` says so)
     return split_decode
 
 
@@ -104,14 +106,13 @@ class SplitFamily:
     def __init__(self, profile=None):
         """`profile`: the target profile (None: the active one); its pipes only, and no TMA
         kernel where its target has no tensor-memory accelerator."""
-        from vllm_metax.core.profile import active_profile, get_profile
-        self.profile = get_profile(profile) if profile is not None else active_profile()
+        self.profile = target_profile(profile)
 
     def available(self, device: str) -> Availability:
         if not str(device).startswith("cuda"):
             return Availability(False, "the split kernel is timed on a CUDA device (Triton)")
         try:
-            import triton  # noqa: F401
+            import triton  # noqa: F401 - lazy: this is the question (Triton may be absent)
         except ImportError as e:
             return Availability(False, f"triton is not importable: {e}")
         return Availability(True, "split-KV Triton decode (vllm_metax.ops.split_decode)")
@@ -187,5 +188,4 @@ class SplitFamily:
 
 
 def _interpreted() -> bool:
-    import os
     return os.environ.get("TRITON_INTERPRET") == "1"

@@ -27,6 +27,7 @@ it is a tuning knob:
 
 from __future__ import annotations
 
+import ast
 import builtins
 import functools
 import importlib.util
@@ -40,7 +41,9 @@ import torch
 
 from mla_tune.families.base import Availability, Candidate, CandidateInvalid, Prepared
 from mla_tune.problem.workload import Workload
-from vllm_metax.core.choices import DEFAULT_TRITON_VARIANT as VLLM_VARIANT, SPECS, TRITON
+from vllm_metax.core import device as core_device
+from vllm_metax.core.choices import DEFAULT_TRITON_VARIANT as VLLM_VARIANT, SPECS, TRITON, TRITON_VARIANTS
+from vllm_metax.core.profile import target_profile
 
 BACKEND = "triton"
 KERNEL_BLOCK_N = 32          # tokens per stage-1 iteration (fixed in vLLM): the finest split worth having
@@ -110,8 +113,7 @@ def rule_from_source():
     vllm.config and the MLA layers (10.6 s of the H200 default sweep's 13.7 s of planning, in the
     process that only needs this one function). None where the source is not in the shape
     this reads (a function of triton and its own module's constants only): import it then."""
-    import ast
-    import vllm.v1.attention as attention
+    import vllm.v1.attention as attention      # lazy: mla_tune imports vLLM only where a feature needs it
     from vllm.triton_utils import triton
     path = Path(attention.__file__).parent / "backends" / "mla" / "triton_mla.py"
     try:
@@ -139,8 +141,7 @@ def rule_from_source():
 
 
 def _sm_count() -> int | None:
-    from vllm_metax.core.device import detect_device
-    return detect_device().sm_count
+    return core_device.detect_device().sm_count
 
 
 def vllm_num_kv_splits(max_seq_len: int, sm_count: int | None = None) -> int:
@@ -174,8 +175,7 @@ class TritonMLAFamily:
     family = "triton"
 
     def __init__(self, profile=None):
-        from vllm_metax.core.profile import active_profile, get_profile
-        self.profile = get_profile(profile) if profile is not None else active_profile()
+        self.profile = target_profile(profile)
 
     def available(self, device: str) -> Availability:
         try:
@@ -266,7 +266,6 @@ def launcher(variant: str):
     kernel = _kernel()
     if variant == VLLM_VARIANT:
         return kernel
-    from vllm_metax.core.choices import TRITON_VARIANTS
     if variant not in TRITON_VARIANTS:
         raise ImportError(f"unknown Triton launch variant {variant!r} (known: "
                           f"{', '.join(TRITON_VARIANTS)})")

@@ -34,7 +34,7 @@ from vllm_metax.core.choices import (
     FA3, FLASHINFER, FLASHMLA, SPECS, SPLIT, TRITON, FA3Choice, FlashInferChoice, FlashMLAChoice,
     SplitChoice, TritonChoice, family_choice,
 )
-from vllm_metax.core.profile import Profile, active_profile, get_profile, why_unservable
+from vllm_metax.core.profile import target_profile, why_unservable
 from vllm_metax.core.tuned_config import FLASHINFER_PREFILL_BACKENDS, VLLM_FA3_PREFILL, ModelDims
 # FLASHINFER_MLA's decode runs a bucket with the split kernel only where the sweep measured it at
 # least this much faster than the bucket's FlashInfer choice (the choice rule's ratio: a tie
@@ -81,10 +81,6 @@ def flashinfer_backends(is_metax: bool, capability: tuple | None) -> FlashInferB
     if not is_metax and capability is not None and capability[0] == 9:
         return FlashInferBackends(("fa3", "fa2"), "fa3")
     return FlashInferBackends(("fa2",), "fa2")
-
-
-def _profile(profile) -> Profile:
-    return active_profile() if profile is None else get_profile(profile)
 
 
 # ---------------------------------------------------------------- the model key
@@ -188,7 +184,7 @@ def fa3_serves(bucket, profile=None) -> "FA3Choice | None":
         return None
     sc, fc = bucket.families.get(FA3), bucket.families.get(FLASHINFER)
     choice = family_choice(FA3, sc.params) if sc is not None else None
-    if choice is None or not sc.time_us or why_unservable(FA3, sc.params, _profile(profile)):
+    if choice is None or not sc.time_us or why_unservable(FA3, sc.params, target_profile(profile)):
         return None
     if fc is not None and fc.time_us and sc.time_us >= SPLIT_MIN_GAIN * fc.time_us:
         return None
@@ -201,7 +197,7 @@ def flashmla_serves(bucket, profile=None, page_size: int | None = None) -> "Flas
     times faster than the bucket's FlashInfer choice, under a `profile` (default: the active one)
     that runs it. `page_size`: the entry's KV block size, None where the caller checks the
     cache's own (FlashMLA runs at its spec's page, 64, only: `flashmla_runs_at`)."""
-    prof = _profile(profile)
+    prof = target_profile(profile)
     if not flashmla_runs_at(page_size):
         return None
     return _side_serves(bucket, FLASHMLA, prof)
@@ -275,7 +271,7 @@ def decode_kernel(entry, step: DecodeStep, backends: FlashInferBackends | None =
     device's; None: as tuned) may run it, its KV chunking only then. TRITON_MLA runs the nearest
     bucket's split count within its context window (`triton_choice`) and its launch
     (`triton_launch`), else vLLM's rule. FLASHMLA runs FlashMLA."""
-    prof = _profile(profile)
+    prof = target_profile(profile)
     if attention_backend is None:
         order = entry.backend_order if entry is not None and entry.backend_order else prof.mla_order
         attention_backend = order[0]
@@ -329,7 +325,7 @@ def _side_serves(bucket, family: str, profile=None):
     choice = family_choice(family, sc.params) if sc is not None else None
     if choice is None or fc is None or not sc.time_us or not fc.time_us:
         return None
-    if why_unservable(family, sc.params, _profile(profile)):
+    if why_unservable(family, sc.params, target_profile(profile)):
         return None
     return choice if fc.time_us >= SPLIT_MIN_GAIN * sc.time_us else None
 

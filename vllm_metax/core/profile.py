@@ -115,6 +115,11 @@ def active_profile() -> Profile:
     return profile_source()[0]
 
 
+def target_profile(profile=None) -> Profile:
+    """The profile a caller targets: `profile` (a name or a Profile), None: the active one."""
+    return active_profile() if profile is None else get_profile(profile)
+
+
 # ---------------------------------------------------------------- what a profile cannot serve
 
 def why_unservable(family: str, params, profile: Profile) -> str | None:

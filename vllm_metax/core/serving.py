@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vllm_metax.core import choices, decisions
-from vllm_metax.core.profile import NVIDIA, PROFILES, active_profile, get_profile
+from vllm_metax.core.profile import NVIDIA, PROFILES, target_profile
 from vllm_metax.core.tuned_config import ModelDims, ModelEntry, TunedConfig
 
 # MLA backends by priority when no tuned config decides, per profile (`Profile.mla_order`). On
@@ -29,7 +29,7 @@ def mla_backend_order(tuned_order: list[str] | None = None, profile=None) -> tup
     """The MLA backends to try, best first, and why: a tuned order first, the profile's defaults
     (default: the active profile's) after it, so a backend the tuned order lists that cannot run
     still has a fallback."""
-    prof = active_profile() if profile is None else get_profile(profile)
+    prof = target_profile(profile)
     if not tuned_order:
         why = "default MLA order" + (f" ({prof.name} profile)" if prof.name != NVIDIA else "")
         return list(prof.mla_order), why

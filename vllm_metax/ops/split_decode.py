@@ -31,7 +31,7 @@ except ImportError:     # an older or vendor Triton (MetaX's: no TMA there): the
     _TensorDescriptor = None
 
 from vllm_metax.core import device as core_device
-from vllm_metax.core.profile import active_profile, get_profile
+from vllm_metax.core.profile import target_profile
 from vllm_metax.core.split_facts import (  # noqa: F401 - the kernel's facts, re-exported
     MAX_PROGRAMS, PARTIAL_DTYPES, PIPES, SERVED_PIPE, Pipe, default_block_h,
 )
@@ -287,7 +287,7 @@ def tma_supported(device, profile=None) -> bool:
     under a profile whose target has no TMA (`profile`, default: the active one: metax)."""
     if _TensorDescriptor is None:
         return False
-    if not (active_profile() if profile is None else get_profile(profile)).split_tma:
+    if not target_profile(profile).split_tma:
         return False
     dev = torch.device(device)
     if dev.type != "cuda":
