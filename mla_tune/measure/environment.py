@@ -9,7 +9,11 @@ import subprocess
 import sys
 from importlib import metadata
 
+import torch
+
+
 from vllm_metax.core.device import detect_device
+from vllm_metax.core.profile import target_profile
 
 
 def _version(*dists: str) -> str | None:
@@ -36,11 +40,9 @@ def _driver() -> str | None:
 def capture_environment(kind: str, command: str = "", profile=None) -> dict:
     """Device, SM count, driver, CUDA, torch/flashinfer/vllm versions, host, python, and the
     target profile the run measures under (`profile`; None: the active one)."""
-    import torch
-    from vllm_metax.core.profile import active_profile, get_profile
     dev = detect_device()
     return {
-        "profile": (get_profile(profile) if profile is not None else active_profile()).name,
+        "profile": target_profile(profile).name,
         "kind": kind,                       # "gpu" or "cpu-reference"
         "device_name": dev.name,
         "sm_count": dev.sm_count,

@@ -24,17 +24,26 @@ the kernel. A specialisation the worker reaches first is simply compiled there, 
 
 from __future__ import annotations
 
+import inspect
 import json
+import multiprocessing as mp
 import os
 import signal
 import subprocess
 import sys
-from typing import TYPE_CHECKING, Iterable, Sequence
+import threading
+import time
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from typing import Iterable, Sequence
 
-if TYPE_CHECKING:
-    from mla_tune.families.base import Candidate
-
+from mla_tune.families import get_family
+from mla_tune.families.base import Candidate
+from mla_tune.problem.workload import Workload
 from vllm_metax.ops.flashinfer_jit import JIT_BACKENDS as BACKENDS   # FlashInfer compiles these per shape
+from vllm_metax.ops.flashinfer_jit import decode_module
+
+# FlashInfer, Triton and torch are imported in the functions that build with them: the sweep and
+# `mla-tune prebuild` import this module to start builds in child processes, and stay light.
 
 ENV = "MLA_TUNE_JIT_PREBUILD"
 
@@ -92,7 +101,6 @@ def _signal_group(proc, sig) -> None:
 
 
 def _build(backend: str, spec: list) -> None:
-    from vllm_metax.ops.flashinfer_jit import decode_module
     q, kv, rank, rope = spec
     decode_module(backend, q, kv, rank, rope).spec().build(need_lock=True)
 
@@ -104,9 +112,6 @@ def build_modules(modules: Sequence, jobs: int, done=None) -> list[tuple]:
     server's ninja finds it up to date), the jobs shared out by the module's source files (a
     module's ninja cannot lend its slots to another's). Returns (module, seconds, error or None)
     in the order given; `done(module, seconds, error)` is called as each finishes."""
-    import threading
-    import time
-    from concurrent.futures import ThreadPoolExecutor
     if not modules:
         return []
     lock = threading.Lock()
@@ -147,7 +152,6 @@ def _run_build(spec, max_jobs: int) -> None:
         from flashinfer.jit.cpp_ext import run_ninja
     except ImportError:
         run_ninja = None
-    import inspect
     if run_ninja is None or "max_jobs" not in inspect.signature(run_ninja).parameters \
             or not all(hasattr(spec, a) for a in ("lock_path", "write_ninja", "build_dir", "ninja_path")):
         spec.build(need_lock=True)
@@ -173,7 +177,6 @@ def build_error(e: Exception) -> str:
 def main(backends_json: str, specs_json: str) -> None:
     """The child: build every (backend, spec) module in parallel threads (ninja runs outside
     the GIL); errors are the worker's to meet and report when it plans."""
-    import threading
     jobs = [(b, s) for b in json.loads(backends_json) for s in json.loads(specs_json)]
 
     def one(b, s):
@@ -290,10 +293,7 @@ def compile_triton(job: dict) -> bool:
     problem (needs compile_only() first); False where it failed (the worker will say why)."""
     try:
         import torch
-        from mla_tune.families import get_family
-        from mla_tune.families.base import Candidate
         from mla_tune.problem.instance import make_problem
-        from mla_tune.problem.workload import Workload
         w = Workload(job["num_heads"], job["kv_lora_rank"], job["qk_rope_head_dim"],
                      job["softmax_scale"], 1, job["context_len"], job["q_len"],
                      q_dtype=job["q_dtype"], kv_dtype=job["kv_dtype"])
@@ -318,8 +318,6 @@ def main_triton(procs: int, jobs: Sequence[dict] | None = None) -> int:
     if procs <= 1:
         compile_only()
         return sum(compile_triton(j) for j in jobs)
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
     with ProcessPoolExecutor(procs, mp_context=mp.get_context("spawn"),
                              initializer=compile_only) as pool:
         return sum(pool.map(compile_triton, jobs))

@@ -15,6 +15,8 @@ import math
 import time
 from typing import Callable, Sequence
 
+import torch
+
 from mla_tune.families.base import Candidate, CandidateInvalid
 from mla_tune.measure.sampling import sample_in_rounds
 from mla_tune.measure.timing import KernelTimer, TimedSamples
@@ -32,7 +34,6 @@ def check_prefill(backend, w: PrefillWorkload, candidate: Candidate, settings: M
                   seed: int) -> float:
     """Relative error of the candidate against the reference on fresh inputs; raises
     CandidateInvalid("wrong_result")."""
-    import torch
     problem = make_prefill_problem(w, settings.device, seed=seed)
     prepared = backend.prepare(w, candidate, problem)
     prepared.out.fill_(float("nan"))           # poison: every element must be written

@@ -21,6 +21,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from mla_tune.problem.workload import model_preset
+from vllm_metax.core import decisions, device as core_device, serving, tuned_config as tc
+from vllm_metax.ops.flashinfer_jit import JitUnknown, jit_dir
+
 ARCH_ENV = "FLASHINFER_CUDA_ARCH_LIST"       # FlashInfer's target archs (else the visible GPUs')
 CACHE_ENV = "FLASHINFER_WORKSPACE_BASE"      # FlashInfer's cache root (else the home folder)
 _ARCH = re.compile(r"^(\d+)\.(\d+)([a-z]?)$")
@@ -61,8 +65,7 @@ def resolve_target(arch: str | None, device=None) -> Target:
         except PrebuildError:
             raise PrebuildError(f"${ARCH_ENV}={os.environ[ARCH_ENV]!r} is not an arch list "
                                 "FlashInfer takes (e.g. 9.0a)") from None
-    from vllm_metax.core.device import detect_device
-    dev = device or detect_device()
+    dev = device or core_device.detect_device()
     if dev.capability is None:
         raise PrebuildError("no GPU here to build for: give --arch (e.g. 9.0a for H100/H200) "
                             "and --config FILE")
@@ -85,13 +88,11 @@ def load_config(path: str | None, device=None):
     """The tuned config to build for: `path`, else the one the plugin loads on this GPU (as
     `mla-tune doctor` finds it). A PrebuildError where there is none; TunedConfigError for a
     file that cannot be used."""
-    from vllm_metax.core import tuned_config as tc
     if path is not None:
         if not os.path.isfile(path):
             raise PrebuildError(f"--config {path}: no such file")
         return tc.read_tuned_config(path)
-    from vllm_metax.core.device import detect_device
-    dev = device or detect_device()
+    dev = device or core_device.detect_device()
     if dev.source == "none":
         raise PrebuildError("no GPU here to find its tuned config: give --config FILE")
     res = tc.resolve_tuned_config(dev.name)
@@ -105,8 +106,6 @@ def select_entries(cfg, model: str | None, tp_size: int = 1, dtype: str = "bfloa
     one `model` at `tp_size` runs with."""
     if model is None:
         return list(cfg.models)
-    from mla_tune.problem.workload import model_preset
-    from vllm_metax.core import decisions, serving
     m = model_preset(model)
     dims = decisions.model_key(m.heads_per_rank(tp_size), m.kv_lora_rank, m.qk_rope_head_dim,
                                dtype, dtype)
@@ -118,10 +117,10 @@ def select_entries(cfg, model: str | None, tp_size: int = 1, dtype: str = "bfloa
 
 def served_modules(entries, target: Target) -> list:
     """The FlashInfer JIT modules `entries` serve on `target` (`vllm_metax.backend.served_modules`)."""
+    # lazy: these import the ops (torch, Triton); naming the target and its config needs neither
     from vllm_metax.backend.served_modules import config_modules
-    from vllm_metax.core.device import DeviceInfo
     from vllm_metax.ops import device_backends
-    dev = DeviceInfo(target.source, "target", target.is_metax, None, target.capability)
+    dev = core_device.DeviceInfo(target.source, "target", target.is_metax, None, target.capability)
     return config_modules(entries, device_backends.device_flashinfer_backends(device=dev),
                           device_backends.device_prefill_backends(device=dev))
 
@@ -129,7 +128,6 @@ def served_modules(entries, target: Target) -> list:
 def cache_folder() -> Path:
     """FlashInfer's JIT cache folder for the target (after `apply_target`); PrebuildError where
     this FlashInfer has no JIT cache prebuild knows."""
-    from vllm_metax.ops.flashinfer_jit import JitUnknown, jit_dir
     try:
         return jit_dir()
     except JitUnknown as e:
@@ -151,7 +149,7 @@ def find_nvcc() -> str:
     """The nvcc FlashInfer will run ($CUDA_HOME/bin/nvcc, else the one on PATH); a PrebuildError
     naming what is missing."""
     try:
-        from flashinfer.jit.cpp_ext import get_cuda_path
+        from flashinfer.jit.cpp_ext import get_cuda_path   # lazy: FlashInfer is optional here
         home = get_cuda_path()
     except Exception as e:  # noqa: BLE001 - FlashInfer raises RuntimeError when it finds none
         raise PrebuildError(f"no nvcc: FlashInfer compiles its modules with the CUDA toolkit's "

@@ -33,6 +33,7 @@ from contextlib import contextmanager
 from enum import Enum
 from typing import Callable, Sequence
 
+from mla_tune.families import family_targets, get_family
 from mla_tune.families.base import Candidate
 from mla_tune.measure.worker_main import measure_batch, plain_result, worker_main
 
@@ -51,7 +52,6 @@ class InlineRunner:
 
     def _backend(self, family: str):
         if family not in self._backends:
-            from mla_tune.families import get_family
             self._backends[family] = get_family(family, self.settings.profile)
         return self._backends[family]
 
@@ -61,7 +61,7 @@ class InlineRunner:
         return [plain_result(r) for r in measure_batch(workload, entries, self.settings, on_progress)]
 
     def close(self) -> None:
-        from mla_tune.measure.trial import PROBLEMS
+        from mla_tune.measure.trial import PROBLEMS    # lazy: torch, and this is the CLI's import path
         self._backends.clear()
         PROBLEMS.clear()           # the last workload's instances are not needed after the sweep
 
@@ -129,7 +129,6 @@ class WorkerRunner:
     def __init__(self, settings, timeout_s: float = 120.0, start_timeout_s: float = 300.0,
                  families: dict | None = None, preload: Sequence[str] = ()):
         """`preload`: families whose kernels each worker imports as soon as it is up."""
-        from mla_tune.families import family_targets
         self.settings = settings
         self.preload = tuple(preload)
         self.timeout_s = float(timeout_s)
@@ -227,7 +226,7 @@ class WorkerRunner:
     def measure(self, workload, candidates: Sequence[Candidate],
                 on_progress: Callable[[Candidate, bool], None] | None = None) -> list:
         """One TrialResult per candidate, in order; faults become invalid crash/timeout results."""
-        from mla_tune.measure.trial import TrialResult
+        from mla_tune.measure.trial import TrialResult     # lazy: as in close
         results: list = [None] * len(candidates)
         pending = list(range(len(candidates)))
         singles = False

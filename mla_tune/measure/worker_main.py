@@ -6,12 +6,20 @@ mla_tune.measure.worker."""
 
 from __future__ import annotations
 
+import cProfile
+import ctypes
+import faulthandler
 import os
 import signal
+import sys
 from dataclasses import replace
 from typing import Callable, Sequence
 
+from mla_tune.families import get_family, register_family
 from mla_tune.families.base import Candidate
+
+# torch (measure.trial, measure.timing) is imported in the functions that measure: the sweep's
+# command line imports this module, the worker process is the one that measures.
 
 # CUDA errors that are sticky: after one, every CUDA call in the process fails
 STICKY_CUDA_ERRORS = (
@@ -36,7 +44,7 @@ def measure_batch(workload, entries: Sequence[tuple[object, Candidate]], setting
     Several candidates are measured interleaved (`trial.measure_interleaved`: round-robin, so
     drift spreads over all of them). `on_prepared(candidate, ok)` follows each preparation.
     """
-    from mla_tune.measure.trial import measure_interleaved
+    from mla_tune.measure.trial import measure_interleaved     # lazy: see the imports
     return measure_interleaved(list(entries), workload, settings, on_prepared=on_prepared)
 
 
@@ -61,7 +69,7 @@ def _context_alive(device: str) -> bool:
     if not str(device).startswith("cuda"):
         return True
     try:
-        import torch
+        import torch        # lazy: see the imports
         if torch.cuda.is_current_stream_capturing():
             return True
         torch.cuda.synchronize()
@@ -118,7 +126,6 @@ def _profiler():
     folder = os.environ.get(PROFILE_ENV)
     if not folder:
         return None
-    import cProfile
     os.makedirs(folder, exist_ok=True)
     return cProfile.Profile()
 
@@ -126,7 +133,6 @@ def _profiler():
 def _die_with_parent() -> None:
     """Ask Linux to SIGKILL this worker when its parent goes (kill -9 of the sweep included)."""
     try:
-        import ctypes
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
     except Exception:
         pass
@@ -136,7 +142,6 @@ def _preload(names: Sequence[str], device: str) -> None:
     """Import the kernels of families `names` now (their `available` check imports them), while
     the sweep is still planning, rather than inside the first candidate's preparation. Best
     effort: a family that cannot load says so when its first candidate is prepared."""
-    from mla_tune.families import get_family
     for name in names:
         try:
             get_family(name).available(device)
@@ -179,14 +184,11 @@ def _set_up(families: dict, settings, log_path: str | None, parent_pid: int):
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
-    import faulthandler
-    import sys
     faulthandler.enable(file=sys.stderr, all_threads=False)
-    from mla_tune.families import register_family
     for name, target in families.items():
         register_family(name, target)
     if str(settings.device).startswith("cuda") and not settings.min_pool_bytes:
-        from mla_tune.measure.timing import default_pool_bytes
+        from mla_tune.measure.timing import default_pool_bytes     # lazy: see the imports
         settings = replace(settings, min_pool_bytes=default_pool_bytes(settings.device))
     return settings
 
@@ -194,7 +196,6 @@ def _set_up(families: dict, settings, log_path: str | None, parent_pid: int):
 def _measure_message(conn, workload, pairs, backends: dict, settings, profile) -> bool:
     """Measure one batch and send its messages; False when the worker must exit (a fault, or a
     CUDA context poisoned)."""
-    from mla_tune.families import get_family
     index = {c.key: i for i, (_, c) in enumerate(pairs)}
     entries = []
     for family, cand in pairs:
