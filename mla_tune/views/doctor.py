@@ -9,10 +9,22 @@ vllm-free modules, so the doctor also runs where vLLM is broken.
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 
+import vllm_metax
+from mla_tune.problem.workload import model_preset
+from mla_tune.store.traffic import load_traffic
+from mla_tune.validate import InputError
 from mla_tune.views.render import Column, OutputFormat, Table, render, to_csv
+from mla_tune.views.traffic_view import config_for_traffic, entry_for_traffic, traffic_report
+from vllm_metax.core import device as core_device, distribution, serving, tuned_config as tc
+from vllm_metax.core.decisions import model_key
+from vllm_metax.core.profile import (PROFILE_ENV, active_profile, config_mismatch, config_profile,
+                                     profile_source, unservable_choices)
+from vllm_metax.core.traffic import TRAFFIC_ENV
+from vllm_metax.ops import device_backends, flashinfer_mla, flashinfer_prefill, flashmla
 
 VLLM_VERSION = "0.33.0"
 OK, NO, WARN = "ok", "no", "warn"
@@ -105,9 +117,7 @@ def _entry_point_check() -> Check:
 
 
 def _clash_check() -> Check:
-    from vllm_metax.core.distribution import clash_message, other_owners
-
-    message = clash_message(other_owners())
+    message = distribution.clash_message(distribution.other_owners())
     if message:
         return Check("vllm_metax package", WARN, message)
     return Check("vllm_metax package", OK, "installed by mla-tune only")
@@ -164,17 +174,15 @@ def _attention_backends(dev, flashinfer_ok: tuple[bool, str], order: list[str]) 
 def _flashmla_check() -> Check:
     """FLASHMLA: the plugin's backend over its FlashMLA op (vLLM's library on Hopper, MetaX's
     flash_mla package on a MetaX GPU), at KV block 64 only."""
-    from vllm_metax.ops import flashmla as op
-    library, why = op.flashmla_library()
+    library, why = flashmla.flashmla_library()
     if library is None:
         return Check("FLASHMLA", NO, why)
-    where = "vLLM's FlashMLA library" if library == op.VLLM_LIBRARY else "the flash_mla package"
-    return Check("FLASHMLA", OK, f"vllm_metax's FlashMLA backend over {where} (KV block {op.PAGE_SIZE})")
+    where = "vLLM's FlashMLA library" if library == flashmla.VLLM_LIBRARY else "the flash_mla package"
+    return Check("FLASHMLA", OK, f"vllm_metax's FlashMLA backend over {where} (KV block {flashmla.PAGE_SIZE})")
 
 
 def _profile_check(config) -> Check:
     """The target profile the plugin runs (and why), and a config tuned under another one."""
-    from vllm_metax.core.profile import config_mismatch, profile_source
     prof, why = profile_source()
     mismatch = config_mismatch(config, prof) if config is not None else None
     if mismatch:
@@ -183,19 +191,16 @@ def _profile_check(config) -> Check:
 
 
 def _flashinfer_backends(probe: bool) -> list[Check]:
-    from vllm_metax.ops.device_backends import device_flashinfer_backends
-    from vllm_metax.ops import flashinfer_mla as op
-
-    fb = device_flashinfer_backends()
+    fb = device_backends.device_flashinfer_backends()
     allowed, default = fb.allowed, fb.default
     try:
-        accepted = op.accepted_backends()
-    except op.FlashInferUnavailable as e:
+        accepted = flashinfer_mla.accepted_backends()
+    except flashinfer_mla.FlashInferUnavailable as e:
         return [Check(b, NO, str(e)) for b in allowed]
     support = {}
     if probe:
         try:
-            support = op.backend_support()
+            support = flashinfer_mla.backend_support()
         except Exception as e:  # a JIT failure is a finding, not a crash of the doctor
             return [Check("probe", NO, f"{type(e).__name__}: {e}")]
     out = []
@@ -212,9 +217,6 @@ def _flashinfer_backends(probe: bool) -> list[Check]:
 
 
 def _tuned_config(device_name: str, dims) -> tuple[dict, list[str] | None]:
-    from vllm_metax.core import serving, tuned_config as tc
-    from vllm_metax.core.profile import active_profile, config_profile, unservable_choices
-
     res = tc.resolve_tuned_config(device_name)      # strict mode raises TunedConfigError
     info = {"device_name": device_name, "file_name": tc.config_filename(device_name),
             "path": str(res.path) if res.path else None, "reason": res.reason,
@@ -247,9 +249,6 @@ def model_dims(model: str | None, tp_size: int, dtype: str = "bfloat16"):
     """The tuned-config key of a model preset served at this tensor-parallel size."""
     if model is None:
         return None
-    from mla_tune.problem.workload import model_preset
-    from vllm_metax.core.decisions import model_key
-
     m = model_preset(model)
     return model_key(m.heads_per_rank(tp_size), m.kv_lora_rank, m.qk_rope_head_dim, dtype, dtype)
 
@@ -258,9 +257,6 @@ def traffic_check(path, device_name: str) -> Check:
     """How well the tuned config the plugin loads covers a recorded traffic: a warning where more
     than `traffic_view.WARN_SHARE` of its steps fall outside the tuned buckets or more than a grid
     step from them, or where no config serves it."""
-    from mla_tune.store.traffic import load_traffic
-    from mla_tune.validate import InputError
-    from mla_tune.views.traffic_view import config_for_traffic, entry_for_traffic, traffic_report
     t = load_traffic(path)          # a bad file is bad input: one line, exit 2
     part = t.select()
     try:
@@ -281,32 +277,21 @@ def diagnose(model: str | None = None, tp_size: int = 1, probe: bool = False,
              traffic=None) -> Doctor:
     """Run every check (probing FlashInfer backends on the GPU only when asked; `traffic`: a
     recorded traffic file to judge the tuned config against, `traffic_check`)."""
-    import os
-
-    import vllm_metax
-    from vllm_metax.core.device import FORCE_ENV, detect_device
-    from vllm_metax.ops.flashinfer_mla import flashinfer_available
-    from vllm_metax.core.profile import PROFILE_ENV
-    from vllm_metax.core.tuned_config import FOLDER_ENV, STRICT_ENV, resolve_tuned_config
-
     dims = model_dims(model, tp_size)
-    dev = detect_device()
+    dev = core_device.detect_device()
     active, why = vllm_metax.should_activate()
     device = {"name": dev.name, "source": dev.source, "is_metax": dev.is_metax,
               "sm_count": dev.sm_count,
               "capability": ".".join(map(str, dev.capability)) if dev.capability else None}
-    from vllm_metax.core.traffic import TRAFFIC_ENV
-    names = (FORCE_ENV, FOLDER_ENV, STRICT_ENV, PROFILE_ENV, TRAFFIC_ENV)
+    names = (core_device.FORCE_ENV, tc.FOLDER_ENV, tc.STRICT_ENV, PROFILE_ENV, TRAFFIC_ENV)
     env = ", ".join(f"{k}={os.environ[k]}" for k in names if k in os.environ)
     checks = [_entry_point_check(), _clash_check(), _vllm_check(), _compiled_ops_check(dev),
               Check("environment", OK, env or f"none of {', '.join(names)} set")]
-    fi = flashinfer_available()
+    fi = flashinfer_mla.flashinfer_available()
     checks.append(Check("flashinfer", OK if fi[0] else NO, fi[1]))
-    from vllm_metax.ops.flashinfer_prefill import prefill_available
-    pf = prefill_available()
+    pf = flashinfer_prefill.prefill_available()
     if pf[0]:
-        from vllm_metax.ops.device_backends import device_prefill_backends
-        pb = device_prefill_backends()
+        pb = device_backends.device_prefill_backends()
         pf_detail = (f"{pf[1]}: plans {pb.default} untuned; a tuned config may choose "
                      f"{', '.join(pb.allowed)}")
     else:
@@ -314,9 +299,8 @@ def diagnose(model: str | None = None, tp_size: int = 1, probe: bool = False,
     checks.append(Check("MLA prefill", OK if pf[0] else WARN, pf_detail))
 
     tuned, tuned_order = _tuned_config(dev.name, dims)
-    checks.append(_profile_check(resolve_tuned_config(dev.name).config if tuned["path"] else None))
-    from vllm_metax.core.serving import mla_backend_order
-    order, _ = mla_backend_order(tuned_order)
+    checks.append(_profile_check(tc.resolve_tuned_config(dev.name).config if tuned["path"] else None))
+    order, _ = serving.mla_backend_order(tuned_order)
     if dims is not None:
         checks.append(Check("model", OK if tuned_order else WARN,
                             f"{model} at TP {tp_size}: H{dims.num_heads} per rank; "

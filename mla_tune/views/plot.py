@@ -8,12 +8,17 @@ floor. A CPU-reference entry gets its timings' caveat instead of panels: they ar
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
+from mla_tune.validate import InputError, is_png, make_parent, output_file
 from mla_tune.views.report import CPU_CAVEAT, DeviceReport, Report, ReportError
 from mla_tune.views.report_format import entry_title
 from vllm_metax.core.choices import SPECS
+from vllm_metax.core.decisions import SPLIT_MIN_GAIN
+
+# matplotlib is imported by the functions that draw: a report without --plot never loads it
 
 FAMILY_MARKERS = {"flashinfer": "o", "split": "s", "triton": "^", "flashmla": "D", "fa3_mla": "v",
                   "reference": "x"}
@@ -40,7 +45,6 @@ def bucket_points(dev: DeviceReport, m) -> list[BucketPoint]:
     """The served choice per q_len-1 bucket of a model entry: the fastest family, except that
     FLASHINFER_MLA serves the split kernel only where it beats FlashInfer's choice by the
     plugin's margin (`vllm_metax.core.decisions.SPLIT_MIN_GAIN`), as the plugin does."""
-    from vllm_metax.core.decisions import SPLIT_MIN_GAIN
     lines = {c.trial_id: c for w in dev.views_of(m) for c in w.lines}
     out = []
     for b in m.buckets:
@@ -153,7 +157,6 @@ def _lines(ax, pts, color, value) -> None:
 
 
 def _wrap(text: str, width: int) -> str:
-    import textwrap
     return "\n".join(textwrap.wrap(text, width))
 
 
@@ -167,8 +170,6 @@ def write_png(path: str | Path, figure, dpi: int = 110) -> Path:
     never over a DB or a folder) and close it; returns the path, InputError in one line where it
     cannot be written."""
     import matplotlib.pyplot as plt
-
-    from mla_tune.validate import InputError, is_png, make_parent, output_file
 
     path = output_file(path, "plot", own=is_png, suffix=".png")
     fig = figure()

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from mla_tune.store.records import TrialRecord
 from mla_tune.store.selection import TrialFilter
+from mla_tune.tune import choose as choosing
 from mla_tune.problem.units import us
 from mla_tune.views.render import Column, Table
 
@@ -53,7 +54,7 @@ def prefill_records(store, flt: TrialFilter) -> list[TrialRecord]:
 
 def build_prefill(store, flt: TrialFilter, **choose_kw) -> list[PrefillLine]:
     """One line per (device, prefill bucket), devices and heads in a stable order."""
-    from mla_tune.tune.prefill import choose_prefill
+    from mla_tune.tune.prefill import choose_prefill      # lazy: it imports torch (the measuring side)
     records = prefill_records(store, flt)
     by_device: dict = {}
     for r in records:
@@ -76,7 +77,6 @@ def build_prefill(store, flt: TrialFilter, **choose_kw) -> list[PrefillLine]:
 
 def _fill_all_backends(lines: list[PrefillLine], records: list[TrialRecord]) -> None:
     """Each backend value's latest time (or why it has none) per bucket."""
-    from mla_tune.tune import choose as choosing
     index = {(ln.device_name, ln.num_heads, ln.causal, ln.query_tokens, ln.requests, ln.kv_len): ln
              for ln in lines}
     for rec in choosing.latest_trials(records):

@@ -15,9 +15,14 @@ import csv
 import io
 import json
 import math
+import textwrap
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable, Sequence
+
+from rich.markup import escape
+from rich.table import Table as RichTable
+from rich.text import Text
 
 
 class OutputFormat(str, Enum):
@@ -145,9 +150,6 @@ class FitTable:
         yield _line("")
 
     def _table(self):
-        from rich.markup import escape
-        from rich.table import Table as RichTable
-        from rich.text import Text
         t = self.table
         rt = RichTable()
         for c in t.columns:
@@ -169,13 +171,11 @@ class FitTable:
 
 def _line(text: str, style: str = ""):
     """One line as rich prints it: never folded again, nothing added at its end."""
-    from rich.text import Text
     return Text(text, style=style, no_wrap=True, overflow="ignore", end="\n")
 
 
 def _wrapped(text: str, width: int, style: str = ""):
     """Prose folded at words to `width`, no line ending in a space."""
-    import textwrap
     for ln in textwrap.wrap(text, max(width, 20), break_long_words=False,
                             break_on_hyphens=False) or [""]:
         yield _line(ln, style)
@@ -184,7 +184,6 @@ def _wrapped(text: str, width: int, style: str = ""):
 def _pack(pairs: list[str], width: int, indent: str = "  ") -> list[str]:
     """`- a, b, c` folded between items to `width`; an item longer than a line of its own is
     folded at its words."""
-    import textwrap
     lines, cur = [], "-"
     for i, p in enumerate(pairs):
         item = p + ("," if i < len(pairs) - 1 else "")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from mla_tune.tune import choose as choosing
 from mla_tune.problem.workload import WorkloadMix
@@ -40,8 +41,7 @@ def db_to_read(named=None, device: str | None = None):
     """The results DB a read command opens: the one named, else this machine's default
     (`default_db`); a default that does not exist while the shipped GPU DB does is a ReportError
     that points at it (a fresh CPU checkout has results.db but no results-cpu.db)."""
-    from pathlib import Path
-    from mla_tune.tune.sweep.buckets import GPU_DB, default_db
+    from mla_tune.tune.sweep.buckets import GPU_DB, default_db    # lazy: the sweep's module imports torch
     if named is not None:
         return Path(named)
     path = default_db(device)

@@ -7,6 +7,10 @@ import dataclasses
 from pathlib import Path
 
 from mla_tune.store.selection import device_key
+from mla_tune.validate import InputError, check_int
+from vllm_metax.core import choices, decisions, device as core_device
+from vllm_metax.core.choices import SPECS
+from vllm_metax.core.tuned_config import TunedConfigError
 from mla_tune.problem.units import us, us_text
 from mla_tune.views.render import Column, OutputFormat, Table, render, times, to_csv
 
@@ -14,8 +18,7 @@ from mla_tune.views.render import Column, OutputFormat, Table, render, times, to
 def parse_lookup(text: str) -> tuple[int, int, int]:
     """`--lookup BATCH,CONTEXT[,Q_LEN]` -> (batch, context, q_len), each a size as --batches and
     --contexts write one (`32,6k`, `32,4K,2`); InputError when malformed."""
-    from mla_tune.tune.sweep.buckets import parse_size
-    from mla_tune.validate import InputError, check_int
+    from mla_tune.tune.sweep.buckets import parse_size    # lazy: the sweep's module imports torch
     parts = text.split(",")
     try:
         if len(parts) not in (2, 3):
@@ -32,7 +35,6 @@ def parse_lookup(text: str) -> tuple[int, int, int]:
 def check_config_device(cfg, path, device: str | None = None) -> None:
     """Raise TunedConfigError if the file belongs to another device than its name, `device`, or
     (without `device`) this machine's accelerator; a machine without one checks the name only."""
-    from vllm_metax.core.tuned_config import TunedConfigError
     name = Path(path).name
     if name.startswith("device_name=") and name.endswith(".json") and \
             device_key(name[len("device_name="):-len(".json")]) != device_key(cfg.device_name):
@@ -40,8 +42,7 @@ def check_config_device(cfg, path, device: str | None = None) -> None:
                                f"device {cfg.device_name!r}; the plugin would ignore it")
     where = "--device"
     if device is None:
-        from vllm_metax.core.device import detect_device
-        dev = detect_device()
+        dev = core_device.detect_device()
         if dev.source == "none":
             return
         device, where = dev.name, "this machine"
@@ -70,7 +71,6 @@ def _dims_title(e) -> str:
 def _params_text(p: dict, family: str = "") -> str:
     """{"backend": "fa3"} -> "fa3"; {"backend": "triton", "num_kv_splits": 16} -> "num_kv_splits=16"
     (the one backend value of a family that has one, `KernelSpec.backends`, is not shown)."""
-    from vllm_metax.core.choices import SPECS
     backend = p.get("backend")
     knobs = [f"{k}={v}" for k, v in p.items() if k not in ("backend", "rule")]
     one = backend == family or (family in SPECS and SPECS[family].backends == (backend,))
@@ -146,35 +146,34 @@ def served_kernel(entry, request: tuple) -> Served:
     """The kernel a decode step of `request` (batch, context, q_len) runs under `entry`, by the
     plugin's rule (`vllm_metax.core.decisions.decode_kernel`) for the entry's first attention
     backend, with why where it is not simply the bucket's best."""
-    from vllm_metax.core import choices as c, decisions as d
     if entry is None or not entry.backend_order:
         return Served(None, None, {}, "no attention backend in the entry")
-    served = d.decode_kernel(entry, d.DecodeStep(*request))
+    served = decisions.decode_kernel(entry, decisions.DecodeStep(*request))
     backend, bucket, family = served.attention_backend, served.bucket, served.family
     if bucket is None:
         return Served(backend, None, {}, "no tuned bucket: the plugin's defaults")
     params = served.choice.to_params()
-    if family == c.TRITON:
+    if family == choices.TRITON:
         if served.choice.vllm_rule:
-            tuned = d.bucket_choice(bucket, c.TRITON)
+            tuned = decisions.bucket_choice(bucket, choices.TRITON)
             params = {k: v for k, v in params.items() if k == "variant"}
             return Served(backend, family, params, "vLLM's num_kv_splits rule" + (
-                f" (context {request[1]} is more than {d.TRITON_CONTEXT_RATIO:g}x from the bucket's "
+                f" (context {request[1]} is more than {decisions.TRITON_CONTEXT_RATIO:g}x from the bucket's "
                 f"{bucket.context_len})" if tuned is not None and not tuned.vllm_rule else ""))
         return Served(backend, family, params)
-    if backend == d.FLASHMLA_BACKEND_NAME:
+    if backend == decisions.FLASHMLA_BACKEND_NAME:
         return Served(backend, family, {})
-    if family != c.FLASHINFER:
+    if family != choices.FLASHINFER:
         return Served(backend, family, params,
-                      f"the bucket's FlashInfer choice not {d.SPLIT_MIN_GAIN:g}x faster" if family == c.FA3 else
-                      f">= {d.SPLIT_MIN_GAIN:g}x faster than the bucket's FlashInfer choice")
-    if d.bucket_choice(bucket, c.FLASHINFER) is None:
+                      f"the bucket's FlashInfer choice not {decisions.SPLIT_MIN_GAIN:g}x faster" if family == choices.FA3 else
+                      f">= {decisions.SPLIT_MIN_GAIN:g}x faster than the bucket's FlashInfer choice")
+    if decisions.bucket_choice(bucket, choices.FLASHINFER) is None:
         return Served(backend, family, {}, "no FlashInfer choice: the device default")
-    note = "planned as the device default" if served.choice.backend == d.AUTO else ""
-    if bucket.best_family == c.SPLIT and request[2] != 1:
-        note = f"{c.SPLIT} measured faster at q_len 1, it serves q_len 1 only"
-    elif bucket.best_family in d.SIDE_KERNELS:
-        note = f"{bucket.best_family} measured faster, by less than {d.SPLIT_MIN_GAIN:g}x"
+    note = "planned as the device default" if served.choice.backend == decisions.AUTO else ""
+    if bucket.best_family == choices.SPLIT and request[2] != 1:
+        note = f"{choices.SPLIT} measured faster at q_len 1, it serves q_len 1 only"
+    elif bucket.best_family in decisions.SIDE_KERNELS:
+        note = f"{bucket.best_family} measured faster, by less than {decisions.SPLIT_MIN_GAIN:g}x"
     return Served(backend, family, params, note)
 
 

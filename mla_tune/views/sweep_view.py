@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from mla_tune.problem.units import us_text
 from mla_tune.views.render import Column, Table
+from mla_tune.tune.verdict import NO_SIGNIFICANT_DIFFERENCE
 from mla_tune.views.report import CPU_CAVEAT
 from vllm_metax.core.choices import SPECS
 
@@ -23,7 +24,6 @@ def candidate_label(m) -> str:
 
 def verdict_text(v, reference: bool = False) -> str:
     """Short: the gain over the family default, or why the default stayed."""
-    from mla_tune.tune.verdict import NO_SIGNIFICANT_DIFFERENCE
     if v is None:
         return "-"
     if v.chosen is None:

@@ -22,8 +22,11 @@ from dataclasses import asdict, dataclass, field
 
 from mla_tune.store.traffic import ModelTraffic, grid_steps
 from mla_tune.validate import InputError
+from mla_tune.views.plot import write_png
 from mla_tune.views.render import Column, OutputFormat, Table, render, times, to_csv
-from vllm_metax.core import choices, decisions
+from vllm_metax.core import choices, decisions, tuned_config as tc
+from vllm_metax.core.serving import describe_dims
+from vllm_metax.core.traffic import bin_center
 from vllm_metax.core.tuned_config import ModelEntry
 
 FAR_STEPS = 1.0            # grid steps (octaves) from a bucket beyond which its choice is a guess
@@ -200,7 +203,6 @@ def traffic_report(traffic: ModelTraffic, entry: ModelEntry, config_path: str = 
 
 def prefill_load(traffic: ModelTraffic, entry: ModelEntry) -> PrefillLoad | None:
     """The recorded prefill plans looked up in the entry's prefill section (None: none recorded)."""
-    from vllm_metax.core.traffic import bin_center
     if not traffic.prefill:
         return None
     far = timed = 0
@@ -221,7 +223,6 @@ def prefill_load(traffic: ModelTraffic, entry: ModelEntry) -> PrefillLoad | None
 def entry_for_traffic(config, traffic: ModelTraffic) -> ModelEntry:
     """The config's entry the server ran the traffic's model with (same model key); InputError
     naming the entries when none has it."""
-    from vllm_metax.core.serving import describe_dims
     for m in config.models:
         if m.dims == traffic.dims:
             return m
@@ -233,12 +234,11 @@ def entry_for_traffic(config, traffic: ModelTraffic) -> ModelEntry:
 def config_for_traffic(traffic_device: str | None, config_path=None):
     """The tuned config a report compares: `config_path` where given, else the one the plugin
     loads for the traffic's device (`resolve_tuned_config`). InputError when there is none."""
-    from vllm_metax.core.tuned_config import read_tuned_config, resolve_tuned_config
     if config_path is not None:
-        return read_tuned_config(config_path)
+        return tc.read_tuned_config(config_path)
     if not traffic_device:
         raise InputError("the traffic file does not name its device: name the config with --config")
-    res = resolve_tuned_config(traffic_device)
+    res = tc.resolve_tuned_config(traffic_device)
     if res.config is None:
         raise InputError(f"no tuned config to compare for {traffic_device!r} ({res.reason}): name "
                          "one with --config")
@@ -249,7 +249,7 @@ def traffic_figure(traffic: ModelTraffic, entry: ModelEntry | None = None):
     """The traffic's decode steps as a (batch, context) density on log2 axes, one panel per
     q_len (the most recorded first, at most three), the entry's tuned buckets of that q_len
     overlaid (x)."""
-    import matplotlib
+    import matplotlib       # lazy: a report without a plot never loads matplotlib and numpy
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
     from matplotlib.colors import LogNorm
@@ -291,7 +291,6 @@ def traffic_figure(traffic: ModelTraffic, entry: ModelEntry | None = None):
 
 def plot_traffic(traffic: ModelTraffic, entry: ModelEntry | None, path, dpi: int = 110):
     """Write `traffic_figure` to a PNG (a new file or an earlier plot only); returns the path."""
-    from mla_tune.views.plot import write_png
     return write_png(path, lambda: traffic_figure(traffic, entry), dpi)
 
 
