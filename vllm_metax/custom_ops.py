@@ -159,6 +159,7 @@ def route_merge_attn_states(has=None, modules=MERGE_USERS) -> str:
     if (why := _merge_signature_mismatch()) is not None:
         return f"Triton: {why}"
     try:
+        # lazy, in the try: another vLLM build may lay these modules out differently
         from vllm.v1.attention.ops import merge_attn_states as source
         original = source.merge_attn_states
         users = [importlib.import_module(m) for m in modules]

@@ -431,6 +431,7 @@ def flashinfer_autotune_missing() -> str | None:
     if importlib.util.find_spec("flashinfer") is None:
         return None
     try:
+        # lazy: FlashInfer is optional, and a broken one must be an answer here, not an import error
         from flashinfer import autotuner
     except Exception as e:  # noqa: BLE001 - a broken install: vLLM's own import would fail too
         return f"flashinfer.autotuner does not import ({type(e).__name__}: {e})"

@@ -45,6 +45,10 @@ from vllm_metax.core import device as core_device
 from vllm_metax.core.choices import DEFAULT_TRITON_VARIANT as VLLM_VARIANT, SPECS, TRITON, TRITON_VARIANTS
 from vllm_metax.core.profile import target_profile
 
+# vLLM (its Triton MLA kernel and rule) is imported in the functions that use it: mla_tune imports
+# vLLM only where a feature needs it (tests/test_layering.py), and its absence is an answer
+# (`available`), not an import error.
+
 BACKEND = "triton"
 KERNEL_BLOCK_N = 32          # tokens per stage-1 iteration (fixed in vLLM): the finest split worth having
 MAX_SPLITS = 256
