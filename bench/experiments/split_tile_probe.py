@@ -79,6 +79,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=50)
     args = ap.parse_args()
     from vllm_metax.ops import split_decode as op
+    from vllm_metax.core.split_facts import default_block_h
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(dev)
     rows, lines = [], [f"# split tile probe on {name}, torch {torch.__version__}, triton {triton.__version__}; "
@@ -96,7 +97,7 @@ def main() -> int:
             k = op.served(splits, "bfloat16", heads, PAGE, batch, dev, pipe=pipe)
             row[f"{pipe}_us"] = replay_median_us(lambda: k.run(q[..., :R], q[..., R:], cache[..., :R], cache[..., R:],
                                                           bt, lens, 192 ** -0.5, out), args.reps)
-        hb = -(-heads // op.default_block_h(heads))
+        hb = -(-heads // default_block_h(heads))
         flat = cache.view(-1, R + P)
         sink = torch.empty(batch * splits * hb, R + P, dtype=torch.float32, device=dev)
         for bn, stages, rowsum in ((64, 2, True), (64, 2, False), (64, 3, False), (32, 4, False)):

@@ -40,7 +40,7 @@ from mla_tune.problem.workload import Workload
 from vllm_metax.core.choices import SPECS, SPLIT as FAMILY
 from vllm_metax.core.choices import SPLIT_BACKEND as BACKEND
 from vllm_metax.core.profile import target_profile
-from vllm_metax.core.split_facts import SERVED_PIPE   # its candidates carry no `pipe` knob
+from vllm_metax.core.split_facts import PIPES, SERVED_PIPE   # its candidates carry no `pipe` knob
 
 (PAGE,) = SPECS[FAMILY].sweep_pages      # the one page it is measured (and served) at: the spec's
 
@@ -131,7 +131,7 @@ class SplitFamily:
         if default is not None:
             out.append(Candidate(self.family, BACKEND, PAGE,
                                  {"num_splits": default, "partial": "float32"}))
-        for pipe in _op().PIPES:
+        for pipe in PIPES:
             if pipe != SERVED_PIPE and pipe in self.profile.split_pipes:
                 out += [Candidate(self.family, BACKEND, PAGE,
                                   {"num_splits": s, "partial": "bfloat16", "pipe": pipe})

@@ -1,5 +1,5 @@
 """The split-KV decode kernel's facts as plain data (stdlib only): the one definition that the
-kernel (`vllm_metax.ops.split_decode`, which re-exports these names) and the tuned-config knob
+kernel (`vllm_metax.ops.split_decode`) and the tuned-config knob
 domains (`vllm_metax.core.choices`) both import, so the plugin's cheap start-up path reads them without
 importing torch or triton."""
 

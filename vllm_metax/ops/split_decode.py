@@ -32,7 +32,7 @@ except ImportError:     # an older or vendor Triton (MetaX's: no TMA there): the
 
 from vllm_metax.core import device as core_device
 from vllm_metax.core.profile import target_profile
-from vllm_metax.core.split_facts import (  # noqa: F401 - the kernel's facts, re-exported
+from vllm_metax.core.split_facts import (
     MAX_PROGRAMS, PARTIAL_DTYPES, PIPES, SERVED_PIPE, Pipe, default_block_h,
 )
 from vllm_metax.ops.split_kernels import merge_kernel, pointer_kernel, tma_kernel

@@ -24,7 +24,7 @@ SCHEMA_VERSION = 1
 # the vLLM attention backends an entry's backend_order may name (their untuned order is the
 # profile's, `vllm_metax.core.profile.Profile.mla_order`)
 ATTENTION_BACKENDS = frozenset({"FLASHINFER_MLA", "TRITON_MLA", "FLASHMLA"})
-FAMILIES = tuple(choices.KNOBS)   # flashinfer, triton, flashmla, split
+FAMILIES = tuple(choices.KNOBS)   # one per kernel spec (choices.SPECS)
 
 # What a value may be, for the reader here and for every mla-tune input (mla_tune/validate.py uses
 # these same bounds): a value outside them is refused, never clamped.
