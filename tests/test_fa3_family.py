@@ -154,7 +154,7 @@ def test_plan_choice_per_step_per_graph_and_once_disabled():
     assert choice.fa3_for(4, 1, graph=True) is None           # 1 of 2 buckets is not most
     assert choice.fa3_choices() == [choices.FA3Choice(8), choices.FA3Choice(32)]
     assert "vLLM FA3 in 4" in choice.describe()
-    choice.disable_fa3("test")
+    choice.turn_off(choices.FA3, "test")
     assert choice.fa3_for(64, 8000) is None and choice.fa3_for(64, 1, graph=True) is None
     assert choice.fa3_choices() == []
 

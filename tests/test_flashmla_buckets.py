@@ -113,8 +113,8 @@ def test_plan_choice_per_step_per_graph_and_once_disabled(monkeypatch, caplog):
     said = choice.describe()
     assert "FlashMLA in 3" in said and "split-KV Triton in 1" in said and "FlashInfer fa3 in 2" in said
     with caplog.at_level(logging.WARNING, logger=PLAN_LOG):
-        choice.disable_flashmla("test reason")
-        choice.disable_flashmla("again")
+        choice.turn_off(choices.FLASHMLA, "test reason")
+        choice.turn_off(choices.FLASHMLA, "again")
     warned = [r.getMessage() for r in caplog.records if "FlashMLA decode buckets cannot run" in r.getMessage()]
     assert len(warned) == 1 and "test reason" in warned[0]
     assert choice.flashmla_for(8, 1000) is None and choice.flashmla_for(8, 1, graph=True) is None
@@ -127,7 +127,7 @@ def test_a_config_without_flashmla_buckets_never_warns(monkeypatch, caplog):
     choice = PlanChoice(_entry([_bucket(8, 1024, 30.0, 20.0, best="flashinfer")]),
                         decisions.FlashInferBackends(("fa3", "fa2"), "fa3"))
     with caplog.at_level(logging.WARNING, logger=PLAN_LOG):
-        choice.disable_flashmla("no library")
+        choice.turn_off(choices.FLASHMLA, "no library")
     assert not choice.serves_flashmla() and not caplog.records
 
 

@@ -204,7 +204,7 @@ def test_plan_choice_per_step_and_per_graph():
     assert choice.split_for(1, 5, graph=True) == choices.SplitChoice(16, "bfloat16")
     assert choice.split_for(8, 1024, graph=True) is None         # 0 of 3
     assert choice.split_for(2, 1024, graph=True) == choices.SplitChoice(16, "bfloat16")   # nearest: 1
-    choice.disable_split("test")
+    choice.turn_off(choices.SPLIT, "test")
     assert choice.split_for(1, 1000) is None and choice.split_for(1, 5, graph=True) is None
     assert choice.split_choices() == []
 

@@ -251,20 +251,32 @@ class FlashInferMLAMetadataBuilder(UniformDecodeBuilder, MLACommonMetadataBuilde
         return fa3_mla.FA3Step(kernel, block_table, lens, query_start_loc_device[:num_decodes + 1], q_len,
                                int(seq_lens.max()), self.q_dtype)
 
+    def _side_op(self, family: str, cache: dict, key, knobs: str, make):
+        """The op of side kernel `family` for one set of knobs (`key` in `cache`, `knobs` for
+        people), made once by `make()` -> (op, why not), never inside a CUDA-graph capture: a graph
+        captured with FlashInfer must not be replayed with another kernel's metadata. A why (or an
+        exception) turns the kernel off for the process, with one warning: the next kernel that
+        serves its steps decodes them."""
+        if key in cache:
+            return cache[key]
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            self.choice.turn_off(family, "first needed inside a CUDA-graph capture")
+            return None
+        try:
+            kernel, why = make()
+        except Exception as e:  # noqa: BLE001 - a config this device cannot run must not crash vLLM
+            kernel, why = None, f"{type(e).__name__}: {e}"
+        if why:
+            self.choice.turn_off(family, f"{knobs}: {why}")
+            kernel = None
+        cache[key] = kernel
+        return kernel
+
     def _split_kernel(self, choice: choices.SplitChoice) -> split_decode.SplitDecode | None:
         """The served kernel of these knobs, made once and checked once against a torch
-        reference on this device (a compile error or a wrong result turns the split kernel off
-        for the process, with one warning: FlashInfer decodes instead)."""
-        key = (choice.num_splits, choice.partial, choice.pipe)
-        if key in self._split_kernels:
-            return self._split_kernels[key]
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            # never compile or check inside a capture, and never serve it after one: a graph
-            # captured with FlashInfer must not be replayed with a split step's metadata
-            self.choice.disable_split("first needed inside a CUDA-graph capture")
-            return None
-        kernel, why = None, None
-        try:
+        reference on this device (`_side_op`: a compile error or a wrong result turns the split
+        kernel off)."""
+        def make():
             # one workspace per partials' dtype and row count: every split count and pipe of
             # this layer's heads shares it (a step runs one kernel)
             rows = split_decode.served_rows(self.num_heads, choice.pipe)
@@ -276,46 +288,31 @@ class FlashInferMLAMetadataBuilder(UniformDecodeBuilder, MLACommonMetadataBuilde
             kernel = split_decode.served(choice.num_splits, choice.partial, self.num_heads, self.page_size,
                                          rows, self.device, workspace=ws, kv_lora_rank=self.head_dim_ckv,
                                          rope_dim=self.head_dim_kpe, pipe=choice.pipe)
-            why = split_decode.self_check(kernel, self.q_dtype, self.device)
-        except Exception as e:  # noqa: BLE001 - a config this device cannot run must not crash vLLM
-            why = f"{type(e).__name__}: {e}"
-        if why:
-            self.choice.disable_split(f"num_splits={choice.num_splits}, partial={choice.partial}, "
-                                      f"pipe={choice.pipe}: {why}")
-            kernel = None
-        self._split_kernels[key] = kernel
-        return kernel
-
+            return kernel, split_decode.self_check(kernel, self.q_dtype, self.device)
+        return self._side_op(choices.SPLIT, self._split_kernels, (choice.num_splits, choice.partial, choice.pipe),
+                             f"num_splits={choice.num_splits}, partial={choice.partial}, pipe={choice.pipe}",
+                             make)
 
     # ------------------------------------------------------------ vLLM's FA3 MLA kernel
 
     def _fa3_kernel(self, choice: choices.FA3Choice, graph: bool) -> fa3_mla.FA3MLADecode | None:
-        """The op of these knobs, made once (before any capture). Under CUDA graphs FA3's own
-        split heuristic (num_splits 0) would size its buffers at capture: there the bound is
-        vLLM's, 32 (`flash_attn_max_num_splits_for_cuda_graph`), as vLLM's FLASH_ATTN_MLA does."""
+        """The op of these knobs, made once (`_side_op`). Under CUDA graphs FA3's own split
+        heuristic (num_splits 0) would size its buffers at capture: there the bound is vLLM's, 32
+        (`flash_attn_max_num_splits_for_cuda_graph`), as vLLM's FLASH_ATTN_MLA does."""
         splits = choice.num_splits or (fa3_mla.GRAPH_SPLITS if graph else 0)
-        key = (splits, choice.schedule)     # one op (and metadata buffer) per knob set
-        if key in self._fa3_kernels:
-            return self._fa3_kernels[key]
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            self.choice.disable_fa3("first needed inside a CUDA-graph capture")
-            return None
-        kernel, why = None, None
-        try:
+
+        def make():
             ok, why = fa3_mla.fa3_available(self.device)
             why = why if not ok else fa3_mla.check_shapes(self.head_dim_ckv, self.head_dim_kpe,
                                                           self.page_size, self.q_dtype, self.kv_dtype)
-            if why is None:
-                kernel = fa3_mla.FA3MLADecode(self.sm_scale, self.num_heads, self.page_size, splits,
-                                              choice.schedule, max_batch=self._fa3_max_batch,
-                                              device=self.device)
-        except Exception as e:  # noqa: BLE001 - a config this device cannot run must not crash vLLM
-            why = f"{type(e).__name__}: {e}"
-        if why:
-            self.choice.disable_fa3(f"num_splits={choice.num_splits}, schedule={choice.schedule}: {why}")
-            kernel = None
-        self._fa3_kernels[key] = kernel
-        return kernel
+            if why is not None:
+                return None, why
+            return fa3_mla.FA3MLADecode(self.sm_scale, self.num_heads, self.page_size, splits,
+                                        choice.schedule, max_batch=self._fa3_max_batch,
+                                        device=self.device), None
+        # one op (and metadata buffer) per knob set
+        return self._side_op(choices.FA3, self._fa3_kernels, (splits, choice.schedule),
+                             f"num_splits={choice.num_splits}, schedule={choice.schedule}", make)
 
 
 def _model_features(vllm_config) -> list[str]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from vllm_metax.backend.plan_choice import PlanChoice
+from vllm_metax.core import choices
 from vllm_metax.ops import flashmla as flashmla_op
 
 
@@ -43,7 +44,7 @@ class FlashMLABuckets:
             why = f"{type(e).__name__}: {e}"
         if why:
             self._ops.clear()
-            choice.disable_flashmla(why)
+            choice.turn_off(choices.FLASHMLA, why)
 
     def op(self, graph: bool) -> flashmla_op.FlashMLADecode | None:
         """The op eager steps (`graph` False) or captured graphs run; None where FlashMLA is off."""

@@ -18,6 +18,13 @@ logger = get_logger(__name__)
 
 # the side kernels for people (the server log's summary)
 SIDE_NAMES = {choices.SPLIT: "split-KV Triton", choices.FLASHMLA: "FlashMLA", choices.FA3: "vLLM FA3"}
+# what the server log says when a side kernel cannot run here: what it was, what runs instead
+_TURNED_OFF = {
+    choices.SPLIT: ("split-KV decode kernel", "FlashInfer decodes every step"),
+    choices.FA3: ("vLLM FA3 MLA decode", "FlashInfer decodes those steps"),
+    choices.FLASHMLA: ("FlashMLA decode buckets",
+                       "those steps run FlashInfer (or vLLM's FA3 where it serves the bucket)"),
+}
 
 
 class PlanChoice:
@@ -29,22 +36,18 @@ class PlanChoice:
         self.entry = entry
         self.backends = backends
         self._graph: dict = {}
-        self._graph_split: dict = {}
-        self.split_enabled = True
-        # bucket -> the split kernel's knobs, where it serves that bucket (decided once, per file)
-        self._splits: dict[int, choices.SplitChoice] = {} if entry is None else {
-            id(b): c for b in entry.buckets if b.q_len == 1 and (c := decisions.split_serves(b)) is not None}
-        # bucket -> vLLM's FA3 MLA kernel's knobs, where it serves that bucket (any q_len)
-        self._fa3: dict[int, choices.FA3Choice] = {} if entry is None else {
-            id(b): c for b in entry.buckets if (c := decisions.fa3_serves(b)) is not None}
-        self._graph_fa3: dict = {}
-        self.fa3_enabled = True
-        # bucket -> FlashMLA's choice, where it serves that bucket (any q_len; the builder checks
-        # the KV block size, 64, and that a FlashMLA library runs here)
-        self._flashmla: dict[int, choices.FlashMLAChoice] = {} if entry is None else {
-            id(b): c for b in entry.buckets if (c := decisions.flashmla_serves(b)) is not None}
-        self._graph_flashmla: dict = {}
-        self.flashmla_enabled = True
+        # side kernel -> bucket id -> its knobs, where it serves that bucket (decided once, per
+        # file): the split kernel at q_len 1, vLLM's FA3 and FlashMLA at any q_len (the builder
+        # checks FlashMLA's KV block size, 64, and that a FlashMLA library runs here)
+        buckets = [] if entry is None else entry.buckets
+        self._served: dict[str, dict] = {
+            choices.SPLIT: {id(b): c for b in buckets
+                            if b.q_len == 1 and (c := decisions.split_serves(b)) is not None},
+            choices.FA3: {id(b): c for b in buckets if (c := decisions.fa3_serves(b)) is not None},
+            choices.FLASHMLA: {id(b): c for b in buckets
+                               if (c := decisions.flashmla_serves(b)) is not None}}
+        self._graph_side: dict[str, dict] = {f: {} for f in self._served}   # (batch, q_len) -> vote
+        self._off: set = set()                # side kernels that cannot run in this process
         self._found: tuple = (None, None)     # the last step's (lookup key, bucket): one lookup a step
         # (bucket id, q_len 1?, page, kernels skipped, lse) -> decisions.flashinfer_mla_kernel's
         # answer: asked once per bucket and case, cleared when the device refuses a backend
@@ -75,7 +78,8 @@ class PlanChoice:
         if self.entry is None:
             return f"FlashInfer {self.default} every step (untuned)"
         served = collections.Counter(self._served_name(b) for b in self.entry.buckets)
-        split_batches = sorted({b.batch_size for b in self.entry.buckets if id(b) in self._splits})
+        split_batches = sorted({b.batch_size for b in self.entry.buckets
+                                if id(b) in self._served[choices.SPLIT]})
         where = f" (split at batch {', '.join(map(str, split_batches))})" if split_batches else ""
         return (", ".join(f"{k} in {n}" for k, n in served.most_common())
                 + f" of {len(self.entry.buckets)} tuned buckets{where}; the nearest bucket decides each step")
@@ -89,9 +93,33 @@ class PlanChoice:
 
     def turned_off(self) -> frozenset:
         """The side kernels that cannot run here (turned off for this process)."""
-        return frozenset(f for f, on in ((choices.SPLIT, self.split_enabled),
-                                         (choices.FLASHMLA, self.flashmla_enabled),
-                                         (choices.FA3, self.fa3_enabled)) if not on)
+        return frozenset(self._off)
+
+    @property
+    def split_enabled(self) -> bool:
+        return choices.SPLIT not in self._off
+
+    @property
+    def fa3_enabled(self) -> bool:
+        return choices.FA3 not in self._off
+
+    @property
+    def flashmla_enabled(self) -> bool:
+        return choices.FLASHMLA not in self._off
+
+    def _choices(self, family: str) -> list:
+        """Every choice of side kernel `family` the entry may serve (distinct knobs, in bucket order)."""
+        return [] if family in self._off else list(dict.fromkeys(self._served[family].values()))
+
+    def turn_off(self, family: str, reason: str) -> None:
+        """Side kernel `family` cannot run here: the next kernel that serves its steps runs them
+        from now on (said once, where it serves a bucket)."""
+        if family not in self._off and self._served[family]:
+            what, instead = _TURNED_OFF[family]
+            logger.warning("vllm_metax MLA: the tuned config's %s cannot run here (%s); %s",
+                           what, reason, instead)
+        self._off.add(family)
+        self._graph_side[family].clear()
 
     def kernel(self, batch_size: int, context_len: int, q_len: int = 1, graph: bool = False, *,
                lse: bool = False, page_size: int | None = None, skip=()) -> decisions.DecodeKernel:
@@ -177,9 +205,9 @@ class PlanChoice:
         else None. A captured graph fixes
         its kernel for every context: split there only where it serves most buckets of the
         nearest tuned batch size, with the knobs most of those name (ties: the longest context's)."""
-        if q_len != 1 or not self.split_enabled:
+        if q_len != 1:
             return None
-        choice = self._side_for(self._splits, self._graph_split, batch_size, context_len, q_len, graph)
+        choice = self._side_for(choices.SPLIT, batch_size, context_len, q_len, graph)
         if choice is None or not split_decode.fits(self.entry.dims.num_heads, batch_size, choice.num_splits,
                                                    choice.pipe):
             return None
@@ -191,9 +219,7 @@ class PlanChoice:
         (`decisions.fa3_serves` of the nearest tuned bucket), else None. A captured graph fixes
         its kernel for every context: FA3 there only where it serves most buckets of the nearest
         tuned batch size (and q_len), with the knobs most of those name."""
-        if not self.fa3_enabled:
-            return None
-        return self._side_for(self._fa3, self._graph_fa3, batch_size, context_len, q_len, graph)
+        return self._side_for(choices.FA3, batch_size, context_len, q_len, graph)
 
     def flashmla_for(self, batch_size: int, context_len: int, q_len: int = 1,
                      graph: bool = False) -> choices.FlashMLAChoice | None:
@@ -201,29 +227,17 @@ class PlanChoice:
         (`decisions.flashmla_serves` of the nearest tuned bucket), else None. A captured graph
         fixes its kernel for every context: FlashMLA there only where it serves most buckets of
         the nearest tuned batch size (and q_len)."""
-        if not self.flashmla_enabled:
-            return None
-        return self._side_for(self._flashmla, self._graph_flashmla, batch_size, context_len, q_len, graph)
+        return self._side_for(choices.FLASHMLA, batch_size, context_len, q_len, graph)
 
     def serves_flashmla(self) -> bool:
         """FlashMLA serves some bucket of the entry (and has not been turned off)."""
-        return self.flashmla_enabled and bool(self._flashmla)
+        return self.flashmla_enabled and bool(self._served[choices.FLASHMLA])
 
-    def disable_flashmla(self, reason: str) -> None:
-        """FlashMLA cannot run here: those steps run the next kernel that serves them from now on
-        (vLLM's FA3 where it serves the bucket, else FlashInfer)."""
-        if self.flashmla_enabled and self._flashmla:
-            logger.warning("vllm_metax MLA: the tuned config's FlashMLA decode buckets cannot run "
-                           "here (%s); those steps run FlashInfer (or vLLM's FA3 where it serves the bucket)",
-                           reason)
-        self.flashmla_enabled = False
-        self._graph_flashmla.clear()
-
-    def _side_for(self, served_in: dict, graph_cache: dict, batch_size: int, context_len: int,
-                  q_len: int, graph: bool):
-        """The choice of `served_in` (bucket id -> choice) for one step: the nearest bucket's, or
-        in a captured graph its batch size's vote (`_graph_vote`, remembered in `graph_cache`)."""
-        if not served_in:
+    def _side_for(self, family: str, batch_size: int, context_len: int, q_len: int, graph: bool):
+        """Side kernel `family`'s choice for one step: the nearest bucket's, or in a captured graph
+        its batch size's vote (`_graph_vote`, remembered per batch size); None where it is off."""
+        served_in, graph_cache = self._served[family], self._graph_side[family]
+        if not served_in or family in self._off:
             return None
         if graph:
             key = (batch_size, q_len)
@@ -235,15 +249,7 @@ class PlanChoice:
 
     def fa3_choices(self) -> list:
         """Every FA3 choice the entry may serve (distinct knobs, in bucket order)."""
-        return list(dict.fromkeys(self._fa3.values())) if self.fa3_enabled else []
-
-    def disable_fa3(self, reason: str) -> None:
-        """vLLM's FA3 kernel cannot run here: FlashInfer plans those steps from now on."""
-        if self.fa3_enabled:
-            logger.warning("vllm_metax MLA: the tuned config's vLLM FA3 MLA decode cannot run here "
-                           "(%s); FlashInfer decodes those steps", reason)
-        self.fa3_enabled = False
-        self._graph_fa3.clear()
+        return self._choices(choices.FA3)
 
     def _lookup(self, batch_size: int, context_len: int, q_len: int):
         """`entry.lookup`, remembered for the last key: a step asks for the split kernel and then
@@ -271,15 +277,7 @@ class PlanChoice:
 
     def split_choices(self) -> list:
         """Every split choice the entry may serve (distinct knobs, in bucket order)."""
-        return list(dict.fromkeys(self._splits.values())) if self.split_enabled else []
-
-    def disable_split(self, reason: str) -> None:
-        """The split kernel cannot run here: FlashInfer plans every step from now on."""
-        if self.split_enabled:
-            logger.warning("vllm_metax MLA: the tuned config's split-KV decode kernel cannot run "
-                           "here (%s); FlashInfer decodes every step", reason)
-        self.split_enabled = False
-        self._graph_split.clear()
+        return self._choices(choices.SPLIT)
 
     def refuse(self, backend: str, reason: str) -> str:
         """FlashInfer refused `backend` here: never choose it again; returns the fallback."""
