@@ -66,8 +66,10 @@ class GpuLike:
         from mla_tune.problem.reference import mla_decode_reference
         if candidate.backend not in ("fa2", "fa3", "triton"):
             raise CandidateInvalid("unsupported", f"{candidate.backend} refuses this device")
-        if candidate.backend == "triton" and candidate.page_size % 16:
-            raise CandidateInvalid("unsupported", "KV block sizes must be multiples of 16")
+        from vllm_metax.core.choices import SPECS, TRITON
+        page = SPECS[TRITON].page         # the Triton kernel's page rule, as its family refuses
+        if candidate.backend == "triton" and not page.allows(candidate.page_size):
+            raise CandidateInvalid("unsupported", f"KV block sizes must be {page}")
         ref = mla_decode_reference(problem.q_nope, problem.q_pe, problem.ckv_cache,
                                    problem.kpe_cache, problem.block_table, problem.seq_lens_cpu,
                                    workload.softmax_scale, workload.q_len)
