@@ -21,9 +21,9 @@ from dataclasses import asdict, dataclass, field
 from vllm_metax.core import choices
 
 SCHEMA_VERSION = 1
-# the vLLM attention backends an entry's backend_order may name (their untuned order is the
-# profile's, `vllm_metax.core.profile.Profile.mla_order`)
-ATTENTION_BACKENDS = frozenset({"FLASHINFER_MLA", "TRITON_MLA", "FLASHMLA"})
+# the vLLM attention backends an entry's backend_order may name: those the kernel specs name
+# (`KernelSpec.attention_backend`); their untuned order is the profile's (`Profile.mla_order`)
+ATTENTION_BACKENDS = frozenset(s.attention_backend for s in choices.SPECS.values() if s.attention_backend)
 FAMILIES = tuple(choices.KNOBS)   # one per kernel spec (choices.SPECS)
 
 # What a value may be, for the reader here and for every mla-tune input (mla_tune/validate.py uses
