@@ -304,3 +304,30 @@ def test_the_plugins_worker_ends_the_warm_up(monkeypatch):
     monkeypatch.setattr(rec, "discard_warmup", lambda: calls.append("discard"))
     assert MetaxWorker.compile_or_warm_up_model(object.__new__(MetaxWorker)) == 7
     assert calls == ["warm", "discard"]
+
+
+@pytest.mark.vllm
+def test_a_data_parallel_ranks_dummy_batches_are_not_traffic(tmp_path, monkeypatch, fresh_recorders):
+    """An idle data-parallel rank runs vLLM's dummy batch every step; the worker keeps it out of
+    the recorded traffic, and counts again after it (also where the batch raised)."""
+    from vllm.v1.worker.gpu_worker import Worker
+    from vllm_metax.worker import MetaxWorker
+    monkeypatch.setenv(rec.TRAFFIC_ENV, str(tmp_path / "t.db"))
+    r = rec.recorder(DIMS)
+
+    def dummy(self, fail=[False]):           # what vLLM's dummy run reaches: the builders' recording
+        r.decode(1, 1, 1)
+        r.prefill(True, 1, 1)
+        if fail[0]:
+            raise RuntimeError("dummy batch failed")
+    monkeypatch.setattr(Worker, "execute_dummy_batch", dummy)
+    worker = object.__new__(MetaxWorker)
+    worker.execute_dummy_batch()
+    r.decode(32, 4096, 1)
+    dummy.__defaults__[0][0] = True
+    with pytest.raises(RuntimeError):
+        worker.execute_dummy_batch()
+    r.decode(32, 4096, 1)
+    assert sum(r.decode_counts.values()) == 2 and r.prefill_counts == {}
+    assert r.flush()
+    assert tr.load_traffic(tmp_path / "t.db").select().decode_cells() == {(32, 4096, 1): 2}

@@ -1,7 +1,8 @@
 """The GPU worker on the metax platform: vLLM's own, refusing to start without the compiled ops
 serving needs, with an error that names them (instead of the first missing `torch.ops._C...`
 attribute deep in the model runner); where the server records its traffic, the warm-up's dummy
-batches are dropped from it once the warm-up is over."""
+batches are dropped from it once the warm-up is over, and a data-parallel rank's dummy batches
+while serving are not counted."""
 
 from __future__ import annotations
 
@@ -23,3 +24,7 @@ class MetaxWorker(Worker):
         out = super().compile_or_warm_up_model()
         traffic.discard_warmup()    # the dummy batches so far are no server traffic
         return out
+
+    def execute_dummy_batch(self) -> None:
+        with traffic.paused():      # an idle data-parallel rank keeping in step: no traffic
+            return super().execute_dummy_batch()

@@ -30,6 +30,7 @@ into the variable (`resolve_path`), so the processes it spawns write the same fi
 from __future__ import annotations
 
 import atexit
+import contextlib
 import math
 import os
 import socket
@@ -122,12 +123,16 @@ class TrafficRecorder:
 
     def decode(self, batch_size: int, context: int, q_len: int) -> None:
         """One decode step: its lookup key (`ModelEntry.lookup`'s arguments)."""
+        if _paused:
+            return
         k = (batch_size, q_len, int(4 * math.log2(context)) if context > 1 else 0)
         c = self.decode_counts
         c[k] = c.get(k, 0) + 1
 
     def prefill(self, causal: bool, query_tokens: int, kv_len: int) -> None:
         """One prefill plan: `decisions.prefill_statistic`'s (query tokens, KV per request)."""
+        if _paused:
+            return
         k = (bool(causal), fine_bin(query_tokens), fine_bin(kv_len))
         c = self.prefill_counts
         c[k] = c.get(k, 0) + 1
@@ -246,6 +251,22 @@ def recorder(dims, environ=None, device_name: str | None = None) -> TrafficRecor
         return rec
 
 
+_paused = False       # inside a dummy batch (`paused`): steps are not counted
+
+
+@contextlib.contextmanager
+def paused():
+    """Steps inside are not counted: a data-parallel rank with no requests runs vLLM's dummy batch
+    (`execute_dummy_batch`, one request) to keep in step with the others, which is no server
+    traffic. The worker builds and runs that batch synchronously on its own thread."""
+    global _paused
+    before, _paused = _paused, True
+    try:
+        yield
+    finally:
+        _paused = before
+
+
 def discard_warmup() -> None:
     """The engine finished its warm-up (memory profiling, compilation, CUDA-graph capture): what
     this process's recorders counted so far were dummy batches; drop them, and say so once."""
@@ -258,4 +279,4 @@ def discard_warmup() -> None:
 
 
 __all__ = ["BINS_PER_OCTAVE", "FLUSH_SECONDS", "TRAFFIC_ENV", "TrafficRecorder", "bin_center",
-           "discard_warmup", "fine_bin", "log2_cell", "model_label", "recorder", "resolve_path", "write_counts"]
+           "discard_warmup", "fine_bin", "log2_cell", "model_label", "paused", "recorder", "resolve_path", "write_counts"]
