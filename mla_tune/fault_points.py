@@ -31,6 +31,11 @@ Unset, `at()` is one global test: no file, no system call.
 from __future__ import annotations
 
 import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
 
 AT_ENV, DO_ENV, LOG_ENV = "MLA_TUNE_FAULT_AT", "MLA_TUNE_FAULT_DO", "MLA_TUNE_FAULT_LOG"
 EVENTS = ("db-created", "journal-written", "trial-prepared", "trial-stored", "merge-copied",
@@ -83,7 +88,6 @@ def _passed(event: str, path) -> None:
     if plan["action"] == "readonly":
         _read_only(path)
         return
-    import signal
     os.kill(os.getpid(), signal.SIGKILL if plan["action"] == "kill" else signal.SIGSTOP)
 
 
@@ -99,10 +103,6 @@ def _read_only(path) -> None:
     with EROFS from now on, for the rest of this process: strace attached to it injects the
     error into the kernel's answer, so SQLite's C writes see it exactly as on a read-only mount
     (a remount is refused while the sweep holds its files open for writing: EBUSY)."""
-    import shutil
-    import subprocess
-    import time
-    from pathlib import Path
     if path is None or shutil.which("strace") is None:
         raise SystemExit(f"{DO_ENV}=readonly needs strace and a path at the event")
     folder = Path(path).resolve().parent

@@ -19,6 +19,7 @@ asked for (`prefill=True`).
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 
 from mla_tune.problem.workload import DTYPES, ModelDims, ProblemError
@@ -192,7 +193,6 @@ def make_prefill_problem(w: PrefillWorkload, device="cpu", seed: int = 0) -> Pre
 
 def check_rows(w: PrefillWorkload, max_rows: int = 48, seed: int = 0) -> list[int]:
     """Query rows the correctness gate compares: each request's first and last, then spread."""
-    import random
     rows, start = set(), 0
     for n in w.q_lens:
         rows.update((start, start + n - 1))

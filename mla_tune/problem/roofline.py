@@ -13,6 +13,7 @@ the output (R values in q_dtype) written once. Page-table metadata is negligible
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 from mla_tune.problem.workload import Workload
@@ -114,7 +115,6 @@ def measure_ceilings(device="cuda", copy_bytes: int = 2 << 30, matmul_n: int = 8
 
 
 def _event_median(fn, reps: int, dev) -> float:
-    import statistics
 
     import torch
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv
+import hashlib
 import json
 import math
 import random
@@ -9,6 +11,9 @@ from dataclasses import asdict, dataclass, field, fields
 from functools import lru_cache
 from importlib import resources
 from typing import Sequence
+
+from mla_tune.validate import FLOAT, INT, MAX_KV_TOKENS, InputError, ascii_int, input_text
+from vllm_metax.core.tuned_config import MAX_HEAD_DIM, MAX_HEADS
 
 DTYPES = ("bfloat16", "float16")
 
@@ -94,7 +99,6 @@ def custom_model(num_heads: int, kv_lora_rank: int = 512, qk_rope_head_dim: int 
                  qk_nope_head_dim: int = 128, rope_scaling_factor: float = 1.0,
                  mscale_all_dim: float = 0.0) -> ModelDims:
     """A model given by its dims rather than a preset name."""
-    from vllm_metax.core.tuned_config import MAX_HEAD_DIM, MAX_HEADS
     for label, v, hi in (("num_heads", num_heads, MAX_HEADS), ("kv_lora_rank", kv_lora_rank, MAX_HEAD_DIM),
                          ("qk_rope_head_dim", qk_rope_head_dim, MAX_HEAD_DIM),
                          ("qk_nope_head_dim", qk_nope_head_dim, MAX_HEAD_DIM)):
@@ -131,7 +135,6 @@ class Workload:
     lengths: tuple | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
-        from mla_tune.validate import INT, MAX_KV_TOKENS
         for label, kind, v in (("batch size", "batch", self.batch_size),
                                ("context length", "context", self.context_len),
                                ("q_len", "q_len", self.q_len), ("heads per rank", "heads", self.num_heads)):
@@ -179,7 +182,6 @@ class Workload:
         """The workload a stored row describes (a workloads row, or a trial row joined with
         one), with the per-request lengths stored beside it when there are any (`seq_lens`,
         JSON; schema 4 on), else computed from the kind. Raises ProblemError."""
-        import json
         names = [f.name for f in fields(cls) if f.name != "lengths"]
         keys = row.keys() if hasattr(row, "keys") else ()
         try:
@@ -197,7 +199,6 @@ class Workload:
 
     def lengths_json(self) -> str | None:
         """The per-request lengths to store with a ragged workload (None for uniform ones)."""
-        import json
         return None if self.ragged == "uniform" else json.dumps(self.seq_lens)
 
     def label(self) -> str:
@@ -309,7 +310,6 @@ class LengthTrace:
 
     @classmethod
     def of(cls, lengths: Sequence[int], source: str = "trace") -> "LengthTrace":
-        import hashlib
         lens = tuple(int(x) for x in lengths)
         if not lens:
             raise ProblemError(f"{source}: no request lengths")
@@ -335,8 +335,6 @@ def load_trace(path) -> LengthTrace:
     case-insensitive), or the one column of a file without a header. Raises ProblemError with
     the file and line for anything else (missing, empty, no such column, a value that is not a
     positive integer)."""
-    import csv
-    from mla_tune.validate import InputError, ascii_int, input_text
     try:
         text = input_text(path, "request-length CSV", max_bytes=64 << 20)
     except InputError as e:
@@ -432,7 +430,6 @@ class WorkloadMix:
 
     @classmethod
     def from_rows(cls, rows: Sequence[tuple[int, int, float]], source: str = "workload mix") -> "WorkloadMix":
-        from mla_tune.validate import FLOAT, INT, InputError
         w = {}
         for b, c, x in rows:
             try:
@@ -451,8 +448,6 @@ class WorkloadMix:
     @classmethod
     def from_file(cls, path: str) -> "WorkloadMix":
         """Read (batch, context, weight) rows from a CSV file (header optional)."""
-        import csv
-        from mla_tune.validate import InputError, input_text
         try:
             text = input_text(path, "workload mix CSV")
         except InputError as e:

@@ -14,9 +14,11 @@ from __future__ import annotations
 import json
 import sqlite3
 from dataclasses import dataclass
-from pathlib import Path
 
+from mla_tune.problem.prefill import LAYOUTS as PREFILL_LAYOUTS, PrefillWorkload
+from mla_tune.problem.workload import ProblemError, Workload
 from mla_tune.store.errors import StoreError
+from vllm_metax.core.tuned_config import PAGE_SIZES
 
 META_TABLE = "mla_tune_meta"
 STATUSES = ("ok", "invalid")
@@ -82,7 +84,6 @@ LENGTHS = Rule("{c} is null or (typeof({c}) = 'text' and case when json_valid({c
 
 
 def _page_sizes() -> tuple:
-    from vllm_metax.core.tuned_config import PAGE_SIZES
     return PAGE_SIZES
 
 
@@ -244,8 +245,6 @@ def check_rows(conn: sqlite3.Connection, path, columns: dict[str, list[str]] | N
 
 
 def _check_workloads(conn: sqlite3.Connection, path, columns: list[str]) -> None:
-    from mla_tune.problem.prefill import LAYOUTS as PREFILL_LAYOUTS, PrefillWorkload
-    from mla_tune.problem.workload import ProblemError, Workload
     conn_factory = conn.row_factory
     conn.row_factory = sqlite3.Row
     try:

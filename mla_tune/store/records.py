@@ -15,6 +15,7 @@ from mla_tune.families.base import Candidate
 from mla_tune.problem.defaults import KERNEL_METRIC
 from mla_tune.problem.prefill import LAYOUTS as PREFILL_LAYOUTS, PrefillWorkload
 from mla_tune.problem.workload import Workload
+from mla_tune.store.stats import stats_of
 
 # what readers group and show by; the problem Workload has every column (softmax scale, seed too)
 _SHOWN_COLUMNS = ("model", "num_heads", "kv_lora_rank", "qk_rope_head_dim", "batch_size",
@@ -131,7 +132,6 @@ class TrialRecord:
 
     def stats(self, metric: str = KERNEL_METRIC):
         """Statistics (`Stats`) of one metric's samples (kernel time by default), None without any."""
-        from mla_tune.store.stats import stats_of
         return stats_of(list(self.values(metric)))
 
 

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from mla_tune.store.records import TrialRecord
+from mla_tune.validate import InputError, check_int, check_name
+from vllm_metax.core.device import METAX_NAME_PREFIXES, is_metax_name
+from vllm_metax.core.profile import METAX, NVIDIA, get_profile
 
 # runs.kind values, as stored
 GPU_RUN_KIND = "gpu"
@@ -24,8 +27,6 @@ def device_key(name: str | None) -> str:
 def run_profile(run: Mapping) -> str:
     """The target profile a run measured under (`vllm_metax.core.profile`): its record's, else
     (runs stored before profiles) the one its device implies: metax on a MetaX device."""
-    from vllm_metax.core.device import is_metax_name
-    from vllm_metax.core.profile import METAX, NVIDIA
     name = run.get("profile")
     if isinstance(name, str) and name:
         return name
@@ -35,8 +36,6 @@ def run_profile(run: Mapping) -> str:
 def profile_clause(profile: str) -> tuple[str, list]:
     """SQL over ResultsStore.trials()'s aliases (r runs) selecting runs measured under `profile`,
     by `run_profile`'s rule: the run record's `profile`, else its device's."""
-    from vllm_metax.core.device import METAX_NAME_PREFIXES
-    from vllm_metax.core.profile import METAX, NVIDIA
     metax_name = " or ".join("lower(trim(r.device_name)) like ?" for _ in METAX_NAME_PREFIXES)
     implied = f"case when {metax_name} then '{METAX}' else '{NVIDIA}' end"
     return (f"coalesce(json_extract(r.notes, '$.profile'), {implied}) = ?",
@@ -53,17 +52,14 @@ class TrialFilter:
     profile: str | None = None       # the target profile the runs measured under
 
     def __post_init__(self):
-        from mla_tune.validate import check_int, check_name
         if self.device is not None:
             check_name("--device", self.device)
         if self.model is not None:
             check_name("--model", self.model)
         if self.profile is not None:
-            from vllm_metax.core.profile import get_profile
             try:
                 get_profile(self.profile)
             except ValueError as e:
-                from mla_tune.validate import InputError
                 raise InputError(f"--profile: {e}") from None
         for r in self.runs:
             check_int("run", r, "--run")

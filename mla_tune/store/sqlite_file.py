@@ -4,7 +4,9 @@ without writing anything beside it, and the temporary files a killed sweep left 
 from __future__ import annotations
 
 import os
+import shutil
 import sqlite3
+import tempfile
 from pathlib import Path
 
 from mla_tune.faults import process_alive
@@ -51,8 +53,6 @@ def _snapshot(db: Path, wal: Path) -> sqlite3.Connection:
     """The DB with its WAL applied, in memory, read from private copies (the copies are SQLite's
     to recover; the originals are only read). Copied again if either file changed meanwhile (a
     writer checkpointing between the two copies)."""
-    import shutil
-    import tempfile
 
     def stamp():
         return tuple((s.st_size, s.st_mtime_ns) for s in (db.stat(), wal.stat()))

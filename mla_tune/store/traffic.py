@@ -16,11 +16,13 @@ length lands in the power of two it is nearest to on a log2 scale, as `ModelEntr
 from __future__ import annotations
 
 import math
+import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from mla_tune.problem.workload import WorkloadMix
-from mla_tune.validate import InputError
+from mla_tune.store.sqlite_file import connect_readonly
+from mla_tune.validate import InputError, is_sqlite
 from vllm_metax.core import traffic as rec
 from vllm_metax.core.tuned_config import ModelDims
 
@@ -170,15 +172,12 @@ class Traffic:
 def load_traffic(path: str | Path) -> Traffic:
     """Read a traffic file (read-only; nothing is written beside it). TrafficError for a path
     that is not one, a file of another bin layout, or one with no step or plan recorded."""
-    from mla_tune.store.sqlite_file import connect_readonly
-    from mla_tune.validate import is_sqlite
     p = Path(path)
     if not p.is_file():
         raise TrafficError(f"traffic file {p}: {'a folder' if p.is_dir() else 'no such file'} "
                            f"(record one with {rec.TRAFFIC_ENV}=<file> on the server)")
     if not is_sqlite(p):
         raise TrafficError(f"traffic file {p} is not a SQLite file")
-    import sqlite3
     try:
         conn = connect_readonly(p)
         try:
