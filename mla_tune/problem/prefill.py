@@ -151,7 +151,7 @@ def prefill_workload(model: ModelDims, tp_size: int, causal: bool, query_tokens:
 # ---------------------------------------------------------------- instances and the reference
 
 def indptr(lens, device="cpu"):
-    import torch
+    import torch    # lazy: the store and the CLI read problem/ without torch
     out = torch.zeros(len(lens) + 1, dtype=torch.int32)
     out[1:] = torch.cumsum(torch.tensor(list(lens), dtype=torch.int32), 0)
     return out.to(device)

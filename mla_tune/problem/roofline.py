@@ -92,7 +92,7 @@ def measure_ceilings(device="cuda", copy_bytes: int = 2 << 30, matmul_n: int = 8
     n x n x n on random data (zeros run faster than real data). Times with CUDA events after a
     warm-up; each replicate is its own launch.
     """
-    import torch
+    import torch    # lazy: the store and the CLI read problem/ without torch
 
     dev = torch.device(device)
     n = copy_bytes // 2

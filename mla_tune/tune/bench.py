@@ -6,16 +6,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from mla_tune.families import Candidate, check_candidate, get_family
 from mla_tune.measure.environment import capture_environment
+from mla_tune.measure.timing import default_pool_bytes
 from mla_tune.measure.trial import MeasureSettings, TrialResult, measure_interleaved
 from mla_tune.problem.defaults import KERNEL_METRIC, PLAN_METRIC
-from mla_tune.problem.roofline import achieved, pct_of_floor, workload_bytes, workload_flops
+from mla_tune.problem.roofline import achieved, measure_ceilings, pct_of_floor, workload_bytes, workload_flops
 from mla_tune.problem.workload import RAGGED_KINDS, custom_model, model_preset, workload_for
 from mla_tune.store.results import ResultsStore
-from mla_tune.store.stats import stats_of
 from mla_tune.store.selection import CPU_RUN_KIND, GPU_RUN_KIND
-from mla_tune.validate import InputError
+from mla_tune.store.sqlite_file import is_results_db
+from mla_tune.store.stats import stats_of
+from mla_tune.validate import InputError, check_kv_tokens, output_file
 
 
 @dataclass(frozen=True)
@@ -67,7 +71,6 @@ def bench_workloads(model: str | None, heads: int | None, tp: int, batches: list
 
 def bench_device(device: str | None) -> str:
     """The device a bench measures on: the one asked for, else cuda when torch sees one."""
-    import torch
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if dev.startswith("cuda") and not torch.cuda.is_available():
         raise InputError("--device cuda but torch sees no CUDA device")
@@ -93,9 +96,7 @@ def plan_bench(texts: list[str], *, model: str, heads: int | None, tp: int | Non
                device: str | None = None, db: Path | None = None, store: bool = True) -> BenchPlan:
     """A bench invocation's values checked and the device's defaults (bench_defaults) filling
     the gaps; `rounds` is cut to the samples unless given explicitly (then it is an error)."""
-    from mla_tune.store.sqlite_file import is_results_db
     from mla_tune.tune.sweep.buckets import default_db, parse_sizes     # the one size-list rule, sweep's
-    from mla_tune.validate import check_kv_tokens, output_file
     cands = parse_candidates(texts)
     dev = bench_device(device)
     d = bench_defaults(dev)
@@ -118,8 +119,6 @@ def plan_bench(texts: list[str], *, model: str, heads: int | None, tp: int | Non
 
 def gpu_settings(settings: MeasureSettings, ceilings: bool) -> dict | None:
     """On CUDA: the KV pool larger than L2, and (if asked) the copy/matmul ceilings for % of floor."""
-    from mla_tune.measure.timing import default_pool_bytes
-    from mla_tune.problem.roofline import measure_ceilings
     settings.min_pool_bytes = default_pool_bytes(settings.device)
     if not ceilings:
         return None

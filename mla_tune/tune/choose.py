@@ -34,15 +34,18 @@ family (`default_of`). Mix rows snap to the nearest measured bucket (`bucket_wei
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+from mla_tune.families import get_family
 from mla_tune.problem.defaults import DEFAULT_PAGE_SIZE, KERNEL_METRIC
 from mla_tune.problem.units import us_text
-from mla_tune.problem.workload import WorkloadMix
+from mla_tune.problem.workload import ProblemError, WorkloadMix, model_preset
 from mla_tune.store.records import TrialRecord, as_records
 from mla_tune.tune.verdict import MIN_RATIO, P_THRESHOLD, Measured, decide, min_p_value
 from vllm_metax.core.choices import SPECS
+from vllm_metax.core.decisions import bucket_context
 from vllm_metax.core.tuned_config.schema import nearest
 
 METRIC = KERNEL_METRIC            # what winners are chosen by
@@ -174,7 +177,6 @@ def measured_of(record: TrialRecord, metric: str = METRIC) -> Measured:
     samples = tuple(record.values(metric))
     median = None
     if record.ok and samples:
-        import statistics
         median = float(statistics.median(samples))
     c = record.candidate
     return Measured(record.key, c.family, c.backend, c.page_size, dict(c.params), record.status,
@@ -184,7 +186,6 @@ def measured_of(record: TrialRecord, metric: str = METRIC) -> Measured:
 def family_default(family: str, workload, page_size: int) -> str | None:
     """The family's default candidate key as the family declares it (None if it cannot say)."""
     try:
-        from mla_tune.families import get_family
         return get_family(family).default_candidate(workload, page_size).key
     except Exception:   # an unavailable or unknown family cannot name its default
         return None
@@ -192,14 +193,12 @@ def family_default(family: str, workload, page_size: int) -> str | None:
 
 def _lookup_context(records: list[TrialRecord]) -> int | None:
     """The plugin's lookup statistic over the lengths a bucket was measured with."""
-    from vllm_metax.core.decisions import bucket_context
     wl = records[0].workload if records else None
     return bucket_context(wl.seq_lens) if wl is not None else None
 
 
 def tp_size_of(model: str, heads_per_rank: int) -> int | None:
     """The TP size at which `model` has this many heads per rank (None: no preset, or no such size)."""
-    from mla_tune.problem.workload import ProblemError, model_preset
     try:
         total = model_preset(model).num_heads
     except ProblemError:

@@ -26,9 +26,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+import torch
+
+from mla_tune.families.flashinfer_prefill import FlashInferPrefillFamily
+from mla_tune.measure.environment import capture_environment
+from mla_tune.measure.prefill_trial import measure_prefill
 from mla_tune.measure.trial import MeasureSettings
 from mla_tune.problem.prefill import PrefillWorkload, prefill_workload
 from mla_tune.problem.workload import ProblemError, model_preset
+from mla_tune.store.results import ResultsStore
+from mla_tune.store.selection import CPU_RUN_KIND, GPU_RUN_KIND
+from mla_tune.tune import choose as choosing
+from mla_tune.tune.verdict import MIN_RATIO, P_THRESHOLD, decide
+from vllm_metax.core import device as core_device, tuned_config as tc
+from vllm_metax.core.decisions import model_key, prefill_statistic
 
 SWEEP_NAME = "prefill"
 NEW_TOKENS = (256, 1024, 2048, 8192)       # query tokens of a step's new-token plan
@@ -90,13 +101,6 @@ def run_prefill_sweep(config: PrefillSweepConfig,
                       on_bucket: Callable[[PrefillWorkload, list], None] | None = None) -> PrefillOutcome:
     """Measure every bucket's candidates that this device has no trial of yet (all of them with
     `remeasure`) and store each trial; `on_bucket(workload, results)` after each bucket."""
-    import torch
-    from mla_tune.families.flashinfer_prefill import FlashInferPrefillFamily
-    from mla_tune.measure.environment import capture_environment
-    from mla_tune.measure.prefill_trial import measure_prefill
-    from mla_tune.store.results import ResultsStore
-    from mla_tune.store.selection import CPU_RUN_KIND, GPU_RUN_KIND
-    from vllm_metax.core.device import detect_device
     t_start = time.monotonic()
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
     family = config.family or FlashInferPrefillFamily()
@@ -106,7 +110,7 @@ def run_prefill_sweep(config: PrefillSweepConfig,
     if not config.buckets:
         raise PrefillSweepError("no prefill bucket to sweep")
     settings = config.settings or MeasureSettings(device=device, warmup=3, samples=20)
-    device_name = detect_device().name if device.startswith("cuda") else "cpu"
+    device_name = core_device.detect_device().name if device.startswith("cuda") else "cpu"
     out = PrefillOutcome(Path(config.db), device_name)
     with ResultsStore(config.db) as store:
         for w in config.buckets:
@@ -148,7 +152,6 @@ class PrefillVerdict:
     @property
     def bucket_key(self) -> tuple:
         """(causal, query tokens, mean KV tokens per request): the plugin's lookup statistic."""
-        from vllm_metax.core.decisions import prefill_statistic
         w = self.workload
         return (w.causal, *prefill_statistic(w.query_tokens, w.total_kv_tokens, w.requests))
 
@@ -157,9 +160,6 @@ def choose_prefill(records: list, p_threshold: float | None = None,
                    min_ratio: float | None = None) -> dict:
     """model key (vllm_metax.core.tuned_config.ModelDims) -> [PrefillVerdict], from the prefill trials
     of one device (`ResultsStore.records(prefill=True)`); the latest trial per candidate counts."""
-    from mla_tune.tune import choose as choosing
-    from mla_tune.tune.verdict import MIN_RATIO, P_THRESHOLD, decide
-    from vllm_metax.core.decisions import model_key
     p = P_THRESHOLD if p_threshold is None else p_threshold
     m = MIN_RATIO if min_ratio is None else min_ratio
     by_workload: dict = {}
@@ -183,7 +183,6 @@ def choose_prefill(records: list, p_threshold: float | None = None,
 def prefill_buckets(verdicts: list) -> list:
     """Verdicts -> the tuned config's prefill buckets (a bucket without a valid candidate, or
     whose chosen backend the schema does not know, is left out: the plugin plans its default)."""
-    from vllm_metax.core import tuned_config as tc
     out, seen = [], set()
     for pv in verdicts:
         v = pv.verdict

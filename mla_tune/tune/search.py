@@ -30,6 +30,9 @@ from mla_tune.families.base import Candidate
 from mla_tune.problem.defaults import DEFAULT_PAGE_SIZE
 from mla_tune.tune.search_space import SearchSpace
 
+# optuna is imported in the functions that search: the CLI imports this module, and
+# `mla-tune --help` must not wait for it
+
 
 class SearchMode(str, Enum):
     """How a bucket's space is searched: every point, optuna TPE, or grid up to GRID_MAX points."""

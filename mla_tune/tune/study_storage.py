@@ -9,9 +9,20 @@ dead worker's trials).
 
 from __future__ import annotations
 
+import inspect
+import json
 import os
+import sqlite3
 import warnings
 from pathlib import Path
+
+from mla_tune import fault_points
+from mla_tune.store.integrity import META_TABLE
+from mla_tune.store.sqlite_file import connect_readonly
+from mla_tune.validate import InputError, is_sqlite, output_file
+
+# optuna and sqlalchemy (seconds to import) are imported in the functions that use them: the
+# sweep's planning and checks (--dry-run, a bad --storage) import this module without a study
 
 HEARTBEAT_S = 10          # default heartbeat interval of a claimed trial (RDB storages)
 MAX_RETRY = 3             # a trial whose worker died is enqueued again at most this often
@@ -71,7 +82,6 @@ def open_storage(spec: str | Path, heartbeat_s: int | None = None):
     hb = int(heartbeat_s or HEARTBEAT_S)
     if hb < 1:
         raise StorageError(f"--heartbeat must be at least 1 s, got {heartbeat_s}")
-    import inspect
     kw = {"heartbeat_interval": hb, "grace_period": 2 * hb}
     cb = "heartbeat_stale_trial_callback" if "heartbeat_stale_trial_callback" in \
         inspect.signature(optuna.storages.RDBStorage).parameters else "failed_trial_callback"
@@ -92,7 +102,6 @@ OPTUNA_RDB_TABLES = {"studies", "trials", "version_info"}
 def check_rdb_url(url: str) -> None:
     """An RDB storage URL that parses; a SQLite one names a new or empty file or optuna's own
     DB, never a results DB or any other file (optuna would add its tables to it). InputError."""
-    from mla_tune.validate import InputError, is_sqlite, output_file
     try:
         from sqlalchemy.engine import make_url
         u = make_url(url)
@@ -108,8 +117,6 @@ def check_rdb_url(url: str) -> None:
     if path.exists() and path.stat().st_size:
         tables = set()
         if is_sqlite(path):
-            import sqlite3
-            from mla_tune.store.sqlite_file import connect_readonly
             try:
                 conn = connect_readonly(path)
                 try:
@@ -120,7 +127,6 @@ def check_rdb_url(url: str) -> None:
             except (sqlite3.Error, OSError):
                 tables = set()
         if not OPTUNA_RDB_TABLES <= tables:
-            from mla_tune.store.integrity import META_TABLE
             what = "an mla-tune results DB" if META_TABLE in tables else "not an optuna storage DB"
             raise InputError(f"--storage {url}: {path} is {what}; left untouched (name a new file "
                              "or optuna's own DB)")
@@ -220,8 +226,6 @@ def _cut_torn_tail(path) -> None:
 
 def _unsynced(backend_cls):
     """JournalFileBackend whose append_logs is optuna's, less the fsync (same lock, same format)."""
-    import json
-    from mla_tune import fault_points
     try:
         from optuna.storages.journal._file import get_lock_file
     except ImportError:

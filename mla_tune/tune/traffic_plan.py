@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from mla_tune.problem.prefill import prefill_workload
 from mla_tune.problem.workload import ProblemError, WorkloadMix, model_preset
 from mla_tune.store.traffic import DEFAULT_SHARE, ModelTraffic, TrafficError, load_traffic
 
@@ -97,7 +98,6 @@ def prefill_plan(path: str | Path, share: float = DEFAULT_SHARE, model: str = "d
 
 def prefill_workloads(plan: TrafficPlan, model: str, q_dtype: str = "bfloat16") -> list:
     """The prefill sweep's workloads of a prefill TrafficPlan (`prefill_workload` per cell)."""
-    from mla_tune.problem.prefill import prefill_workload
     dims = model_preset(model)
     out = []
     for causal, q, kv in plan.cells:

@@ -12,6 +12,7 @@ entry; the prefill choice applies it as it is.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -99,8 +100,7 @@ def compare(default_samples: Sequence[float], challenger_samples: Sequence[float
     median(default) / median(challenger). Significant only if p < p_threshold and
     ratio >= min_ratio.
     """
-    import statistics
-    from scipy.stats import mannwhitneyu
+    from scipy.stats import mannwhitneyu    # lazy: scipy only where two samples are compared (not on --help)
     ratio = statistics.median(default_samples) / statistics.median(challenger_samples)
     if len(default_samples) < 2 or len(challenger_samples) < 2:
         return False, 1.0, ratio
