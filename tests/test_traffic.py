@@ -304,6 +304,16 @@ def test_the_plugins_worker_ends_the_warm_up(monkeypatch):
     monkeypatch.setattr(rec, "discard_warmup", lambda: calls.append("discard"))
     assert MetaxWorker.compile_or_warm_up_model(object.__new__(MetaxWorker)) == 7
     assert calls == ["warm", "discard"]
+    # a warm-up cut short (on a lent H100 a start killed by its time limit mid-warm-up wrote its
+    # 22 dummy steps to the file at exit): its dummy batches are dropped all the same
+
+    def interrupted(self):
+        calls.append("warm")
+        raise KeyboardInterrupt
+    monkeypatch.setattr(Worker, "compile_or_warm_up_model", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        MetaxWorker.compile_or_warm_up_model(object.__new__(MetaxWorker))
+    assert calls == ["warm", "discard"] * 2
 
 
 @pytest.mark.vllm

@@ -21,9 +21,12 @@ class MetaxWorker(Worker):
         return super().init_device()
 
     def compile_or_warm_up_model(self):
-        out = super().compile_or_warm_up_model()
-        traffic.discard_warmup()    # the dummy batches so far are no server traffic
-        return out
+        try:
+            return super().compile_or_warm_up_model()
+        finally:
+            # the dummy batches so far are no server traffic, also where the warm-up failed or
+            # was interrupted (the exit's flush would write them otherwise)
+            traffic.discard_warmup()
 
     def execute_dummy_batch(self) -> None:
         with traffic.paused():      # an idle data-parallel rank keeping in step: no traffic
