@@ -13,7 +13,7 @@ from mla_tune.problem.defaults import SWEEP_PAGE_SIZES
 from mla_tune.problem.workload import WorkloadMix
 from mla_tune.tune.search import GRID_MAX, PATIENCE, SearchPolicy
 from mla_tune.tune.verdict import MIN_RATIO, P_THRESHOLD
-from vllm_metax.core.profile import NVIDIA, PROFILES, Profile, active_profile, get_profile
+from vllm_metax.core.profile import NVIDIA, PROFILES, Profile, target_profile
 
 if TYPE_CHECKING:       # measure.trial imports torch: `mla-tune --help` must not wait for it
     from mla_tune.measure.trial import MeasureSettings
@@ -31,7 +31,7 @@ HEARTBEAT_S = 10        # RDB storages: seconds between heartbeats of a claimed 
 def sweep_profile(config) -> Profile:
     """The target profile a sweep measures under: --profile, else the active one
     ($VLLM_METAX_PROFILE, else the device's)."""
-    return get_profile(config.profile) if config.profile else active_profile()
+    return target_profile(config.profile or None)
 
 
 def default_families(device: str, profile: Profile) -> tuple:

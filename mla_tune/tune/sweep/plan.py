@@ -27,7 +27,7 @@ from mla_tune.tune.sweep.buckets import Bucket, default_db, detect_device, journ
 from mla_tune.tune.sweep.config import SweepConfig, SweepInputError, default_families, sweep_profile
 from vllm_metax.core import device as core_device
 from vllm_metax.core.choices import KNOBS
-from vllm_metax.core.profile import active_profile, get_profile
+from vllm_metax.core.profile import target_profile
 
 CPU_REFERENCE_NOTE = (
     "No CUDA device here (torch.cuda.is_available() is False), so this sweep measures the CPU "
@@ -86,7 +86,7 @@ def resolve_families(requested: Sequence[str] | None, device: str,
     `profile`'s target (None: the active profile). Unknown names raise SweepInputError; `None`
     picks by device (the profile's families on a GPU, CPU_FAMILIES without); a named family the
     profile's target does not run is skipped, saying so."""
-    prof = get_profile(profile) if profile is not None else active_profile()
+    prof = target_profile(profile)
     names = list(requested) if requested else list(default_families(device, prof))
     unknown = [n for n in names if n not in family_names()]
     if unknown:
