@@ -28,6 +28,7 @@
 #   SWEEP_BUDGET=240      sweep --time-budget (s)
 #   CACHE_ROOT=/tmp/cache serve_bench --cache-root: both servers start on the caches an earlier call's
 #                         h16 tuned server left there (serve_users_run.sh), not cold
+#   TOKENS=1              the servers also answer serve_bench's served-tokens check (--tokens)
 #   DRY=1                 print what each phase would run; run nothing (works on the CPU)
 #
 # The carry: .dev and .fa3 leave no room for the tracked results.db (34 MB), so leave the tracked
@@ -45,6 +46,7 @@ spec=${SPEC-'{"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_max
 share=${SHARE:-0.99}
 serve_args=()
 [ -n "$spec" ] && serve_args=(--server-args "--speculative-config '$spec'")
+[ "${TOKENS:-0}" = 1 ] && serve_args+=(--tokens)
 cells=()
 default_cells=; [ "$workload" = mid ] && default_cells=mid@16,mid@inf
 c=${CELLS-$default_cells}
@@ -89,6 +91,10 @@ if [ "$phase" = tune ] || [ "$phase" = all ]; then
     else
       run cp results.db $L/results.db
     fi
+  fi
+  # the sweep's FlashInfer modules: the ones the recording server built (same workspace layout)
+  if [ -n "${CACHE_ROOT:-}" ] && [ -d "$CACHE_ROOT/${model}_tuned/flashinfer" ]; then
+    run cp -rn "$CACHE_ROOT/${model}_tuned/flashinfer/." "${FLASHINFER_WORKSPACE_BASE:-/tmp/fiws}/"
   fi
   run timeout $(( ${SWEEP_BUDGET:-240} + 60 )) python3 -m mla_tune sweep --db $L/results.db \
     --traffic $L/traffic.db --traffic-share "$share" --time-budget "${SWEEP_BUDGET:-240}" \
