@@ -2,20 +2,21 @@
 # Issues 54 and 51 on one warm lent GPU in three chained calls (carry .dev .fa3 .loopdb; leave the
 # tracked DBs out of the working tree, bench/results/README.md). One tuned server serves both: the
 # loop's "before" (the shipped config, recording its traffic) is also #51's tuned arm.
-#   CALL=1  record: the shipped config serves CELLS x REPEATS with VLLM_METAX_TRAFFIC set and the
-#           served-tokens check, from cold caches (traffic_loop.sh PHASE=record)
-#   CALL=2  tune: report/sweep/emit --traffic (traffic_loop.sh PHASE=tune), then the re-tuned
-#           config serves the same cells (PHASE=serve, a warm start) and traffic_loop.py compares
-#   CALL=3  vLLM's own server (FLASH_ATTN_MLA) on the same cells with the tokens check, into the
-#           record's results file (so serve_bench compares the two and classifies the tokens), a
-#           second start of it on its caches (its warm start), then `pytest -m gpu`
+#   CALL=1  record: the shipped config serves CELLS x REPEATS with VLLM_METAX_TRAFFIC set (TOKENS=1:
+#           and the served-tokens check), from cold caches (traffic_loop.sh PHASE=record); then tune:
+#           report/sweep/emit --traffic (PHASE=tune)
+#   CALL=2  the re-tuned config serves the same cells (PHASE=serve, a warm start) and
+#           traffic_loop.py compares; vLLM's own server (FLASH_ATTN_MLA) on the same cells (with the
+#           tokens check where TOKENS=1), into the record's results file (serve_bench compares the two and
+#           classifies the tokens); then, in what time is left, `pytest -m gpu`
+#   CALL=3  vLLM's own server started again on its caches (its warm start)
 # What comes back (at most 8 files): serve_bench_before.json, serve_bench_after.json, and loop.tgz
 # (traffic_loop.sh's files: the traffic, reports, plots, the re-tuned config, its comparison; the
 # server logs), refreshed every 20 s, since a call can be taken back; pytest_gpu.txt (CALL=3).
 source bench/tools/serve-call.sh
 FINAL=$OUT
 L=/tmp/loop; mkdir -p $L/before $L/after $L/out
-export CACHE_ROOT=/tmp/cache SPEC= WORKLOAD=${WORKLOAD:-mid,chat,long} REPEATS=${REPEATS:-5} TOKENS=1
+export CACHE_ROOT=/tmp/cache SPEC= WORKLOAD=${WORKLOAD:-mid,chat,long} REPEATS=${REPEATS:-5} TOKENS=${TOKENS:-0}
 export CELLS=${CELLS:-mid@inf,chat@inf,long@inf} OUT=$L/out
 save() {
   cp $L/before/serve_bench.json $FINAL/serve_bench_before.json 2>/dev/null
@@ -25,23 +26,26 @@ save() {
 ( while sleep 20; do save; done ) &
 copier=$!
 case ${CALL:-1} in
-  1) SERVE_S=$(( $(left) - 20 )) PHASE=record bash bench/tools/traffic_loop.sh ;;
-  2) SWEEP_BUDGET=${SWEEP_BUDGET:-90} PHASE=tune bash bench/tools/traffic_loop.sh
-     SERVE_S=$(( $(left) - 20 )) PHASE=serve bash bench/tools/traffic_loop.sh ;;
-  3) echo "== vLLM's own server on the same cells ($(left) s left)"
-     timeout $(( $(left) - 150 )) python3 bench/serve_bench.py --out $L/before --models h16 \
+  1) SERVE_S=$(( $(left) - ${TUNE_S:-150} )) PHASE=record bash bench/tools/traffic_loop.sh
+     save
+     SWEEP_BUDGET=${SWEEP_BUDGET:-$(( $(left) - 110 ))} PHASE=tune bash bench/tools/traffic_loop.sh ;;
+  2) SERVE_S=${AFTER_S:-240} PHASE=serve bash bench/tools/traffic_loop.sh
+     save
+     echo "== vLLM's own server on the same cells ($(left) s left)"
+     timeout $(( $(left) - 15 )) python3 bench/serve_bench.py --out $L/before --models h16 \
        --setups vllm_default --workloads "$WORKLOAD" --cells "$CELLS" --repeats "$REPEATS" \
-       --cache-root $CACHE_ROOT --tokens 2>&1 | grep -E "^\[|^model|Traceback|Error" | tail -30
+       --cache-root $CACHE_ROOT $([ "$TOKENS" = 1 ] && echo --tokens) 2>&1 | grep -E "^\[|^model|Traceback|Error" | tail -30
      save
-     echo "== its warm start ($(left) s left)"
-     timeout $(( $(left) - 100 )) python3 bench/serve_bench.py --out $L/own_warm --models h16 \
-       --setups vllm_default --cache-root $CACHE_ROOT --start-only 1 2>&1 | grep -E "^\[|Error" | tail -5
-     save
-     echo "== pytest -m gpu ($(left) s left)"
-     cp -rn $CACHE_ROOT/h16_tuned/flashinfer/. /tmp/fiws/ 2>/dev/null
-     timeout $(( $(left) - 10 )) python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="" -rfE \
-       tests/ > $FINAL/pytest_gpu.txt 2>&1
-     echo "pytest rc=$?"; tail -5 $FINAL/pytest_gpu.txt ;;
+     if [ "$(left)" -gt 60 ]; then
+       echo "== pytest -m gpu ($(left) s left)"
+       cp -rn $CACHE_ROOT/h16_tuned/flashinfer/. /tmp/fiws/ 2>/dev/null
+       timeout $(( $(left) - 10 )) python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="" -rfE \
+         tests/ > $FINAL/pytest_gpu.txt 2>&1
+       echo "pytest rc=$?"; tail -5 $FINAL/pytest_gpu.txt
+     fi ;;
+  3) echo "== vLLM's own server's warm start ($(left) s left)"
+     timeout $(( $(left) - 10 )) python3 bench/serve_bench.py --out $L/own_warm --models h16 \
+       --setups vllm_default --cache-root $CACHE_ROOT --start-only 1 2>&1 | grep -E "^\[|Error" | tail -5 ;;
 esac
 kill $copier 2>/dev/null
 pkill -INT -f "vllm.entrypoints.cli.main serve" 2>/dev/null; sleep 1
