@@ -13,7 +13,7 @@ token longer, contexts ragged around 4K, q_len 1 and 2 alternating runs), with t
   prefill        the recorder's prefill() of one plan's key
   bucket_context the lookup statistic of the batch (already paid with or without recording)
   flush          one flush of a recorder holding every key of this run into a fresh file
-                 (runs on the flush thread every 30 s and at exit, not on a step)
+                 (runs on the flush thread every 5 s, on a stop signal and at exit, not on a step)
 
 Run anywhere (CPU only, stdlib + numpy):  python bench/traffic_cost.py [--out bench/results]
 It prints a table and writes traffic_cost_<host kind>.txt under --out.

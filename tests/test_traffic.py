@@ -341,3 +341,98 @@ def test_a_data_parallel_ranks_dummy_batches_are_not_traffic(tmp_path, monkeypat
     assert sum(r.decode_counts.values()) == 2 and r.prefill_counts == {}
     assert r.flush()
     assert tr.load_traffic(tmp_path / "t.db").select().decode_cells() == {(32, 4096, 1): 2}
+
+
+# ---------------------------------------------------------------- a server stopped the way vLLM stops it
+
+# The engine core as `vllm serve` runs it: vLLM installs its SIGINT/SIGTERM handler (it only asks
+# the busy loop to stop) before the model's builders, and so the recorder, exist; then it serves.
+# On stop, vLLM's process manager sends SIGTERM and, under the default --shutdown-timeout 0,
+# SIGKILLs at once: no atexit handler runs. The child prints READY once it has counted its steps.
+_CHILD = r"""
+import signal, sys, time
+from vllm_metax.core import traffic as rec
+from vllm_metax.core.tuned_config import ModelDims
+mode, path, period = sys.argv[1], sys.argv[2], float(sys.argv[3])
+stopping = []
+if mode == "vllm":
+    def engine_handler(signum, frame):
+        stopping.append(signum)
+        print("ENGINE-HANDLER", signum, flush=True)
+    signal.signal(signal.SIGTERM, engine_handler)
+    signal.signal(signal.SIGINT, engine_handler)
+r = rec.TrafficRecorder(path, ModelDims(16, 512, 64, "bfloat16", "bfloat16"), flush_seconds=period)
+for _ in range(7):
+    r.decode(32, 4096, 1)
+print("READY", flush=True)
+while True:
+    time.sleep(0.01)
+"""
+
+
+def _serve_child(tmp_path, mode: str, period: float):
+    import subprocess
+    import sys
+    path = tmp_path / "t.db"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, mode, str(path), str(period)],
+                             stdout=subprocess.PIPE, text=True, env=env)
+    assert child.stdout.readline().strip() == "READY"
+    return child, path
+
+
+def _steps_within(path, seconds: float) -> int:
+    import time
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if path.exists():
+            try:
+                return tr.load_traffic(str(path)).models[0].steps
+            except tr.TrafficError:
+                pass
+        time.sleep(0.02)
+    return 0
+
+
+def test_a_stop_signal_flushes_before_the_kill(tmp_path):
+    """SIGTERM to an engine core whose period is far off: the counts reach the file at once, and
+    vLLM's own handler still runs (chained, not replaced). Before the flush-on-signal, a server
+    stopped with vLLM's default shutdown lost everything since its last periodic flush."""
+    import signal
+    child, path = _serve_child(tmp_path, "vllm", period=3600)
+    try:
+        child.send_signal(signal.SIGTERM)
+        assert child.stdout.readline().split() == ["ENGINE-HANDLER", str(int(signal.SIGTERM))]
+        assert _steps_within(path, 5) == 7
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_default_sigterm_flushes_then_terminates(tmp_path):
+    """No handler of its own (SIGTERM's default): the process flushes, then dies of the signal."""
+    import signal
+    child, path = _serve_child(tmp_path, "plain", period=3600)
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(timeout=10) == -signal.SIGTERM
+    assert _steps_within(path, 1) == 7
+
+
+def test_a_killed_server_loses_at_most_one_period(tmp_path):
+    """SIGKILL with no signal first (what --shutdown-timeout 0 amounts to where SIGTERM came too
+    late): what was counted a period before is in the file."""
+    child, path = _serve_child(tmp_path, "vllm", period=0.2)
+    try:
+        assert _steps_within(path, 5) == 7
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_close_gives_the_signal_handlers_back(tmp_path):
+    import signal
+    before = signal.getsignal(signal.SIGTERM)
+    r = rec.TrafficRecorder(str(tmp_path / "t.db"), DIMS, flush_seconds=3600)
+    assert signal.getsignal(signal.SIGTERM) is not before
+    r.close()
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -12,8 +12,11 @@ scale) to exactly the fine bins 4k-2 .. 4k+1 (`log2_cell`), so the log2 grid, or
 one, is derived on read.
 
 The hot path (`TrafficRecorder.decode`, `.prefill`) adds one to a dict entry: no lock, no I/O,
-no allocation beyond a small tuple. A daemon thread flushes every `FLUSH_SECONDS` and `atexit`
-flushes the rest: each flush adds the counts since the previous one into the file in one SQLite
+no allocation beyond a small tuple. A daemon thread flushes every `FLUSH_SECONDS`, and at once
+when the process is told to stop (SIGINT/SIGTERM), and `atexit` flushes the rest. The signal and
+the short period both matter: `vllm serve` stops its engine core with SIGTERM and, under its
+default `--shutdown-timeout 0`, kills it in the same instant, so no atexit handler runs there
+(seen on a lent H100: a server stopped that way lost its last 30 s of counts). Flushes: each flush adds the counts since the previous one into the file in one SQLite
 transaction (`INSERT ... ON CONFLICT DO UPDATE SET steps = steps + excluded.steps`), so every
 engine process and data-parallel replica of a server adds into one file. Tensor- and
 pipeline-parallel ranks of one replica see the same steps: only their first rank records (the
@@ -33,6 +36,7 @@ import atexit
 import contextlib
 import math
 import os
+import signal
 import socket
 import threading
 import time
@@ -40,7 +44,10 @@ import time
 from vllm_metax.core.log import get_logger
 
 TRAFFIC_ENV = "VLLM_METAX_TRAFFIC"
-FLUSH_SECONDS = 30.0
+# at most this many seconds of counts are lost where the process is killed; a flush writes only
+# the counts that changed, in one transaction on the flush thread (bench/traffic_cost.py)
+FLUSH_SECONDS = 5.0
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 BINS_PER_OCTAVE = 4                 # the fine grid: quarter octaves
 SCHEMA_VERSION = 1
 
@@ -112,11 +119,14 @@ class TrafficRecorder:
         self._started = time.time()
         self.error: str | None = None
         self._stop = threading.Event()
+        self._now = threading.Event()        # set: the flush thread flushes at once
+        self._chained: dict = {}             # signal -> (our handler, the one it chains)
         self._thread = None
         if flush_seconds > 0:
             self._thread = threading.Thread(target=self._flush_loop, args=(flush_seconds,),
                                             name="vllm_metax-traffic", daemon=True)
             self._thread.start()
+            self._flush_on_stop_signals()
         atexit.register(self.close)
 
     # ---------------------------------------------------------------- the hot path
@@ -148,19 +158,61 @@ class TrafficRecorder:
     # ---------------------------------------------------------------- flushing
 
     def _flush_loop(self, seconds: float) -> None:
-        while not self._stop.wait(seconds):
-            self.flush()
+        while not self._stop.is_set():
+            self._now.wait(seconds)
+            self._now.clear()
+            if not self._stop.is_set():
+                self.flush()
+
+    def _flush_on_stop_signals(self) -> None:
+        """SIGINT/SIGTERM wake the flush thread before the handler in place runs (vLLM's engine
+        core installs its own before it builds the model, so it is chained, never replaced). The
+        handler does no I/O: a signal can land while this thread holds the flush lock. Only the
+        main thread may set handlers; elsewhere the period alone bounds the loss."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in STOP_SIGNALS:
+            before = signal.getsignal(sig)
+            if before is None:           # set outside Python: left as it is
+                continue
+            handler = self._stop_handler(before)
+            signal.signal(sig, handler)
+            self._chained[sig] = (handler, before)
+
+    def _stop_handler(self, before):
+        now = self._now
+
+        def handler(signum, frame):
+            now.set()
+            if callable(before):
+                return before(signum, frame)
+            if before == signal.SIG_DFL:     # terminate as the default would, after the flush
+                now.clear()
+                self.flush(timeout=1.0)
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+            return None                      # SIG_IGN: ignored, as before
+        return handler
 
     def close(self) -> None:
         """Stop the flush thread and flush what is left (atexit: once)."""
         self._stop.set()
+        self._now.set()
         atexit.unregister(self.close)
+        if threading.current_thread() is threading.main_thread():
+            for sig, (handler, before) in self._chained.items():
+                if signal.getsignal(sig) is handler:     # still ours: the chained one is back
+                    signal.signal(sig, before)
+            self._chained = {}
         self.flush()
 
-    def flush(self) -> bool:
+    def flush(self, timeout: float = -1) -> bool:
         """Add the counts since the last flush into the file, in one transaction. A failure is
-        logged once and keeps the counts for the next try; serving never stops for it."""
-        with self._lock:
+        logged once and keeps the counts for the next try; serving never stops for it. With a
+        `timeout`, give up (False) where another flush holds the lock that long."""
+        if not self._lock.acquire(timeout=timeout):
+            return False
+        try:
             # dict() of a dict of int tuples is one C call under the GIL: a consistent snapshot
             # while the hot path keeps counting
             dec, pre = dict(self.decode_counts), dict(self.prefill_counts)
@@ -180,6 +232,8 @@ class TrafficRecorder:
             self._flushed_decode, self._flushed_prefill = dec, pre
             self.error = None
             return True
+        finally:
+            self._lock.release()
 
 
 def _delta(now: dict, before: dict) -> dict:
