@@ -817,6 +817,12 @@ def startup_lines(recs: dict) -> list[str]:
                                                  for st in r.get("starts") or [r])]
     if filled:
         lines.append(f"- cold, but FlashInfer's JIT cache already filled (prebuilt or copied in): {', '.join(filled)}")
+    jit = [s for s, r in recs.items() if s != "vllm_default" and not r.get("prebuild")
+           and any(st.get("cache") == "cold" and st.get("flashinfer_cache") == "empty" for st in r.get("starts") or [r])]
+    if jit:
+        lines.append(f"- cold with FlashInfer's JIT cache empty and no `mla-tune prebuild`: {', '.join(jit)} "
+                     "built the config's FlashInfer modules inside the start (nvcc); the goal allows the "
+                     "prebuild, timed apart")
     t, b = have.get("tuned", {}), have.get("vllm_default", {})
     for state, goal in (("cold", COLD_GOAL), ("warm", WARM_GOAL)):
         if t.get(state) and b.get(state):

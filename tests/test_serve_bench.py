@@ -641,3 +641,18 @@ def test_the_report_compares_attention_share_across_models():
     assert md.index("## Attention's share of a decode step") > md.index("## v3tp8")
     assert "Attention's share" not in sb.report({"h16/tuned": {"model": "h16", "setup": "tuned", "runs": {}}},
                                                 {"device": "X", "date": "d", "note": "n"})
+
+
+def test_the_start_up_lines_say_how_a_cold_start_got_its_flashinfer_modules():
+    """A cold tuned start that built FlashInfer's modules itself is said to be one (the cold-start
+    goal allows `mla-tune prebuild`, timed apart); one after a prebuild names the prebuild."""
+    sb = load_bench("serve_bench")
+    own = {"setup": "vllm_default", "model": "h16", "cache": "cold", "flashinfer_cache": "empty", "ready_s": 180.3}
+    jit = {"setup": "tuned", "model": "h16", "cache": "cold", "flashinfer_cache": "empty", "ready_s": 326.5}
+    text = "\n".join(sb.startup_lines({"tuned": jit, "vllm_default": own}))
+    assert "no `mla-tune prebuild`: tuned built the config's FlashInfer modules inside the start" in text
+    assert "NOT met (1.81: 326.5 s against 180.3 s)" in text
+    pre = {**jit, "flashinfer_cache": "filled", "ready_s": 190.8, "prebuild": {"s": 162.0, "rc": 0}}
+    text = "\n".join(sb.startup_lines({"tuned": pre, "vllm_default": {**own, "ready_s": 160.7}}))
+    assert "inside the start" not in text
+    assert "`mla-tune prebuild` before its cold start took 162.0 s" in text and "met (1.19" in text

@@ -3,7 +3,8 @@
 # tracked DBs out of the working tree, bench/results/README.md). One tuned server serves both: the
 # loop's "before" (the shipped config, recording its traffic) is also #51's tuned arm.
 #   CALL=1  record: the shipped config serves CELLS x REPEATS with VLLM_METAX_TRAFFIC set (TOKENS=1:
-#           and the served-tokens check), from cold caches (traffic_loop.sh PHASE=record); then tune:
+#           and the served-tokens check), from cold caches (traffic_loop.sh PHASE=record), while
+#           `mla-tune prebuild` builds its FlashInfer modules beside the start; then tune:
 #           report/sweep/emit --traffic (PHASE=tune)
 #   CALL=2  the re-tuned config serves the same cells (PHASE=serve, a warm start) and
 #           traffic_loop.py compares; vLLM's own server (FLASH_ATTN_MLA) on the same cells (with the
@@ -26,7 +27,17 @@ save() {
 ( while sleep 20; do save; done ) &
 copier=$!
 case ${CALL:-1} in
-  1) SERVE_S=$(( $(left) - ${TUNE_S:-150} )) PHASE=record bash bench/tools/traffic_loop.sh
+  1) # the config's FlashInfer modules build beside the server's start: FlashInfer's JIT takes a
+     # file lock per module, so the server waits for a module being built and never builds it
+     # twice. On a fresh H100 the server alone built them one after another inside its start
+     # (326.5 s to ready, 2026-12-07); `mla-tune prebuild` builds the three at once in ~162 s
+     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' _)
+     mkdir -p $CACHE_ROOT/h16_tuned/flashinfer
+     FLASHINFER_WORKSPACE_BASE=$CACHE_ROOT/h16_tuned/flashinfer python3 -m mla_tune prebuild \
+       --config vllm_metax/configs/device_name=$gpu.json --model deepseek-v3 --tp 8 \
+       > $L/out/prebuild.txt 2>&1 &
+     SERVE_S=$(( $(left) - ${TUNE_S:-150} )) PHASE=record bash bench/tools/traffic_loop.sh
+     tail -4 $L/out/prebuild.txt
      save
      SWEEP_BUDGET=${SWEEP_BUDGET:-$(( $(left) - 110 ))} PHASE=tune bash bench/tools/traffic_loop.sh ;;
   2) SERVE_S=${AFTER_S:-240} PHASE=serve bash bench/tools/traffic_loop.sh
