@@ -82,8 +82,11 @@ if [ "$phase" = tune ] || [ "$phase" = all ]; then
   echo "== tune: sweep and emit for the recorded traffic"
   gpu=$( [ "${DRY:-0}" = 1 ] && echo NVIDIA_H100_80GB_HBM3 || nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' _)
   shipped=vllm_metax/configs/device_name=$gpu.json
-  run python3 -m mla_tune report --traffic $L/traffic.db --config "$shipped" --format json \
-    > $L/report_before.json
+  if ! run python3 -m mla_tune report --traffic $L/traffic.db --config "$shipped" --format json \
+    > $L/report_before.json; then
+    echo "the recorded traffic cannot be read (above): nothing to tune for" >&2
+    exit 4
+  fi
   run python3 -m mla_tune report --traffic $L/traffic.db --config "$shipped" --plot "$OUT/traffic_before.png"
   if [ ! -f $L/results.db ]; then             # the shipped measurements: reused
     if [ -f .loopdb/results16.db.xz ]; then    # results.db's 16-head rows, xz (to fit a carry)
@@ -110,6 +113,10 @@ fi
 
 if [ "$phase" = serve ] || [ "$phase" = all ]; then
   echo "== serve: the re-tuned config on the same workload"
+  if [ "${DRY:-0}" != 1 ] && ! ls $L/configs/device_name=*.json >/dev/null 2>&1; then
+    echo "no re-tuned config in $L/configs (did PHASE=tune run on this machine?): nothing to serve" >&2
+    exit 4
+  fi
   serve $L/configs $L/after
   run cp $L/after/serve_bench.json "$OUT/serve_bench_after.json"
   run python3 bench/traffic_loop.py --before $L/before/serve_bench.json \
