@@ -14,6 +14,8 @@ token longer, contexts ragged around 4K, q_len 1 and 2 alternating runs), with t
   bucket_context the lookup statistic of the batch (already paid with or without recording)
   flush          one flush of a recorder holding every key of this run into a fresh file
                  (runs on the flush thread every 5 s, on a stop signal and at exit, not on a step)
+  stall          the step thread's longest pause while the flush thread flushes (it takes the
+                 GIL for its Python work), against the same loop with no flush thread
 
 Run anywhere (CPU only, stdlib + numpy):  python bench/traffic_cost.py [--out bench/results]
 It prints a table and writes traffic_cost_<host kind>.txt under --out.
@@ -102,6 +104,52 @@ def measure() -> list[dict]:
     return rows
 
 
+def stall(keys: int = 400, seconds: float = 3.0, every: float = 0.05) -> dict:
+    """The step thread's pauses (gaps between its iterations, us) with a recorder of `keys` changing
+    keys flushed every `every` s on its own thread, against no flush thread: the flush's share of
+    the GIL as a server's step loop would feel it (a flush every 5 s there)."""
+    import threading
+    import time
+
+    def gaps(flushing: bool) -> list[float]:
+        path = os.path.join(tempfile.mkdtemp(prefix="traffic-stall-"), "t.db")
+        rec = traffic.TrafficRecorder(path, DIMS, flush_seconds=0)
+        stop, flushes = threading.Event(), [0]
+
+        def flusher():
+            while not stop.wait(every):
+                for k in range(keys):                  # every key changes between flushes
+                    rec.decode(1 + k % 256, 1024 + 64 * (k // 256) + flushes[0], 1)
+                rec.flush()
+                flushes[0] += 1
+        t = threading.Thread(target=flusher, daemon=True) if flushing else None
+        if t is not None:
+            t.start()
+        out, last, end = [], time.perf_counter(), time.perf_counter() + seconds
+        while last < end:
+            now = time.perf_counter()
+            out.append((now - last) * 1e6)
+            last = now
+        stop.set()
+        if t is not None:
+            t.join()
+        rec.close()
+        return out
+
+    def summary(g: list[float]) -> dict:
+        g = sorted(g)
+        return {"max_us": g[-1], "p99999_us": g[int(0.99999 * (len(g) - 1))], "iterations": len(g)}
+    return {"keys": keys, "every_s": every, "without": summary(gaps(False)), "with": summary(gaps(True))}
+
+
+def render_stall(r: dict) -> str:
+    w, o = r["with"], r["without"]
+    return (f"\nstall: the step thread's longest pause, a flush of {r['keys']} changed keys every "
+            f"{r['every_s'] * 1e3:.0f} ms on the flush thread: {w['max_us']:.0f} us (p99.999 "
+            f"{w['p99999_us']:.0f} us), without the flush thread {o['max_us']:.0f} us (p99.999 "
+            f"{o['p99999_us']:.0f} us)\n")
+
+
 def render(rows: list[dict]) -> str:
     head = (f"traffic recording cost per call, CPU {platform.processor() or platform.machine()} "
             f"({_cpu_name()}), Python {platform.python_version()}; {STEPS} steps per run, median of "
@@ -131,7 +179,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None, help="folder for traffic_cost_cpu.txt")
     args = ap.parse_args()
-    text = render(measure())
+    text = render(measure()) + render_stall(stall())
     print(text, end="")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
