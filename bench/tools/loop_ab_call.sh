@@ -10,7 +10,10 @@
 #           traffic_loop.py compares; vLLM's own server (FLASH_ATTN_MLA) on the same cells (with the
 #           tokens check where TOKENS=1), into the record's results file (serve_bench compares the two and
 #           classifies the tokens); then, in what time is left, `pytest -m gpu`
-#   CALL=3  vLLM's own server started again on its caches (its warm start)
+#   CALL=3  (an H100) issue 51's prefill A/B: the shipped config against its per-step prefill variant
+#           (bench/experiments/prefill_step_cost.py --write-config: vLLM's FA3 where FlashInfer's
+#           plan makes the step dearer), chat@inf and mid@inf x REPEATS each, both warm starts
+#   CALL=4  vLLM's own server started again on its caches (its warm start)
 # What comes back (at most 8 files): serve_bench_before.json, serve_bench_after.json, and loop.tgz
 # (traffic_loop.sh's files: the traffic, reports, plots, the re-tuned config, its comparison; the
 # server logs), refreshed every 20 s, since a call can be taken back; pytest_gpu.txt (CALL=3).
@@ -54,7 +57,22 @@ case ${CALL:-1} in
          tests/ > $FINAL/pytest_gpu.txt 2>&1
        echo "pytest rc=$?"; tail -5 $FINAL/pytest_gpu.txt
      fi ;;
-  3) echo "== vLLM's own server's warm start ($(left) s left)"
+  3) if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100; then
+       echo "the prefill variant is the H100 config's: not this GPU" >&2
+     else
+       for v in shipped variant; do
+         echo "== prefill A/B: $v ($(left) s left)"
+         folder=; [ $v = variant ] && folder=bench/results/prefill_step_variant_h100
+         timeout $(( $(left) / 2 + 20 )) python3 bench/serve_bench.py --out $L/ab_$v --models h16 \
+           --setups tuned --workloads chat,mid --cells chat@inf,mid@inf --repeats "$REPEATS" \
+           --cache-root $CACHE_ROOT ${folder:+--config-folder $folder} 2>&1 \
+           | grep -E "^\[|Traceback|Error" | tail -14
+         mkdir -p $L/out/prefill_ab; cp $L/ab_$v/serve_bench.json $L/out/prefill_ab/serve_bench_$v.json 2>/dev/null
+       done
+       python3 bench/traffic_loop.py --before $L/ab_shipped/serve_bench.json \
+         --after $L/ab_variant/serve_bench.json --out $L/out/prefill_ab
+     fi ;;
+  4) echo "== vLLM's own server's warm start ($(left) s left)"
      timeout $(( $(left) - 10 )) python3 bench/serve_bench.py --out $L/own_warm --models h16 \
        --setups vllm_default --cache-root $CACHE_ROOT --start-only 1 2>&1 | grep -E "^\[|Error" | tail -5 ;;
 esac
