@@ -11,19 +11,20 @@ whose edges hold the edges of the lookup's log2 grid: a power of two 2^k is near
 scale) to exactly the fine bins 4k-2 .. 4k+1 (`log2_cell`), so the log2 grid, or any coarser
 one, is derived on read.
 
-The hot path (`TrafficRecorder.decode`, `.prefill`) adds one to a dict entry: no lock, no I/O,
-no allocation beyond a small tuple. A daemon thread flushes every `FLUSH_SECONDS`, and at once
-when the process is told to stop (SIGINT/SIGTERM), and `atexit` flushes the rest. The signal and
-the short period both matter: `vllm serve` stops its engine core with SIGTERM and, under its
-default `--shutdown-timeout 0`, kills it in the same instant, so no atexit handler runs there
-(seen on a lent H100: a server stopped that way lost its last 30 s of counts). Flushes: each flush adds the counts since the previous one into the file in one SQLite
-transaction (`INSERT ... ON CONFLICT DO UPDATE SET steps = steps + excluded.steps`), so every
-engine process and data-parallel replica of a server adds into one file. Tensor- and
-pipeline-parallel ranks of one replica see the same steps: only their first rank records (the
-glue decides, `vllm_metax.backend.traffic_recorder`). The engine's warm-up (memory profiling,
-compilation, CUDA-graph capture) runs dummy batches through the same builders: the plugin's
-worker drops those counts when it ends (`discard_warmup`; the next flush takes back any it wrote). Off by default; off, nothing is imported
-and a builder holds None. sqlite3 is imported by the first flush only.
+The hot path (`TrafficRecorder.decode`, `.prefill`) adds one to a dict entry: no lock, no I/O, no
+allocation beyond a small tuple. A daemon thread flushes every `FLUSH_SECONDS`, and at once when
+the process is told to stop (SIGINT/SIGTERM), and `atexit` flushes the rest. The signal and the
+short period both matter: `vllm serve` stops its engine core with SIGTERM and, under its default
+`--shutdown-timeout 0`, kills it in the same instant, so no atexit handler runs there (seen on a
+lent H100: a server stopped that way lost its last 30 s of counts). Each flush adds the counts
+since the previous one into the file in one SQLite transaction (`INSERT ... ON CONFLICT DO UPDATE
+SET steps = steps + excluded.steps`), so every engine process and data-parallel replica of a server
+adds into one file. Tensor- and pipeline-parallel ranks of one replica see the same steps: only
+their first rank records (the glue decides, `vllm_metax.backend.traffic_recorder`). The engine's
+warm-up (memory profiling, compilation, CUDA-graph capture) runs dummy batches through the same
+builders: the plugin's worker drops those counts when it ends (`discard_warmup`; the next flush
+takes back any it wrote). Off by default; off, nothing is imported and a builder holds None.
+sqlite3 is imported by the first flush only.
 
 `VLLM_METAX_TRAFFIC` names a file, or a folder (an existing one, or a value ending in '/'): then
 the server's first process picks `traffic-<host>-<pid>.db` in it and writes the chosen path back
@@ -166,8 +167,10 @@ class TrafficRecorder:
 
     def _flush_on_stop_signals(self) -> None:
         """SIGINT/SIGTERM wake the flush thread before the handler in place runs (vLLM's engine
-        core installs its own before it builds the model, so it is chained, never replaced). The
-        handler does no I/O: a signal can land while this thread holds the flush lock. Only the
+        core installs its own before it builds the model, so it is chained, never replaced). In
+        front of a handler the process has, it does no I/O itself (the signal can land while this
+        thread holds the flush lock); where the default would end the process at once, it flushes
+        first, waiting at most a second for the lock, then ends it as the default would. Only the
         main thread may set handlers; elsewhere the period alone bounds the loss."""
         if threading.current_thread() is not threading.main_thread():
             return
