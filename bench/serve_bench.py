@@ -813,12 +813,13 @@ def startup_lines(recs: dict) -> list[str]:
               for s, v in have.items()]
     lines += [f"- {s}: `mla-tune prebuild` before its cold start took {r['prebuild']['s']:.1f} s "
               f"(exit {r['prebuild']['rc']}), not counted in it" for s, r in recs.items() if r.get("prebuild")]
-    filled = [s for s, r in recs.items() if any(st.get("cache") == "cold" and st.get("flashinfer_cache") == "filled"
-                                                 for st in r.get("starts") or [r])]
+    def cold_with(r: dict, jit_cache: str) -> bool:       # a cold start found FlashInfer's cache so
+        return any(st.get("cache") == "cold" and st.get("flashinfer_cache") == jit_cache
+                   for st in r.get("starts") or [r])
+    filled = [s for s, r in recs.items() if cold_with(r, "filled")]
     if filled:
         lines.append(f"- cold, but FlashInfer's JIT cache already filled (prebuilt or copied in): {', '.join(filled)}")
-    jit = [s for s, r in recs.items() if s != "vllm_default" and not r.get("prebuild")
-           and any(st.get("cache") == "cold" and st.get("flashinfer_cache") == "empty" for st in r.get("starts") or [r])]
+    jit = [s for s, r in recs.items() if s != "vllm_default" and not r.get("prebuild") and cold_with(r, "empty")]
     if jit:
         lines.append(f"- cold with FlashInfer's JIT cache empty and no `mla-tune prebuild`: {', '.join(jit)} "
                      "built the config's FlashInfer modules inside the start (nvcc); the goal allows the "

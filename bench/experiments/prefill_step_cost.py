@@ -7,7 +7,7 @@ once per layer) and its plan (`plan_us`, once per step, on the host: FlashInfer'
 `plan()`, or vLLM FA3's metadata). Emit chooses by the kernel alone. A step of an L-layer model
 costs L x kernel + plan where the host is on the critical path (a small model, or vLLM's async
 scheduling with host work longer than the GPU's), and L x kernel where the GPU hides the plan.
-This reads the sweep's samples from a results DB (stdlib only) and shows, per bucket, the kernel
+This reads the sweep's samples from a results DB (`ResultsStore`) and shows, per bucket, the kernel
 winner, the per-step winner at the layer counts given, what the tuned config serves, and the
 FlashInfer prefill modules each rule would need built (vLLM's FA3 ships compiled).
 
@@ -24,33 +24,31 @@ from __future__ import annotations
 
 import argparse
 import json
-import sqlite3
 import statistics
 import sys
 
+from mla_tune.store.results import ResultsStore
+from mla_tune.tune.verdict import MIN_RATIO      # emit's verdict: a challenger must be this much faster
+from vllm_metax.core.decisions import prefill_statistic
+
 FLASHINFER = ("fa3", "fa2")     # the FlashInfer backends (each its own JIT module)
 VLLM_FA3 = "vllm_fa3"
-MIN_RATIO = 1.05                 # emit's verdict: a challenger must be this much faster
 
 
 def buckets(db: str, run: int) -> dict:
-    """(heads, kind, requests, query tokens per request, KV tokens per request) -> backend ->
-    (kernel us, plan us), medians."""
-    c = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    rows = c.execute(
-        "select t.id, t.backend, w.num_heads, w.ragged, w.batch_size, w.context_len, w.q_len "
-        "from trials t join workloads w on w.id = t.workload_id "
-        "where t.run_id = ? and t.sweep = 'prefill' and t.status = 'ok'", (run,)).fetchall()
+    """(heads, kind, requests, query tokens in all, KV tokens per request: the plugin's prefill
+    lookup key) -> backend -> (kernel us, plan us), medians."""
+    with ResultsStore(db, create=False) as store:
+        records = store.records("t.run_id = ?", [run], prefill=True)
     out: dict = {}
-    for tid, backend, heads, kind, b, kv, q in rows:      # a workload's context_len is the KV
-        samples: dict = {}
-        for metric, value in c.execute("select metric, value from samples where trial_id = ?", (tid,)):
-            samples.setdefault(metric, []).append(value)
-        if "kernel_us" not in samples or "plan_us" not in samples:
+    for r in records:
+        kernel, plan = r.values("kernel_us"), r.values("plan_us")
+        if not (r.ok and kernel and plan):
             continue
-        key = (heads, kind.replace("prefill-", ""), b, q, kv)
-        out.setdefault(key, {})[backend] = (statistics.median(samples["kernel_us"]),
-                                            statistics.median(samples["plan_us"]))
+        w = r.workload
+        key = (w.num_heads, "causal" if w.causal else "context", w.requests,
+               *prefill_statistic(w.query_tokens, w.total_kv_tokens, w.requests))
+        out.setdefault(key, {})[r.candidate.backend] = (statistics.median(kernel), statistics.median(plan))
     return out
 
 
@@ -107,14 +105,14 @@ def main() -> int:
         if VLLM_FA3 not in t:
             continue
         h, kind, b, q, kv = key
-        conf = cfg.get((h, kind, b * q, kv), "-")
+        conf = cfg.get((h, kind, q, kv), "-")
         by_kernel = winner(t, lambda x: x[0])
         by_step = {n: winner(t, lambda x, n=n: n * x[0] + x[1]) for n in layers}
-        rechosen[(h, kind, b * q, kv)] = (by_step[layers[0]], t)
+        rechosen[(h, kind, q, kv)] = (by_step[layers[0]], t)
         for rule, w in [("config", conf), ("kernel", by_kernel), *by_step.items()]:
             if w in FLASHINFER:
                 need[rule].add(w)
-        cells = [str(h), kind, str(b), str(q), str(kv)]
+        cells = [str(h), kind, str(b), str(q // b), str(kv)]
         cells += [f"{t[x][0]:.1f} ({t[x][1]:.0f})" if x in t else "-" for x in ("fa3", "fa2", VLLM_FA3)]
         cells += [conf, by_kernel] + [by_step[n] for n in layers]
         print("| " + " | ".join(cells) + " |")

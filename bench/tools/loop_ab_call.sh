@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issues 54 and 51 on one warm lent GPU in three chained calls (carry .dev .fa3 .loopdb; leave the
+# Issues 54 and 51 on one warm lent GPU in chained calls (carry .dev .fa3 .loopdb; leave the
 # tracked DBs out of the working tree, bench/results/README.md). One tuned server serves both: the
 # loop's "before" (the shipped config, recording its traffic) is also #51's tuned arm.
 #   CALL=1  record: the shipped config serves CELLS x REPEATS with VLLM_METAX_TRAFFIC set (TOKENS=1:
@@ -16,7 +16,7 @@
 #   CALL=4  vLLM's own server started again on its caches (its warm start)
 # What comes back (at most 8 files): serve_bench_before.json, serve_bench_after.json, and loop.tgz
 # (traffic_loop.sh's files: the traffic, reports, plots, the re-tuned config, its comparison; the
-# server logs), refreshed every 20 s, since a call can be taken back; pytest_gpu.txt (CALL=3).
+# server logs), refreshed every 20 s, since a call can be taken back; pytest_gpu.txt (CALL=2).
 source bench/tools/serve-call.sh
 FINAL=$OUT
 L=/tmp/loop; mkdir -p $L/before $L/after $L/out
@@ -34,11 +34,10 @@ case ${CALL:-1} in
      # file lock per module, so the server waits for a module being built and never builds it
      # twice. On a fresh H100 the server alone built them one after another inside its start
      # (326.5 s to ready, 2026-12-07); `mla-tune prebuild` builds the three at once in ~162 s
-     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' _)
+     # (prebuild's --config default: the config the plugin loads on this GPU, the shipped one)
      mkdir -p $CACHE_ROOT/h16_tuned/flashinfer
      FLASHINFER_WORKSPACE_BASE=$CACHE_ROOT/h16_tuned/flashinfer python3 -m mla_tune prebuild \
-       --config vllm_metax/configs/device_name=$gpu.json --model deepseek-v3 --tp 8 \
-       > $L/out/prebuild.txt 2>&1 &
+       --model deepseek-v3 --tp 8 > $L/out/prebuild.txt 2>&1 &
      SERVE_S=$(( $(left) - ${TUNE_S:-150} )) PHASE=record bash bench/tools/traffic_loop.sh
      tail -4 $L/out/prebuild.txt
      save

@@ -186,15 +186,13 @@ class TrafficRecorder:
         now = self._now
 
         def handler(signum, frame):
-            now.set()
-            if callable(before):
-                return before(signum, frame)
             if before == signal.SIG_DFL:     # terminate as the default would, after the flush
-                now.clear()
                 self.flush(timeout=1.0)
                 signal.signal(signum, signal.SIG_DFL)
                 os.kill(os.getpid(), signum)
-            return None                      # SIG_IGN: ignored, as before
+                return None
+            now.set()
+            return before(signum, frame) if callable(before) else None   # SIG_IGN: ignored
         return handler
 
     def close(self) -> None:
